@@ -1,0 +1,318 @@
+"""The SQLite run store: schema, incremental reads, writer status, resume, bad databases."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from hooks.runstore import (
+    APPLICATION_ID,
+    MetricRow,
+    RunExistsError,
+    RunNotFoundError,
+    RunStore,
+    RunStoreError,
+    WriterBusyError,
+    checkpoint_dir,
+    default_db_path,
+    validate_run_name,
+)
+
+
+@pytest.fixture
+def db(tmp_path):
+    return tmp_path / "runs" / "mdb.sqlite"
+
+
+def _metric(step, loss):
+    return {
+        "step": step,
+        "ce": loss,
+        "aux": 0.01,
+        "total": loss + 0.01,
+        "grad_norm": 2.0 * step,
+        "lr": 3e-3,
+        "step_time": 0.01,
+        "tokens_per_s": 6400.0,
+        "steps_per_s": 100.0,
+        "expert_load": [[0.25, 0.25, 0.5, 0.0], [0.1, 0.2, 0.3, 0.4]],
+    }
+
+
+def test_create_write_and_read_back(db):
+    with RunStore(db, create=True) as store:
+        w = store.create_run("r1", {"hidden_size": 16, "lr": 3e-3}, total_steps=10)
+        for s in range(1, 6):
+            w.log_step(_metric(s, 1.0 / s), sample=("人工", f"text{s}") if s % 2 else None)
+        w.log_step({"step": 6, "ce": 0.1}, internals={"forward": [{"module": "m", "mean": 1.5}]})
+
+    with RunStore(db) as reader:
+        (run,) = reader.runs()
+        assert run.name == "r1" and run.status == "running" and run.last_step == 6
+        assert run.config == {"hidden_size": 16, "lr": 3e-3}
+        assert run.pid == os.getpid() and run.total_steps == 10
+        rows = reader.metrics(run.id)
+        assert [r.step for r in rows] == [1, 2, 3, 4, 5, 6]
+        assert rows[2].ce == pytest.approx(1.0 / 3) and rows[2].total == pytest.approx(1 / 3 + 0.01)
+        assert rows[2].grad_norm == 6.0 and rows[2].expert_load[1] == [0.1, 0.2, 0.3, 0.4]
+        assert rows[5].expert_load is None and rows[5].aux is None
+        # incremental: each step exactly once
+        assert [r.step for r in reader.metrics(run.id, after_step=4)] == [5, 6]
+        assert reader.metrics(run.id, after_step=6) == []
+        assert [r.step for r in reader.metrics(run.id, after_step=0, limit=2)] == [1, 2]
+        assert [(s.step, s.prompt, s.text) for s in reader.samples(run.id)] == [
+            (1, "人工", "text1"),
+            (3, "人工", "text3"),
+            (5, "人工", "text5"),
+        ]
+        assert reader.internals_steps(run.id) == [6]
+        assert reader.internals(run.id, 6) == {"forward": [{"module": "m", "mean": 1.5}]}
+        assert reader.internals(run.id, 5) is None
+        assert reader.integrity_check() == "ok"
+        assert reader.connection.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert reader.connection.execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID
+
+
+def test_nan_is_stored_as_null_and_inf_round_trips(db):
+    with RunStore(db, create=True) as store:
+        w = store.create_run("r", {})
+        w.log_step(MetricRow(step=1, wall=time.time(), ce=float("nan"), total=float("inf")))
+        run = store.run("r")
+        (row,) = store.metrics(run.id)
+        assert row.ce is None and math.isinf(row.total)
+        assert math.isinf(run.last_loss)
+
+
+def test_finish_statuses_and_failure_fields(db):
+    with RunStore(db, create=True) as store:
+        store.create_run("a", {}).finish("finished", reason="finished")
+        store.create_run("b", {}).finish("interrupted", reason="SIGTERM")
+        store.create_run("c", {}).finish(
+            "failed", reason="non-finite loss", fail_step=7, fail_module="model.layers.1.mlp"
+        )
+        with pytest.raises(ValueError):
+            store.create_run("d", {}).finish("running")
+        got = {r.name: r for r in store.runs()}
+        assert got["a"].writer_state() == "finished" and got["a"].ended is not None
+        assert got["b"].writer_state() == "interrupted" and got["b"].reason == "SIGTERM"
+        assert (got["c"].status, got["c"].fail_step, got["c"].fail_module) == (
+            "failed",
+            7,
+            "model.layers.1.mlp",
+        )
+        assert store.latest_run().name == "d"
+
+
+def test_writer_gone_when_pid_dead_or_heartbeat_stale(db):
+    with RunStore(db, create=True) as store:
+        store.create_run("alive", {})
+        assert store.run("alive").writer_state() == "running"
+        # A pid that certainly no longer exists: a child we started and reaped.
+        child = subprocess.Popen([sys.executable, "-c", "pass"])
+        child.wait()
+        store.create_run("dead", {})
+        store.connection.execute("UPDATE runs SET pid = ? WHERE name = 'dead'", (child.pid,))
+        dead = store.run("dead")
+        assert dead.writer_state() == "gone"
+        assert str(child.pid) in dead.gone_reason()
+        # Stale heartbeat: alive pid, but no heartbeat for longer than stale_after.
+        store.create_run("stale", {})
+        store.connection.execute(
+            "UPDATE runs SET heartbeat = ? WHERE name = 'stale'", (time.time() - 100,)
+        )
+        stale = store.run("stale")
+        assert stale.writer_state(stale_after=15) == "gone"
+        assert stale.writer_state(stale_after=1000) == "running"
+        assert "heartbeat" in stale.gone_reason(stale_after=15)
+
+
+def test_heartbeat_thread_keeps_beating(db):
+    with RunStore(db, create=True) as store:
+        w = store.create_run("hb", {})
+        store.connection.execute("UPDATE runs SET heartbeat = 0 WHERE name = 'hb'")
+        w.start_heartbeat(interval=0.05)
+        deadline = time.time() + 5
+        while store.run("hb").heartbeat == 0 and time.time() < deadline:
+            time.sleep(0.02)
+        assert store.run("hb").heartbeat > time.time() - 5
+        w.finish("finished")
+        beat = store.run("hb").heartbeat
+        time.sleep(0.2)
+        assert store.run("hb").heartbeat == beat  # thread stopped
+
+
+def test_duplicate_and_invalid_names(db):
+    with RunStore(db, create=True) as store:
+        store.create_run("x", {})
+        with pytest.raises(RunExistsError, match="already exists"):
+            store.create_run("x", {})
+        for bad in ("", "a/b", "../x", "with space", "-lead"):
+            with pytest.raises(RunStoreError, match="invalid run name"):
+                store.create_run(bad, {})
+    assert validate_run_name("overfit-2024.01_a") == "overfit-2024.01_a"
+
+
+def test_run_not_found_lists_known_runs(db):
+    with RunStore(db, create=True) as store:
+        store.create_run("known", {})
+        with pytest.raises(RunNotFoundError, match="no run named 'nope'.*known"):
+            store.run("nope")
+
+
+def test_resume_truncates_after_checkpoint_and_bumps_attempt(db, tmp_path):
+    with RunStore(db, create=True) as store:
+        w = store.create_run("r", {}, total_steps=20)
+        for s in range(1, 11):
+            w.log_step(_metric(s, 1.0 / s), internals={"s": s} if s in (4, 9) else None)
+        w.set_checkpoint(5, checkpoint_dir(db, "r"))
+        # The writer is this process: resuming must be refused while it "runs".
+        with pytest.raises(WriterBusyError, match="still being written"):
+            store.resume_run("r")
+        w.finish("interrupted", reason="SIGTERM")
+        w2 = store.resume_run("r", total_steps=30)
+        run = store.run("r")
+        assert (run.status, run.attempt, run.last_step, run.total_steps) == ("running", 2, 5, 30)
+        assert run.last_loss == pytest.approx(1 / 5 + 0.01)
+        assert run.checkpoint_path == "mdb-checkpoints/r"
+        assert [m.step for m in store.metrics(run.id)] == [1, 2, 3, 4, 5]
+        assert store.internals_steps(run.id) == [4]
+        # a watcher whose cursor was at 10 learns that the run restarted at the checkpoint
+        upd = store.poll(run.id, after_step=10)
+        assert upd.restarted and upd.metrics == [] and upd.run.checkpoint_step == 5
+        w2.log_step(_metric(6, 0.5))
+        upd = store.poll(run.id, after_step=10)
+        assert upd.restarted and [m.step for m in upd.metrics] == [6]
+
+
+def test_resume_refusals(db):
+    with RunStore(db, create=True) as store:
+        store.create_run("nockpt", {}, total_steps=5).finish("interrupted")
+        with pytest.raises(RunStoreError, match="no checkpoint"):
+            store.resume_run("nockpt")
+        w = store.create_run("done", {}, total_steps=5)
+        w.set_checkpoint(5, "/tmp/x")
+        w.finish("finished")
+        with pytest.raises(RunStoreError, match="already reached step 5 of 5"):
+            store.resume_run("done")
+        with pytest.raises(RunNotFoundError):
+            store.resume_run("missing")
+
+
+def test_bad_databases_give_one_line_errors(tmp_path):
+    missing = tmp_path / "nope.sqlite"
+    with pytest.raises(RunStoreError, match="no run database at"):
+        RunStore(missing)
+    assert not missing.exists()  # a reader never creates the file
+
+    with pytest.raises(RunStoreError, match="is a directory"):
+        RunStore(tmp_path)
+
+    garbage = tmp_path / "garbage.sqlite"
+    garbage.write_bytes(b"this is not a database at all" * 100)
+    with pytest.raises(RunStoreError, match="not an mdb run database"):
+        RunStore(garbage)
+    with pytest.raises(RunStoreError, match="not an mdb run database"):
+        RunStore(garbage, create=True)
+
+    other = tmp_path / "other.sqlite"
+    conn = sqlite3.connect(other)
+    conn.execute("CREATE TABLE users (id INTEGER, name TEXT)")
+    conn.commit()
+    conn.close()
+    for create in (False, True):
+        with pytest.raises(RunStoreError, match="something else"):
+            RunStore(other, create=create)
+
+    empty = tmp_path / "empty.sqlite"
+    empty.write_bytes(b"")
+    with pytest.raises(RunStoreError, match="empty database"):
+        RunStore(empty)
+
+    newer = tmp_path / "newer.sqlite"
+    RunStore(newer, create=True).close()
+    conn = sqlite3.connect(newer)
+    conn.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+    conn.commit()
+    conn.close()
+    with pytest.raises(RunStoreError, match="newer mdb"):
+        RunStore(newer)
+
+    for exc in (RunNotFoundError, RunExistsError, WriterBusyError):
+        assert issubclass(exc, RunStoreError)
+
+
+def test_messages_are_one_line(tmp_path):
+    garbage = tmp_path / "g.sqlite"
+    garbage.write_bytes(b"\x00" * 4096)
+    for path in (tmp_path / "nope.sqlite", garbage):
+        with pytest.raises(RunStoreError) as info:
+            RunStore(path)
+        assert "\n" not in str(info.value)
+
+
+def test_default_db_path_env():
+    assert str(default_db_path({})) == os.path.join("runs", "mdb.sqlite")
+    assert str(default_db_path({"MDB_DB": "/x/y.sqlite"})) == "/x/y.sqlite"
+    assert str(default_db_path({"MDB_DB": "  "})) == os.path.join("runs", "mdb.sqlite")
+
+
+def test_concurrent_reader_thread_sees_whole_steps_in_order(db):
+    """A reader polling while the writer writes: no lock errors, each step once, and a step's
+    internals are visible exactly when its metrics row is (one transaction)."""
+    n = 400
+    with RunStore(db, create=True) as store:
+        w = store.create_run("c", {}, total_steps=n)
+        run_id = w.run_id
+        seen: list[int] = []
+        errors: list[BaseException] = []
+        done = threading.Event()
+
+        def reader():
+            try:
+                with RunStore(db) as r:
+                    cursor = 0
+                    while True:
+                        finished = done.is_set()
+                        upd = r.poll(run_id, cursor)
+                        for m in upd.metrics:
+                            seen.append(m.step)
+                        assert set(upd.internals_steps) == {m.step for m in upd.metrics}
+                        if upd.metrics:
+                            assert upd.run.last_step >= upd.metrics[-1].step
+                        cursor = upd.last_step
+                        if finished and not upd.metrics:
+                            return
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        t = threading.Thread(target=reader)
+        t.start()
+        for s in range(1, n + 1):
+            w.log_step(_metric(s, 1.0), internals={"step": s})
+        w.finish("finished")
+        done.set()
+        t.join(30)
+        assert not errors, errors
+        assert seen == list(range(1, n + 1))
+
+
+def test_internals_json_accepts_tensor_like_values(db):
+    class FakeTensor:
+        def tolist(self):
+            return [1.0, 2.0]
+
+    with RunStore(db, create=True) as store:
+        w = store.create_run("t", {})
+        w.log_step({"step": 1, "ce": 1.0}, internals={"x": FakeTensor(), "nan": float("nan")})
+        data = store.internals(w.run_id, 1)
+        assert data["x"] == [1.0, 2.0] and math.isnan(data["nan"])
+        raw = store.connection.execute("SELECT data FROM internals").fetchone()[0]
+        assert json.loads(raw)["x"] == [1.0, 2.0]
