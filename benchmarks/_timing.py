@@ -1,0 +1,39 @@
+"""Interleaved timing shared by the benchmark scripts: both sides measured in one run."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+
+def interleaved(
+    fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 3
+) -> dict[str, list[float]]:
+    """Time each callable ``repeats`` times, alternating A, B, A, B, … (order flipped every
+    round) so that machine noise lands on both sides alike. Returns seconds per call."""
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(repeats):
+        order = names if i % 2 == 0 else names[::-1]
+        for name in order:
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def report(times: dict[str, list[float]], baseline: str) -> dict[str, float]:
+    """Print median and IQR per side and each side's median ratio to ``baseline``."""
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for name, values in times.items():
+        q = statistics.quantiles(values, n=4) if len(values) >= 4 else [min(values), 0, max(values)]
+        ratio = med[name] / med[baseline]
+        print(
+            f"{name:>28}: median {med[name] * 1e3:8.2f} ms  "
+            f"IQR [{q[0] * 1e3:.2f}, {q[2] * 1e3:.2f}] ms  ratio to {baseline}: {ratio:.3f}"
+        )
+    return med

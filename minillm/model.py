@@ -1,0 +1,367 @@
+"""The decoder-only model: pre-norm blocks of GQA attention and a SwiGLU MLP or MoE.
+
+Module names are Hugging Face's, so ``model.layers.0.self_attn.q_proj.weight`` and
+``model.layers.0.mlp.gate.weight`` mean what they mean in ``MixtralForCausalLM``.
+
+Dimension legend: B batch, T sequence, D hidden size, V vocabulary, E experts, N = B·T.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minillm.attention import KVCache, MiniLLMAttention
+from minillm.config import MiniLLMConfig
+from minillm.layers import MiniLLMRMSNorm, MiniLLMRotaryEmbedding
+from minillm.moe import MiniLLMMLP, MiniLLMSparseMoeBlock, load_balancing_loss
+
+
+@dataclass
+class MiniLLMOutput:
+    """What :meth:`MiniLLM.forward` returns.
+
+    Attributes:
+        logits: (B, T, V) next-token logits.
+        loss: ce_loss + aux_loss (scalar) when labels were given, else None.
+        ce_loss: mean cross-entropy over the shifted, non-ignored labels (nats), or None.
+        aux_loss: ``router_aux_loss_coef · Σ_layers load_balancing_loss`` (scalar; zero for
+            a dense model). Perfectly balanced routing gives coef × number of MoE layers.
+        aux_losses: (L_moe,) per-layer load-balancing losses, without the coefficient.
+        router_logits: one (N, E) tensor per MoE layer.
+        past_key_values: one (keys, values) pair per layer when ``use_cache``.
+        attentions: one (B, H, T, S) probability tensor per layer when ``output_attentions``.
+    """
+
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+    ce_loss: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    aux_losses: torch.Tensor | None = None
+    router_logits: tuple[torch.Tensor, ...] = field(default_factory=tuple)
+    past_key_values: tuple[KVCache, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+
+
+class MiniLLMDecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
+
+    Shape:
+        hidden_states (B, T, D) -> (hidden_states (B, T, D), router_logits (N, E) or None,
+        attn_weights or None, present KVCache or None).
+    """
+
+    def __init__(self, config: MiniLLMConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.input_layernorm = MiniLLMRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = MiniLLMAttention(config, layer_idx)
+        self.post_attention_layernorm = MiniLLMRMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.is_moe:
+            self.mlp: nn.Module = MiniLLMSparseMoeBlock(config)
+        else:
+            self.mlp = MiniLLMMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        past_key_value: KVCache | None = None,
+        use_cache: bool = False,
+    ):
+        attn_out, attn_weights, present = self.self_attn(
+            self.input_layernorm(hidden_states),
+            position_embeddings=position_embeddings,
+            past_key_value=past_key_value,
+            use_cache=use_cache,
+        )
+        hidden_states = hidden_states + attn_out
+        mlp_out = self.mlp(self.post_attention_layernorm(hidden_states))
+        router_logits = None
+        if isinstance(mlp_out, tuple):
+            mlp_out, router_logits = mlp_out
+        return hidden_states + mlp_out, router_logits, attn_weights, present
+
+
+class MiniLLMModel(nn.Module):
+    """Embedding, position information, the decoder layers and the final norm (no LM head).
+
+    Shape:
+        input_ids (B, T) int64 -> hidden states (B, T, D), plus per-layer extras (see
+        :meth:`MiniLLM.forward`).
+    """
+
+    def __init__(self, config: MiniLLMConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        if config.position_embedding == "learned":
+            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        else:
+            self.rotary_emb = MiniLLMRotaryEmbedding(config)
+        self.layers = nn.ModuleList(
+            MiniLLMDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = MiniLLMRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        past_key_values: tuple[KVCache, ...] | None = None,
+        use_cache: bool = False,
+    ):
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
+        b, t = input_ids.shape
+        past_len = past_key_values[0][0].shape[2] if past_key_values else 0
+        limit = self.config.max_position_embeddings
+        if past_len + t > limit:
+            raise ValueError(
+                f"sequence of {past_len + t} positions is longer than max_position_embeddings "
+                f"({limit}); use a shorter input or a config with a larger "
+                f"max_position_embeddings"
+            )
+        position_ids = torch.arange(past_len, past_len + t, device=input_ids.device)
+        position_ids = position_ids.unsqueeze(0).expand(b, t)
+        hidden_states = self.embed_tokens(input_ids)
+        position_embeddings = None
+        if self.config.position_embedding == "learned":
+            hidden_states = hidden_states + self.embed_positions(position_ids)
+        else:
+            position_embeddings = self.rotary_emb(position_ids)
+
+        router_logits, attentions, presents = [], [], []
+        for i, layer in enumerate(self.layers):
+            hidden_states, r_logits, attn_w, present = layer(
+                hidden_states,
+                position_embeddings=position_embeddings,
+                past_key_value=past_key_values[i] if past_key_values else None,
+                use_cache=use_cache,
+            )
+            if r_logits is not None:
+                router_logits.append(r_logits)
+            attentions.append(attn_w)
+            presents.append(present)
+        return self.norm(hidden_states), router_logits, attentions, presents
+
+
+class MiniLLM(nn.Module):
+    """A Llama/Mixtral-style causal language model: ``model`` (a :class:`MiniLLMModel`) and a
+    ``lm_head`` tied to the token embedding by default.
+
+    Args:
+        config: the :class:`MiniLLMConfig`; validated on construction.
+
+    Example:
+        >>> cfg = MiniLLMConfig()
+        >>> model = MiniLLM(cfg)
+        >>> out = model(torch.randint(0, 1000, (2, 64)), labels=...)
+    """
+
+    def __init__(self, config: MiniLLMConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = MiniLLMModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.init_weights()
+        if config.tie_word_embeddings:
+            self.tie_weights()
+
+    # ------------------------------------------------------------------ weights
+    def init_weights(self) -> None:
+        """Initialise every weight; makes the first loss on random tokens ≈ ln(V).
+
+        ============================  ===================  =====================================
+        weight                        init                 why
+        ============================  ===================  =====================================
+        embed_tokens, embed_positions N(0, 0.02²)          GPT-2/Llama practice. With a tied
+                                                           head, logits = norm(x)·Eᵀ have std
+                                                           ≈ 0.02·√D ≈ 0.3 at D=256, so softmax
+                                                           starts near uniform: loss ≈ ln V.
+                                                           (nn.Embedding's N(0, 1) gives std
+                                                           ≈ √D ≈ 16 and a first loss ≈ 248.)
+        every nn.Linear               N(0, 0.02²), no bias same scale for q/k/v/o, router, MLPs
+        lm_head (untied)              N(0, 0.02²)          as above
+        RMSNorm weights               1                    identity scale
+        ============================  ===================  =====================================
+
+        ``initializer_range`` in the config sets the 0.02.
+        """
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, MiniLLMRMSNorm):
+                nn.init.ones_(module.weight)
+
+    def tie_weights(self) -> None:
+        """Make ``lm_head.weight`` the same Parameter as ``model.embed_tokens.weight``."""
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def weights_tied(self) -> bool:
+        """True when the LM head and the embedding share one storage."""
+        return self.lm_head.weight.data_ptr() == self.model.embed_tokens.weight.data_ptr()
+
+    def num_parameters(self) -> int:
+        """Unique parameters (a tied weight counts once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    @classmethod
+    def from_hf(cls, hf_model: nn.Module) -> MiniLLM:
+        """Convert a HF ``LlamaForCausalLM`` or ``MixtralForCausalLM`` (see
+        :func:`minillm.convert.from_hf`)."""
+        from minillm.convert import from_hf
+
+        return from_hf(hf_model)
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        past_key_values: tuple[KVCache, ...] | None = None,
+        use_cache: bool = False,
+        output_attentions: bool = False,
+    ) -> MiniLLMOutput:
+        """Run the model.
+
+        Args:
+            input_ids: (B, T) int64 token ids in [0, V).
+            labels: optional (B, T) int64, aligned with ``input_ids`` like HF: the logits at
+                position t are scored against ``labels[:, t+1]`` (the shift happens here);
+                ``-100`` entries are ignored.
+            past_key_values: the ``past_key_values`` of an earlier call (KV cache); new
+                positions continue after the cached ones.
+            use_cache: return ``past_key_values`` for incremental decoding.
+            output_attentions: compute attention through the eager path and return the
+                probabilities (B, H, T, S) per layer.
+
+        Returns:
+            A :class:`MiniLLMOutput`.
+
+        Raises:
+            ValueError: input_ids not 2-D, or more positions than ``max_position_embeddings``.
+        """
+        attn_modules = []
+        if output_attentions:
+            for layer in self.model.layers:
+                if not layer.self_attn.return_attn_weights:
+                    layer.self_attn.return_attn_weights = True
+                    attn_modules.append(layer.self_attn)
+        try:
+            hidden, router_logits, attentions, presents = self.model(
+                input_ids, past_key_values=past_key_values, use_cache=use_cache
+            )
+        finally:
+            for m in attn_modules:
+                m.return_attn_weights = False
+        logits = self.lm_head(hidden)
+
+        cfg = self.config
+        if router_logits:
+            aux_losses = torch.stack(
+                [
+                    load_balancing_loss(r, cfg.num_local_experts, cfg.num_experts_per_tok)
+                    for r in router_logits
+                ]
+            )
+            aux_loss = cfg.router_aux_loss_coef * aux_losses.sum()
+        else:
+            aux_losses = logits.new_zeros(0, dtype=torch.float32)
+            aux_loss = logits.new_zeros((), dtype=torch.float32)
+
+        ce_loss = loss = None
+        if labels is not None:
+            ce_loss = F.cross_entropy(
+                logits[:, :-1, :].reshape(-1, logits.shape[-1]).float(),
+                labels[:, 1:].reshape(-1),
+                ignore_index=-100,
+            )
+            loss = ce_loss + aux_loss
+        return MiniLLMOutput(
+            logits=logits,
+            loss=loss,
+            ce_loss=ce_loss,
+            aux_loss=aux_loss,
+            aux_losses=aux_losses,
+            router_logits=tuple(router_logits),
+            past_key_values=tuple(presents) if use_cache else None,
+            attentions=tuple(attentions) if output_attentions else None,
+        )
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        use_cache: bool = True,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Extend ``input_ids`` by ``max_new_tokens`` tokens.
+
+        ``temperature == 0`` is greedy (argmax); otherwise tokens are sampled from
+        ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely ids when
+        given. With ``use_cache`` each step feeds only the new token and reuses the KV cache;
+        the result equals full recomputation (tested).
+
+        Args:
+            input_ids: (B, T0) prompt ids.
+            max_new_tokens: number of tokens to append; the total may not exceed
+                ``max_position_embeddings``.
+            temperature: 0 for greedy, > 0 to sample.
+            top_k: keep only the k largest logits before sampling.
+            use_cache: reuse keys/values of earlier positions.
+            generator: a ``torch.Generator`` for reproducible sampling.
+
+        Returns:
+            (B, T0 + max_new_tokens) int64 ids.
+
+        Raises:
+            ValueError: the total length exceeds ``max_position_embeddings``, or a negative
+                temperature.
+        """
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        total = input_ids.shape[1] + max_new_tokens
+        if total > self.config.max_position_embeddings:
+            raise ValueError(
+                f"prompt + max_new_tokens = {total} exceeds max_position_embeddings "
+                f"({self.config.max_position_embeddings})"
+            )
+        was_training = self.training
+        self.eval()
+        try:
+            ids = input_ids
+            past = None
+            step_input = ids
+            for _ in range(max_new_tokens):
+                out = self(step_input, past_key_values=past, use_cache=use_cache)
+                next_logits = out.logits[:, -1, :].float()
+                if temperature == 0:
+                    next_id = next_logits.argmax(dim=-1, keepdim=True)
+                else:
+                    next_logits = next_logits / temperature
+                    if top_k is not None:
+                        kth = torch.topk(next_logits, min(top_k, next_logits.shape[-1])).values
+                        next_logits = next_logits.masked_fill(
+                            next_logits < kth[:, -1:], float("-inf")
+                        )
+                    probs = torch.softmax(next_logits, dim=-1)
+                    next_id = torch.multinomial(probs, 1, generator=generator)
+                ids = torch.cat((ids, next_id), dim=1)
+                if use_cache:
+                    past, step_input = out.past_key_values, next_id
+                else:
+                    step_input = ids
+            return ids
+        finally:
+            self.train(was_training)

@@ -1,0 +1,72 @@
+"""The ``mdb`` command line: one argparse parser, one module per subcommand.
+
+Each subcommand lives in ``tui/commands/<name>.py`` and defines ``HELP`` (one line),
+``add_arguments(parser)`` and ``run(args) -> int``. Command modules import torch, Textual and
+the model lazily inside ``run`` so that ``mdb --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from tui import __version__
+from tui.errors import MdbError
+
+#: Subcommand name -> module under ``tui.commands``, in the order ``mdb --help`` lists them.
+COMMANDS: dict[str, str] = {
+    "step": "step",
+    "summary": "summary",
+    "capture": "capture",
+    "overfit": "overfit",
+    "watch": "watch",
+    "runs": "runs",
+    "doctor": "doctor",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with exit code 2 and one line on stderr for bad arguments (argparse's default)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the full ``mdb`` parser with every available subcommand registered."""
+    parser = _Parser(
+        prog="mdb",
+        description="mdb: a terminal debugger for the internals of a small Llama/Mixtral-style LLM.",
+    )
+    parser.add_argument("--version", action="version", version=f"mdb {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name in COMMANDS.items():
+        try:
+            module = importlib.import_module(f"tui.commands.{module_name}")
+        except ModuleNotFoundError as exc:  # a command not built yet is simply not listed
+            if exc.name == f"tui.commands.{module_name}":
+                continue
+            raise
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``mdb`` console script; returns the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args._run(args) or 0)
+    except MdbError as exc:
+        print(f"mdb: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("mdb: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
