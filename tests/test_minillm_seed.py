@@ -54,14 +54,16 @@ def test_c_overfit_seed_sentence():
     model = MiniLLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     data = torch.tensor([tok.encode(text)])
-    first_ce = None
-    for _ in range(300):
+    ce = []
+    for _ in range(300):  # "within 300 steps": stop as soon as the claim holds
         out = model(data, labels=data)
+        ce.append(out.ce_loss.item())
+        if ce[-1] < 0.05:
+            break
         opt.zero_grad()
         out.loss.backward()
         opt.step()
-        first_ce = first_ce if first_ce is not None else out.ce_loss.item()
-    assert abs(first_ce - math.log(tok.vocab_size)) < 0.3
-    assert out.ce_loss.item() < 0.05
+    assert abs(ce[0] - math.log(tok.vocab_size)) < 0.3
+    assert ce[-1] < 0.05, f"cross-entropy {ce[-1]:.4f} after {len(ce)} steps"
     # The total floors at the aux loss: ~coef per MoE layer when balanced (NOTES #2).
     assert 0.5 * 0.01 * 4 < out.aux_loss.item() < 0.01 * 4 * 4
