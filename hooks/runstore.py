@@ -693,6 +693,13 @@ class RunStore:
             params += (int(limit),)
         return [_metric_from_row(r) for r in self.connection.execute(sql, params)]
 
+    def last_metrics(self, run_id: int) -> MetricRow | None:
+        """The metric row of the run's last written step, or ``None`` before the first."""
+        row = self.connection.execute(
+            "SELECT * FROM metrics WHERE run_id = ? ORDER BY step DESC LIMIT 1", (run_id,)
+        ).fetchone()
+        return _metric_from_row(row) if row is not None else None
+
     def samples(self, run_id: int, after_step: int = 0) -> list[SampleRow]:
         """Greedy continuations recorded during the run with ``step > after_step``."""
         rows = self.connection.execute(

@@ -1,0 +1,458 @@
+"""``mdb overfit``: memorise a short text (seed 000's test C) as a recorded, resumable run.
+
+Every run is written to the run store (``--db``, ``$MDB_DB``, default ``./runs/mdb.sqlite``) step
+by step, so ``mdb watch`` in another terminal (or after an SSH reconnect) sees all of it, and
+``mdb runs`` lists it. SIGINT, SIGTERM and SIGHUP stop the run after the current step, write a
+checkpoint, mark it interrupted and exit 130 / 143 / 129; ``mdb overfit --resume RUN`` continues.
+
+This module builds the session (:func:`build_session`) and runs it headless
+(:func:`run_headless`); the live screen reuses :func:`build_session`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+from tui.errors import MdbError
+
+HELP = (
+    "memorise a short text (seed 000's test C) as a recorded run; watch it with `mdb watch` "
+    "(the live screen is not wired yet: without --headless it also runs headless)"
+)
+
+#: Exit status of a run that failed (non-finite loss or gradient).
+EXIT_FAILED = 1
+
+_DEFAULTS: dict[str, Any] = {
+    "preset": "seed-test-c",
+    "steps": 300,
+    "lr": 3e-3,
+    "batch_size": 1,
+    "seed": 0,
+    "every": 50,
+    "sample_every": 25,
+    "checkpoint_every": 0,
+}
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or a positive integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value > 0 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``mdb overfit``."""
+    g = parser.add_argument_group("what to train")
+    g.add_argument("--text", metavar="FILE", default=None,
+                   help="UTF-8 text to memorise (default: samples/overfit_zh.txt, the sentence "
+                        "人工智能正在改变世界。 x6); one trailing newline is dropped")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--preset", default=None,
+                     help="a named minillm config (default: seed-test-c: D=128, 4 layers, 4 heads, "
+                          "1 KV head, 4 experts, top-2); vocab_size becomes the text's "
+                          "character count")
+    src.add_argument("--config", metavar="FILE.toml", default=None,
+                     help="a minillm config as TOML (see samples/presets/)")
+    g.add_argument("--steps", type=_positive_int, default=None,
+                   help="total training steps (default 300; with --resume: a new total)")
+    g.add_argument("--lr", type=_positive_float, default=None,
+                   help="AdamW learning rate, constant (default 3e-3)")
+    g.add_argument("--seq-len", type=_positive_int, default=None,
+                   help="tokens per sequence (default: the whole text); shorter windows are "
+                        "drawn at seeded random offsets each step")
+    g.add_argument("--batch-size", type=_positive_int, default=None,
+                   help="sequences per step (default 1)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="seed of the weights and the window offsets (default 0)")
+    r = parser.add_argument_group("recording")
+    r.add_argument("--run", metavar="NAME", default=None,
+                   help="run name (default overfit-YYYYmmdd-HHMMSS)")
+    r.add_argument("--db", metavar="PATH", default=None,
+                   help="run database (default $MDB_DB, else ./runs/mdb.sqlite); checkpoints go "
+                        "beside it in <db-name>-checkpoints/<run>/")
+    r.add_argument("--every", type=_nonneg_int, default=None,
+                   help="record the internals (hooks statistics) every N steps; 0 = never "
+                        "(default 50)")
+    r.add_argument("--sample-every", type=_nonneg_int, default=None,
+                   help="greedy continuation of the text's beginning every N steps; 0 = never "
+                        "(default 25)")
+    r.add_argument("--checkpoint-every", type=_nonneg_int, default=None,
+                   help="also checkpoint every N steps (default 0: at the end and on "
+                        "interruption only); lets a run killed with -9 resume")
+    r.add_argument("--resume", metavar="RUN", default=None,
+                   help="continue an interrupted run from its checkpoint (takes only --steps, "
+                        "--db, --headless, --threads)")
+    x = parser.add_argument_group("running")
+    x.add_argument("--headless", action="store_true",
+                   help="no UI: one progress line on a terminal, plain lines otherwise (for "
+                        "nohup, tmux, batch jobs). Until the live screen exists every run is "
+                        "headless")
+    x.add_argument("--threads", type=_positive_int, default=1,
+                   help="torch CPU threads (default 1: small models train fastest on one)")
+    x.add_argument("--heartbeat", type=_positive_float, default=1.0, help=argparse.SUPPRESS)
+    x.add_argument("--debug-nan-at", type=_positive_int, default=None, metavar="STEP",
+                   help=argparse.SUPPRESS)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _open_store(args: argparse.Namespace, *, create: bool):
+    from hooks.runstore import RunStore, RunStoreError, default_db_path
+
+    path = args.db if args.db else default_db_path()
+    try:
+        return RunStore(path, create=create)
+    except RunStoreError as exc:
+        raise MdbError(str(exc)) from None
+
+
+def _default_run_name(store) -> str:
+    base = time.strftime("overfit-%Y%m%d-%H%M%S")
+    names = {r.name for r in store.runs()}
+    name, i = base, 2
+    while name in names:
+        name, i = f"{base}-{i}", i + 1
+    return name
+
+
+def _options_from_args(args: argparse.Namespace):
+    from hooks.training import OverfitOptions, default_overfit_text
+    from tui.commands._common import load_config, read_text, samples_dir
+
+    if args.text:
+        text, source = read_text(args.text), str(args.text)
+    else:
+        path = samples_dir() / "overfit_zh.txt"
+        if path.exists():
+            text, source = read_text(path), "samples/overfit_zh.txt"
+        else:
+            text, source = default_overfit_text()
+    if text.endswith("\n"):
+        text = text[:-1]
+        if text.endswith("\r"):
+            text = text[:-1]
+    if args.config is None and args.preset is None:
+        args.preset = _DEFAULTS["preset"]
+    config = load_config(args)
+    d = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in _DEFAULTS.items()}
+    return OverfitOptions(
+        text=text,
+        text_source=source,
+        model_config=config.to_dict(),
+        preset=None if args.config else args.preset,
+        steps=d["steps"],
+        lr=d["lr"],
+        seq_len=args.seq_len,
+        batch_size=d["batch_size"],
+        seed=d["seed"],
+        every=d["every"],
+        sample_every=d["sample_every"],
+        checkpoint_every=d["checkpoint_every"],
+    )
+
+
+def build_session(args: argparse.Namespace, control=None):
+    """The :class:`hooks.training.OverfitSession` the options describe (new or resumed).
+
+    Args:
+        args: Parsed ``mdb overfit`` options.
+        control: A :class:`hooks.training.TrainControl` to use (e.g. one whose signal handlers
+            are already installed), or ``None`` for a fresh one.
+
+    Raises:
+        MdbError: Any bad option, database or run (one line).
+    """
+    import torch
+
+    from hooks.runstore import RunStoreError
+    from hooks.training import OverfitSession
+
+    torch.set_num_threads(args.threads)
+    if args.resume:
+        given = [
+            f"--{k.replace('_', '-')}"
+            for k in ("text", "preset", "config", "lr", "seq_len", "batch_size", "seed", "run",
+                      "every", "sample_every", "checkpoint_every")
+            if getattr(args, k) is not None
+        ]
+        if given:
+            raise MdbError(
+                f"--resume continues a run with its own settings; drop {', '.join(given)}"
+            )
+        store = _open_store(args, create=False)
+        try:
+            session = OverfitSession.resume(store, args.resume, steps=args.steps)
+        except RunStoreError as exc:
+            store.close()
+            raise MdbError(str(exc)) from None
+        except (ValueError, FileNotFoundError) as exc:
+            store.close()
+            raise MdbError(f"cannot resume {args.resume!r}: {exc}") from None
+    else:
+        options = _options_from_args(args)
+        store = _open_store(args, create=True)
+        name = args.run or _default_run_name(store)
+        try:
+            session = OverfitSession.create(store, name, options)
+        except RunStoreError as exc:
+            store.close()
+            raise MdbError(str(exc)) from None
+        except ValueError as exc:
+            store.close()
+            raise MdbError(str(exc)) from None
+    if control is not None:
+        session.control = control
+    if args.debug_nan_at is not None:
+        _arm_nan(session, args.debug_nan_at)
+    return session
+
+
+def _arm_nan(session, step: int) -> None:
+    """Testing aid (hidden ``--debug-nan-at``): poison a weight so step ``step`` is non-finite."""
+    import torch
+
+    layer = session.model.model.layers[-1].self_attn.v_proj
+    trainer = session.trainer
+    original = trainer.batch
+
+    def batch(s: int):
+        if s == step:
+            with torch.no_grad():
+                layer.weight[0, 0] = float("nan")
+        return original(s) if callable(original) else original
+
+    trainer.batch = batch
+
+
+# ---------------------------------------------------------------------------------------------
+# Headless output
+# ---------------------------------------------------------------------------------------------
+
+
+class _SafeStream:
+    """A text stream that survives its terminal going away (SIGHUP): on the first write error
+    it points fds 1 and 2 at /dev/null and drops all further output, so neither this process's
+    output nor Python's exit-time flush fails."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.broken = False
+
+    def write(self, s: str) -> int:
+        if self.broken:
+            return len(s)
+        try:
+            n = self.stream.write(s)
+            return n if n is not None else len(s)
+        except (OSError, ValueError):
+            self._break()
+            return len(s)
+
+    def flush(self) -> None:
+        if self.broken:
+            return
+        try:
+            self.stream.flush()
+        except (OSError, ValueError):
+            self._break()
+
+    def isatty(self) -> bool:
+        try:
+            return self.stream.isatty()
+        except (OSError, ValueError):
+            return False
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self.stream, "encoding", "utf-8") or "utf-8"
+
+    def _break(self) -> None:
+        self.broken = True
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            os.close(devnull)
+        except OSError:
+            pass
+
+
+def _fmt(x: float | None, spec: str = ".4f") -> str:
+    return "nan" if x is None else format(x, spec)
+
+
+class _Reporter:
+    """Progress output of a headless run: a Rich progress line on a terminal, else plain lines
+    (every ~5 % of the run or 10 s, plus samples and the end)."""
+
+    def __init__(self, session, stream=None):
+        self.session = session
+        self.out = _SafeStream(stream or sys.stdout)
+        self.total = session.trainer.total_steps
+        self.start_step = session.trainer.start_step
+        self.tty = self.out.isatty()
+        self.every = max(1, (self.total - self.start_step) // 20)
+        self.last_print = 0.0
+        self.t0 = time.perf_counter()
+        self.progress = None
+        self.sample = ""
+        self.last_metrics = None
+
+    def line(self, text: str) -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    def __enter__(self):
+        s = self.session
+        self.line(
+            f"mdb overfit: run {s.name} · {s.model.num_parameters():,} params · "
+            f"{s.ids.shape[1]} tokens of {s.options.text_source} · steps "
+            f"{self.start_step + 1}..{self.total} · db {s.store.path}"
+        )
+        if self.tty:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            console = Console(file=self.out, highlight=False)
+            self.progress = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(bar_width=24),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[stats]}"),
+                console=console,
+                auto_refresh=False,
+                transient=False,
+            )
+            self.progress.start()
+            self.task = self.progress.add_task(
+                s.name, total=self.total, completed=self.start_step, stats=""
+            )
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.progress is not None:
+            try:
+                self.progress.refresh()
+                self.progress.stop()
+            except (OSError, ValueError):
+                pass
+
+    def on_step(self, report) -> None:
+        m = report.metrics
+        self.last_metrics = m
+        if report.sample is not None:
+            self.sample = report.sample[0] + "|" + report.sample[1]
+        stats = (
+            f"ce {_fmt(m.ce)}  aux {_fmt(m.aux)}  |g| {_fmt(m.grad_norm, '.3g')}  "
+            f"{_fmt(m.steps_per_s, '.1f')} steps/s"
+        )
+        now = time.perf_counter()
+        if self.progress is not None:
+            self.progress.update(
+                self.task,
+                completed=m.step,
+                stats=stats + (f"  {self.sample[:40]}" if self.sample else ""),
+            )
+            if now - self.last_print >= 0.1 or m.step == self.total:
+                self.last_print = now
+                try:
+                    self.progress.refresh()
+                except (OSError, ValueError):
+                    pass
+            return
+        if report.sample is not None:
+            self.line(f"sample @{m.step}: {self.sample}")
+        if (
+            m.step % self.every == 0
+            or m.step == self.total
+            or m.step == self.start_step + 1
+            or now - self.last_print >= 10
+        ):
+            self.last_print = now
+            self.line(f"step {m.step}/{self.total}  {stats}")
+
+
+def run_headless(session, args: argparse.Namespace | None = None) -> int:
+    """Run ``session`` to its end with progress output; return the exit status.
+
+    Installs SIGINT/SIGTERM/SIGHUP handlers (main thread) that stop the run gracefully.
+
+    Returns:
+        0 finished; 128 + signal number when stopped by a signal (130 SIGINT, 143 SIGTERM,
+        129 SIGHUP); 130 when stopped otherwise; :data:`EXIT_FAILED` (1) when a non-finite
+        value appeared.
+    """
+    from hooks.training import install_stop_signals, signal_exit_code
+
+    restore = install_stop_signals(session.control)
+    reporter = _Reporter(session)
+    heartbeat = getattr(args, "heartbeat", 1.0) if args is not None else 1.0
+    try:
+        with reporter:
+            result = session.run(on_step=reporter.on_step, heartbeat_interval=heartbeat)
+    finally:
+        restore()
+        session.store.close()
+    name = session.name
+    m = reporter.last_metrics
+    loss = f", ce {_fmt(m.ce)}" if m is not None else ""
+    if result.status == "finished":
+        reporter.line(f"run {name} finished: step {result.last_step}/{session.trainer.total_steps}"
+                      f"{loss}; checkpoint in {session.checkpoint_path}")
+        return 0
+    if result.status == "failed":
+        reporter.line(f"run {name} failed: {result.reason}")
+        return EXIT_FAILED
+    reporter.line(
+        f"run {name} interrupted ({result.reason}) after step {result.last_step}{loss}; "
+        f"checkpoint written; continue with: mdb overfit --resume {name}"
+        + (f" --db {args.db}" if args is not None and args.db else "")
+    )
+    return signal_exit_code(result.reason) or 130
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``mdb overfit``."""
+    from hooks.training import TrainControl, install_stop_signals
+
+    control = TrainControl()
+    # Signals arriving while the model is built stop the run before its first step.
+    restore = install_stop_signals(control)
+    try:
+        session = build_session(args, control=control)
+    finally:
+        restore()
+    return run_headless(session, args)
