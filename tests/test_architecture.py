@@ -1,0 +1,37 @@
+"""The core packages stay free of the UI: importing them loads no textual, rich or tui."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize("package", ["minillm", "hooks"])
+def test_core_does_not_import_ui(package):
+    code = (
+        "import sys, pkgutil, importlib\n"
+        f"import {package}\n"
+        f"for m in pkgutil.walk_packages({package}.__path__, '{package}.'):\n"
+        "    importlib.import_module(m.name)\n"
+        "bad = sorted(n for n in sys.modules if n.split('.')[0] in ('textual', 'rich', 'tui'))\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"{package} pulled in: {out.stdout.strip()}"
+
+
+def test_cli_help_is_fast_and_imports_no_torch():
+    code = (
+        "import sys, contextlib, io\n"
+        "from tui.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    try:\n"
+        "        main(['--help'])\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
