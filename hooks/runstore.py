@@ -334,7 +334,9 @@ class RunInfo:
         beat = self.heartbeat if self.heartbeat is not None else self.started
         return now - beat <= stale_after
 
-    def gone_reason(self, now: float | None = None, stale_after: float = DEFAULT_STALE_AFTER) -> str:
+    def gone_reason(
+        self, now: float | None = None, stale_after: float = DEFAULT_STALE_AFTER
+    ) -> str:
         """One line saying why the writer counts as gone, or ``""`` if it does not."""
         if self.writer_state(now, stale_after) != "gone":
             return ""
@@ -342,7 +344,10 @@ class RunInfo:
         if self.host == socket.gethostname() and not pid_alive(self.pid):
             return f"writer gone: process {self.pid} on {self.host} no longer exists"
         beat = self.heartbeat if self.heartbeat is not None else self.started
-        return f"writer gone: no heartbeat from pid {self.pid} on {self.host} for {now - beat:.0f} s"
+        return (
+            f"writer gone: no heartbeat from pid {self.pid} on {self.host} for "
+            f"{now - beat:.0f} s"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The run as a JSON-serialisable dict."""
@@ -833,8 +838,8 @@ class RunStore:
             ).fetchone()
             now = time.time()
             conn.execute(
-                "UPDATE runs SET status = 'running', pid = ?, host = ?, heartbeat = ?, ended = NULL,"
-                " reason = NULL, fail_step = NULL, fail_module = NULL, paused = 0,"
+                "UPDATE runs SET status = 'running', pid = ?, host = ?, heartbeat = ?,"
+                " ended = NULL, reason = NULL, fail_step = NULL, fail_module = NULL, paused = 0,"
                 " last_step = ?, last_loss = ?, total_steps = ?, attempt = attempt + 1"
                 " WHERE id = ?",
                 (
@@ -931,7 +936,8 @@ class RunWriter:
                 )
             if extras_s:
                 conn.executemany(
-                    "INSERT OR REPLACE INTO samples (run_id, step, prompt, text) VALUES (?, ?, ?, ?)",
+                    "INSERT OR REPLACE INTO samples (run_id, step, prompt, text)"
+                    " VALUES (?, ?, ?, ?)",
                     extras_s,
                 )
             conn.execute(

@@ -17,8 +17,8 @@ Two layers:
 
 Checkpoint layout (a directory, written to ``<dir>.tmp`` and renamed into place)::
 
-    model.safetensors      model state (shared/tied tensors stored once, safetensors.torch.save_model)
-    optimizer.safetensors  every tensor of optimizer.state_dict()["state"], key "<param index>.<name>"
+    model.safetensors      model state (tied tensors stored once: safetensors.torch.save_model)
+    optimizer.safetensors  each tensor of optimizer.state_dict()["state"], key "<param idx>.<name>"
     checkpoint.json        step, seed, RNG state (hex), optimizer param_groups and non-tensor
                            state values, and any caller-supplied fields
 
@@ -574,7 +574,6 @@ class Trainer:
                 group["lr"] = lr
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        trace = None
         with _maybe_capture(model, step) if capture else contextlib.nullcontext() as trace:
             out = model(**batch)
             loss = out.loss

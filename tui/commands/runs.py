@@ -72,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(highlight=False, soft_wrap=not sys.stdout.isatty())
+    # Piped output (scripts, logs) gets wide rows rather than cells wrapped at 80 columns.
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
     if not runs:
         console.print(f"no runs in {path}")
         return 0
