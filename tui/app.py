@@ -1,0 +1,115 @@
+"""``MdbApp``: the Textual app behind ``mdb step``, and the factories the CLI and tests share.
+
+Two ways in:
+
+* :func:`make_step_app` — a trace already in memory (tests, ``mdb step --trace``, embedding);
+* :func:`make_loading_app` — a function that produces the trace (``mdb step``): the app paints a
+  loading screen at once and runs the function in a thread worker (importing torch, building the
+  model and capturing the step take most of the start-up time). If it raises
+  :class:`tui.errors.MdbError`, the app exits with code 2 and keeps the message in
+  :attr:`MdbApp.error` for the CLI to print after the terminal is restored.
+
+Importing this module does not import torch; screens import ``hooks`` lazily.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from textual import work
+from textual.app import App
+
+from tui import messages
+from tui.errors import MdbError
+
+
+class MdbApp(App[int]):
+    """The step-through debugger.
+
+    Args:
+        trace: a :class:`hooks.Trace` to open, or None when ``loader`` provides it.
+        loader: called in a thread worker to produce the trace (when ``trace`` is None).
+        loading_text: what the loading screen says while ``loader`` runs.
+        doctor_results: ``hooks.checks`` results for the ``d`` view, or None.
+        exit_after_paint: exit as soon as the step view is painted (start-up benchmark);
+            also set by the environment variable ``MDB_EXIT_AFTER_PAINT=1``.
+    """
+
+    CSS_PATH = "app.tcss"
+    TITLE = "mdb"
+    ENABLE_COMMAND_PALETTE = False
+
+    def __init__(self, trace=None, *, loader: Callable[[], object] | None = None,
+                 loading_text: str = "capturing one forward and backward pass…",
+                 doctor_results=None, exit_after_paint: bool | None = None) -> None:
+        super().__init__()
+        if trace is None and loader is None:
+            raise ValueError("MdbApp needs a trace or a loader")
+        self.trace = trace
+        self.loader = loader
+        self.loading_text = loading_text
+        self.doctor_results = doctor_results
+        if exit_after_paint is None:
+            exit_after_paint = os.environ.get("MDB_EXIT_AFTER_PAINT") == "1"
+        self.exit_after_paint = exit_after_paint
+        self.error: str | None = None
+
+    def on_mount(self) -> None:
+        if self.trace is not None:
+            self._open(self.trace)
+            return
+        from tui.screens.loading import LoadingScreen
+
+        self.push_screen(LoadingScreen(self.loading_text))
+        self.call_after_refresh(self._load)
+
+    def _open(self, trace) -> None:
+        from tui.screens.step import StepScreen
+
+        self.trace = trace
+        screen = StepScreen(trace, doctor_results=self.doctor_results)
+        if len(self.screen_stack) > 1:
+            self.switch_screen(screen)
+        else:
+            self.push_screen(screen)
+
+    @work(thread=True, exclusive=True, exit_on_error=False, group="load",
+          description="capture the step")
+    def _load(self) -> None:
+        try:
+            trace = self.loader()
+        except MdbError as exc:
+            self.post_message(messages.LoadFailed(str(exc), 2))
+        except Exception as exc:  # the user's model may raise anything: one line, no traceback
+            self.post_message(messages.LoadFailed(f"{type(exc).__name__}: {exc}", 1))
+        else:
+            self.post_message(messages.TraceReady(trace))
+
+    def on_trace_ready(self, message: messages.TraceReady) -> None:
+        self._open(message.trace)
+
+    def on_load_failed(self, message: messages.LoadFailed) -> None:
+        self.error = message.error
+        self.exit(return_code=message.exit_code)
+
+    def on_jump_to_module(self, message: messages.JumpToModule) -> None:
+        """A screen (e.g. the doctor) asked to open a module: hand it to the step screen."""
+        from tui.screens.step import StepScreen
+
+        for screen in reversed(self.screen_stack):
+            if isinstance(screen, StepScreen):
+                screen.on_jump_to_module(message)
+                return
+
+
+def make_step_app(trace, *, doctor_results=None, exit_after_paint: bool | None = None) -> MdbApp:
+    """The app for a trace in memory (shared by ``mdb step --trace``, tests and benchmarks)."""
+    return MdbApp(trace, doctor_results=doctor_results, exit_after_paint=exit_after_paint)
+
+
+def make_loading_app(loader: Callable[[], object], *, loading_text: str | None = None,
+                     doctor_results=None) -> MdbApp:
+    """The app that paints a loading screen and runs ``loader()`` in a worker for the trace."""
+    kwargs = {"loading_text": loading_text} if loading_text else {}
+    return MdbApp(loader=loader, doctor_results=doctor_results, **kwargs)

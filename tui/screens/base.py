@@ -1,0 +1,60 @@
+"""``MdbScreen``: what every full-screen mdb view shares.
+
+* Below 80×24 the view is replaced by one centred line, "terminal too small (WxH), need 80×24",
+  and comes back as soon as the terminal is large enough again (checked on mount, on resize and
+  when the screen becomes current again).
+* A one-line ``#hint`` area above the footer for messages such as "already at the last call"
+  (instead of toasts, which would cover the view at 80×24).
+"""
+
+from __future__ import annotations
+
+from textual.screen import Screen
+from textual.widgets import Static
+
+MIN_WIDTH = 80
+MIN_HEIGHT = 24
+
+
+def key_label(key: str) -> str:
+    """How a Textual key name is written for a person (``right`` → ``→``, ``slash`` → ``/``)."""
+    names = {
+        "right": "→", "left": "←", "up": "↑", "down": "↓", "pagedown": "PgDn",
+        "pageup": "PgUp", "slash": "/", "question_mark": "?", "escape": "Esc",
+        "left_square_bracket": "[", "right_square_bracket": "]", "enter": "Enter",
+        "home": "Home", "end": "End", "tab": "Tab", "minus": "-", "plus": "+",
+        "full_stop": ".", "comma": ",",
+    }  # fmt: skip
+    return names.get(key, key)
+
+
+class MdbScreen(Screen):
+    """Base of mdb's full-screen views (too-small guard and hint line)."""
+
+    def on_mount(self) -> None:
+        self.mount(Static("", id="too-small"))
+        self.check_size()
+
+    def on_resize(self) -> None:
+        self.check_size()
+
+    def on_screen_resume(self) -> None:
+        self.check_size()
+
+    def check_size(self) -> bool:
+        """Show the too-small message when the terminal is under 80×24; True if it fits."""
+        width, height = self.app.size
+        small = width < MIN_WIDTH or height < MIN_HEIGHT
+        self.set_class(small, "-too-small")
+        if small:
+            for w in self.query("#too-small"):
+                w.update(
+                    f"terminal too small ({width}×{height}), need {MIN_WIDTH}×{MIN_HEIGHT}\n"
+                    "enlarge the window · q quits"
+                )
+        return not small
+
+    def hint(self, text: str) -> None:
+        """Show ``text`` in the hint line above the footer (empty string clears it)."""
+        for w in self.query("#hint"):
+            w.update(text)

@@ -1,0 +1,116 @@
+"""``GradientsScreen``: every parameter's gradient norm as a bar, its ‖g‖/‖w‖ and a verdict.
+
+One row per :class:`hooks.ParamGradRecord` (tied parameters once, under their first name), in
+the model's order, with its decoder layer. Bars are on a log scale between the smallest and the
+largest non-zero finite gradient norm of the model, so layers that differ by orders of magnitude
+stay comparable. Verdicts (``✓ ok``, ``▼ vanishing``, ``▲ exploding``, ``✗ NaN/Inf``,
+``∅ None``...) follow :func:`tui.widgets.verdicts.param_verdict`. Enter on a row opens the step
+view at the module that owns the parameter.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from textual.binding import Binding
+from textual.widgets import DataTable, Footer, Static
+
+from tui.screens.view import VIEW_BINDINGS, ViewScreen
+from tui.widgets import fmt
+from tui.widgets.verdicts import param_verdict
+
+BAR_WIDTH = 10
+
+
+def log_fraction(value: float | None, lo: float, hi: float) -> float:
+    """Where ``value`` sits between ``lo`` and ``hi`` on a log10 scale, in [0, 1]."""
+    if value is None or not math.isfinite(value) or value <= 0:
+        return 0.0
+    if hi <= lo:
+        return 1.0
+    return (math.log10(value) - math.log10(lo)) / (math.log10(hi) - math.log10(lo))
+
+
+def short_name(name: str) -> tuple[str, str]:
+    """``("1", "mlp.gate.weight")`` for ``model.layers.1.mlp.gate.weight``; ``("—", ...)``
+    outside the decoder layers (``model.`` stripped)."""
+    from hooks.records import layer_of
+
+    layer = layer_of(name)
+    if layer is None:
+        return "—", name.removeprefix("model.")
+    marker = f".{layer}."
+    return str(layer), name.split(marker, 1)[1] if marker in name else name
+
+
+class GradientsScreen(ViewScreen):
+    """All parameter gradients of the trace, with a summary of the verdicts."""
+
+    VIEW = "gradients"
+    BINDINGS = [
+        Binding("j", "cursor(1)", "down", show=False, id="gradients.down"),
+        Binding("k", "cursor(-1)", "up", show=False, id="gradients.up"),
+        Binding("f", "next_flagged", "next flagged", key_display="f", id="gradients.flagged"),
+        *VIEW_BINDINGS,
+    ]
+
+    def compose(self):
+        yield Static("", id="title", markup=False)
+        yield Static("", id="grad-summary", markup=False)
+        yield DataTable(id="grads", cursor_type="row", zebra_stripes=True)
+        yield Static("", id="hint", markup=False)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        params = list(self.trace.params.values())
+        self.verdicts = {p.name: param_verdict(p) for p in params}
+        table = self.query_one("#grads", DataTable)
+        for label, key in (("L", "layer"), ("parameter", "name"), ("‖g‖", "norm"),
+                           ("log bar", "bar"), ("‖g‖/‖w‖", "ratio"), ("", "flag")):
+            table.add_column(label, key=key)
+        norms = [p.grad_norm for p in params
+                 if p.grad_norm is not None and math.isfinite(p.grad_norm) and p.grad_norm > 0]
+        lo, hi = (min(norms), max(norms)) if norms else (1.0, 1.0)
+        for p in params:
+            layer, name = short_name(p.name)
+            frac = log_fraction(p.grad_norm, lo, hi)
+            frac = 0.1 + 0.9 * frac if p.grad_norm and math.isfinite(p.grad_norm) else 0.0
+            table.add_row(
+                layer, name, fmt.sci(p.grad_norm), fmt.bar(frac, BAR_WIDTH), fmt.sci(p.ratio),
+                fmt.flag(self.verdicts[p.name]), key=p.name,
+            )  # fmt: skip
+        counts = Counter(self.verdicts.values())
+        total = math.sqrt(sum(g * g for g in norms)) if norms else None
+        self.query_one("#title", Static).update(
+            f"gradients · {len(params)} parameters · total ‖g‖ {fmt.sci(total)} · "
+            f"log bars {fmt.sci(lo)} … {fmt.sci(hi)}")
+        parts = []
+        for kind in ("ok", "vanishing", "exploding", "nan", "none", "stale", "zero", "frozen"):
+            if counts.get(kind) or kind in ("ok", "vanishing", "exploding", "nan", "none"):
+                parts.append(f"{fmt.FLAG_TEXT[kind]} {counts.get(kind, 0)}")
+        self.query_one("#grad-summary", Static).update(" · ".join(parts))
+        if not params:
+            self.hint("no parameter gradients recorded (was backward run?)")
+        table.focus()
+
+    def action_cursor(self, delta: int) -> None:
+        table = self.query_one("#grads", DataTable)
+        table.move_cursor(row=max(0, table.cursor_row + delta))
+
+    def action_next_flagged(self) -> None:
+        table = self.query_one("#grads", DataTable)
+        names = list(self.trace.params)
+        n = len(names)
+        for off in range(1, n + 1):
+            i = (table.cursor_row + off) % n
+            if self.verdicts[names[i]] != "ok":
+                table.move_cursor(row=i)
+                self.hint(f"{names[i]}: {fmt.FLAG_TEXT[self.verdicts[names[i]]]}")
+                return
+        self.hint("✓ no flagged parameter")
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        event.stop()
+        name = str(event.row_key.value)
+        self.jump_to(name.rsplit(".", 1)[0] if "." in name else "")

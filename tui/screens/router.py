@@ -1,0 +1,170 @@
+"""``RouterScreen``: what each MoE layer's router decided, token by token.
+
+For the chosen layer (one :class:`hooks.RoutingRecord`, N = B·T tokens, E experts, top-k):
+
+* per token: its position ``b:t``, its text, its k experts and their routing weights;
+* per expert: the (token, slot) assignments it received, its share of the N·k assignments
+  against the uniform share 1/E, and a flag when it takes far more than its share (at least
+  :data:`HOT_VS_UNIFORM` times 1/E; for E=8, top-2 that is half of the tokens) or gets none;
+* the layer's load-balancing loss ``E·Σ f_e P_e`` (1.0 = balanced) and the model's total
+  ``aux_loss = coef · Σ_layers``.
+"""
+
+from __future__ import annotations
+
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.widgets import DataTable, Footer, Static
+
+from tui.screens.view import VIEW_BINDINGS, ViewScreen
+from tui.widgets import fmt
+
+#: An expert whose share of the N·k assignments is at least this many times the uniform share
+#: 1/E is flagged "hot" (for E=8, top-2: chosen by at least half of the tokens).
+HOT_VS_UNIFORM = 2.0
+
+
+def expert_rows(record) -> list[dict]:
+    """Per expert of ``record``: assignments, share of N·k, share relative to uniform, flag.
+
+    Returns:
+        list[dict]: one dict per expert with keys ``expert``, ``count``, ``share`` (of N·k),
+        ``vs_uniform`` (share × E), ``token_frac`` (count / N) and ``flag`` (``hot``,
+        ``dead`` or ``ok``).
+    """
+    counts = [int(c) for c in record.tokens_per_expert.tolist()]
+    n_tokens = int(record.top_k_ids.shape[0])
+    total = max(sum(counts), 1)
+    rows = []
+    for e, c in enumerate(counts):
+        token_frac = c / n_tokens if n_tokens else 0.0
+        vs_uniform = c / total * record.num_experts
+        kind = "dead" if c == 0 else ("hot" if vs_uniform >= HOT_VS_UNIFORM else "ok")
+        rows.append({"expert": e, "count": c, "share": c / total, "vs_uniform": vs_uniform,
+                     "token_frac": token_frac, "flag": kind})
+    return rows
+
+
+class RouterScreen(ViewScreen):
+    """Per-layer routing table, tokens per expert and the load-balancing losses."""
+
+    VIEW = "router"
+    BINDINGS = [
+        Binding("N,right_square_bracket,right,l", "layer(1)", "next layer", key_display="N",
+                id="router.next_layer"),
+        Binding("P,left_square_bracket,left,h", "layer(-1)", "prev layer", key_display="P",
+                id="router.prev_layer"),
+        Binding("tab", "app.focus_next", "switch table", show=False, id="router.focus"),
+        *VIEW_BINDINGS,
+    ]
+
+    def __init__(self, step) -> None:
+        super().__init__(step)
+        self.records = list(self.trace.routing)
+        self.position = 0
+        current = step.stepper.module or ""
+        for i, rec in enumerate(self.records):  # open at the layer the step view is in
+            if current == rec.module or current.startswith(rec.module + "."):
+                self.position = i
+
+    def compose(self):
+        yield Static("", id="title", markup=False)
+        with Horizontal(id="router-main"):
+            yield DataTable(id="tokens", cursor_type="row", zebra_stripes=True)
+            with Vertical(id="router-side"):
+                yield DataTable(id="experts", cursor_type="row")
+                yield Static("", id="router-summary")
+        yield Static("", id="hint", markup=False)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        if not self.records:
+            self.query_one("#title", Static).update(
+                "router · this model has no MoE layer (no routing was recorded)")
+            return
+        self.show_layer()
+        self.query_one("#tokens", DataTable).focus()
+
+    @property
+    def record(self):
+        return self.records[self.position] if self.records else None
+
+    def action_layer(self, delta: int) -> None:
+        if not self.records:
+            return
+        new = self.position + delta
+        if not 0 <= new < len(self.records):
+            self.hint("no more MoE layers in that direction")
+            return
+        self.position = new
+        self.hint("")
+        self.show_layer()
+
+    def show_layer(self) -> None:
+        """Fill both tables and the summary for the current MoE layer."""
+        rec = self.record
+        layer = "?" if rec.layer is None else rec.layer
+        self.query_one("#title", Static).update(
+            f"router · layer {layer} ({self.position + 1}/{len(self.records)}) · {rec.module}"
+            f" · E={rec.num_experts} top-{rec.top_k} · N={rec.top_k_ids.shape[0]} tokens"
+        )
+        self._fill_tokens(rec)
+        rows = self._fill_experts(rec)
+        self._fill_summary(rec, rows)
+
+    def _fill_tokens(self, rec) -> None:
+        table = self.query_one("#tokens", DataTable)
+        table.clear(columns=True)
+        table.add_column("b:t", key="pos")
+        table.add_column("tok", key="tok")
+        for j in range(rec.top_k):
+            table.add_column(f"e{j + 1}", key=f"e{j}")
+            table.add_column(f"w{j + 1}", key=f"w{j}")
+        tokens = self.trace.meta.get("tokens") or []
+        shape = self.trace.meta.get("input_shape") or [1, rec.top_k_ids.shape[0]]
+        seq = int(shape[-1]) if shape else rec.top_k_ids.shape[0]
+        ids = rec.top_k_ids.tolist()
+        weights = rec.top_k_weights.tolist()
+        for n, (row_ids, row_w) in enumerate(zip(ids, weights, strict=True)):
+            tok = tokens[n] if n < len(tokens) else "?"
+            cells = [f"{n // seq}:{n % seq}", tok[:6]]
+            for e, w in zip(row_ids, row_w, strict=True):
+                cells += [str(int(e)), f"{w:.2f}"]
+            table.add_row(*cells, key=str(n))
+
+    def _fill_experts(self, rec) -> list[dict]:
+        table = self.query_one("#experts", DataTable)
+        table.clear(columns=True)
+        for label, key in (("e", "expert"), ("n", "count"), ("share", "share"),
+                           ("", "bar"), ("×1/E", "vs"), ("", "flag")):
+            table.add_column(label, key=key)
+        rows = expert_rows(rec)
+        top = max((r["share"] for r in rows), default=1.0) or 1.0
+        for r in rows:
+            table.add_row(
+                str(r["expert"]), str(r["count"]), fmt.pct(r["share"]),
+                fmt.bar(r["share"] / top, 5), f"{r['vs_uniform']:.2f}",
+                fmt.flag(r["flag"]) if r["flag"] != "ok" else "", key=str(r["expert"]),
+            )
+        return rows
+
+    def _fill_summary(self, rec, rows: list[dict]) -> None:
+        meta = self.trace.meta
+        lines = [f"uniform share 1/E = {fmt.pct(1 / rec.num_experts)}",
+                 f"layer aux loss {rec.aux_loss:.4f} (1.0 = balanced)"]
+        total = meta.get("aux_loss")
+        if total is not None:
+            coef = (meta.get("config") or {}).get("router_aux_loss_coef")
+            layer_sum = sum(r.aux_loss for r in self.records)
+            extra = f" = {coef} × Σ {layer_sum:.3f}" if coef is not None else ""
+            lines.append(f"total aux_loss {fmt.sci(total)}{extra}")
+        hot = [r for r in rows if r["flag"] == "hot"]
+        dead = [r for r in rows if r["flag"] == "dead"]
+        for r in hot:
+            lines.append(f"▲ expert {r['expert']}: {fmt.pct(r['token_frac'])} of tokens, "
+                         f"{r['vs_uniform']:.1f}× its share")
+        if dead:
+            lines.append("✗ no tokens: expert " + ", ".join(str(r["expert"]) for r in dead))
+        if not hot and not dead:
+            lines.append("✓ no expert dominates or starves")
+        self.query_one("#router-summary", Static).update("\n".join(lines))

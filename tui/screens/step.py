@@ -1,0 +1,242 @@
+"""``StepScreen``: walk through one captured forward and backward pass, call by call.
+
+The step view is a screen, not an app, so any mdb app can show a trace::
+
+    from tui.screens.step import StepScreen
+    app.push_screen(StepScreen(trace, embedded=True))   # q / Esc come back to your screen
+
+``mdb step`` uses the same screen as the main screen of :class:`tui.app.MdbApp` (there ``q``
+quits). The router, attention and gradients views are pushed on top of it (``r``, ``a``, ``g``),
+``d`` shows doctor results when the caller gave some, ``?`` lists every key.
+"""
+
+from __future__ import annotations
+
+from textual import on
+from textual.binding import Binding
+from textual.containers import Horizontal
+from textual.widgets import Footer, Static, Tree
+
+from tui import messages
+from tui.screens.base import MdbScreen
+from tui.screens.stepper import Stepper
+from tui.widgets.call_details import CallDetails
+from tui.widgets.module_tree import ModuleTree
+
+
+def loss_line(meta: dict) -> str:
+    """``loss 6.94 (ce 6.90 + aux 0.0459)`` from a trace's meta, or ``""``."""
+    loss = meta.get("loss")
+    if loss is None:
+        return ""
+
+    def num(v) -> str:
+        return f"{v:.4g}" if isinstance(v, (int, float)) else str(v)
+
+    text = f"loss {num(loss)}"
+    if "ce_loss" in meta and "aux_loss" in meta:
+        text += f" (ce {num(meta['ce_loss'])} + aux {num(meta['aux_loss'])})"
+    return text
+
+
+class StepScreen(MdbScreen):
+    """The step-through view: module tree, details of the current call, status line.
+
+    Args:
+        trace: the :class:`hooks.Trace` to walk.
+        doctor_results: check results for ``d`` (a list, see ``tui.screens.doctor``), or None
+            when none were computed (``d`` then says how to get them).
+        embedded: False when this is the app's main screen (``q`` quits the app); True when
+            pushed on top of another app's screen (``q`` and Esc pop back to it).
+        start_at_nonfinite: open at the first NaN/Inf when the trace has any (default True).
+    """
+
+    BINDINGS = [
+        Binding("n,j,right", "next", "next", key_display="n", id="step.next",
+                tooltip="next call (next gradient in the backward pass)"),
+        Binding("p,k,left", "prev", "prev", key_display="p", id="step.prev",
+                tooltip="previous call (previous gradient in the backward pass)"),
+        Binding("N,right_square_bracket,pagedown", "next_layer", "next layer",
+                key_display="N", show=False, id="step.next_layer",
+                tooltip="first record of the next decoder layer"),
+        Binding("P,left_square_bracket,pageup", "prev_layer", "prev layer",
+                key_display="P", show=False, id="step.prev_layer",
+                tooltip="start of this layer, or of the previous one"),
+        Binding("b", "toggle_pass", "bwd", id="step.toggle_pass",
+                tooltip="backward start (autograd order); again: back to the forward call"),
+        Binding("t,home", "first", "first call of this pass", show=False, id="step.first",
+                tooltip="first record of this pass"),
+        Binding("f", "first_nonfinite", "NaN", id="step.first_nonfinite",
+                tooltip="first NaN/Inf (forward, else backward)"),
+        Binding("slash", "search", "find", key_display="/", id="step.search",
+                tooltip="find a module by name"),
+        Binding("r", "view('router')", "router", id="view.router",
+                tooltip="router view: experts per token, load per expert, aux loss"),
+        Binding("a", "view('attention')", "attn", id="view.attention",
+                tooltip="attention view: T×T probabilities per layer and head"),
+        Binding("g", "view('gradients')", "grads", id="view.gradients",
+                tooltip="gradients view: every parameter's grad norm and verdict"),
+        Binding("d", "view('doctor')", "doctor", show=False, id="view.doctor",
+                tooltip="doctor results (from mdb doctor)"),
+        Binding("question_mark", "help", "keys", key_display="?", id="app.help",
+                tooltip="this list of keys"),
+        Binding("q", "quit_view", "quit", id="app.quit",
+                tooltip="quit (embedded: back to the calling screen)"),
+        Binding("escape", "escape", "back", show=False, id="step.escape",
+                tooltip="embedded: back to the calling screen"),
+    ]
+
+    def __init__(self, trace, *, doctor_results=None, embedded: bool = False,
+                 start_at_nonfinite: bool = True, name: str | None = None) -> None:
+        super().__init__(name=name)
+        self.trace = trace
+        self.doctor_results = doctor_results
+        self.embedded = embedded
+        self.stepper = Stepper(trace)
+        self.nonfinite = None
+        if start_at_nonfinite:
+            self.nonfinite = self.stepper.first_nonfinite()
+
+    # -- layout ---------------------------------------------------------------------------------
+    def compose(self):
+        meta = self.trace.meta or {}
+        title = " · ".join(x for x in (meta.get("description") or self.trace.model_type,
+                                       loss_line(meta)) if x)
+        yield Static(title, id="title", markup=False)
+        yield Static("", id="status", markup=False)
+        with Horizontal(id="step-main"):
+            yield ModuleTree(self.trace, id="tree")
+            yield CallDetails(id="details")
+        yield Static("", id="hint", markup=False)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.refresh_view()
+        self.query_one("#tree", ModuleTree).focus()
+        if self.nonfinite is not None:
+            self.hint(f"opened at the first non-finite value: {self.nonfinite.describe()}")
+        elif not self.trace.backward:
+            self.hint("no gradients recorded: this trace has a forward pass only")
+        if getattr(self.app, "exit_after_paint", False):
+            self.call_after_refresh(self.app.exit)
+
+    def refresh_view(self) -> None:
+        """Redraw the status line, the tree cursor and the details for the current record."""
+        st = self.stepper
+        self.query_one("#status", Static).update(st.status())
+        if st.module is not None:
+            self.query_one("#tree", ModuleTree).show_module(st.module)
+        self.query_one("#details", CallDetails).show(st)
+        self.query_one("#details", CallDetails).scroll_home(animate=False)
+        if st.current is not None:
+            self.post_message(messages.Moved(st.direction, st.index, st.module))
+
+    def _moved(self, ok: bool, why: str) -> None:
+        self.hint("" if ok else why)
+        if ok:
+            self.refresh_view()
+
+    # -- actions --------------------------------------------------------------------------------
+    def action_next(self) -> None:
+        self._moved(self.stepper.step(+1), f"already at the last {self._unit()}")
+
+    def action_prev(self) -> None:
+        self._moved(self.stepper.step(-1), f"already at the first {self._unit()}")
+
+    def action_next_layer(self) -> None:
+        self._moved(self.stepper.next_layer(), "no later layer in this pass")
+
+    def action_prev_layer(self) -> None:
+        self._moved(self.stepper.prev_layer(), "no earlier layer in this pass")
+
+    def action_first(self) -> None:
+        self._moved(self.stepper.go(self.stepper.direction, 0), "empty pass")
+
+    def action_toggle_pass(self) -> None:
+        ok = self.stepper.toggle_pass()
+        self._moved(ok, "no backward pass recorded in this trace")
+        if ok and self.stepper.direction == "backward":
+            self.hint("backward: gradients in the order autograd produced them · b returns")
+
+    def action_first_nonfinite(self) -> None:
+        hit = self.stepper.first_nonfinite()
+        if hit is None:
+            self.hint("✓ every recorded value and gradient is finite")
+            return
+        self.refresh_view()
+        self.hint(f"✗ first non-finite: {hit.describe()}")
+
+    def action_search(self) -> None:
+        from tui.screens.search import SearchScreen
+
+        names = [m.name for m in self.trace.modules if m.name] or sorted(
+            {r.module for r in self.trace.forward if r.module}
+        )
+        self.app.push_screen(SearchScreen(names), self._search_done)
+
+    def _search_done(self, module: str | None) -> None:
+        if module is not None:
+            self.jump(module)
+
+    def action_view(self, view: str) -> None:
+        self.app.push_screen(self.make_view(view))
+
+    def action_help(self) -> None:
+        from tui.screens.help import HelpScreen
+
+        self.app.push_screen(HelpScreen())
+
+    def action_quit_view(self) -> None:
+        """Quit the app, or, when embedded in another app, go back to its screen."""
+        if self.embedded:
+            self.dismiss()
+        else:
+            self.app.exit()
+
+    def action_escape(self) -> None:
+        if self.embedded:
+            self.dismiss()
+        else:
+            self.hint("q quits · ? lists the keys")
+
+    def _unit(self) -> str:
+        return "call" if self.stepper.direction == "forward" else "gradient"
+
+    # -- other views ----------------------------------------------------------------------------
+    def make_view(self, view: str):
+        """The screen for ``view`` (``router``, ``attention``, ``gradients``, ``doctor``)."""
+        if view == "router":
+            from tui.screens.router import RouterScreen
+
+            return RouterScreen(self)
+        if view == "attention":
+            from tui.screens.attention import AttentionScreen
+
+            return AttentionScreen(self)
+        if view == "gradients":
+            from tui.screens.gradients import GradientsScreen
+
+            return GradientsScreen(self)
+        if view == "doctor":
+            from tui.screens.doctor_slot import doctor_screen
+
+            return doctor_screen(self)
+        raise ValueError(f"unknown view {view!r}")
+
+    # -- messages -------------------------------------------------------------------------------
+    def jump(self, module: str, call_index: int = 0) -> bool:
+        """Select ``module``'s call (its first gradient when in the backward pass)."""
+        ok = self.stepper.jump_module(module, call_index)
+        self._moved(ok, f"{module or '<root>'} was not called in this pass")
+        return ok
+
+    @on(Tree.NodeSelected, "#tree")
+    def on_tree_selected(self, event: Tree.NodeSelected) -> None:
+        event.stop()
+        self.jump(event.node.data or "")
+
+    def on_jump_to_module(self, message: messages.JumpToModule) -> None:
+        message.stop()
+        while self.app.screen is not self:
+            self.app.pop_screen()
+        self.jump(message.module, message.call_index)

@@ -1,0 +1,66 @@
+"""``ViewScreen``: base of the views pushed on top of the step view (router, attention,
+gradients), with the keys every view shares.
+
+Every view can be left with a letter: ``s`` (or Esc) back to the step view, ``r`` / ``a`` /
+``g`` / ``d`` straight to another view, ``?`` for the keys, ``q`` to quit (from the step view
+beneath: the app exits, or an embedding app gets its screen back).
+"""
+
+from __future__ import annotations
+
+from textual.binding import Binding
+
+from tui.screens.base import MdbScreen
+
+#: Bindings shared by every view on top of the step view.
+VIEW_BINDINGS = [
+    Binding("s,escape", "back", "step", key_display="s", id="view.step",
+            tooltip="back to the step view"),
+    Binding("r", "view('router')", "router", id="view.router", tooltip="router view"),
+    Binding("a", "view('attention')", "attn", id="view.attention", tooltip="attention view"),
+    Binding("g", "view('gradients')", "grads", id="view.gradients", tooltip="gradients view"),
+    Binding("d", "view('doctor')", "doctor", show=False, id="view.doctor",
+            tooltip="doctor results"),
+    Binding("question_mark", "help", "keys", key_display="?", id="app.help",
+            tooltip="this list of keys"),
+    Binding("q", "quit_view", "quit", id="app.quit", tooltip="quit mdb"),
+]
+
+
+class ViewScreen(MdbScreen):
+    """A view over the step screen's trace.
+
+    Args:
+        step: the :class:`tui.screens.step.StepScreen` beneath (gives the trace and the jumps).
+    """
+
+    #: Name used by ``action_view`` to tell "this view" from another.
+    VIEW = ""
+
+    def __init__(self, step) -> None:
+        super().__init__()
+        self.step = step
+        self.trace = step.trace
+
+    def action_back(self) -> None:
+        self.app.pop_screen()
+
+    def action_view(self, view: str) -> None:
+        if view == self.VIEW:
+            self.hint(f"this is the {view} view · s returns to the step view")
+            return
+        self.app.switch_screen(self.step.make_view(view))
+
+    def action_help(self) -> None:
+        from tui.screens.help import HelpScreen
+
+        self.app.push_screen(HelpScreen())
+
+    def action_quit_view(self) -> None:
+        self.app.pop_screen()
+        self.step.action_quit_view()
+
+    def jump_to(self, module: str) -> None:
+        """Close this view and select ``module``'s first call in the step view."""
+        self.app.pop_screen()
+        self.step.jump(module)
