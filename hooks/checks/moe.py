@@ -1,0 +1,123 @@
+"""Check 6: routing health of MoE layers over a few batches.
+
+Dimension legend: N tokens, E experts, k experts per token.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+import hooks
+from hooks.checks.registry import DoctorOptions, check
+from hooks.checks.result import Outcome
+from hooks.checks.target import SkipCheck, Target
+
+#: Warn when the busiest expert gets this many times its balanced share 1/E.
+MAX_LOAD_RATIO = 3.0
+#: Fewest tokens per random batch (so a healthy expert is not "dead" by chance).
+MIN_TOKENS = 256
+#: Warn when the mean router entropy, as a fraction of ln E, is below this (near one-hot).
+MIN_ENTROPY = 0.1
+
+
+def routing_stats(records: list[Any]) -> dict[str, dict[str, Any]]:
+    """Pool routing records per MoE block.
+
+    Args:
+        records: :class:`hooks.RoutingRecord` objects (several batches, several layers).
+
+    Returns:
+        ``{block: {"counts": [E ints], "tokens": N, "top_k": k, "entropy": mean over tokens of
+        -Σ p log p / ln E, "nonfinite": tokens left out}}``; counts are top-k assignments per
+        expert, summing to N·k. Tokens whose router probabilities are not finite are left out.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for r in records:
+        s = out.setdefault(r.module, {"counts": torch.zeros(r.num_experts, dtype=torch.long),
+                                      "tokens": 0, "top_k": r.top_k, "ent_sum": 0.0,
+                                      "nonfinite": 0})
+        p = r.router_probs.double()
+        ok = torch.isfinite(p).all(dim=-1)  # a NaN row is the non-finite check's business
+        s["nonfinite"] += int((~ok).sum())
+        p = p[ok]
+        s["counts"] += torch.bincount(r.top_k_ids[ok].reshape(-1).long(),
+                                      minlength=r.num_experts)
+        ent = -(p * p.clamp_min(1e-300).log()).sum(dim=-1)
+        s["ent_sum"] += float(ent.sum())
+        s["tokens"] += p.shape[0]
+    for s in out.values():
+        e = s["counts"].numel()
+        s["entropy"] = s.pop("ent_sum") / max(s["tokens"], 1) / math.log(e) if e > 1 else 1.0
+        s["counts"] = [int(c) for c in s["counts"]]
+    return out
+
+
+@check(6, "routing", "MoE routing health")
+def routing(t: Target, o: DoctorOptions) -> Outcome:
+    """Load per expert, the largest share, dead experts and router entropy, pooled over the
+    batch and ``routing_batches - 1`` random-token batches of the same shape."""
+    blocks = t.moe_blocks()
+    ids = t.need_ids()
+    b, seq = ids.shape
+    rows = max(b, -(-MIN_TOKENS // seq))  # random batches hold at least MIN_TOKENS tokens
+    batches = [None] + [t.random_ids((rows, seq), seed=o.seed + 60 + i)
+                        for i in range(max(0, o.routing_batches - 1))]
+    records = []
+    with t.mode(False), torch.no_grad():
+        for x in batches:
+            with hooks.capture(t.model, include=[], inputs=False, grads=False,
+                               params=False) as tr:
+                t.call(x, labels=False)
+            records.extend(tr.routing)
+    if not records:
+        if blocks:
+            raise SkipCheck(f"{len(blocks)} MoE block(s) found but no routing was recorded "
+                            f"(no probe for {type(blocks[0].router).__name__})")
+        raise SkipCheck("no MoE layers (dense model)")
+    stats = {k: v for k, v in routing_stats(records).items() if v["tokens"] > 0}
+    if not stats:
+        raise SkipCheck("router probabilities are not finite (see the non-finite check)")
+    worst_dead: tuple[str, list[int]] | None = None
+    worst_ratio = (0.0, "")
+    min_ent = (2.0, "")
+    layers: dict[str, Any] = {}
+    for block, s in stats.items():
+        counts = s["counts"]
+        e, total = len(counts), sum(counts)
+        shares = [c / total for c in counts] if total else [0.0] * e
+        dead = [i for i, c in enumerate(counts) if c == 0]
+        ratio = max(shares) * e
+        layers[block] = dict(counts=counts, shares=shares, dead=dead, load_ratio=ratio,
+                             entropy=s["entropy"], tokens=s["tokens"], top_k=s["top_k"])
+        if dead and (worst_dead is None or len(dead) > len(worst_dead[1])):
+            worst_dead = (block, dead)
+        if ratio > worst_ratio[0]:
+            worst_ratio = (ratio, block)
+        if s["entropy"] < min_ent[0]:
+            min_ent = (s["entropy"], block)
+    first = next(iter(stats.values()))
+    e = len(first["counts"])
+    data = dict(batches=len(batches), layers=layers)
+    ev = (f"{len(stats)} MoE layer(s), {len(batches)} batches ({first['tokens']} tokens): busiest expert ×{worst_ratio[0]:.2f} its balanced share 1/{e}"
+          f" ({worst_ratio[1]}), router entropy ≥ {min_ent[0]:.2f}·ln E")
+    if worst_dead:
+        block, dead = worst_dead
+        return Outcome.fail(
+            f"{block}: expert(s) {dead} received no tokens in {len(batches)} batches "
+            f"(counts {layers[block]['counts']}); {ev}",
+            "a dead expert: its router logit never wins (collapsed or masked router, a bias "
+            "pushing it down, or an aux loss that does not reach the router)",
+            block or None, **data)
+    if worst_ratio[0] > MAX_LOAD_RATIO:
+        return Outcome.warn(ev, f"load is unbalanced (>{MAX_LOAD_RATIO:g}× the fair share); "
+                            "check the aux-loss coefficient and that it reaches the router",
+                            worst_ratio[1] or None, **data)
+    if min_ent[0] < MIN_ENTROPY:
+        return Outcome.warn(ev, "router probabilities are nearly one-hot (logits too large?)",
+                            min_ent[1] or None, **data)
+    return Outcome.ok(ev + "; no dead experts", **data)
+
+

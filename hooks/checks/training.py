@@ -1,0 +1,265 @@
+"""Checks 5, 7 and 10: gradient flow (incl. the router's aux-loss gradient), non-finite values,
+and overfitting one batch."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import torch
+
+import hooks
+from hooks.checks.registry import DoctorOptions, check
+from hooks.checks.result import Outcome
+from hooks.checks.target import SkipCheck, Target, fmt
+
+
+def _aux_loss(out: Any) -> torch.Tensor | None:
+    aux = getattr(out, "aux_loss", None)
+    if aux is None and isinstance(out, dict):
+        aux = out.get("aux_loss")
+    return aux if isinstance(aux, torch.Tensor) and aux.dim() == 0 else None
+
+
+def _grad_kwargs(t: Target) -> dict[str, Any]:
+    """Labels when the model takes them; HF MoE models need ``output_router_logits``."""
+    kw: dict[str, Any] = {}
+    if t.accepts("output_router_logits"):
+        kw["output_router_logits"] = True
+    return kw
+
+
+def _call_for_loss(t: Target, **extra: Any) -> Any:
+    labels = True if t.accepts("labels") and t.input_ids is not None else None
+    return t.call(labels=labels, **extra)
+
+
+@check(5, "grad-flow", "Gradient flow")
+def grad_flow(t: Target, o: DoctorOptions) -> Outcome:
+    """After one backward of the loss every trainable parameter has a finite, non-zero
+    gradient; and each MoE router gets a gradient from the aux (load-balancing) loss alone.
+
+    A parameter whose module was never called (an expert that received no tokens in this
+    batch) is reported as unused (warn), not as broken.
+    """
+    model = t.model
+    called: set[str] = set()
+    handles = [m.register_forward_hook(lambda mod, a, out, n=n: called.add(n))
+               for n, m in model.named_modules()]
+    try:
+        with t.mode(True):
+            out = _call_for_loss(t, **_grad_kwargs(t))
+    finally:
+        for h in handles:
+            h.remove()
+    loss, src = t.loss(out)
+    if loss is None or not loss.requires_grad:
+        raise SkipCheck("the model returned no differentiable loss or floating-point output")
+    data: dict[str, Any] = dict(loss=float(loss.detach()), loss_source=src)
+
+    # the router's gradient from the aux loss alone
+    router_msgs: list[str] = []
+    router_fail = None
+    moe = t.moe_blocks()
+    if moe:
+        aux = _aux_loss(out)
+        rparams = [(f"{b.router_name}.{n}", p) for b in moe
+                   for n, p in b.router.named_parameters() if p.requires_grad]
+        if aux is None:
+            router_msgs.append("no aux_loss in the output: routers get no load-balancing signal")
+        elif not aux.requires_grad:
+            router_fail = (f"aux_loss = {fmt(float(aux))} does not require grad: it is "
+                           f"detached from the {len(moe)} router(s)", moe[0].router_name)
+        elif rparams:
+            grads = torch.autograd.grad(aux, [p for _, p in rparams], retain_graph=True,
+                                        allow_unused=True)
+            norms = {}
+            for (n, _), g in zip(rparams, grads, strict=True):
+                gn = None if g is None else float(g.float().norm())
+                norms[n] = gn
+                if router_fail is None and (gn is None or gn == 0.0 or not math.isfinite(gn)):
+                    what = "no" if gn is None else ("zero" if gn == 0 else f"non-finite ({gn})")
+                    router_fail = (f"{n} gets {what} gradient from aux_loss",
+                                   n.rpartition(".")[0])
+            data["router_aux_grad_norms"] = norms
+            if router_fail is None:
+                vals = [v for v in norms.values() if v is not None]
+                router_msgs.append(f"aux_loss reaches all {len(rparams)} router weight(s) "
+                                   f"(grad norm {fmt(min(vals))}..{fmt(max(vals))})")
+
+    loss.backward()
+    owners = t.param_owners()
+    expert_prefixes = tuple(f"{b.name}.experts." if b.name else "experts." for b in moe)
+    broken: list[tuple[str, str, str | None]] = []
+    idle: list[str] = []
+    n_ok = n_frozen = 0
+    sq = 0.0
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            n_frozen += 1
+            continue
+        mods = owners.get(id(p), [name.rpartition(".")[0]])
+        was_called = any(m in called for m in mods)
+        g = p.grad
+        if g is None or not bool(g.any()):
+            if not was_called and name.startswith(expert_prefixes):
+                idle.append(name)  # an expert that got no tokens: routing's business
+                continue
+            if g is None:
+                what = ("no gradient: its module never ran in the forward" if not was_called
+                        else "no gradient (not in the loss's graph)")
+            else:
+                what = "an all-zero gradient"
+            broken.append((name, what, mods[0] or None))
+            continue
+        gn = float(g.float().norm())
+        if not math.isfinite(gn):
+            nan = int(torch.isnan(g).sum())
+            broken.append((name, f"a non-finite gradient ({nan} NaN of {g.numel()})",
+                           mods[0] or None))
+            continue
+        sq += gn * gn
+        n_ok += 1
+    total = n_ok + len(broken)
+    data.update(trainable=total + len(idle), ok=n_ok, frozen=n_frozen, grad_norm=math.sqrt(sq),
+                broken=[{"param": n, "problem": w} for n, w, _ in broken], idle_experts=idle)
+    head = f"loss {fmt(data['loss'])} ({src}): {n_ok}/{total} trainable tensors got finite " \
+           f"non-zero gradients (global norm {fmt(math.sqrt(sq))})"
+    if idle:
+        experts = sorted({n.rsplit(".", 2)[0] for n in idle})
+        head += (f", not counting {len(idle)} tensor(s) of {len(experts)} expert(s) that "
+                 f"received no tokens in this batch")
+    if broken:
+        name, what, mod = broken[0]
+        more = f" (+{len(broken) - 1} more)" if len(broken) > 1 else ""
+        if all("non-finite" in w for _, w, _ in broken):
+            hint = ("non-finite values in the forward or backward poison the gradients; the "
+                    "non-finite check locates where they start")
+        else:
+            hint = ("a detached tensor (.detach(), .data, torch.no_grad, an in-place op) or an "
+                    "unused module cuts the graph; follow the module named here")
+        return Outcome.fail(f"{head}; {name} has {what}{more}", hint, mod, **data)
+    if router_fail:
+        msg, mod = router_fail
+        return Outcome.fail(f"{head}; {msg}",
+                            "compute the load-balancing loss from the router logits without "
+                            ".detach()/.item()/torch.no_grad, and add it to the loss", mod,
+                            **data)
+    ev = "; ".join([head] + router_msgs)
+    if router_msgs and router_msgs[0].startswith("no aux_loss"):
+        return Outcome.warn(ev, "return the load-balancing loss (aux_loss) and add it to the "
+                            "training loss", moe[0].name or None, **data)
+    return Outcome.ok(ev, **data)
+
+
+# ---------------------------------------------------------------------------------------------
+@check(7, "nonfinite", "Non-finite values")
+def nonfinite(t: Target, o: DoctorOptions) -> Outcome:
+    """No NaN/Inf in the weights, the forward activations, the loss or the gradients; if any,
+    the innermost module where they first appear (``Trace.first_nonfinite``)."""
+    model = t.model
+    bad_w = [(n, int((~torch.isfinite(p)).sum())) for n, p in model.named_parameters()
+             if p.is_floating_point() and not bool(torch.isfinite(p).all())]
+    if bad_w:
+        n, k = bad_w[0]
+        return Outcome.fail(f"weight {n} holds {k} NaN/Inf values"
+                            + (f" (+{len(bad_w) - 1} more tensors)" if len(bad_w) > 1 else ""),
+                            "the weights were already broken (a diverged step or a bad load)",
+                            n.rpartition(".")[0] or None, weights=[b[0] for b in bad_w])
+    with t.mode(False), hooks.capture(model, inputs=True, grads=True, params=False) as tr:
+        out = _call_for_loss(t)
+        loss, src = t.loss(out)
+        if loss is not None and loss.requires_grad:
+            loss.backward()
+    lval = float(loss.detach()) if loss is not None else None
+    fwd = tr.first_nonfinite("forward")
+    bwd = tr.first_nonfinite("backward")
+    data: dict[str, Any] = dict(calls=len(tr.forward), grads=len(tr.backward), loss=lval,
+                                loss_source=src)
+    if fwd is not None:
+        data["first"] = fwd.describe()
+        return Outcome.fail(
+            f"forward: first non-finite output at {fwd.module or '<root>'} ({fwd.module_type}) "
+            f"{fwd.tensor}: {fwd.stats.nan_count} NaN, {fwd.stats.inf_count} Inf of "
+            f"{fwd.stats.numel}, with finite inputs",
+            "look at this module's ops: log/sqrt of negatives, division by ~0 (missing eps), "
+            "exp overflow, 0·inf", fwd.module or None, **data)
+    if lval is not None and not math.isfinite(lval):
+        return Outcome.fail(f"the loss is {lval} while every module output is finite",
+                            "the loss computation itself (log of 0? labels out of range?)",
+                            None, **data)
+    if bwd is not None:
+        data["first"] = bwd.describe()
+        return Outcome.fail(
+            f"backward: first non-finite gradient at the output of {bwd.module or '<root>'} "
+            f"({bwd.module_type}): {bwd.stats.nan_count} NaN, {bwd.stats.inf_count} Inf",
+            "a backward-only overflow: an op whose derivative blows up (sqrt at 0, "
+            "division by a tiny norm)", bwd.module or None, **data)
+    return Outcome.ok(f"{len(tr.forward)} module outputs and {len(tr.backward)} gradients "
+                      f"finite; loss {fmt(lval)}", **data)
+
+
+# ---------------------------------------------------------------------------------------------
+@check(10, "overfit", "Overfit one batch", slow=True)
+def overfit(t: Target, o: DoctorOptions) -> Outcome:
+    """Train a copy of the model on the batch with AdamW until the cross-entropy falls by
+    ``overfit_drop`` (90 %) or ``overfit_steps`` steps pass. The original model is untouched.
+
+    Cross-entropy is ``output.ce_loss`` when the model reports it (minillm), else ``loss``;
+    the optimizer minimises the full ``loss`` (aux loss included).
+    """
+    if not t.accepts("labels"):
+        raise SkipCheck("the model's forward takes no labels: no language-model loss to overfit")
+    ids = t.need_ids()
+    try:
+        model = copy.deepcopy(t.model)
+    except Exception as exc:
+        raise SkipCheck(f"cannot copy the model to train it: {type(exc).__name__}: {exc}")
+    copy_t = Target(model, t.args, t.kwargs)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                            lr=o.overfit_lr, weight_decay=0.0)
+    model.train()
+    history: list[float] = []
+    first = None
+    reached = None
+    for step in range(o.overfit_steps + 1):
+        out = copy_t.call(labels=True)
+        ce = Target.ce_loss(out)
+        loss, _ = Target.loss(out)
+        if ce is None or loss is None:
+            raise SkipCheck("the model returned no loss with labels")
+        value = float(ce.detach())
+        history.append(value)
+        if first is None:
+            first = value
+        if not math.isfinite(value):
+            break
+        if value <= (1 - o.overfit_drop) * first:
+            reached = step
+            break
+        if step == o.overfit_steps:
+            break
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    last = history[-1]
+    best = min(history)
+    drop = 1 - best / first if first else 0.0
+    stride = max(1, len(history) // 20)
+    data = dict(first=first, best=best, last=last, steps=len(history) - 1, reached_at=reached,
+                lr=o.overfit_lr, drop=drop, history=history[::stride],
+                batch=list(ids.shape))
+    setting = f"AdamW lr {o.overfit_lr:g}, batch {ids.shape[0]}×{ids.shape[1]}"
+    if reached is not None:
+        return Outcome.ok(f"cross-entropy fell from {first:.3f} to {history[-1]:.3f} "
+                          f"(-{100 * drop:.0f}%) in {reached} steps ({setting})", **data)
+    if not math.isfinite(last):
+        return Outcome.fail(f"cross-entropy became {last} after {len(history) - 1} steps "
+                            f"({setting}); it started at {first:.3f}",
+                            "training diverged: see the non-finite and numerics checks", **data)
+    return Outcome.fail(
+        f"cross-entropy fell only {100 * drop:.0f}% ({first:.3f} -> best {best:.3f}) in "
+        f"{o.overfit_steps} steps ({setting}); needed {100 * o.overfit_drop:.0f}%",
+        "a model that cannot memorise one batch has a broken forward/backward (detached "
+        "graph, frozen weights, a mask hiding the inputs) or a bad learning rate", **data)

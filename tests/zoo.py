@@ -1,0 +1,285 @@
+"""A zoo of deliberately broken minillm variants, one per mistake the doctor must catch.
+
+Built in the tests only (never in the product) by swapping a module's class for a subclass
+with a broken ``forward`` (``module.__class__ = Broken``: weights stay), by replacing a
+submodule, or by a state-dict round trip. Every builder returns ``(model, batch)`` like a
+``--model module:function`` factory, on the ``tiny`` preset (V=256, D=32, 2 layers, H=4,
+Hkv=2, 4 experts top-2, 128 positions) with a (2, 64) batch.
+
+:data:`EXPECTED` says which checks each variant must fail, and which co-failures are inherent.
+"""
+
+from __future__ import annotations
+
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minillm import MiniLLM, load_preset
+from minillm.attention import MiniLLMAttention, causal_mask
+from minillm.layers import MiniLLMRMSNorm, apply_rotary_pos_emb
+from minillm.model import MiniLLMOutput
+from minillm.moe import load_balancing_loss
+
+SEQ = 64
+
+
+def tiny(**changes) -> MiniLLM:
+    torch.manual_seed(0)
+    cfg = load_preset("tiny")
+    if changes:
+        cfg = cfg.replace(**changes)
+    return MiniLLM(cfg)
+
+
+def batch_for(model: MiniLLM, b: int = 2, t: int = SEQ) -> dict:
+    g = torch.Generator().manual_seed(123)
+    ids = torch.randint(0, model.config.vocab_size, (b, t), generator=g)
+    return {"input_ids": ids, "labels": ids}
+
+
+# -- attention variants ------------------------------------------------------------------------
+class _EagerAttention(MiniLLMAttention):
+    """An eager attention with hooks for the broken variants below (same weights)."""
+
+    def _kv(self, k, v):
+        n = self.num_key_value_groups
+        return k.repeat_interleave(n, dim=1), v.repeat_interleave(n, dim=1)
+
+    def _mask(self, t, s, device):
+        return causal_mask(t, s, device)
+
+    def _softmax(self, scores):
+        return torch.softmax(scores.float(), dim=-1).to(scores.dtype)
+
+    def forward(self, hidden_states, position_embeddings=None, past_key_value=None,
+                use_cache=False):
+        b, t, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(b, t, self.num_key_value_heads,
+                                            self.head_dim).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(b, t, self.num_key_value_heads,
+                                            self.head_dim).transpose(1, 2)
+        if position_embeddings is not None:
+            q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        k, v = self._kv(k, v)
+        scores = torch.matmul(q, k.transpose(2, 3)) * self.scaling
+        mask = self._mask(t, t, hidden_states.device)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = self._softmax(scores)
+        out = torch.matmul(probs.to(v.dtype), v).transpose(1, 2).reshape(b, t, -1)
+        weights = probs if self.return_attn_weights else None
+        return self.o_proj(out), weights, None
+
+
+class RepeatAttention(_EagerAttention):
+    """Seed 003's GQA bug: ``repeat`` tiles the KV heads, so query head h reads h % Hkv."""
+
+    def _kv(self, k, v):
+        n = self.num_key_value_groups
+        return k.repeat(1, n, 1, 1), v.repeat(1, n, 1, 1)
+
+
+class NoMaskAttention(_EagerAttention):
+    """The causal mask dropped: every position attends to the whole sequence."""
+
+    def _mask(self, t, s, device):
+        return None
+
+
+class InvertedMaskAttention(_EagerAttention):
+    """The mask on the wrong side of the diagonal: position i sees j ≥ i only."""
+
+    def _mask(self, t, s, device):
+        return causal_mask(t, s, device).T.contiguous()
+
+
+class HalfSoftmaxAttention(_EagerAttention):
+    """Softmax in the scores' dtype (bf16 under autocast) instead of fp32."""
+
+    def _softmax(self, scores):
+        return torch.softmax(scores, dim=-1)
+
+
+def _swap_attention(model: MiniLLM, cls: type) -> MiniLLM:
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = cls
+    return model
+
+
+def gqa_repeat():
+    """``repeat`` instead of ``repeat_interleave`` for the KV heads."""
+    m = _swap_attention(tiny(), RepeatAttention)
+    return m, batch_for(m)
+
+
+def no_causal_mask():
+    """The causal mask dropped."""
+    m = _swap_attention(tiny(), NoMaskAttention)
+    return m, batch_for(m)
+
+
+def inverted_mask():
+    """The causal mask inverted (future visible, past hidden)."""
+    m = _swap_attention(tiny(), InvertedMaskAttention)
+    return m, batch_for(m)
+
+
+def bf16_softmax():
+    """Attention softmax without the fp32 upcast."""
+    m = _swap_attention(tiny(), HalfSoftmaxAttention)
+    return m, batch_for(m)
+
+
+# -- init / tying ------------------------------------------------------------------------------
+def std1_tied_init():
+    """Seed 000's init: the tied embedding keeps ``nn.Embedding``'s N(0, 1)."""
+    m = tiny()
+    with torch.no_grad():
+        nn.init.normal_(m.model.embed_tokens.weight, 0.0, 1.0)
+    return m, batch_for(m)
+
+
+def untied_by_assign():
+    """A state-dict round trip with ``load_state_dict(assign=True)``: each key becomes its own
+    Parameter, so ``lm_head`` and ``embed_tokens`` stop sharing storage (values still equal)."""
+    m = tiny()
+    state = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    m.load_state_dict(state, assign=True)
+    return m, batch_for(m)
+
+
+# -- MoE ---------------------------------------------------------------------------------------
+class DetachedAuxMiniLLM(MiniLLM):
+    """The aux loss computed from detached router logits: it no longer trains the router."""
+
+    def forward(self, input_ids, labels=None, past_key_values=None, use_cache=False,
+                output_attentions=False):
+        out = super().forward(input_ids, labels=None, past_key_values=past_key_values,
+                              use_cache=use_cache, output_attentions=output_attentions)
+        cfg = self.config
+        aux = cfg.router_aux_loss_coef * sum(
+            load_balancing_loss(r.detach(), cfg.num_local_experts, cfg.num_experts_per_tok)
+            for r in out.router_logits
+        )
+        out.aux_loss = aux
+        if labels is not None:
+            v = out.logits.shape[-1]
+            out.ce_loss = F.cross_entropy(out.logits[:, :-1].reshape(-1, v).float(),
+                                          labels[:, 1:].reshape(-1))
+            out.loss = out.ce_loss + aux
+        return out
+
+
+def aux_detached():
+    m = tiny()
+    m.__class__ = DetachedAuxMiniLLM
+    return m, batch_for(m)
+
+
+DEAD_LAYER, DEAD_EXPERT = 1, 2
+
+
+def dead_expert():
+    """A router whose bias pushes one expert's logit down by 30: it never wins a token."""
+    m = tiny()
+    block = m.model.layers[DEAD_LAYER].mlp
+    old = block.gate
+    gate = nn.Linear(old.in_features, old.out_features, bias=True)
+    with torch.no_grad():
+        gate.weight.copy_(old.weight)
+        gate.bias.zero_()
+        gate.bias[DEAD_EXPERT] = -30.0
+    block.gate = gate
+    return m, batch_for(m)
+
+
+# -- positions ---------------------------------------------------------------------------------
+SHORT_TABLE = 64
+
+
+def short_rope_table():
+    """A RoPE table built for 64 positions while max_position_embeddings is 128."""
+    m = tiny()
+    rot = m.model.rotary_emb
+    rot.cos_cached = rot.cos_cached[:SHORT_TABLE].clone()
+    rot.sin_cached = rot.sin_cached[:SHORT_TABLE].clone()
+    return m, batch_for(m)
+
+
+# -- numerics ----------------------------------------------------------------------------------
+class NaNRMSNorm(MiniLLMRMSNorm):
+    """``x / sqrt(mean(x²) - 1)``: a sign slip that takes the root of a negative number."""
+
+    def forward(self, hidden_states):
+        x = hidden_states.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) - 1.0)
+        return self.weight * x.to(hidden_states.dtype)
+
+
+NAN_MODULE = "model.layers.1.post_attention_layernorm"
+
+
+def nan_layer():
+    m = tiny()
+    m.model.layers[1].post_attention_layernorm.__class__ = NaNRMSNorm
+    return m, batch_for(m)
+
+
+class HalfStatsRMSNorm(MiniLLMRMSNorm):
+    """RMSNorm computing mean(x²) and rsqrt in the input dtype (no fp32 upcast)."""
+
+    def forward(self, hidden_states):
+        x = hidden_states
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
+                                              + self.variance_epsilon))
+
+
+def bf16_norm_stats():
+    m = tiny()
+    for mod in m.modules():
+        if isinstance(mod, MiniLLMRMSNorm):
+            mod.__class__ = HalfStatsRMSNorm
+    return m, batch_for(m)
+
+
+def correct():
+    """The unmodified tiny minillm."""
+    m = tiny()
+    return m, batch_for(m)
+
+
+#: variant -> (checks that must fail, {check: why it also fails inherently}, module to name)
+EXPECTED: dict[str, tuple[set[str], dict[str, str], str | None]] = {
+    "correct": (set(), {}, None),
+    "gqa_repeat": ({"gqa"}, {}, "model.layers.0.self_attn"),
+    "no_causal_mask": ({"causality"}, {}, "model.layers.0.self_attn"),
+    "inverted_mask": ({"causality"}, {}, "model.layers.0.self_attn"),
+    "std1_tied_init": ({"init-loss"}, {}, "lm_head"),
+    "aux_detached": ({"grad-flow"}, {}, "model.layers.0.mlp.gate"),
+    "short_rope_table": ({"rope"}, {}, "model.rotary_emb"),
+    "dead_expert": ({"routing"}, {}, f"model.layers.{DEAD_LAYER}.mlp"),
+    "nan_layer": ({"nonfinite"}, {"grad-flow": "NaN activations give NaN gradients"},
+                  NAN_MODULE),
+    "untied_by_assign": ({"tied"}, {}, "lm_head"),
+    "bf16_norm_stats": ({"numerics"}, {}, "model.layers.0.input_layernorm"),
+    "bf16_softmax": ({"numerics"}, {}, "model.layers.0.self_attn"),
+}
+
+BUILDERS = {
+    "correct": correct,
+    "gqa_repeat": gqa_repeat,
+    "no_causal_mask": no_causal_mask,
+    "inverted_mask": inverted_mask,
+    "std1_tied_init": std1_tied_init,
+    "aux_detached": aux_detached,
+    "short_rope_table": short_rope_table,
+    "dead_expert": dead_expert,
+    "nan_layer": nan_layer,
+    "untied_by_assign": untied_by_assign,
+    "bf16_norm_stats": bf16_norm_stats,
+    "bf16_softmax": bf16_softmax,
+}
+
