@@ -502,6 +502,8 @@ def _connect(path: Path, *, create: bool) -> sqlite3.Connection:
     try:
         conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         conn.execute("PRAGMA foreign_keys = ON")
+        # WAL + NORMAL: a commit appends to the WAL without fsync (fsync at checkpoints only).
+        conn.execute("PRAGMA synchronous = NORMAL")
     except sqlite3.DatabaseError as exc:
         conn.close()
         raise RunStoreError(f"{path} is not an mdb run database ({exc})") from exc

@@ -79,6 +79,8 @@ def test_create_write_and_read_back(db):
         assert reader.integrity_check() == "ok"
         assert reader.connection.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert reader.connection.execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID
+        assert reader.connection.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL
+        assert reader.connection.execute("PRAGMA busy_timeout").fetchone()[0] >= 1000
 
 
 def test_nan_is_stored_as_null_and_inf_round_trips(db):
