@@ -18,7 +18,7 @@ from torch import nn
 
 from minillm import MiniLLM, load_preset
 from minillm.attention import MiniLLMAttention, causal_mask
-from minillm.layers import MiniLLMRMSNorm, apply_rotary_pos_emb
+from minillm.layers import MiniLLMRMSNorm, MiniLLMRotaryEmbedding, apply_rotary_pos_emb
 from minillm.model import MiniLLMOutput
 from minillm.moe import load_balancing_loss
 
@@ -50,6 +50,9 @@ class _EagerAttention(MiniLLMAttention):
     def _mask(self, t, s, device):
         return causal_mask(t, s, device)
 
+    def _rope(self, q, k, cos, sin):
+        return apply_rotary_pos_emb(q, k, cos, sin)
+
     def _softmax(self, scores):
         return torch.softmax(scores.float(), dim=-1).to(scores.dtype)
 
@@ -62,7 +65,7 @@ class _EagerAttention(MiniLLMAttention):
         v = self.v_proj(hidden_states).view(b, t, self.num_key_value_heads,
                                             self.head_dim).transpose(1, 2)
         if position_embeddings is not None:
-            q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+            q, k = self._rope(q, k, *position_embeddings)
         k, v = self._kv(k, v)
         scores = torch.matmul(q, k.transpose(2, 3)) * self.scaling
         mask = self._mask(t, t, hidden_states.device)
@@ -103,6 +106,13 @@ class HalfSoftmaxAttention(_EagerAttention):
         return torch.softmax(scores, dim=-1)
 
 
+class QOnlyRopeAttention(_EagerAttention):
+    """RoPE applied to the queries only: scores no longer depend on the key's position."""
+
+    def _rope(self, q, k, cos, sin):
+        return apply_rotary_pos_emb(q, k, cos, sin)[0], k
+
+
 def _swap_attention(model: MiniLLM, cls: type) -> MiniLLM:
     for layer in model.model.layers:
         layer.self_attn.__class__ = cls
@@ -124,6 +134,12 @@ def no_causal_mask():
 def inverted_mask():
     """The causal mask inverted (future visible, past hidden)."""
     m = _swap_attention(tiny(), InvertedMaskAttention)
+    return m, batch_for(m)
+
+
+def rope_q_only():
+    """Keys left unrotated."""
+    m = _swap_attention(tiny(), QOnlyRopeAttention)
     return m, batch_for(m)
 
 
@@ -209,6 +225,19 @@ def short_rope_table():
     return m, batch_for(m)
 
 
+class WrappedRotary(MiniLLMRotaryEmbedding):
+    """A RoPE table of 64 positions indexed modulo its length: no error, wrong angles."""
+
+    def forward(self, position_ids):
+        return super().forward(position_ids % SHORT_TABLE)
+
+
+def wrapped_rope_table():
+    m = tiny()
+    m.model.rotary_emb.__class__ = WrappedRotary
+    return m, batch_for(m)
+
+
 # -- numerics ----------------------------------------------------------------------------------
 class NaNRMSNorm(MiniLLMRMSNorm):
     """``x / sqrt(mean(x²) - 1)``: a sign slip that takes the root of a negative number."""
@@ -260,6 +289,8 @@ EXPECTED: dict[str, tuple[set[str], dict[str, str], str | None]] = {
     "std1_tied_init": ({"init-loss"}, {}, "lm_head"),
     "aux_detached": ({"grad-flow"}, {}, "model.layers.0.mlp.gate"),
     "short_rope_table": ({"rope"}, {}, "model.rotary_emb"),
+    "wrapped_rope_table": ({"rope"}, {}, "model.rotary_emb"),
+    "rope_q_only": ({"rope"}, {}, "model.layers.0.self_attn"),
     "dead_expert": ({"routing"}, {}, f"model.layers.{DEAD_LAYER}.mlp"),
     "nan_layer": ({"nonfinite"}, {"grad-flow": "NaN activations give NaN gradients"},
                   NAN_MODULE),
@@ -276,6 +307,8 @@ BUILDERS = {
     "std1_tied_init": std1_tied_init,
     "aux_detached": aux_detached,
     "short_rope_table": short_rope_table,
+    "wrapped_rope_table": wrapped_rope_table,
+    "rope_q_only": rope_q_only,
     "dead_expert": dead_expert,
     "nan_layer": nan_layer,
     "untied_by_assign": untied_by_assign,

@@ -125,8 +125,9 @@ def rope(t: Target, o: DoctorOptions) -> Outcome:
                          f"key zero weight (see the causality check)")
             module = attn.name
         elif signal < 1e-7:
-            warns.append(f"scores do not depend on position at all (spread {fmt(signal)})")
-            module = rot[0]
+            problems.append(f"layer-0 scores do not depend on the key's position at all "
+                            f"(offset effect {fmt(signal)})")
+            module = attn.name
         elif viol > 1e-3 * signal + 1e-6:
             problems.append(
                 f"scores depend on absolute position: log-prob differences at a fixed offset "
@@ -144,21 +145,25 @@ def rope(t: Target, o: DoctorOptions) -> Outcome:
         if longer is None:
             warns.append(f"an input of {maxpos + 1} tokens was accepted (positions past "
                          f"max_position_embeddings are extrapolated silently)")
-    ev = (f"repeated token over {full} positions: scores depend on i-j only "
-          f"(spread {fmt(data.get('violation'))} vs offset effect {fmt(data.get('signal'))})"
-          if probs is not None and not problems and data.get("compared") else "")
+    parts = []
+    if probs is not None and not problems and data.get("compared"):
+        parts.append(f"repeated token over {full} positions: scores depend on i-j only "
+                     f"(spread {fmt(data.get('violation'))} vs offset effect "
+                     f"{fmt(data.get('signal'))})")
     if longer:
-        ev += f"; {maxpos + 1} tokens refused ({longer.split(':')[0]})"
+        parts.append(f"{maxpos + 1} tokens refused ({longer.split(':')[0]})")
+    ev = "; ".join(parts)
     if problems:
-        return Outcome.fail("; ".join(problems + warns) + ev,
-                            "RoPE must rotate q and k by their own positions with the same "
-                            "table; a wrapped/clamped table or rotating only q breaks this",
+        return Outcome.fail("; ".join(problems + warns + parts),
+                            "RoPE must rotate both q and k by their own positions with one "
+                            "table; a wrapped/clamped table or rotating only q breaks this (or "
+                            "q/k projections are all zero)",
                             module or attn.name, **data)
     if warns:
-        return Outcome.warn("; ".join(warns) + ("; " + ev if ev else ""),
+        return Outcome.warn("; ".join(warns + parts),
                             "check the rotary embedding and the input-length validation",
                             module or rot[0], **data)
-    return Outcome.ok(ev.lstrip("; "), rot[0], **data)
+    return Outcome.ok(ev, rot[0], **data)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -143,6 +143,11 @@ def causality(t: Target, o: DoctorOptions) -> Outcome:
                 if float((a.float() - c.float()).abs().max()) > _tolerance(a):
                     culprit = name
                     break
+        if culprit is not None:  # name the attention module, not its o_proj
+            for a in t.attention_modules():
+                if culprit.startswith(a.name + ".") or culprit == a.name:
+                    culprit = a.name
+                    break
         data.update(first_leaking_position=first_pos, first_changed_module=culprit)
         where = f"; first changed inside {culprit}" if culprit else ""
         return Outcome.fail(

@@ -1,0 +1,161 @@
+"""``mdb doctor``: run the battery of measured checks on a model and report pass/warn/fail.
+
+The model is minillm with any preset/config, or a user's model via ``--model module:function``
+(the same options as ``mdb step``). Each check (see :mod:`hooks.checks`) measures something
+through the model's behaviour and reports a status, the evidence with numbers, and a one-line
+hint at the cause. Output: a Rich table on stdout (plain text when piped), ``--json`` for
+machines, ``--tui`` to browse the results in the step debugger's doctor view. Exit code 1 when
+a check fails (or crashes), 2 on bad input, else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from tui.commands._common import _positive_int, add_model_arguments
+from tui.errors import MdbError
+
+HELP = "check a model for common build mistakes (init, mask, RoPE, GQA, gradients, routing...)"
+
+#: Width of the table when stdout is not a terminal.
+PIPE_WIDTH = 140
+
+_CHECK_LIST = ("checks: 1 init-loss, 2 causality, 3 rope, 4 gqa, 5 grad-flow, 6 routing, "
+               "7 nonfinite, 8 tied, 9 numerics, 10 overfit (only with --overfit). "
+               "Exit code 1 when a check fails.")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    g = parser.add_argument_group("doctor")
+    out = g.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true",
+                     help="print the results as JSON (one object: model, results, summary)")
+    out.add_argument("--tui", action="store_true",
+                     help="open the results in the step debugger's doctor view (Enter on a "
+                          "finding jumps to its module)")
+    g.add_argument("--overfit", action="store_true",
+                   help="also run check 10: overfit the batch (slower)")
+    g.add_argument("--overfit-steps", type=_positive_int, default=300, metavar="N",
+                   help="most optimizer steps of the overfit check (default 300)")
+    g.add_argument("--only", metavar="IDS", default=None,
+                   help="comma-separated check numbers or names, e.g. 1,2,gqa")
+    parser.epilog = _CHECK_LIST
+
+
+def status_text(status: str):
+    from rich.text import Text
+
+    from tui.screens.doctor import STATUS_STYLE
+
+    return Text(status.upper(), style=STATUS_STYLE.get(status, ""))
+
+
+def build_table(results, title: str = ""):
+    """The Rich table of ``results`` (check, status, evidence, hint)."""
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=title or None, title_justify="left", header_style="bold",
+                  show_lines=True, expand=False)
+    table.add_column("#", justify="right", no_wrap=True)
+    table.add_column("check", no_wrap=True)
+    table.add_column("status", no_wrap=True)
+    table.add_column("evidence", ratio=3)
+    table.add_column("hint", ratio=2)
+    for r in results:
+        ev = Text(r.evidence)
+        if r.module is not None and r.status not in ("pass", "skip"):
+            ev.append(f"\n→ {r.module or '<root>'}", style="cyan")
+        table.add_row(str(r.id), r.name, status_text(r.status), ev, Text(r.hint, style="dim"))
+    return table
+
+
+def summary(results, seconds: float) -> dict:
+    counts: dict[str, int] = {}
+    for r in results:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    return {"checks": len(results), "counts": counts, "seconds": round(seconds, 3),
+            "failed": [r.key for r in results if r.failed]}
+
+
+def run(args: argparse.Namespace) -> int:
+    from hooks.checks import DoctorOptions, resolve_only, run_checks
+
+    try:
+        only = resolve_only(args.only) if args.only is not None else None
+    except ValueError as exc:
+        raise MdbError(f"--only: {exc}") from None
+    from tui.commands._common import build_workload
+
+    workload = build_workload(args)
+    if workload.input_ids is None:
+        print("mdb doctor: the batch has no (B, T) int64 input_ids; checks that need token "
+              "ids will be skipped", file=sys.stderr)
+    opts = DoctorOptions(overfit_steps=args.overfit_steps, seed=args.seed)
+    status = None
+    if sys.stderr.isatty() and not args.json:
+        from rich.console import Console
+
+        status = Console(stderr=True).status("mdb doctor: running checks…")
+        status.start()
+
+    def progress(res) -> None:
+        if status is not None:
+            status.update(f"mdb doctor: {res.id} {res.key} {res.status} ({res.seconds:.1f} s)…")
+
+    t0 = time.perf_counter()
+    try:
+        results = run_checks(workload, only=only, overfit=args.overfit, options=opts,
+                             on_result=progress)
+    finally:
+        if status is not None:
+            status.stop()
+    total = time.perf_counter() - t0
+    info = summary(results, total)
+    if args.json:
+        doc = {"model": workload.description, "results": [r.to_dict() for r in results],
+               "summary": info}
+        print(json.dumps(doc, indent=2, allow_nan=False))
+    elif args.tui:
+        return _run_tui(workload, results, info)
+    else:
+        _print_table(workload.description, results, info)
+    return 1 if info["failed"] else 0
+
+
+def _print_table(description: str, results, info: dict) -> None:
+    from rich.console import Console
+
+    from tui.screens.doctor import summary_line
+
+    tty = sys.stdout.isatty()
+    console = Console(file=sys.stdout, width=None if tty else PIPE_WIDTH,
+                      no_color=not tty or None, highlight=False)
+    console.print(build_table(results, title=f"mdb doctor · {description}"))
+    line = summary_line([r.to_dict() for r in results]) + f" · {info['seconds']:.1f} s"
+    console.print(line, markup=False)
+
+
+def _run_tui(workload, results, info: dict) -> int:
+    """Capture one step of the workload and open the step app with the doctor view on top."""
+    from tui.app import MdbApp
+    from tui.commands._common import capture_step
+    from tui.screens.doctor import DoctorScreen
+
+    trace = capture_step(workload, attention=True)
+
+    class DoctorApp(MdbApp):
+        def on_mount(self) -> None:
+            super().on_mount()
+            self.push_screen(DoctorScreen(results, title=f"mdb doctor · {workload.description}"))
+
+    app = DoctorApp(trace, doctor_results=results)
+    app.run()
+    if app.error:
+        print(f"mdb: error: {app.error}", file=sys.stderr)
+        return app.return_code or 2
+    return 1 if info["failed"] else 0

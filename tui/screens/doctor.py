@@ -1,0 +1,178 @@
+"""``DoctorScreen``: the doctor's check results in a table; choosing a finding jumps to its module.
+
+Opened by the step view's ``d`` key (``tui.screens.doctor_slot``) with the results of
+:func:`hooks.checks.run_checks`, or by ``mdb doctor --tui``. One row per check (number, name,
+status, evidence); the panel below shows the highlighted row's full evidence, hint and module.
+
+Choosing a row (Enter) whose status is ``fail``, ``error`` or ``warn`` and that names a module
+dismisses the screen with that module name and posts :class:`DoctorScreen.JumpToModule`
+to the app (a subclass of :class:`tui.messages.JumpToModule`, so ``on_jump_to_module`` handlers
+receive it). Esc or ``q`` closes the screen (dismiss result ``None``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.screen import Screen
+from textual.widgets import DataTable, Footer, Static
+
+from tui import messages
+
+#: Rich style of each status in the table.
+STATUS_STYLE = {
+    "pass": "green",
+    "skip": "dim",
+    "warn": "yellow",
+    "fail": "bold red",
+    "error": "bold magenta",
+}
+#: Statuses whose module the user can jump to.
+JUMPABLE = frozenset({"fail", "error", "warn"})
+
+
+def _as_dict(result: Any) -> dict[str, Any]:
+    """A result as a dict: a :class:`hooks.checks.CheckResult` or a dict from ``--json``."""
+    if isinstance(result, dict):
+        return result
+    to_dict = getattr(result, "to_dict", None)
+    if callable(to_dict):
+        return to_dict()
+    raise TypeError(f"expected a CheckResult or a dict, got {type(result).__name__}")
+
+
+def summary_line(rows: list[dict[str, Any]]) -> str:
+    """``"10 checks · 8 pass · 1 warn · 1 fail"`` (statuses with a zero count left out)."""
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    parts = [f"{len(rows)} checks"]
+    parts += [f"{counts[s]} {s}" for s in STATUS_STYLE if counts.get(s)]
+    return " · ".join(parts)
+
+
+class DoctorScreen(Screen[str | None]):
+    """The doctor's results as a table.
+
+    Args:
+        results: :class:`hooks.checks.CheckResult` objects, or their ``to_dict()`` form (the
+            ``results`` list of ``mdb doctor --json``).
+        title: the first line (e.g. the model's description).
+    """
+
+    CSS_PATH = "doctor.tcss"
+
+    BINDINGS = [
+        Binding("escape,q,d", "close", "close", id="doctor.close",
+                tooltip="close the doctor view"),
+        Binding("enter", "jump", "jump to module", id="doctor.jump",
+                tooltip="open the highlighted finding's module in the step view"),
+    ]
+
+    class JumpToModule(messages.JumpToModule):
+        """Posted (to the app) when the user chooses a finding that names a module.
+
+        Attributes:
+            module: qualified module name from the check result.
+            call_index: always 0 (the module's first call).
+        """
+
+    def __init__(self, results: Iterable[Any], *, title: str = "mdb doctor") -> None:
+        super().__init__()
+        self.rows: list[dict[str, Any]] = [_as_dict(r) for r in results]
+        self.title_text = title
+
+    # -- layout ---------------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield Static(Text(f"{self.title_text} · {summary_line(self.rows)}", style="bold"),
+                     id="doctor-title")
+        yield DataTable(id="doctor-table", cursor_type="row", zebra_stripes=True)
+        yield Static("", id="doctor-detail")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        table = self.query_one("#doctor-table", DataTable)
+        table.add_column("#", key="id")
+        table.add_column("check", key="check")
+        table.add_column("status", key="status")
+        table.add_column("evidence", key="evidence")
+        first_bad = None
+        for i, r in enumerate(self.rows):
+            status = r["status"]
+            evidence = r.get("evidence", "")
+            short = evidence if len(evidence) <= 90 else evidence[:89] + "…"
+            table.add_row(str(r.get("id", i + 1)), r.get("name", r.get("key", "")),
+                          Text(status, style=STATUS_STYLE.get(status, "")), short, key=str(i))
+            if first_bad is None and status in ("fail", "error"):
+                first_bad = i
+        if self.rows:
+            table.move_cursor(row=first_bad or 0)
+            self._show(first_bad or 0)
+        else:
+            self.query_one("#doctor-detail", Static).update("no check results")
+        table.focus()
+
+    # -- behaviour ------------------------------------------------------------------------------
+    def _show(self, index: int) -> None:
+        if not (0 <= index < len(self.rows)):
+            return
+        r = self.rows[index]
+        text = Text()
+        text.append(f"{r.get('id', '')} {r.get('name', '')} · ", style="bold")
+        text.append(r["status"], style=STATUS_STYLE.get(r["status"], ""))
+        text.append(f"\n{r.get('evidence', '')}")
+        if r.get("hint"):
+            text.append("\nhint: ", style="bold")
+            text.append(r["hint"])
+        module = r.get("module")
+        if module is not None:
+            text.append("\nmodule: ", style="bold")
+            text.append(module or "<root>")
+            if r["status"] in JUMPABLE:
+                text.append("  (Enter opens it in the step view)", style="dim")
+        self.query_one("#doctor-detail", Static).update(text)
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        event.stop()
+        self._show(event.cursor_row)
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        event.stop()
+        self.choose(event.cursor_row)
+
+    def action_jump(self) -> None:
+        self.choose(self.query_one("#doctor-table", DataTable).cursor_row)
+
+    def choose(self, index: int) -> bool:
+        """Act on row ``index``: jump when it is a finding naming a module.
+
+        Returns:
+            True when the screen was dismissed with a module to jump to.
+        """
+        if not (0 <= index < len(self.rows)):
+            return False
+        r = self.rows[index]
+        module = r.get("module")
+        if r["status"] not in JUMPABLE:
+            self.notify(f"{r.get('name', 'this check')}: {r['status']}, nothing to open",
+                        timeout=3)
+            return False
+        if module is None:
+            self.notify(f"{r.get('name', 'this check')} names no module", timeout=3)
+            return False
+        app = self.app
+        self.dismiss(module)
+        app.post_message(self.JumpToModule(module))
+        return True
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+
+# Textual names the handler after the nesting ("on_doctor_screen_jump_to_module"); use the
+# parent's name so the app's and the step view's ``on_jump_to_module`` receive it.
+DoctorScreen.JumpToModule.handler_name = messages.JumpToModule.handler_name
