@@ -30,7 +30,7 @@ Schema (version :data:`SCHEMA_VERSION`; ``meta`` identifies the file as an mdb r
          checkpoint_step, checkpoint_path, attempt)
     metrics(run_id, step, wall, ce, aux, total, grad_norm, lr, step_time, tokens_per_s,
             steps_per_s, expert_load JSON (L, E))            PRIMARY KEY (run_id, step)
-    internals(run_id, step, captured, data JSON)             PRIMARY KEY (run_id, step)
+    internals(run_id, step, captured, data JSON, tensors BLOB) PRIMARY KEY (run_id, step)
     samples(run_id, step, prompt, text)                      PRIMARY KEY (run_id, step)
 
 Times are Unix seconds (``time.time()``). SQLite stores a NaN ``REAL`` as ``NULL``: a metric
@@ -144,6 +144,7 @@ CREATE TABLE IF NOT EXISTS internals (
     step     INTEGER NOT NULL,
     captured REAL NOT NULL,
     data     TEXT NOT NULL,
+    tensors  BLOB,
     PRIMARY KEY (run_id, step)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS samples (
@@ -474,7 +475,14 @@ def _metric_from_row(row: sqlite3.Row) -> MetricRow:
 def _connect(path: Path, *, create: bool) -> sqlite3.Connection:
     """Open ``path`` in autocommit mode with the store's pragmas; never creates unless asked."""
     if create:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_dir():
+            raise RunStoreError(f"{path} is a directory, not a run database")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RunStoreError(
+                f"cannot create the run database {path}: {exc.strerror or exc}"
+            ) from exc
         uri = f"file:{_uri_path(path)}?mode=rwc"
     else:
         if not path.exists():
@@ -544,6 +552,9 @@ class RunStore:
         self._conn = _connect(self.path, create=create)
         try:
             self._check_or_init(create)
+        except sqlite3.Error as exc:
+            self._conn.close()
+            raise RunStoreError(f"cannot use the run database {self.path}: {exc}") from exc
         except BaseException:
             self._conn.close()
             raise
@@ -724,11 +735,22 @@ class RunStore:
         return [r[0] for r in rows]
 
     def internals(self, run_id: int, step: int) -> dict[str, Any] | None:
-        """The internals captured at ``step`` (a JSON dict, see the training loop), or ``None``."""
+        """The internals captured at ``step`` (a JSON dict, see the training loop), or ``None``.
+
+        For a step captured by :class:`hooks.training.Trainer` this is ``hooks.Trace.to_dict()``;
+        :func:`hooks.training.load_trace` rebuilds the :class:`hooks.Trace` with its tensors.
+        """
         row = self.connection.execute(
             "SELECT data FROM internals WHERE run_id = ? AND step = ?", (run_id, step)
         ).fetchone()
         return json.loads(row[0]) if row is not None else None
+
+    def internals_tensors(self, run_id: int, step: int) -> bytes | None:
+        """The tensors captured with ``step``'s internals (safetensors bytes), or ``None``."""
+        row = self.connection.execute(
+            "SELECT tensors FROM internals WHERE run_id = ? AND step = ?", (run_id, step)
+        ).fetchone()
+        return bytes(row[0]) if row is not None and row[0] is not None else None
 
     def poll(self, run_id: int, after_step: int = 0) -> RunUpdate:
         """Everything new about a run since ``after_step``, read in one consistent snapshot.
@@ -884,6 +906,7 @@ class RunWriter:
         *,
         internals: Mapping[str, Any] | None = None,
         sample: tuple[str, str] | None = None,
+        tensors: bytes | None = None,
     ) -> None:
         """Write one step atomically: metrics row, optional internals and sample, run row.
 
@@ -892,21 +915,28 @@ class RunWriter:
                 ``wall`` defaults to now).
             internals: JSON-serialisable captured statistics of this step.
             sample: ``(prompt, continuation)`` generated at this step.
+            tensors: Opaque bytes stored with the internals (safetensors of the capture's
+                tensors); ignored without ``internals``.
         """
-        self.log_steps([(metrics, internals, sample)])
+        self.log_steps([(metrics, internals, sample, tensors)])
 
     def log_steps(
         self,
-        steps: Iterable[
-            tuple[MetricRow | Mapping[str, Any], Mapping[str, Any] | None, tuple[str, str] | None]
-        ],
+        steps: Iterable[tuple[Any, ...]],
     ) -> None:
-        """Write several steps in one transaction (each as in :meth:`log_step`)."""
+        """Write several steps in one transaction.
+
+        Args:
+            steps: Tuples ``(metrics, internals, sample[, tensors])`` as the arguments of
+                :meth:`log_step`.
+        """
         rows = []
         extras_i = []
         extras_s = []
         now = time.time()
-        for metrics, internals, sample in steps:
+        for item in steps:
+            metrics, internals, sample = item[:3]
+            tensors = item[3] if len(item) > 3 else None
             m = metrics.to_dict() if isinstance(metrics, MetricRow) else dict(metrics)
             m.setdefault("wall", now)
             load = m.get("expert_load")
@@ -916,7 +946,9 @@ class RunWriter:
             rows.append(tuple(m.get(c) for c in _METRIC_COLUMNS))
             step = int(m["step"])
             if internals is not None:
-                extras_i.append((self.run_id, step, now, json.dumps(internals, default=_jsonable)))
+                data = json.dumps(internals, default=_jsonable)
+                blob = sqlite3.Binary(tensors) if tensors is not None else None
+                extras_i.append((self.run_id, step, now, data, blob))
             if sample is not None:
                 extras_s.append((self.run_id, step, sample[0], sample[1]))
         if not rows:
@@ -932,8 +964,8 @@ class RunWriter:
             )
             if extras_i:
                 conn.executemany(
-                    "INSERT OR REPLACE INTO internals (run_id, step, captured, data)"
-                    " VALUES (?, ?, ?, ?)",
+                    "INSERT OR REPLACE INTO internals (run_id, step, captured, data, tensors)"
+                    " VALUES (?, ?, ?, ?, ?)",
                     extras_i,
                 )
             if extras_s:

@@ -59,6 +59,7 @@ __all__ = [
     "expert_load",
     "install_stop_signals",
     "load_checkpoint",
+    "load_trace",
     "locate_nonfinite",
     "save_checkpoint",
     "signal_exit_code",
@@ -286,7 +287,9 @@ class StepReport:
 
     Attributes:
         metrics: The step's :class:`hooks.runstore.MetricRow`.
-        internals: JSON-serialisable captured statistics when the step was captured.
+        internals: JSON-serialisable captured statistics when the step was captured
+            (``hooks.Trace.to_dict()``).
+        internals_tensors: The capture's tensors (routing, attention) as safetensors bytes.
         trace: The capture object itself (a :class:`hooks.Trace` when the hooks engine is
             available) for a step-through view, else ``None``.
         sample: ``(prompt, greedy continuation)`` when generated at this step.
@@ -296,6 +299,7 @@ class StepReport:
 
     metrics: MetricRow
     internals: dict[str, Any] | None = None
+    internals_tensors: bytes | None = None
     trace: Any = None
     sample: tuple[str, str] | None = None
     failure: NonFiniteInfo | None = None
@@ -429,15 +433,59 @@ def _hooks_capture_available() -> bool:
 
 
 @contextlib.contextmanager
-def _maybe_capture(model: nn.Module, step: int | None = None):
+def _maybe_capture(
+    model: nn.Module, step: int | None = None, kwargs: Mapping[str, Any] | None = None
+):
     """``hooks.capture(model)`` as a context yielding the Trace, or ``None`` without the engine."""
     if not _hooks_capture_available():
         yield None
         return
     import hooks
 
-    with hooks.capture(model, step=step) as trace:
+    with hooks.capture(model, step=step, **dict(kwargs or {})) as trace:
         yield trace
+
+
+def _trace_tensors(trace: Any) -> bytes | None:
+    """The trace's tensors (``Trace.all_tensors()``) as safetensors bytes, or ``None``."""
+    all_tensors = getattr(trace, "all_tensors", None)
+    if not callable(all_tensors):
+        return None
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in all_tensors().items()}
+    if not tensors:
+        return None
+    from safetensors.torch import save
+
+    return save(tensors)
+
+
+def load_trace(store: RunStore, run_id: int, step: int):
+    """Rebuild the :class:`hooks.Trace` captured at ``step`` of a run from the store.
+
+    Args:
+        store: An open :class:`hooks.runstore.RunStore` (a reader is fine).
+        run_id: :attr:`hooks.runstore.RunInfo.id`.
+        step: A step listed by :meth:`hooks.runstore.RunStore.internals_steps`.
+
+    Returns:
+        The trace (statistics, routing and attention tensors), or ``None`` when the step has no
+        captured internals.
+
+    Raises:
+        hooks.TraceFormatError: The stored internals are not a trace this mdb can read.
+    """
+    import hooks
+
+    data = store.internals(run_id, step)
+    if data is None:
+        return None
+    blob = store.internals_tensors(run_id, step)
+    tensors = {}
+    if blob:
+        from safetensors.torch import load
+
+        tensors = load(blob)
+    return hooks.Trace.from_dict(data, tensors)
 
 
 def _trace_to_internals(trace: Any) -> dict[str, Any] | None:
@@ -501,6 +549,10 @@ class Trainer:
             ``model.config.num_experts_per_tok`` when present).
         tokens_per_step: Tokens per step for throughput (default: ``input_ids.numel()``).
         lr_at: Optional schedule ``lr_at(step) -> lr`` applied to every param group.
+        capture_kwargs: Extra keyword arguments of ``hooks.capture`` (e.g. ``attention=True``).
+        capture_meta: ``capture_meta(batch) -> dict`` stored in a captured trace's ``meta``
+            (token labels, config); the step's losses are added as ``loss``, ``ce_loss``,
+            ``aux_loss``.
 
     Raises:
         ValueError: ``total_steps < start_step`` or a negative interval.
@@ -521,6 +573,8 @@ class Trainer:
         top_k: int | None = None,
         tokens_per_step: int | None = None,
         lr_at: Callable[[int], float] | None = None,
+        capture_kwargs: Mapping[str, Any] | None = None,
+        capture_meta: Callable[[Batch], dict[str, Any]] | None = None,
     ) -> None:
         if total_steps < start_step:
             raise ValueError(f"total_steps ({total_steps}) is before start_step ({start_step})")
@@ -540,6 +594,8 @@ class Trainer:
         self.top_k = top_k if top_k is not None else getattr(cfg, "num_experts_per_tok", 1)
         self.tokens_per_step = tokens_per_step
         self.lr_at = lr_at
+        self.capture_kwargs = dict(capture_kwargs or {})
+        self.capture_meta = capture_meta
         self._params = [p for p in model.parameters() if p.requires_grad]
 
     # -- one step ------------------------------------------------------------------------------
@@ -574,7 +630,11 @@ class Trainer:
                 group["lr"] = lr
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        with _maybe_capture(model, step) if capture else contextlib.nullcontext() as trace:
+        cap_ctx = (
+            _maybe_capture(model, step, self.capture_kwargs) if capture
+            else contextlib.nullcontext()
+        )
+        with cap_ctx as trace:
             out = model(**batch)
             loss = out.loss
             loss_ok = bool(torch.isfinite(loss.detach()).all())
@@ -612,8 +672,15 @@ class Trainer:
         )
         report = StepReport(metrics=metrics)
         if trace is not None:
+            meta = dict(self.capture_meta(batch)) if self.capture_meta is not None else {}
+            meta.update(step=step, loss=metrics.total, ce_loss=metrics.ce, aux_loss=metrics.aux)
+            meta = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v))
+                    for k, v in meta.items()}
+            if isinstance(getattr(trace, "meta", None), dict):
+                trace.meta.update(meta)
             report.trace = trace
             report.internals = _trace_to_internals(trace)
+            report.internals_tensors = _trace_tensors(trace)
         if not (loss_ok and grad_ok):
             report.failure = self._locate_failure(step, batch, loss_ok, trace)
             opt.zero_grad(set_to_none=True)
@@ -1022,6 +1089,7 @@ class OverfitSession:
         self.name = writer.name if writer is not None else ""
         self.control = TrainControl()
         self.result: TrainResult | None = None
+        self.checkpoint_error: str | None = None
         torch.manual_seed(options.seed)
         if options.tokenizer == "char":
             self.tokenizer: Any = minillm.CharTokenizer.from_text(options.text)
@@ -1057,6 +1125,8 @@ class OverfitSession:
             sample_every=options.sample_every,
             sample_fn=self.greedy_sample,
             top_k=self.config.num_experts_per_tok,
+            capture_kwargs={"attention": True},
+            capture_meta=self._capture_meta,
         )
         self._fixed_batch = None
         if seq == n:
@@ -1138,6 +1208,21 @@ class OverfitSession:
         x = torch.stack([self.ids[0, s : s + seq] for s in starts.tolist()])
         return {"input_ids": x, "labels": x}
 
+    def _capture_meta(self, batch: Batch) -> dict[str, Any]:
+        """``meta`` of a captured step, as ``mdb step`` records it (tokens, config, shape)."""
+        ids = batch["input_ids"]
+        return {
+            "description": (
+                f"overfit run {self.name} · minillm {self.options.preset or 'custom config'} · "
+                f"{self.model.num_parameters():,} params · batch {ids.shape[0]}×{ids.shape[1]} "
+                f"of {self.options.text_source}"
+            ),
+            "tokens": self.tokenizer.token_strings(ids.reshape(-1).tolist()),
+            "config": self.config.to_dict(),
+            "input_shape": list(ids.shape),
+            "run": self.name,
+        }
+
     @property
     def prompt(self) -> str:
         """The sample prompt: the text's first ``prompt_chars`` characters."""
@@ -1198,9 +1283,10 @@ class OverfitSession:
         every_ckpt = self.options.checkpoint_every
 
         def step_cb(report: StepReport) -> None:
-            writer.log_step(report.metrics, internals=report.internals, sample=report.sample)
+            writer.log_step(report.metrics, internals=report.internals, sample=report.sample,
+                            tensors=report.internals_tensors)
             if every_ckpt and report.failure is None and report.step % every_ckpt == 0:
-                self.save_checkpoint()
+                self._try_checkpoint()
             if on_step is not None:
                 on_step(report)
 
@@ -1213,12 +1299,14 @@ class OverfitSession:
         try:
             result = self.trainer.run(self.control, on_step=step_cb, on_state=state_cb)
         except BaseException as exc:
-            reason = "KeyboardInterrupt" if isinstance(exc, KeyboardInterrupt) else repr(exc)
+            interrupted = isinstance(exc, KeyboardInterrupt)
+            reason = "KeyboardInterrupt" if interrupted else f"{type(exc).__name__}: {exc}"
             with contextlib.suppress(Exception):
                 if self.trainer.step > self.trainer.start_step:
                     self.save_checkpoint()
             with contextlib.suppress(Exception):
-                writer.finish("interrupted", reason=reason[:500])
+                writer.finish("interrupted" if interrupted else "failed", reason=reason[:500],
+                              fail_step=None if interrupted else self.trainer.step + 1)
             raise
         if result.status == "failed":
             f = result.failure
@@ -1229,11 +1317,25 @@ class OverfitSession:
                 fail_module=f.module if f else None,
             )
         else:
+            reason = result.reason
             if result.last_step > self.trainer.start_step or not self._has_checkpoint():
-                self.save_checkpoint()
-            writer.finish(result.status, reason=result.reason)
+                error = self._try_checkpoint()
+                if error:
+                    reason = f"{reason}; {error}"
+                    result.reason = reason
+            writer.finish(result.status, reason=reason)
         self.result = result
         return result
+
+    def _try_checkpoint(self) -> str | None:
+        """Checkpoint; on a filesystem error return a one-line description instead of raising
+        (the run's metrics are safe in the database; :attr:`checkpoint_error` keeps it)."""
+        try:
+            self.save_checkpoint()
+        except OSError as exc:
+            self.checkpoint_error = f"checkpoint failed: {exc.strerror or exc}"
+            return self.checkpoint_error
+        return None
 
     def _has_checkpoint(self) -> bool:
         return (self.checkpoint_path / "checkpoint.json").exists()

@@ -247,6 +247,13 @@ def test_bad_databases_give_one_line_errors(tmp_path):
     with pytest.raises(RunStoreError, match="newer mdb"):
         RunStore(newer)
 
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    with pytest.raises(RunStoreError, match="cannot create the run database"):
+        RunStore(a_file / "sub" / "mdb.sqlite", create=True)
+    with pytest.raises(RunStoreError, match="is a directory"):
+        RunStore(tmp_path, create=True)
+
     for exc in (RunNotFoundError, RunExistsError, WriterBusyError):
         assert issubclass(exc, RunStoreError)
 

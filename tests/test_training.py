@@ -22,6 +22,7 @@ from hooks.training import (
     Trainer,
     expert_load,
     load_checkpoint,
+    load_trace,
     locate_nonfinite,
     save_checkpoint,
     signal_exit_code,
@@ -262,7 +263,7 @@ def test_generic_model_without_ce_or_routers():
     toy = _Toy()
     x = torch.randn(4, 3)
     opt = torch.optim.SGD(toy.parameters(), lr=0.1)
-    expected = float(toy(x).loss)
+    expected = float(toy(x).loss.detach())
     report = Trainer(toy, lambda step: {"x": x}, opt, total_steps=1).train_step()
     assert report.metrics.ce == pytest.approx(expected) and report.metrics.aux == 0.0
     assert report.metrics.expert_load is None and report.metrics.tokens_per_s == 0
@@ -361,6 +362,29 @@ def test_overfit_session_writes_every_step_and_resumes(tmp_path):
     ce_a = [m.ce for m in store.metrics(run.id)]
     ce_b = [m.ce for m in fresh_store.metrics(fresh_store.run("r").id)]
     assert ce_a == ce_b
+
+
+def test_captured_step_round_trips_through_the_store(tmp_path):
+    if not training._hooks_capture_available():
+        pytest.skip("hooks.capture not available")
+    store = RunStore(tmp_path / "mdb.sqlite", create=True)
+    s = OverfitSession.create(store, "c", _tiny_options(steps=3, every=2))
+    reports = []
+    s.run(on_step=reports.append)
+    live = reports[1].trace
+    run_id = store.run("c").id
+    assert store.internals_steps(run_id) == [2] and load_trace(store, run_id, 1) is None
+    with RunStore(tmp_path / "mdb.sqlite") as reader:
+        loaded = load_trace(reader, run_id, 2)
+    assert loaded.step == 2 and len(loaded.forward) == len(live.forward) > 0
+    assert [r.module for r in loaded.forward] == [r.module for r in live.forward]
+    assert loaded.meta["tokens"] == list(TEXT) and loaded.meta["run"] == "c"
+    assert loaded.meta["ce_loss"] == pytest.approx(reports[1].metrics.ce)
+    want, got = live.all_tensors(), loaded.all_tensors()
+    assert set(want) == set(got) and any(k.startswith("attention/") for k in want)
+    assert any(k.startswith("routing/") for k in want)
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
 
 
 def test_overfit_windows_with_seq_len_and_batch_size(tmp_path):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sqlite3
 import sys
 import time
 from typing import Any
@@ -20,8 +21,8 @@ from typing import Any
 from tui.errors import MdbError
 
 HELP = (
-    "memorise a short text (seed 000's test C) as a recorded run; watch it with `mdb watch` "
-    "(the live screen is not wired yet: without --headless it also runs headless)"
+    "memorise a short text (seed 000's test C) as a recorded run, on a live screen (or "
+    "--headless); watch it from elsewhere with `mdb watch`"
 )
 
 #: Exit status of a run that failed (non-finite loss or gradient).
@@ -114,8 +115,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     x = parser.add_argument_group("running")
     x.add_argument("--headless", action="store_true",
                    help="no UI: one progress line on a terminal, plain lines otherwise (for "
-                        "nohup, tmux, batch jobs). Until the live screen exists every run is "
-                        "headless")
+                        "nohup, tmux, batch jobs); also used when stdin or stdout is not a "
+                        "terminal")
     x.add_argument("--threads", type=_positive_int, default=1,
                    help="torch CPU threads (default 1: small models train fastest on one)")
     x.add_argument("--heartbeat", type=_positive_float, default=1.0, help=argparse.SUPPRESS)
@@ -423,6 +424,10 @@ def run_headless(session, args: argparse.Namespace | None = None) -> int:
     try:
         with reporter:
             result = session.run(on_step=reporter.on_step, heartbeat_interval=heartbeat)
+    except sqlite3.Error as exc:
+        raise MdbError(
+            f"writing run {session.name} to {session.store.path} failed: {exc}"
+        ) from None
     finally:
         restore()
         session.store.close()
@@ -455,4 +460,8 @@ def run(args: argparse.Namespace) -> int:
         session = build_session(args, control=control)
     finally:
         restore()
-    return run_headless(session, args)
+    if args.headless or not (sys.stdin.isatty() and sys.stdout.isatty()):
+        return run_headless(session, args)
+    from tui.live_app import run_live
+
+    return run_live(session, args)
