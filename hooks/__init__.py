@@ -1,0 +1,81 @@
+"""hooks: the debugger's capture engine (shapes, statistics, gradients, routing, attention).
+
+Everything the TUI shows comes from a :class:`Trace` recorded by :func:`capture`::
+
+    import hooks
+    with hooks.capture(model) as trace:
+        out = model(ids, labels=ids)
+        out.loss.backward()
+    trace.forward        # one CallRecord per module call, in execution order
+    trace.backward       # one GradRecord per output gradient, in autograd order
+    trace.params         # ParamGradRecord by parameter name
+    trace.routing        # one RoutingRecord per MoE layer call
+    trace.first_nonfinite()
+    trace.save("step0.mdbtrace"); hooks.Trace.load("step0.mdbtrace")
+    trace.diff(other_trace)
+
+Works on any ``torch.nn.Module``; never imports textual, rich or tui.
+"""
+
+from hooks.capture import Capture, Selector, capture, module_infos
+from hooks.diff import TensorDiff, TraceDiff
+from hooks.probes import (
+    BlockRoutingProbe,
+    EagerAttentionProbe,
+    Probe,
+    ProbeContext,
+    QKAttentionProbe,
+    TopKRouterProbe,
+    probes_for,
+    register_probe,
+    unregister_probe,
+)
+from hooks.records import (
+    AttentionRecord,
+    CallRecord,
+    GradRecord,
+    ModuleInfo,
+    NonFinite,
+    Note,
+    ParamGradRecord,
+    ProbeRecord,
+    RoutingRecord,
+    TensorInfo,
+)
+from hooks.stats import NUM_BINS, StatsBatch, TensorStats, summarize_tensor
+from hooks.trace import SCHEMA_VERSION, Trace, TraceFormatError
+
+__all__ = [
+    "NUM_BINS",
+    "SCHEMA_VERSION",
+    "AttentionRecord",
+    "BlockRoutingProbe",
+    "CallRecord",
+    "Capture",
+    "EagerAttentionProbe",
+    "GradRecord",
+    "ModuleInfo",
+    "NonFinite",
+    "Note",
+    "ParamGradRecord",
+    "Probe",
+    "ProbeContext",
+    "ProbeRecord",
+    "QKAttentionProbe",
+    "RoutingRecord",
+    "Selector",
+    "StatsBatch",
+    "TensorDiff",
+    "TensorInfo",
+    "TensorStats",
+    "TopKRouterProbe",
+    "Trace",
+    "TraceDiff",
+    "TraceFormatError",
+    "capture",
+    "module_infos",
+    "probes_for",
+    "register_probe",
+    "summarize_tensor",
+    "unregister_probe",
+]

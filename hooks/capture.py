@@ -1,0 +1,600 @@
+"""``hooks.capture``: record shapes, statistics and gradients of every module call.
+
+How it works (and why):
+
+* Forward: a forward *pre*-hook (with kwargs) opens a :class:`~hooks.records.CallRecord` and
+  summarises the inputs before the module runs (an in-place module would overwrite them); a
+  forward hook closes it, summarises the outputs and registers a tensor hook
+  (``Tensor.register_hook``) on every output that requires grad. Full module backward hooks are
+  not used: they break on in-place ops and views and never fire for dict outputs.
+* Backward: each tensor hook receives the gradient of the loss with respect to that output and
+  appends a :class:`~hooks.records.GradRecord` in the order autograd produces them. It returns
+  ``None``, so gradients are never changed.
+* Parameters: ``register_post_accumulate_grad_hook`` marks which parameters received a gradient
+  during the capture; their statistics are computed once at exit with ``torch._foreach_norm``.
+* Statistics are launched in the hooks and converted to Python numbers once at exit
+  (:class:`~hooks.stats.StatsBatch`); a tensor seen again unchanged (same object, same version
+  counter) reuses its slot, so a module's input that is the previous module's output costs
+  nothing. Nothing keeps a reference to an activation or to the autograd graph unless
+  ``keep_bytes`` asks for copies.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import time
+import weakref
+from collections.abc import Iterable, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from hooks.probes import ProbeContext, probes_for
+from hooks.records import CallRecord, GradRecord, ModuleInfo, Note, ParamGradRecord
+from hooks.stats import NUM_BINS, StatsBatch
+from hooks.trace import Trace
+from hooks.walk import dtype_name, find_tensors, named_modules, named_parameters
+
+Selector = str | type
+"""A module selector: a ``fnmatch`` pattern on the qualified name (a pattern also selects the
+named module's descendants), a class name, or a class (``isinstance``)."""
+
+
+def _matches(name: str, module: nn.Module, selectors: Sequence[Selector]) -> bool:
+    for sel in selectors:
+        if isinstance(sel, type):
+            if isinstance(module, sel):
+                return True
+        elif sel == type(module).__name__:
+            return True
+        elif fnmatch.fnmatchcase(name, sel) or (sel and name.startswith(sel + ".")):
+            return True
+    return False
+
+
+def _is_compiled(model: nn.Module) -> bool:
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except Exception:  # pragma: no cover - very old torch
+        OptimizedModule = ()  # type: ignore[assignment]
+    for m in model.modules():
+        if isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None:
+            return True
+    return False
+
+
+def module_infos(
+    model: nn.Module, modules: list[tuple[str, nn.Module]] | None = None
+) -> list[ModuleInfo]:
+    """Every module of ``model.named_modules()`` order, with own and total parameter counts.
+
+    A tied parameter (``lm_head.weight is embed_tokens.weight``) counts in ``own_params`` of each
+    module that registers it, and once in ``total_params`` of any module holding it.
+    ``modules`` is ``hooks.walk.named_modules(model)`` when the caller already has it.
+    """
+    if modules is None:
+        modules = named_modules(model)
+    own: dict[str, int] = {}
+    total: dict[str, int] = {}
+    seen: dict[str, set[int]] = {}
+    for qname, p in named_parameters(modules, remove_duplicate=False):
+        owner, _, _ = qname.rpartition(".")
+        own[owner] = own.get(owner, 0) + p.numel()
+        prefix = owner
+        while True:
+            ids = seen.setdefault(prefix, set())
+            if id(p) not in ids:
+                ids.add(id(p))
+                total[prefix] = total.get(prefix, 0) + p.numel()
+            if not prefix:
+                break
+            prefix = prefix.rpartition(".")[0]
+    return [
+        ModuleInfo(
+            name,
+            type(m).__name__,
+            0 if name == "" else name.count(".") + 1,
+            own.get(name, 0),
+            total.get(name, 0),
+        )
+        for name, m in modules
+    ]
+
+
+class Capture:
+    """Context manager that records one :class:`~hooks.trace.Trace` of ``model``.
+
+    Prefer :func:`capture`, which builds one. ``start()``/``stop()`` are the same as
+    ``__enter__``/``__exit__`` for code that cannot use ``with``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        keep_bytes: int = 0,
+        include: Iterable[Selector] | None = None,
+        exclude: Iterable[Selector] | None = None,
+        inputs: bool = True,
+        grads: bool = True,
+        params: bool = True,
+        attention: bool | Iterable[str] = False,
+        probes: bool = True,
+        step: int | None = None,
+        every: int = 1,
+        meta: dict[str, Any] | None = None,
+        bins: int = NUM_BINS,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"capture expects a torch.nn.Module, got {type(model).__name__}")
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        if keep_bytes < 0:
+            raise ValueError(f"keep_bytes must be >= 0, got {keep_bytes}")
+        self.model = model
+        self.keep_bytes = int(keep_bytes)
+        self.include = list(include) if include is not None else None
+        self.exclude = list(exclude) if exclude is not None else []
+        self.inputs = inputs
+        self.grads = grads
+        self.params = params
+        self.attention = attention
+        self.probes = probes
+        self.step = step
+        self.every = every
+        self.bins = bins
+        self.trace = Trace(meta=dict(meta or {}), step=step)
+        self.active = False
+        self._started = False
+
+    # -- public lifecycle -----------------------------------------------------------------------
+    @property
+    def sampled(self) -> bool:
+        """Whether this step is captured (``step % every == 0``, or no step given)."""
+        return self.step is None or self.step % self.every == 0
+
+    def __enter__(self) -> Trace:
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.stop()
+        return False
+
+    def start(self) -> Trace:
+        """Attach the hooks and return the (still empty) trace."""
+        if self._started:
+            raise RuntimeError("a Capture can be started only once; build a new one per step")
+        self._started = True
+        tr = self.trace
+        tr.model_type = type(self.model).__name__
+        tr.captured = self.sampled
+        if not tr.captured:
+            return tr
+        self._batch = StatsBatch(bins=self.bins)
+        self._pending: list[tuple[Any, int]] = []  # (TensorInfo | GradRecord, slot)
+        self._cache: dict[int, tuple[weakref.ref, int, int]] = {}
+        self._counts: dict[str, int] = {}
+        self._stack: list[CallRecord] = []
+        self._t0: list[float] = []
+        self._end = 0
+        self._handles: list[Any] = []
+        self._tensor_handles: list[Any] = []
+        self._no_grad: dict[str, int] = {}
+        self._touched: dict[str, torch.Tensor] = {}  # name -> [|g|^2, min g, max g, |w|^2]
+        self._kept = 0
+        self._dropped = 0
+        self._errors: dict[str, str] = {}
+        self._call_count = 0
+
+        self._modules = named_modules(self.model)
+        tr.modules = module_infos(self.model, self._modules)
+        if _is_compiled(self.model):
+            tr.notes.append(
+                Note(
+                    "compiled",
+                    "model (or a submodule) is torch.compile'd: hooks added after compilation "
+                    "may not fire or may force recompiles; capture the uncompiled module "
+                    "(e.g. model._orig_mod) for reliable records",
+                )
+            )
+        ctx = ProbeContext(self)
+        for name, m in self._modules:
+            tname = type(m).__name__
+            if self._selected(name, m):
+                self._handles.append(
+                    m.register_forward_pre_hook(partial(self._pre, name, tname), with_kwargs=True)
+                )
+                self._handles.append(
+                    m.register_forward_hook(partial(self._post, name, tname), with_kwargs=True)
+                )
+            if self.probes:
+                for probe in probes_for(m):
+                    self._handles.extend(probe.attach(name, m, ctx))
+        if self.params:
+            for name, p in named_parameters(self._modules):
+                if p.requires_grad:
+                    self._handles.append(
+                        p.register_post_accumulate_grad_hook(partial(self._on_param, name))
+                    )
+        self.active = True
+        return tr
+
+    def stop(self) -> Trace:
+        """Remove every hook, convert the statistics and return the finished trace."""
+        tr = self.trace
+        if not self._started or not tr.captured or not self.active:
+            return tr
+        self.active = False
+        for h in self._handles:
+            h.remove()
+        for h in self._tensor_handles:
+            h.remove()
+        self._handles.clear()
+        self._tensor_handles.clear()
+        self._cache.clear()
+        for rec in self._stack:
+            rec.notes.append("call did not finish (an exception unwound it)")
+        self._stack.clear()
+        results = self._batch.finalize()
+        for obj, slot in self._pending:
+            obj.stats = results[slot]
+        self._pending.clear()
+        if self.params and (tr.backward or self._touched):
+            tr.params = self._param_records()
+        elif self.params and self.grads:
+            tr.notes.append(Note("no_backward", "no backward pass ran inside the capture"))
+        if tr.backward:
+            for name, n in self._no_grad.items():
+                tr.notes.append(
+                    Note(
+                        "no_grad",
+                        f"{n} call(s) produced outputs that do not require grad (torch.no_grad, "
+                        "detached or integer outputs): no gradient to record",
+                        module=name,
+                    )
+                )
+        if self._dropped:
+            tr.notes.append(
+                Note(
+                    "budget",
+                    f"keep_bytes={self.keep_bytes} reached: {self._dropped} tensor(s) kept as "
+                    "statistics only",
+                )
+            )
+        for name, msg in self._errors.items():
+            tr.notes.append(Note("hook_error", msg, module=name))
+        if self._call_count == 0 and tr.notes and tr.notes[0].kind == "compiled":
+            tr.notes.append(Note("compiled", "no forward call was recorded (compiled model)"))
+        tr.kept_bytes = self._kept
+        return tr
+
+    # -- selection, stats, keeping --------------------------------------------------------------
+    def _selected(self, name: str, m: nn.Module) -> bool:
+        if self.include is not None and not _matches(name, m, self.include):
+            return False
+        return not (self.exclude and _matches(name, m, self.exclude))
+
+    def wants_attention(self, name: str) -> bool:
+        """Whether attention probabilities were requested for module ``name``."""
+        a = self.attention
+        if a is True:
+            return True
+        if not a:
+            return False
+        return any(fnmatch.fnmatchcase(name, p) or name.startswith(p + ".") for p in a)
+
+    def _slot(self, t: torch.Tensor) -> int | None:
+        key = id(t)
+        hit = self._cache.get(key)
+        if hit is not None and hit[0]() is t and hit[1] == t._version:
+            return hit[2]
+        slot = self._batch.add(t)
+        if slot is not None:
+            try:
+                self._cache[key] = (weakref.ref(t), t._version, slot)
+            except TypeError:  # pragma: no cover - tensor subclasses without weakref support
+                pass
+        return slot
+
+    def _info(self, path: str, t: torch.Tensor):
+        from hooks.records import TensorInfo
+
+        info = TensorInfo(path, list(t.shape), dtype_name(t.dtype), t.requires_grad)
+        slot = self._slot(t)
+        if slot is not None:
+            self._pending.append((info, slot))
+        return info
+
+    def _keep(self, key: str, t: torch.Tensor) -> str | None:
+        if self.keep_bytes <= 0:
+            return None
+        nbytes = t.numel() * t.element_size()
+        if self._kept + nbytes > self.keep_bytes:
+            self._dropped += 1
+            return None
+        self._kept += nbytes
+        self.trace.tensors[key] = t.detach().to("cpu", copy=True).contiguous()
+        return key
+
+    def _error(self, name: str, exc: BaseException) -> None:
+        self._errors.setdefault(name, f"capture hook failed: {type(exc).__name__}: {exc}")
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def _pre(self, name: str, tname: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self.active:
+            return None
+        try:
+            ci = self._counts.get(name, 0)
+            self._counts[name] = ci + 1
+            self._call_count += 1
+            stack = self._stack
+            fwd = self.trace.forward
+            rec = CallRecord(
+                len(fwd), name, tname, ci, len(stack), stack[-1].index if stack else None
+            )
+            fwd.append(rec)
+            if self.inputs:
+                tensors: list[tuple[str, torch.Tensor]] = []
+                others: list[tuple[str, str]] = []
+                if args:
+                    find_tensors(args, "args", tensors, others)
+                if kwargs:
+                    find_tensors(kwargs, "kwargs", tensors, others)
+                rec.inputs = [self._info(p, t) for p, t in tensors]
+            stack.append(rec)
+            self._t0.append(time.perf_counter())
+        except Exception as exc:  # never break the user's forward
+            self._error(name, exc)
+        return None
+
+    def _post(
+        self, name: str, tname: str, module: nn.Module, args: tuple, kwargs: dict, output: Any
+    ) -> None:
+        if not self.active:
+            return None
+        t_end = time.perf_counter()
+        try:
+            stack = self._stack
+            while stack and stack[-1].module != name:  # a child raised and was not closed
+                stack.pop().notes.append("call did not finish (an exception unwound it)")
+                self._t0.pop()
+            if not stack:
+                return None
+            rec = stack.pop()
+            rec.time_ms = (t_end - self._t0.pop()) * 1e3
+            rec.end_order = self._end
+            self._end += 1
+            if isinstance(output, torch.Tensor):
+                tensors = [("out", output)]
+                others: list[tuple[str, str]] = []
+            else:
+                tensors = []
+                others = []
+                find_tensors(output, "out", tensors, others)
+            if not tensors:
+                rec.notes.append(f"non-tensor output ({type(output).__name__}): nothing to record")
+            elif others:
+                rec.notes.append(
+                    "non-tensor output parts not recorded: "
+                    + ", ".join(f"{p} ({t})" for p, t in others[:4])
+                )
+            outs = []
+            grad_on = self.grads
+            no_grad = False
+            for path, t in tensors:
+                info = self._info(path, t)
+                if self.keep_bytes:
+                    info.kept = self._keep(f"fwd/{rec.index}/{path}", t)
+                if grad_on and t.requires_grad:
+                    self._tensor_handles.append(
+                        t.register_hook(partial(self._on_grad, rec, path))
+                    )
+                elif grad_on and t.is_floating_point():
+                    no_grad = True
+                outs.append(info)
+            rec.outputs = outs
+            if no_grad:
+                self._no_grad[name] = self._no_grad.get(name, 0) + 1
+        except Exception as exc:
+            self._error(name, exc)
+        return None
+
+    def _on_grad(self, rec: CallRecord, path: str, grad: torch.Tensor) -> None:
+        if not self.active or grad is None:
+            return None
+        try:
+            bwd = self.trace.backward
+            g = GradRecord(
+                len(bwd),
+                rec.index,
+                rec.module,
+                rec.module_type,
+                rec.call_index,
+                path,
+                list(grad.shape),
+                dtype_name(grad.dtype),
+            )
+            slot = self._slot(grad)  # hooks on one tensor share one gradient object
+            if slot is not None:
+                self._pending.append((g, slot))
+            if self.keep_bytes:
+                g.kept = self._keep(f"bwd/{g.index}", grad)
+            bwd.append(g)
+        except Exception as exc:
+            self._error(rec.module, exc)
+        return None
+
+    def _on_param(self, name: str, param: torch.Tensor) -> None:
+        # Runs right after autograd accumulated .grad, while the gradient (and usually the
+        # weight) is still in cache: far cheaper than reading every gradient again at exit.
+        if not self.active:
+            return
+        try:
+            with torch.no_grad():
+                g = _dense(param.grad).reshape(-1)
+                w = param.detach().reshape(-1)
+                if g.numel() == 0:
+                    z = g.new_zeros(())
+                    self._touched[name] = torch.stack([z, z, z, z])
+                    return
+                if not g.is_floating_point():
+                    g = g.float()
+                lo, hi = torch.aminmax(g)
+                self._touched[name] = torch.stack(
+                    [torch.dot(g, g), lo, hi, torch.dot(w, w).to(g.dtype)]
+                ).float()
+        except Exception as exc:
+            self._error(name, exc)
+
+    # -- parameters -----------------------------------------------------------------------------
+    def _param_records(self) -> dict[str, ParamGradRecord]:
+        """Per-parameter records; gradient numbers come from ``_on_param`` where it ran."""
+        named = named_parameters(self._modules)
+        touched = self._touched
+        names = list(touched)
+        vals = dict(zip(names, torch.stack([touched[n] for n in names]).tolist())) if names else {}
+        out: dict[str, ParamGradRecord] = {}
+        with torch.no_grad():
+            # parameters not seen by the hook (frozen, no grad, stale grad): one fused launch
+            rest = [p for n, p in named if n not in vals]
+            rest_w = dict(zip([n for n, _ in named if n not in vals], _norms([p.detach() for p in rest])))
+            for name, p in named:
+                rec = ParamGradRecord(name, list(p.shape), "none")
+                if name in vals:
+                    g2, lo, hi, w2 = vals[name]
+                    rec.weight_norm = math.sqrt(w2) if w2 >= 0 else math.nan
+                    rec.grad_norm = math.sqrt(g2) if g2 >= 0 else math.nan
+                    rec.grad_abs_max = math.nan if math.isnan(lo + hi) else max(-lo, hi)
+                    rec.status = "zero" if rec.grad_abs_max == 0.0 else "ok"
+                else:
+                    rec.weight_norm = rest_w[name]
+                    if not p.requires_grad:
+                        rec.status = "frozen"
+                    elif p.grad is not None:
+                        g = _dense(p.grad)
+                        rec.status = "stale"
+                        rec.grad_norm = _norms([g])[0]
+                        rec.grad_abs_max = _abs_maxes([g])[0]
+                if rec.grad_norm is not None and not (
+                    math.isfinite(rec.grad_norm) and math.isfinite(rec.grad_abs_max)
+                ):
+                    g = p.grad
+                    if g is not None:
+                        g = _dense(g)
+                        rec.nan_count = int(torch.isnan(g).sum())
+                        rec.inf_count = int(torch.isinf(g).sum())
+                if rec.grad_norm is not None and rec.weight_norm:
+                    rec.ratio = rec.grad_norm / rec.weight_norm
+                out[name] = rec
+        return out
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t.coalesce().values() if t.is_sparse else t
+
+
+def _norms(tensors: list[torch.Tensor]) -> list[float]:
+    """L2 norms of many tensors (``torch._foreach_norm``: one fused launch per dtype/device)."""
+    if not tensors:
+        return []
+    try:
+        norms = torch._foreach_norm(tensors, 2)
+    except Exception:  # pragma: no cover - combos _foreach_norm refuses
+        norms = [torch.linalg.vector_norm(t.float()) for t in tensors]
+    return torch.stack([n.float().cpu() for n in norms]).tolist()
+
+
+def _abs_maxes(tensors: list[torch.Tensor]) -> list[float]:
+    """max |x| per tensor, NaN when the tensor has a NaN (aminmax propagates it).
+
+    ``_foreach_norm(ord=inf)`` would do it in one call but runs ~10x slower on CPU.
+    """
+    if not tensors:
+        return []
+    mm = [torch.aminmax(t.reshape(-1)) if t.numel() else (t.new_zeros(()),) * 2 for t in tensors]
+    flat = torch.stack([torch.stack([a.float().cpu(), b.float().cpu()]) for a, b in mm]).tolist()
+    out = []
+    for lo, hi in flat:
+        out.append(math.nan if (math.isnan(lo) or math.isnan(hi)) else max(-lo, hi))
+    return out
+
+
+def capture(
+    model: nn.Module,
+    *,
+    keep_bytes: int = 0,
+    include: Iterable[Selector] | None = None,
+    exclude: Iterable[Selector] | None = None,
+    inputs: bool = True,
+    grads: bool = True,
+    params: bool = True,
+    attention: bool | Iterable[str] = False,
+    probes: bool = True,
+    step: int | None = None,
+    every: int = 1,
+    meta: dict[str, Any] | None = None,
+    bins: int = NUM_BINS,
+) -> Capture:
+    """Record every module call of ``model`` (and its gradients) inside a ``with`` block.
+
+    Example::
+
+        with hooks.capture(model) as trace:
+            out = model(ids, labels=ids)
+            out.loss.backward()
+        trace.forward[0].outputs[0].stats.mean
+
+    The hooks are attached on entry and removed on exit, also when the body raises; the model
+    computes exactly what it computes without them (outputs and gradients are read, never
+    replaced). Run forward, and optionally backward, inside the block.
+
+    Args:
+        model: any ``torch.nn.Module`` (minillm, HF ``LlamaForCausalLM``/``MixtralForCausalLM``,
+            a CNN...).
+        keep_bytes: budget in bytes for full copies (on CPU) of forward outputs and gradients,
+            kept in ``trace.tensors`` in recording order until the budget is spent; 0 keeps
+            statistics only (default). What did not fit is said in ``trace.notes``.
+        include: only record modules matching one of these selectors (see :data:`Selector`);
+            None records every module.
+        exclude: never record modules matching one of these selectors.
+        inputs: also summarise each call's tensor inputs (needed by
+            :meth:`Trace.first_nonfinite` to tell where NaN/Inf started).
+        grads: record gradients of module outputs (tensor hooks).
+        params: record per-parameter gradient statistics after backward.
+        attention: attention probabilities (B, H, T, T) for attention modules: True for all,
+            or ``fnmatch`` patterns of module names; False (default) adds no cost.
+        probes: run the registered probes (MoE routing, attention); see
+            :func:`hooks.register_probe`.
+        step: training step number; with ``every``, only steps where ``step % every == 0`` are
+            captured (others attach nothing and return a trace with ``captured=False``).
+        every: capture every ``every``-th step.
+        meta: JSON-serialisable values stored as ``trace.meta`` (config, token texts, losses).
+        bins: histogram bins per tensor.
+
+    Returns:
+        Capture: a context manager whose ``__enter__`` returns the :class:`~hooks.Trace` that
+        fills while the block runs and is complete after it exits.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: ``every < 1`` or ``keep_bytes < 0``.
+    """
+    return Capture(
+        model,
+        keep_bytes=keep_bytes,
+        include=include,
+        exclude=exclude,
+        inputs=inputs,
+        grads=grads,
+        params=params,
+        attention=attention,
+        probes=probes,
+        step=step,
+        every=every,
+        meta=meta,
+        bins=bins,
+    )

@@ -1,0 +1,295 @@
+"""``Trace``: everything one capture recorded, plus saving, loading and NaN/Inf localisation.
+
+On disk a trace is a directory (conventionally ``*.mdbtrace``) with two files:
+
+* ``trace.json`` — metadata, records and statistics, with ``"schema"`` :data:`SCHEMA_VERSION`;
+  strict JSON (NaN/Inf are written as the strings ``"nan"``, ``"inf"``, ``"-inf"``).
+* ``tensors.safetensors`` — kept tensors, routing and attention tensors (only when there are
+  any).
+
+Neither format can execute code on load (no pickle anywhere), so a trace from someone else is
+safe to open.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hooks.records import (
+    AttentionRecord,
+    CallRecord,
+    GradRecord,
+    ModuleInfo,
+    NonFinite,
+    Note,
+    ParamGradRecord,
+    ProbeRecord,
+    RoutingRecord,
+)
+
+if TYPE_CHECKING:
+    from hooks.diff import TraceDiff
+
+#: Version of the on-disk format; bumped on incompatible changes.
+SCHEMA_VERSION = 1
+JSON_NAME = "trace.json"
+TENSORS_NAME = "tensors.safetensors"
+
+
+class TraceFormatError(ValueError):
+    """A file that is not a trace, or a trace of an unsupported schema version."""
+
+
+@dataclass
+class Trace:
+    """What one :func:`hooks.capture` recorded.
+
+    Attributes:
+        forward: one :class:`~hooks.records.CallRecord` per module call, in execution order.
+        backward: one :class:`~hooks.records.GradRecord` per gradient of a recorded output, in
+            the order autograd produced them.
+        params: :class:`~hooks.records.ParamGradRecord` by qualified parameter name (empty when
+            no backward ran).
+        routing: one :class:`~hooks.records.RoutingRecord` per MoE layer call.
+        attention: :class:`~hooks.records.AttentionRecord` per requested attention call.
+        extras: :class:`~hooks.records.ProbeRecord` from user probes.
+        modules: every module in ``named_modules()`` order (draws the tree without the model).
+        notes: what could not be captured, in words.
+        tensors: kept full tensors by key (``fwd/<index>/<path>``, ``bwd/<index>``), on CPU.
+        meta: JSON-serialisable values the caller attached (config, token texts, losses).
+        step: the training step, when given to ``capture``.
+        model_type: class name of the captured model.
+        captured: False when every-N sampling skipped this step (the trace is then empty).
+        kept_bytes: bytes held in ``tensors``.
+    """
+
+    forward: list[CallRecord] = field(default_factory=list)
+    backward: list[GradRecord] = field(default_factory=list)
+    params: dict[str, ParamGradRecord] = field(default_factory=dict)
+    routing: list[RoutingRecord] = field(default_factory=list)
+    attention: list[AttentionRecord] = field(default_factory=list)
+    extras: list[ProbeRecord] = field(default_factory=list)
+    modules: list[ModuleInfo] = field(default_factory=list)
+    notes: list[Note] = field(default_factory=list)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+    step: int | None = None
+    model_type: str = ""
+    captured: bool = True
+    kept_bytes: int = 0
+
+    # -- lookup ---------------------------------------------------------------------------------
+    def calls(self, module: str) -> list[CallRecord]:
+        """All forward records of module ``module`` (qualified name), in call order."""
+        return [r for r in self.forward if r.module == module]
+
+    def call(self, module: str, call_index: int = 0) -> CallRecord:
+        """The forward record of ``module``'s ``call_index``-th call.
+
+        Raises:
+            KeyError: no such call was recorded.
+        """
+        for r in self.forward:
+            if r.module == module and r.call_index == call_index:
+                return r
+        raise KeyError(f"no recorded call {call_index} of module {module!r}")
+
+    def grads(self, module: str) -> list[GradRecord]:
+        """Gradient records of module ``module``'s outputs, in autograd order."""
+        return [g for g in self.backward if g.module == module]
+
+    def routing_for(self, module: str) -> list[RoutingRecord]:
+        """Routing records of MoE block (or router) ``module``."""
+        return [r for r in self.routing if module in (r.module, r.router)]
+
+    # -- NaN/Inf origin -------------------------------------------------------------------------
+    def first_nonfinite(self, direction: str = "forward") -> NonFinite | None:
+        """Where NaN/Inf first appeared.
+
+        Forward: among calls in the order they *finished* (so a leaf is examined before the
+        block containing it), the first whose output has NaN/Inf while all its recorded inputs
+        were finite: the innermost recorded module where non-finite values were created. If
+        every non-finite call also had a non-finite input (NaN fed in from outside), the first
+        non-finite call is returned.
+
+        Backward: the first gradient record, in the order autograd produced them, that has
+        NaN/Inf (all gradients produced before it were finite).
+
+        Args:
+            direction: ``"forward"`` or ``"backward"``.
+
+        Returns:
+            NonFinite | None: the location and the offending statistics; None if all finite.
+
+        Raises:
+            ValueError: unknown ``direction``.
+        """
+        if direction == "forward":
+            fallback = None
+            for rec in sorted(self.forward, key=lambda r: (r.end_order < 0, r.end_order)):
+                bad = next((t for t in rec.outputs if t.stats and not t.stats.finite), None)
+                if bad is None:
+                    continue
+                hit = NonFinite(
+                    "forward", rec.index, rec.module, rec.module_type, rec.call_index,
+                    bad.path, bad.stats,
+                )  # fmt: skip
+                if all(t.stats is None or t.stats.finite for t in rec.inputs):
+                    return hit
+                fallback = fallback or hit
+            return fallback
+        if direction == "backward":
+            for g in self.backward:
+                if g.stats is not None and not g.stats.finite:
+                    return NonFinite(
+                        "backward", g.index, g.module, g.module_type, g.call_index,
+                        g.output, g.stats,
+                    )  # fmt: skip
+            return None
+        raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
+
+    # -- comparison -----------------------------------------------------------------------------
+    def diff(self, other: Trace) -> TraceDiff:
+        """Per module call, the change of each statistic from ``self`` to ``other``.
+
+        See :class:`hooks.diff.TraceDiff`.
+        """
+        from hooks.diff import diff_traces
+
+        return diff_traces(self, other)
+
+    # -- persistence ----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON part of the trace (tensors are referenced by key, not included)."""
+        return {
+            "schema": SCHEMA_VERSION,
+            "kind": "mdb-trace",
+            "model_type": self.model_type,
+            "step": self.step,
+            "captured": self.captured,
+            "kept_bytes": self.kept_bytes,
+            "meta": self.meta,
+            "modules": [m.to_dict() for m in self.modules],
+            "forward": [r.to_dict() for r in self.forward],
+            "backward": [g.to_dict() for g in self.backward],
+            "params": [p.to_dict() for p in self.params.values()],
+            "routing": [r.to_dict() for r in self.routing],
+            "attention": [a.to_dict() for a in self.attention],
+            "extras": [e.to_dict() for e in self.extras],
+            "notes": [n.to_dict() for n in self.notes],
+            "tensor_keys": sorted(self.tensors),
+        }
+
+    def all_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor the trace holds (kept, routing, attention, probe), by safetensors key."""
+        out = dict(self.tensors)
+        for i, r in enumerate(self.routing):
+            out.update(r.tensor_items(f"routing/{i}"))
+        for i, a in enumerate(self.attention):
+            out.update(a.tensor_items(f"attention/{i}"))
+        for i, e in enumerate(self.extras):
+            out.update(e.tensor_items(f"extras/{i}"))
+        return out
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the trace to directory ``path`` (created if needed).
+
+        Returns:
+            Path: the directory.
+
+        Raises:
+            OSError: the directory cannot be written.
+            TypeError: ``meta`` holds something JSON cannot represent.
+        """
+        from safetensors.torch import save_file
+
+        d = Path(path)
+        d.mkdir(parents=True, exist_ok=True)
+        tensors = {
+            k: v.detach().to("cpu").contiguous().clone() for k, v in self.all_tensors().items()
+        }
+        tpath = d / TENSORS_NAME
+        if tensors:
+            save_file(tensors, str(tpath), metadata={"schema": str(SCHEMA_VERSION)})
+        elif tpath.exists():
+            tpath.unlink()
+        text = json.dumps(self.to_dict(), allow_nan=False, separators=(",", ":"))
+        tmp = d / (JSON_NAME + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(d / JSON_NAME)
+        return d
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Trace:
+        """Read a trace written by :meth:`save` (``path`` is the directory or its trace.json).
+
+        Raises:
+            FileNotFoundError: nothing at ``path``.
+            TraceFormatError: not a trace, or a schema version this code cannot read.
+        """
+        from safetensors.torch import load_file
+
+        p = Path(path)
+        d = p.parent if p.is_file() else p
+        jpath = d / JSON_NAME
+        if not jpath.exists():
+            raise FileNotFoundError(f"no {JSON_NAME} in {d}")
+        try:
+            data = json.loads(jpath.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise TraceFormatError(f"{jpath} is not valid JSON: {exc}") from None
+        if not isinstance(data, dict) or data.get("kind") != "mdb-trace":
+            raise TraceFormatError(f"{jpath} is not an mdb trace")
+        schema = data.get("schema")
+        if schema != SCHEMA_VERSION:
+            raise TraceFormatError(
+                f"{jpath} has trace schema {schema!r}; this mdb reads schema {SCHEMA_VERSION}"
+            )
+        tpath = d / TENSORS_NAME
+        tensors = load_file(str(tpath)) if tpath.exists() else {}
+        return cls.from_dict(data, tensors)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Trace:
+        """Inverse of :meth:`to_dict` + :meth:`all_tensors`."""
+        try:
+            kept = {k: tensors[k] for k in data.get("tensor_keys", [])}
+            return cls(
+                forward=[CallRecord.from_dict(r) for r in data["forward"]],
+                backward=[GradRecord.from_dict(g) for g in data["backward"]],
+                params={
+                    p["name"]: ParamGradRecord.from_dict(p) for p in data.get("params", [])
+                },
+                routing=[
+                    RoutingRecord.from_dict(r, tensors, f"routing/{i}")
+                    for i, r in enumerate(data.get("routing", []))
+                ],
+                attention=[
+                    AttentionRecord.from_dict(a, tensors, f"attention/{i}")
+                    for i, a in enumerate(data.get("attention", []))
+                ],
+                extras=[
+                    ProbeRecord.from_dict(e, tensors, f"extras/{i}")
+                    for i, e in enumerate(data.get("extras", []))
+                ],
+                modules=[ModuleInfo.from_dict(m) for m in data.get("modules", [])],
+                notes=[Note.from_dict(n) for n in data.get("notes", [])],
+                tensors=kept,
+                meta=dict(data.get("meta", {})),
+                step=data.get("step"),
+                model_type=data.get("model_type", ""),
+                captured=bool(data.get("captured", True)),
+                kept_bytes=int(data.get("kept_bytes", 0)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TraceFormatError(f"malformed trace: {type(exc).__name__}: {exc}") from None
+
+    def nbytes_json(self) -> int:
+        """Size in bytes of the JSON part as :meth:`save` writes it."""
+        return len(json.dumps(self.to_dict(), allow_nan=False, separators=(",", ":")))
