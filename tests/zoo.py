@@ -274,6 +274,15 @@ def bf16_norm_stats():
     return m, batch_for(m)
 
 
+def frozen_body():
+    """Every weight frozen but the final norm: nothing else can learn, so the batch cannot be
+    memorised (gradient flow reports the frozen tensors as frozen, not broken)."""
+    m = tiny()
+    for name, p in m.named_parameters():
+        p.requires_grad_(name == "model.norm.weight")
+    return m, batch_for(m)
+
+
 def correct():
     """The unmodified tiny minillm."""
     m = tiny()
@@ -299,6 +308,11 @@ EXPECTED: dict[str, tuple[set[str], dict[str, str], str | None]] = {
     "bf16_softmax": ({"numerics"}, {}, "model.layers.0.self_attn"),
 }
 
+#: Variants only the slow overfit check catches (run with ``overfit=True``).
+EXPECTED_OVERFIT: dict[str, tuple[set[str], dict[str, str], str | None]] = {
+    "frozen_body": ({"overfit"}, {}, None),
+}
+
 BUILDERS = {
     "correct": correct,
     "gqa_repeat": gqa_repeat,
@@ -314,5 +328,6 @@ BUILDERS = {
     "untied_by_assign": untied_by_assign,
     "bf16_norm_stats": bf16_norm_stats,
     "bf16_softmax": bf16_softmax,
+    "frozen_body": frozen_body,
 }
 

@@ -66,7 +66,9 @@ def grad_flow(t: Target, o: DoctorOptions) -> Outcome:
         aux = _aux_loss(out)
         rparams = [(f"{b.router_name}.{n}", p) for b in moe
                    for n, p in b.router.named_parameters() if p.requires_grad]
-        if aux is None:
+        if not rparams:
+            router_msgs.append("routers are frozen: aux-loss gradient not checked")
+        elif aux is None:
             router_msgs.append("no aux_loss in the output: routers get no load-balancing signal")
         elif not aux.requires_grad:
             router_fail = (f"aux_loss = {fmt(float(aux))} does not require grad: it is "
