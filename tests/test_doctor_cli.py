@@ -1,0 +1,101 @@
+"""``mdb doctor`` on the command line: table, JSON, exit codes, --only, --model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tui.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+ZOO = str(REPO / "tests" / "zoo.py")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_json_for_tiny_minillm(capsys):
+    rc = main(["doctor", "--preset", "tiny", "--json"])
+    out = capsys.readouterr().out
+    doc = json.loads(out)
+    assert rc == 0
+    assert doc["model"].startswith("minillm tiny")
+    assert [r["id"] for r in doc["results"]] == list(range(1, 11))
+    assert {r["key"]: r["status"] for r in doc["results"]}["overfit"] == "skip"
+    assert all(r["status"] == "pass" for r in doc["results"] if r["key"] != "overfit")
+    assert doc["summary"]["failed"] == [] and doc["summary"]["counts"] == {"pass": 9, "skip": 1}
+    assert set(doc["results"][0]) == {"id", "key", "name", "status", "evidence", "hint",
+                                      "module", "data", "seconds"}
+
+
+def test_table_on_stdout(capsys):
+    rc = main(["doctor", "--preset", "tiny", "--only", "1,tied"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "Initial loss vs ln(V)" in out and "Tied embedding / LM head" in out
+    assert "Causality" not in out  # --only
+    assert out.count("PASS") == 2
+    assert "2 checks · 2 pass" in out
+    assert "\x1b[" not in out  # no colour codes when not a terminal
+
+
+def test_a_failing_user_model_exits_1_and_names_the_module(capsys):
+    rc = main(["doctor", "--model", f"{ZOO}:gqa_repeat", "--only", "gqa,causality"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "FAIL" in out and "→ model.layers.0.self_attn" in out
+    assert "repeat_interleave" in out
+
+
+def test_json_of_a_failing_model(capsys):
+    rc = main(["doctor", "--model", f"{ZOO}:no_causal_mask", "--only", "2", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 1
+    assert doc["summary"]["failed"] == ["causality"]
+    assert doc["results"][0]["module"] == "model.layers.0.self_attn"
+
+
+def test_unknown_check_is_bad_input(capsys):
+    rc = main(["doctor", "--preset", "tiny", "--only", "1,bogus"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("mdb: error: --only: unknown check 'bogus'")
+    assert "Traceback" not in err
+
+
+def test_bad_model_spec_is_bad_input(capsys):
+    rc = main(["doctor", "--model", "no_such_module_xyz:build"])
+    assert rc == 2
+    assert "mdb: error: --model" in capsys.readouterr().err
+
+
+def test_json_and_tui_are_exclusive(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["doctor", "--json", "--tui"])
+    assert exc.value.code == 2
+
+
+@pytest.mark.slow
+def test_piped_subprocess_exit_codes():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ok = subprocess.run([sys.executable, "-m", "tui.cli", "doctor", "--preset", "tiny",
+                         "--only", "tied"], cwd=REPO, capture_output=True, text=True, env=env,
+                        timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert "PASS" in ok.stdout and "\x1b[" not in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "tui.cli", "doctor", "--model",
+                          f"{ZOO}:untied_by_assign", "--only", "tied"], cwd=REPO,
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 1, bad.stderr
+    assert "FAIL" in bad.stdout and "load_state_dict(assign=True)" in bad.stdout
