@@ -346,13 +346,17 @@ class _Reporter:
         if self.tty:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+            from rich.table import Column
 
             console = Console(file=self.out, highlight=False)
             self.progress = Progress(
-                TextColumn("[bold]{task.description}"),
-                BarColumn(bar_width=24),
-                MofNCompleteColumn(),
-                TextColumn("{task.fields[stats]}"),
+                BarColumn(bar_width=20),
+                MofNCompleteColumn(table_column=Column(no_wrap=True, min_width=9)),
+                TextColumn(
+                    "{task.fields[stats]}",
+                    table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis"),
+                ),
+                expand=True,
                 console=console,
                 auto_refresh=False,
                 transient=False,
@@ -380,12 +384,14 @@ class _Reporter:
             f"ce {_fmt(m.ce)}  aux {_fmt(m.aux)}  |g| {_fmt(m.grad_norm, '.3g')}  "
             f"{_fmt(m.steps_per_s, '.1f')} steps/s"
         )
+        if self.progress is not None:  # one terminal line: the sample goes last, cut to fit
+            stats = stats.replace("  ", " ")
         now = time.perf_counter()
         if self.progress is not None:
             self.progress.update(
                 self.task,
                 completed=m.step,
-                stats=stats + (f"  {self.sample[:40]}" if self.sample else ""),
+                stats=stats + (f" {self.sample}" if self.sample else ""),
             )
             if now - self.last_print >= 0.1 or m.step == self.total:
                 self.last_print = now
