@@ -182,6 +182,28 @@ def test_capture_request_records_internals_and_can_pause_after():
     assert all(r.internals is None for r in reports[1:])
 
 
+def test_capture_request_while_paused_runs_exactly_one_captured_step():
+    model, batch, opt = tiny_setup()
+    control = TrainControl(paused=True)
+    reports = []
+    trainer = Trainer(model, batch, opt, total_steps=50)
+    t = threading.Thread(target=lambda: trainer.run(control, on_step=reports.append))
+    t.start()
+    time.sleep(0.2)
+    assert reports == []
+    control.request_capture(pause_after=True)
+    deadline = time.time() + 10
+    while not reports and time.time() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert [r.step for r in reports] == [1] and control.paused and not control.capture_pending
+    if training._hooks_capture_available():
+        assert reports[0].internals is not None
+    control.stop()
+    t.join(10)
+    assert len(reports) == 1
+
+
 def test_capture_every_n():
     model, batch, opt = tiny_setup()
     trainer = Trainer(model, batch, opt, total_steps=6, capture_every=3)
