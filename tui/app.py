@@ -32,8 +32,10 @@ class MdbApp(App[int]):
         loader: called in a thread worker to produce the trace (when ``trace`` is None).
         loading_text: what the loading screen says while ``loader`` runs.
         doctor_results: ``hooks.checks`` results for the ``d`` view, or None.
-        exit_after_paint: exit as soon as the step view is painted (start-up benchmark);
-            also set by the environment variable ``MDB_EXIT_AFTER_PAINT=1``.
+        exit_after_paint: exit as soon as the step view is painted (start-up benchmark).
+            Defaults to the environment variable ``MDB_EXIT_AFTER_PAINT=1``. With
+            ``MDB_PAINT_LOG=FILE`` the app also appends ``loading <time>`` and ``step <time>``
+            (Unix seconds) to FILE when those screens are first painted.
     """
 
     CSS_PATH = "app.tcss"
@@ -54,6 +56,15 @@ class MdbApp(App[int]):
             exit_after_paint = os.environ.get("MDB_EXIT_AFTER_PAINT") == "1"
         self.exit_after_paint = exit_after_paint
         self.error: str | None = None
+        self._paint_log = os.environ.get("MDB_PAINT_LOG")
+
+    def log_paint(self, label: str) -> None:
+        """Append ``label <unix time>`` to ``$MDB_PAINT_LOG`` when set (start-up benchmark)."""
+        if self._paint_log:
+            import time
+
+            with open(self._paint_log, "a", encoding="utf-8") as f:
+                f.write(f"{label} {time.time():.6f}\n")
 
     def on_mount(self) -> None:
         if self.trace is not None:

@@ -2,9 +2,10 @@
 
 With no arguments: build the default model, cut a batch from the sample text, run one forward
 and backward pass on CPU under :func:`hooks.capture`, and open the step view. ``--trace FILE``
-opens a saved trace instead (``mdb capture --out FILE`` writes one). The app paints a loading
-screen first and captures in a thread worker; bad input ends the app with exit code 2 and one
-line on stderr.
+opens a saved trace instead (``mdb capture --out FILE`` writes one). The model and batch are
+built before the app starts (so bad input is one line on stderr and exit code 2); the app then
+paints a loading screen and captures the step in a thread worker. An error raised by a user's
+model during the step ends the app with exit code 1 and one line on stderr.
 """
 
 from __future__ import annotations
@@ -25,10 +26,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="open a saved trace (a directory written by `mdb capture`) "
                              "instead of capturing a new step")
     add_model_arguments(parser)
+    add_threads_argument(parser)
     parser.epilog = (
         "keys: n/p next/previous call, N/P next/previous layer, b backward, f first NaN/Inf, "
         "/ find, r router, a attention, g gradients, ? all keys, q quit"
     )
+
+
+def add_threads_argument(parser: argparse.ArgumentParser) -> None:
+    """``--threads N``: torch CPU threads for the captured step (shared by step/summary/capture)."""
+    parser.add_argument(
+        "--threads", type=int, default=1, metavar="N",
+        help="torch CPU threads for the captured step (default 1: the small default model runs "
+             "fastest on one thread, above all on a busy machine, and the statistics do not "
+             "depend on the machine's core count; 0 = torch's default)",
+    )  # fmt: skip
+
+
+def set_threads(args: argparse.Namespace) -> None:
+    """Apply ``--threads`` (imports torch)."""
+    import torch
+
+    if getattr(args, "threads", 0) and args.threads > 0:
+        torch.set_num_threads(args.threads)
 
 
 def load_trace(path: str):
@@ -46,27 +66,56 @@ def load_trace(path: str):
         raise MdbError(f"--trace {path}: cannot read ({exc.strerror or exc})") from None
 
 
-def capture_from_args(args: argparse.Namespace):
-    """Build the workload the options describe and capture one step of it."""
-    from tui.commands._common import build_workload, capture_step
+def build_from_args(args: argparse.Namespace):
+    """Build the workload the options describe (all bad-input errors are raised here)."""
+    from tui.commands._common import build_workload
 
-    return capture_step(build_workload(args), attention=True)
+    set_threads(args)
+    return build_workload(args)
+
+
+def capture(workload):
+    """Capture one forward and backward pass of ``workload``, attention included."""
+    from tui.commands._common import capture_step
+
+    return capture_step(workload, attention=True)
+
+
+def precheck(args: argparse.Namespace) -> None:
+    """Checks that need no torch, done before the terminal switches to the app."""
+    from pathlib import Path
+
+    from tui.commands._common import read_text
+
+    if args.text:
+        read_text(args.text)
+    if args.trace and not Path(args.trace).exists():
+        raise MdbError(f"--trace {args.trace}: no such file or directory")
+    if args.config and not Path(args.config).exists():
+        raise MdbError(f"--config {args.config}: no such file")
+    if args.threads < 0:
+        raise MdbError(f"--threads {args.threads}: must be 0 (torch's default) or more")
 
 
 def run(args: argparse.Namespace) -> int:
-    from tui.app import make_loading_app
+    from tui.app import make_loading_app, make_step_app
 
+    precheck(args)
     if args.trace:
         given = [f"--{o.replace('_', '-')}" for o in _MODEL_OPTIONS if getattr(args, o, None)]
         if given:
             raise MdbError(f"--trace cannot be combined with {', '.join(given)}")
-        path = args.trace
-        app = make_loading_app(lambda: load_trace(path), loading_text=f"loading {path}…")
+        app = make_step_app(load_trace(args.trace))
     else:
-        what = args.model or args.config or args.preset or "default"
+        # Build before the app starts: every bad-input error (preset, config, text, sequence
+        # length, --model) is then one line on a normal terminal, not a flash of the app.
+        if sys.stderr.isatty():
+            print("mdb: building the model…", file=sys.stderr, flush=True)
+        workload = build_from_args(args)
         app = make_loading_app(
-            lambda: capture_from_args(args),
-            loading_text=f"mdb · capturing one forward and backward pass of {what}…",
+            lambda: capture(workload),
+            loading_text=f"mdb · capturing one forward and backward pass of "
+                         f"{workload.description or 'the model'}…",
         )
     code = app.run()
     if app.error:

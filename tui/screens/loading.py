@@ -19,3 +19,7 @@ class LoadingScreen(Screen):
     def compose(self):
         yield Static(self.what, id="loading-text", markup=False)
         yield LoadingIndicator(id="loading-indicator")
+
+    def on_mount(self) -> None:
+        if hasattr(self.app, "log_paint"):
+            self.call_after_refresh(self.app.log_paint, "loading")

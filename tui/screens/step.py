@@ -52,15 +52,15 @@ class StepScreen(MdbScreen):
     """
 
     BINDINGS = [
-        Binding("n,j,right", "next", "next", key_display="n", id="step.next",
+        Binding("n,j,right", "next", "next", key_display="n", id="step.next", priority=True,
                 tooltip="next call (next gradient in the backward pass)"),
-        Binding("p,k,left", "prev", "prev", key_display="p", id="step.prev",
+        Binding("p,k,left", "prev", "prev", key_display="p", id="step.prev", priority=True,
                 tooltip="previous call (previous gradient in the backward pass)"),
         Binding("N,right_square_bracket,pagedown", "next_layer", "next layer",
-                key_display="N", show=False, id="step.next_layer",
+                key_display="N", show=False, id="step.next_layer", priority=True,
                 tooltip="first record of the next decoder layer"),
         Binding("P,left_square_bracket,pageup", "prev_layer", "prev layer",
-                key_display="P", show=False, id="step.prev_layer",
+                key_display="P", show=False, id="step.prev_layer", priority=True,
                 tooltip="start of this layer, or of the previous one"),
         Binding("b", "toggle_pass", "bwd", id="step.toggle_pass",
                 tooltip="backward start (autograd order); again: back to the forward call"),
@@ -117,6 +117,8 @@ class StepScreen(MdbScreen):
             self.hint(f"opened at the first non-finite value: {self.nonfinite.describe()}")
         elif not self.trace.backward:
             self.hint("no gradients recorded: this trace has a forward pass only")
+        if hasattr(self.app, "log_paint"):
+            self.call_after_refresh(self.app.log_paint, "step")
         if getattr(self.app, "exit_after_paint", False):
             self.call_after_refresh(self.app.exit)
 

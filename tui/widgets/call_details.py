@@ -8,8 +8,7 @@ same output); a histogram of the values; the module's own parameters with their 
 
 from __future__ import annotations
 
-from rich.console import Group
-from rich.table import Table
+from rich.cells import cell_len
 from rich.text import Text
 from textual.containers import VerticalScroll
 from textual.widgets import Static
@@ -29,37 +28,51 @@ STAT_ROWS = (
 MAX_STAT_COLUMNS = 3
 
 
-def _stat_cells(stats) -> list[Text]:
+def _pad(text: str, width: int, right: bool = False) -> str:
+    if cell_len(text) > width:
+        text = text[: max(width - 1, 0)] + "…"
+    gap = " " * max(width - cell_len(text), 0)
+    return gap + text if right else text + gap
+
+
+def _stat_values(stats) -> list[tuple[str, str]]:
+    """(text, style) per row of :data:`STAT_ROWS` plus zeros and nan/inf."""
     if stats is None:
-        return [Text("—")] * (len(STAT_ROWS) + 2)
-    cells = [Text(fmt.sci(getattr(stats, attr))) for _, attr in STAT_ROWS]
-    cells.append(Text(fmt.pct(stats.zero_frac)))
+        return [("—", "")] * (len(STAT_ROWS) + 2)
+    cells = [(fmt.sci(getattr(stats, attr)), "") for _, attr in STAT_ROWS]
+    cells.append((fmt.pct(stats.zero_frac), ""))
     bad = stats.nan_count + stats.inf_count
-    cells.append(
-        Text(f"✗ {stats.nan_count}/{stats.inf_count}", style="bold red") if bad
-        else Text("✓ 0/0", style="green")
-    )  # fmt: skip
+    cells.append((f"✗ {stats.nan_count}/{stats.inf_count}", "bold red") if bad
+                 else ("✓ 0/0", "green"))
     return cells
 
 
-def stats_table(columns: list[tuple[str, object]]) -> Table:
+def stats_table(columns: list[tuple[str, object]], col_width: int = 12) -> Text:
     """A transposed statistics table: one row per statistic, one column per tensor.
+
+    Plain text with fixed-width columns (rendering a Rich ``Table`` on every key press costs
+    several times more).
 
     Args:
         columns: ``(heading, TensorStats | None)`` pairs, at most :data:`MAX_STAT_COLUMNS`.
+        col_width: width of each value column.
     """
-    table = Table(box=None, pad_edge=False, padding=(0, 1), show_edge=False, expand=False)
-    table.add_column("stat", style="dim", no_wrap=True)
+    out = Text()
+    out.append(_pad("stat", 9), style="dim")
     for heading, _ in columns:
-        table.add_column(heading, justify="right", no_wrap=True, overflow="ellipsis")
+        out.append(_pad(heading, col_width, right=True), style="bold")
     labels = [label for label, _ in STAT_ROWS] + ["zeros", "nan/inf"]
-    cols = [_stat_cells(stats) for _, stats in columns]
+    cols = [_stat_values(stats) for _, stats in columns]
     for i, label in enumerate(labels):
-        table.add_row(label, *(c[i] for c in cols))
-    return table
+        out.append("\n")
+        out.append(_pad(label, 9), style="dim")
+        for c in cols:
+            text, style = c[i]
+            out.append(_pad(text, col_width, right=True), style=style)
+    return out
 
 
-def histogram_block(title: str, stats) -> Group | Text:
+def histogram_block(title: str, stats) -> Text:
     """Three rows of block characters over ``stats.hist`` with its value range underneath."""
     if stats is None or not stats.hist or sum(stats.hist) == 0:
         return Text(f"{title}: no histogram", style="dim")
@@ -67,22 +80,37 @@ def histogram_block(title: str, stats) -> Group | Text:
     width = len(lines[0])
     lo, hi = fmt.sci(stats.hist_min), fmt.sci(stats.hist_max)
     axis = lo + " " * max(1, width - len(lo) - len(hi)) + hi
-    body = Text("\n".join(lines), style="cyan")
-    return Group(Text(title, style="bold"), body, Text(axis, style="dim"))
+    out = Text(title, style="bold")
+    out.append("\n" + "\n".join(lines), style="cyan")
+    out.append("\n" + axis, style="dim")
+    return out
 
 
-def params_table(params) -> Table:
+def params_table(params) -> Text:
     """The module's own parameters: name, shape, gradient norm, ‖g‖/‖w‖, verdict."""
-    table = Table(box=None, pad_edge=False, padding=(0, 1), show_edge=False)
-    for name, justify in (("param", "left"), ("shape", "left"), ("‖g‖", "right"),
-                          ("‖g‖/‖w‖", "right"), ("", "left")):
-        table.add_column(name, justify=justify, no_wrap=True)
+    out = Text()
+    out.append(_pad("param", 10) + _pad("shape", 12) + _pad("‖g‖", 9, True)
+               + _pad("‖g‖/‖w‖", 9, True), style="dim")
     for p in params:
-        table.add_row(
-            p.name.rsplit(".", 1)[-1], fmt.shape(p.shape), fmt.sci(p.grad_norm),
-            fmt.sci(p.ratio), fmt.flag(param_verdict(p)),
-        )  # fmt: skip
-    return table
+        out.append("\n" + _pad(p.name.rsplit(".", 1)[-1], 10) + _pad(fmt.shape(p.shape), 12)
+                   + _pad(fmt.sci(p.grad_norm), 9, True) + _pad(fmt.sci(p.ratio), 9, True) + " ")
+        out.append_text(fmt.flag(param_verdict(p)))
+    return out
+
+
+def io_table(call) -> Text:
+    """``in``/``out`` rows: tensor path, shape, dtype."""
+    out = Text()
+    rows = [("in", t) for t in call.inputs] + [("out", t) for t in call.outputs]
+    if not rows:
+        return Text("no tensors", style="dim")
+    for i, (kind, t) in enumerate(rows):
+        if i:
+            out.append("\n")
+        out.append(_pad(kind, 4), style="dim")
+        out.append(_pad(t.path, 19) + " " + _pad(fmt.shape(t.shape), 14) + " ")
+        out.append(t.dtype, style="dim")
+    return out
 
 
 def section(title: str) -> Text:
@@ -100,27 +128,17 @@ class CallDetails(VerticalScroll):
         self.query_one("#details-body", Static).update(self.render_details(stepper))
 
     @staticmethod
-    def render_details(stepper) -> Group:
+    def render_details(stepper) -> Text:
         """Build the renderable (kept separate so tests can inspect it)."""
         call = stepper.call
         if call is None:
-            return Group(Text("nothing recorded", style="dim"))
+            return Text("nothing recorded", style="dim")
         parts: list = []
         title = Text(call.module or "<root>", style="bold")
         title.append(f"  {call.module_type} · call {call.call_index}", style="dim")
         parts.append(title)
 
-        io = Table(box=None, pad_edge=False, padding=(0, 1), show_edge=False, show_header=False)
-        io.add_column(style="dim", no_wrap=True, min_width=3)
-        io.add_column(no_wrap=True, overflow="ellipsis", max_width=18)
-        io.add_column(no_wrap=True, min_width=9)
-        io.add_column(style="dim", no_wrap=True, min_width=7)
-        for kind, tensors in (("in", call.inputs), ("out", call.outputs)):
-            for t in tensors:
-                io.add_row(kind, t.path, fmt.shape(t.shape), t.dtype)
-        if not call.inputs and not call.outputs:
-            io.add_row("", "no tensors", "", "")
-        parts.append(io)
+        parts.append(io_table(call))
 
         grads = stepper.grads_of(call)
         if stepper.direction == "backward":
@@ -158,4 +176,4 @@ class CallDetails(VerticalScroll):
         if call.notes:
             parts.append(section("notes"))
             parts.extend(Text(f"• {n}", style="yellow") for n in call.notes)
-        return Group(*parts)
+        return Text("\n").join(parts)

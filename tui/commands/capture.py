@@ -1,0 +1,64 @@
+"""``mdb capture``: run one forward and backward pass and save the trace, without the UI.
+
+The trace is a directory (``trace.json`` + ``tensors.safetensors``, see :mod:`hooks.trace`) that
+``mdb step --trace`` and ``mdb summary --trace`` open, and that :meth:`hooks.Trace.load` reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from tui.commands._common import add_model_arguments
+from tui.commands.step import add_threads_argument, set_threads
+from tui.errors import MdbError
+
+HELP = "capture one forward+backward step to a trace directory (open it with mdb step --trace)"
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", metavar="FILE", required=True,
+                        help="trace directory to write (conventionally NAME.mdbtrace)")
+    add_model_arguments(parser)
+    add_threads_argument(parser)
+    parser.add_argument("--keep-bytes", type=_nonneg_int, default=0, metavar="N",
+                        help="also keep full copies of outputs and gradients up to N bytes "
+                             "(default 0: statistics only)")
+    parser.add_argument("--no-attention", action="store_true",
+                        help="do not record attention probabilities (smaller trace)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tui.commands._common import build_workload, capture_step
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise MdbError(f"--out {out}: exists and is not a directory")
+    set_threads(args)
+    trace = capture_step(build_workload(args), attention=not args.no_attention,
+                         keep_bytes=args.keep_bytes)
+    try:
+        trace.save(out)
+    except OSError as exc:
+        raise MdbError(f"--out {out}: cannot write ({exc.strerror or exc})") from None
+    loss = trace.meta.get("loss")
+    loss_text = f" · loss {loss:.5g}" if isinstance(loss, float) else ""
+    print(
+        f"saved {out}: {len(trace.forward)} calls, {len(trace.backward)} gradients, "
+        f"{len(trace.params)} parameters, {len(trace.routing)} routing and "
+        f"{len(trace.attention)} attention records{loss_text}"
+    )
+    bad = trace.first_nonfinite("forward") or trace.first_nonfinite("backward")
+    if bad is not None:
+        print(f"first non-finite value: {bad.describe()}")
+    return 0
