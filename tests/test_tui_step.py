@@ -181,7 +181,7 @@ async def test_router_table_matches_trace(tiny):
     app = make_step_app(trace)
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("r")
-        for layer, rec in enumerate(trace.routing):
+        for rec in trace.routing:
             screen = app.screen
             assert isinstance(screen, RouterScreen)
             assert screen.record is rec
