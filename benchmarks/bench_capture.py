@@ -1,4 +1,4 @@
-"""Capture overhead: forward+backward of minillm's default config with and without ``hooks.capture``.
+"""Capture overhead: minillm default-config forward+backward with and without ``hooks.capture``.
 
 Usage: ``python benchmarks/bench_capture.py [--batch-size 4] [--seq-len 128] [--repeats 30]``.
 
@@ -34,7 +34,13 @@ def naive_hooks(model: torch.nn.Module) -> list:
          torch.isinf(x).sum().item(), torch.histc(x, 32).tolist()]  # fmt: skip
 
     def fwd(mod, args, out):
-        ts = [out] if isinstance(out, torch.Tensor) else [o for o in out if isinstance(o, torch.Tensor)] if isinstance(out, tuple) else []  # noqa: E501
+        ts = (
+            [out]
+            if isinstance(out, torch.Tensor)
+            else [o for o in out if isinstance(o, torch.Tensor)]
+            if isinstance(out, tuple)
+            else []
+        )  # noqa: E501
         for t in ts:
             if t.is_floating_point():
                 stats(t)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import sys
 import time
 import weakref
 from collections.abc import Iterable, Sequence
@@ -55,12 +56,14 @@ def _matches(name: str, module: nn.Module, selectors: Sequence[Selector]) -> boo
     return False
 
 
-def _is_compiled(model: nn.Module) -> bool:
-    try:
-        from torch._dynamo.eval_frame import OptimizedModule
-    except Exception:  # pragma: no cover - very old torch
-        OptimizedModule = ()  # type: ignore[assignment]
-    for m in model.modules():
+def _is_compiled(modules: list[tuple[str, nn.Module]]) -> bool:
+    # Nothing can be compiled before torch._dynamo was imported; importing it here would cost
+    # seconds, so only look it up.
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    if dynamo is None:
+        return False
+    OptimizedModule = getattr(dynamo, "OptimizedModule", ())
+    for _, m in modules:
         if isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None:
             return True
     return False
@@ -191,7 +194,7 @@ class Capture:
 
         self._modules = named_modules(self.model)
         tr.modules = module_infos(self.model, self._modules)
-        if _is_compiled(self.model):
+        if _is_compiled(self._modules):
             tr.notes.append(
                 Note(
                     "compiled",
@@ -389,9 +392,7 @@ class Capture:
                 if self.keep_bytes:
                     info.kept = self._keep(f"fwd/{rec.index}/{path}", t)
                 if grad_on and t.requires_grad:
-                    self._tensor_handles.append(
-                        t.register_hook(partial(self._on_grad, rec, path))
-                    )
+                    self._tensor_handles.append(t.register_hook(partial(self._on_grad, rec, path)))
                 elif grad_on and t.is_floating_point():
                     no_grad = True
                 outs.append(info)
@@ -455,12 +456,16 @@ class Capture:
         named = named_parameters(self._modules)
         touched = self._touched
         names = list(touched)
-        vals = dict(zip(names, torch.stack([touched[n] for n in names]).tolist())) if names else {}
+        vals = (
+            dict(zip(names, torch.stack([touched[n] for n in names]).tolist(), strict=True))
+            if names
+            else {}
+        )
         out: dict[str, ParamGradRecord] = {}
         with torch.no_grad():
             # parameters not seen by the hook (frozen, no grad, stale grad): one fused launch
-            rest = [p for n, p in named if n not in vals]
-            rest_w = dict(zip([n for n, _ in named if n not in vals], _norms([p.detach() for p in rest])))
+            rest = [(n, p.detach()) for n, p in named if n not in vals]
+            rest_w = dict(zip([n for n, _ in rest], _norms([p for _, p in rest]), strict=True))
             for name, p in named:
                 rec = ParamGradRecord(name, list(p.shape), "none")
                 if name in vals:

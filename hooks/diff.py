@@ -177,14 +177,18 @@ def diff_traces(a: Trace, b: Trace) -> TraceDiff:
         _, tb = fb[key]
         out.forward.append(
             TensorDiff(
-                "forward", ra.module, ra.module_type, ra.call_index, ta.path,
-                ta.shape, tb.shape, _stats_delta(ta.stats, tb.stats),
+                "forward",
+                ra.module,
+                ra.module_type,
+                ra.call_index,
+                ta.path,
+                ta.shape,
+                tb.shape,
+                _stats_delta(ta.stats, tb.stats),
                 _kept_diff(a, ta.kept, b, tb.kept),
             )  # fmt: skip
         )
-    out.only_in_other += [
-        f"forward {k[0] or '<root>'}#{k[1]} {k[2]}" for k in fb if k not in fa
-    ]
+    out.only_in_other += [f"forward {k[0] or '<root>'}#{k[1]} {k[2]}" for k in fb if k not in fa]
 
     def keyed(tr: Trace) -> dict[tuple, Any]:
         seen: dict[tuple, int] = {}
@@ -204,8 +208,14 @@ def diff_traces(a: Trace, b: Trace) -> TraceDiff:
             continue
         out.backward.append(
             TensorDiff(
-                "backward", ga.module, ga.module_type, ga.call_index, ga.output,
-                ga.shape, gb.shape, _stats_delta(ga.stats, gb.stats),
+                "backward",
+                ga.module,
+                ga.module_type,
+                ga.call_index,
+                ga.output,
+                ga.shape,
+                gb.shape,
+                _stats_delta(ga.stats, gb.stats),
                 _kept_diff(a, ga.kept, b, gb.kept),
             )  # fmt: skip
         )

@@ -515,7 +515,8 @@ class NonFinite:
     stats: TensorStats
 
     def describe(self) -> str:
-        """One line: ``forward: model.layers.0.mlp.experts.3.down_proj call 0 out: 12 NaN, 0 Inf``."""
+        """One line, e.g. ``forward: model.layers.0.mlp.experts.3.down_proj (Linear) call 0
+        out: 12 NaN, 0 Inf of 4096``."""
         return (
             f"{self.direction}: {self.module or '<root>'} ({self.module_type}) call "
             f"{self.call_index} {self.tensor}: {self.stats.nan_count} NaN, "

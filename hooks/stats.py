@@ -29,7 +29,6 @@ import torch
 NUM_BINS = 32
 #: Tensors with more elements are histogrammed on a strided sample of about this many.
 HIST_SAMPLE = 2048
-_CHUNK = 64  # histogram sample rows allocated at a time
 _EXACT_COUNT = 1 << 24  # float32 sums of ones are exact below this
 
 _STAT_FIELDS = ("mean", "std", "min", "max", "abs_max", "l2", "zero_frac")
@@ -214,7 +213,7 @@ class StatsBatch:
         self.sync_free = sync_free
         self._out: list[TensorStats | None] = []
         # CPU path: histogram samples binned in finalize
-        self._chunks: list[torch.Tensor] = []  # (_CHUNK, HIST_SAMPLE) rows, -inf padded
+        self._samples: list[torch.Tensor] = []  # copies, at most HIST_SAMPLE values each
         self._sample_slots: list[int] = []
         # sync-free path: per slot device tensors, converted in finalize
         self._dev: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
@@ -282,7 +281,7 @@ class StatsBatch:
         var = max(var, 0.0)
         h_lo, h_hi = (lo, hi) if lo != hi else (lo - 1.0, hi + 1.0)
         sample = _hist_sample(xf, x.shape[-1] if x.dim() else 1)
-        self._store_sample(sample)
+        self._samples.append(sample.clone())
         self._sample_slots.append(slot)
         self._out[slot] = TensorStats(
             numel=n,
@@ -300,41 +299,24 @@ class StatsBatch:
             hist_count=sample.numel(),
         )
 
-    def _store_sample(self, sample: torch.Tensor) -> None:
-        r = len(self._sample_slots)
-        if r % _CHUNK == 0:
-            self._chunks.append(torch.empty(_CHUNK, HIST_SAMPLE, dtype=torch.float32))
-        row = self._chunks[-1][r % _CHUNK]
-        k = sample.numel()
-        if k == HIST_SAMPLE:
-            row.copy_(sample)
-        else:
-            row[:k].copy_(sample)
-            row[k:].fill_(-math.inf)
-
     def _bin_samples(self) -> None:
-        """Histogram every CPU sample, one chunk of rows at a time, in place.
+        """Histogram every CPU sample with one vectorised pass and one ``bincount``.
 
-        Each row (a sample, padded with -inf) is mapped to bin index + 1 (padding to 0),
-        offset by row * (bins + 1) and counted with one ``bincount`` per chunk.
+        All samples are concatenated; each value maps to ``row * bins + bin`` with its own
+        tensor's ``[hist_min, hist_max]``.
         """
         if not self._sample_slots:
             return
         stats = [self._out[s] for s in self._sample_slots]
-        nb = self.bins
-        lo = torch.tensor([st.hist_min for st in stats], dtype=torch.float32)  # type: ignore[union-attr]
-        hi = torch.tensor([st.hist_max for st in stats], dtype=torch.float32)  # type: ignore[union-attr]
-        scale = nb / (hi - lo)
-        offsets = torch.arange(_CHUNK)[:, None] * (nb + 1)
-        hists: list[list[int]] = []
-        for c, mat in enumerate(self._chunks):
-            rows = min(_CHUNK, len(stats) - c * _CHUNK)
-            sl = slice(c * _CHUNK, c * _CHUNK + rows)
-            m = mat[:rows]
-            m.sub_(lo[sl, None]).mul_(scale[sl, None]).clamp_(-1.0, nb - 1).add_(1.0)
-            idx = m.to(torch.int64).add_(offsets[:rows])
-            counts = torch.bincount(idx.view(-1), minlength=rows * (nb + 1))
-            hists += counts.view(rows, nb + 1)[:, 1:].tolist()
+        nb, rows = self.bins, len(stats)
+        lengths = torch.tensor([t.numel() for t in self._samples])
+        seg = torch.repeat_interleave(torch.arange(rows), lengths)
+        lo = torch.tensor([st.hist_min for st in stats], dtype=torch.float64)  # type: ignore[union-attr]
+        hi = torch.tensor([st.hist_max for st in stats], dtype=torch.float64)  # type: ignore[union-attr]
+        flat = torch.cat(self._samples).double()
+        pos = (flat - lo[seg]).mul_((nb / (hi - lo))[seg])
+        idx = pos.clamp_(0, nb - 1).to(torch.int64).add_(seg * nb)
+        hists = torch.bincount(idx, minlength=rows * nb).view(rows, nb).tolist()
         for st, h in zip(stats, hists, strict=True):
             st.hist = h  # type: ignore[union-attr]
 

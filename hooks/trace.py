@@ -263,9 +263,7 @@ class Trace:
             return cls(
                 forward=[CallRecord.from_dict(r) for r in data["forward"]],
                 backward=[GradRecord.from_dict(g) for g in data["backward"]],
-                params={
-                    p["name"]: ParamGradRecord.from_dict(p) for p in data.get("params", [])
-                },
+                params={p["name"]: ParamGradRecord.from_dict(p) for p in data.get("params", [])},
                 routing=[
                     RoutingRecord.from_dict(r, tensors, f"routing/{i}")
                     for i, r in enumerate(data.get("routing", []))

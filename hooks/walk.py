@@ -64,9 +64,15 @@ def find_tensors(
         others.append((path, type(obj).__name__))
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float32`` -> ``float32``."""
-    return str(dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def named_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

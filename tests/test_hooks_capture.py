@@ -1,0 +1,406 @@
+"""hooks.capture on small generic nn.Modules: records, gradients, options, memory.
+
+References are computed independently: a second forward without hooks with ``retain_grad``
+on the intermediate tensors, and torch's own reductions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import hooks
+
+
+def close(a: float, b: float, rel: float = 1e-5) -> bool:
+    return a == pytest.approx(b, rel=rel, abs=1e-7)
+
+
+def assert_stats(st: hooks.TensorStats, x: torch.Tensor) -> None:
+    x = x.detach().double()
+    assert st.numel == x.numel()
+    assert close(st.mean, x.mean().item())
+    assert close(st.std, x.std().item())
+    assert close(st.min, x.min().item()) and close(st.max, x.max().item())
+    assert close(st.l2, torch.linalg.vector_norm(x).item())
+    assert close(st.zero_frac, (x == 0).double().mean().item())
+
+
+class Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+def test_module_called_twice_gets_two_records_with_their_own_stats():
+    torch.manual_seed(0)
+    m = Twice()
+    x = torch.randn(4, 6)
+    with hooks.capture(m) as tr:
+        m(x)
+    lin = tr.calls("lin")
+    assert [r.call_index for r in lin] == [0, 1]
+    assert [r.module for r in tr.forward] == ["", "lin", "lin"]
+    assert tr.forward[0].module_type == "Twice" and lin[0].module_type == "Linear"
+    assert lin[0].parent == 0 and lin[0].depth == 1
+    # references without hooks
+    h1 = m.lin(x)
+    h2 = m.lin(torch.tanh(h1))
+    assert_stats(lin[0].outputs[0].stats, h1)
+    assert_stats(lin[1].outputs[0].stats, h2)
+    assert_stats(lin[1].inputs[0].stats, torch.tanh(h1))
+    assert lin[1].inputs[0].path == "args[0]" and lin[1].outputs[0].path == "out"
+    assert lin[1].outputs[0].shape == [4, 6] and lin[1].outputs[0].dtype == "float32"
+    # end order: the inner calls finish before the root
+    assert tr.forward[0].end_order == 2 and lin[0].end_order == 0
+
+
+class KwOnly(nn.Module):
+    def forward(self, *, x, scale: float = 1.0, extra=None):
+        return {"y": x * scale, "z": [x.sum(), extra]}
+
+
+def test_kwargs_only_call_and_dict_list_outputs():
+    m = KwOnly()
+    x = torch.randn(3, 5)
+    e = torch.randn(2)
+    with hooks.capture(m) as tr:
+        m(x=x, scale=2.0, extra=e)
+    (rec,) = tr.forward
+    assert [t.path for t in rec.inputs] == ["kwargs.x", "kwargs.extra"]
+    assert_stats(rec.inputs[0].stats, x)
+    assert [t.path for t in rec.outputs] == ["out.y", "out.z[0]", "out.z[1]"]
+    assert_stats(rec.output("out.y").stats, x * 2.0)
+    assert rec.output("out.z[0]").shape == []
+    assert rec.output("out.z[1]").stats == rec.inputs[1].stats  # the same tensor object
+
+
+@dataclasses.dataclass
+class Out:
+    a: torch.Tensor
+    b: tuple
+
+
+class DataOut(nn.Module):
+    def forward(self, x):
+        return Out(a=x + 1, b=(x * 2, "label", 3))
+
+
+def test_dataclass_outputs_and_non_tensor_parts_are_said():
+    with hooks.capture(DataOut()) as tr:
+        DataOut()(torch.ones(2))
+    assert tr.forward == []  # a fresh module instance: the captured one never ran
+    m = DataOut()
+    with hooks.capture(m) as tr:
+        m(torch.ones(2))
+    rec = tr.forward[0]
+    assert [t.path for t in rec.outputs] == ["out.a", "out.b[0]"]
+    assert rec.outputs[0].stats.mean == 2.0 and rec.outputs[1].stats.mean == 2.0
+
+
+class NonTensor(nn.Module):
+    def forward(self, x):
+        return int(x.numel())
+
+
+def test_non_tensor_output_is_noted_not_skipped_silently():
+    m = nn.Sequential(nn.Linear(2, 2))
+    m.add_module("count", NonTensor())
+    m.forward = lambda x: (m[0](x), m.count(x))  # type: ignore[method-assign]
+    with hooks.capture(m) as tr:
+        m(torch.randn(1, 2))
+    rec = tr.call("count")
+    assert rec.outputs == []
+    assert any("non-tensor output (int)" in n for n in rec.notes)
+
+
+def reference_relu_grads(lin0, lin1, x):
+    """Autograd's gradients w.r.t. the pre-ReLU and post-ReLU tensors, no in-place, no hooks."""
+    h = lin0(x)
+    h.retain_grad()
+    r = torch.relu(h)
+    r.retain_grad()
+    y = lin1(r)
+    y.retain_grad()
+    (y.square().sum()).backward()
+    return h, r, y
+
+
+def test_inplace_relu_captures_without_error_and_gradients_equal_autograd():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(inplace=True), nn.Linear(8, 3))
+    x = torch.randn(6, 5)
+    with hooks.capture(model) as tr:
+        y = model(x)
+        y.square().sum().backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    h, r, y_ref = reference_relu_grads(model[0], model[2], x)
+    # forward: the Linear's output was summarised before ReLU overwrote it in place
+    assert_stats(tr.call("0").outputs[0].stats, h)
+    assert_stats(tr.call("1").outputs[0].stats, r)
+    # backward: one record per output, values equal autograd's
+    by_module = {g.module: g for g in tr.backward}
+    assert_stats(by_module["2"].stats, y_ref.grad)
+    assert_stats(by_module["1"].stats, r.grad)
+    assert_stats(by_module["0"].stats, h.grad)
+    # autograd order: from the loss back to the input
+    assert [g.module for g in tr.backward] == ["", "2", "1", "0"] or [
+        g.module for g in tr.backward
+    ] == ["2", "", "1", "0"]
+    # the capture changed no gradient
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, rtol=0, atol=0)
+    assert tr.params["0.weight"].grad_norm == pytest.approx(got["0.weight"].norm().item(), rel=1e-5)
+
+
+def test_embedding_without_input_gradient():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(11, 4), nn.Linear(4, 2))
+    ids = torch.tensor([[1, 2, 3], [4, 5, 10]])
+    with hooks.capture(model) as tr:
+        model(ids).sum().backward()
+    emb = tr.call("0")
+    assert emb.inputs[0].dtype == "int64" and not emb.inputs[0].requires_grad
+    assert_stats(emb.inputs[0].stats, ids)
+    (g,) = tr.grads("0")
+    e = model[0](ids)
+    e.retain_grad()
+    model[1](e).sum().backward()
+    assert_stats(g.stats, e.grad)
+    assert tr.params["0.weight"].status == "ok"
+    assert not [n for n in tr.notes if n.kind == "hook_error"]
+
+
+def test_model_output_and_gradients_bitwise_unchanged():
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(7, 9), nn.GELU(), nn.LayerNorm(9), nn.Linear(9, 4))
+    x = torch.randn(5, 7)
+    y0 = model(x)
+    y0.pow(2).mean().backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with hooks.capture(model, keep_bytes=1 << 20):
+        y1 = model(x)
+        y1.pow(2).mean().backward()
+    assert torch.equal(y0, y1)
+    for a, p in zip(ref, model.parameters(), strict=True):
+        assert torch.equal(a, p.grad)
+
+
+def test_hooks_removed_on_exit_also_when_body_raises():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
+    with pytest.raises(RuntimeError, match="boom"), hooks.capture(model) as tr:
+        model(torch.randn(1, 2))
+        raise RuntimeError("boom")
+    for m in model.modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks
+    for p in model.parameters():
+        assert not p._post_accumulate_grad_hooks
+    n = len(tr.forward)
+    model(torch.randn(1, 2)).sum().backward()  # after exit: nothing more is recorded
+    assert len(tr.forward) == n and tr.backward == []
+
+
+def test_backward_after_exit_is_not_recorded():
+    model = nn.Linear(3, 3)
+    with hooks.capture(model) as tr:
+        y = model(torch.randn(2, 3))
+    y.sum().backward()
+    assert tr.backward == [] and tr.params == {}
+    assert any(n.kind == "no_backward" for n in tr.notes)
+
+
+def test_include_exclude_by_pattern_and_type():
+    model = nn.Sequential(
+        nn.Sequential(nn.Linear(2, 2), nn.ReLU()), nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    )
+    x = torch.randn(1, 2)
+    with hooks.capture(model, include=["0"]) as tr:
+        model(x)
+    assert [r.module for r in tr.forward] == ["0", "0.0", "0.1"]
+    with hooks.capture(model, exclude=[nn.ReLU, "1"]) as tr:
+        model(x)
+    assert [r.module for r in tr.forward] == ["", "0", "0.0"]
+    with hooks.capture(model, include=["Linear"]) as tr:
+        model(x)
+    assert [r.module for r in tr.forward] == ["0.0", "1.0"]
+    with hooks.capture(model, include=["*.1"]) as tr:
+        model(x)
+    assert [r.module for r in tr.forward] == ["0.1", "1.1"]
+
+
+def test_every_n_steps_captures_only_sampled_steps_and_attaches_nothing_otherwise():
+    model = nn.Linear(2, 2)
+    captured = []
+    for step in range(7):
+        with hooks.capture(model, step=step, every=3) as tr:
+            assert bool(model._forward_hooks) == (step % 3 == 0)
+            model(torch.randn(1, 2)).sum().backward()
+        captured.append(tr.captured)
+        assert tr.step == step
+        assert (len(tr.forward) > 0) == tr.captured
+    assert captured == [True, False, False, True, False, False, True]
+    with pytest.raises(ValueError):
+        hooks.capture(model, every=0)
+
+
+def test_keep_bytes_keeps_full_tensors_until_budget_and_says_so():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    budget = 3 * 8 * 4 + 3 * 8 * 4  # the root output does not fit after these two
+    with hooks.capture(model, keep_bytes=budget) as tr:
+        model(x).sum().backward()
+    h = model[0](x)
+    kept = tr.call("0").outputs[0].kept
+    assert kept is not None and torch.equal(tr.tensors[kept], h.detach())
+    assert torch.equal(tr.tensors[tr.call("1").outputs[0].kept], torch.tanh(h).detach())
+    assert tr.call("2").outputs[0].kept is None
+    assert tr.kept_bytes <= budget
+    assert any(n.kind == "budget" for n in tr.notes)
+    with hooks.capture(model) as tr:  # default: statistics only
+        model(x)
+    assert tr.tensors == {} and all(t.kept is None for r in tr.forward for t in r.outputs)
+
+
+class PartlyFrozen(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.frozen = nn.Linear(3, 3)
+        self.frozen.requires_grad_(False)
+        self.unused = nn.Linear(3, 3)
+        self.zeroed = nn.Linear(3, 3, bias=False)
+        self.side = nn.Linear(3, 3)
+
+    def forward(self, x):
+        with torch.no_grad():
+            s = self.side(x)
+        return self.a(self.frozen(x)) + 0.0 * self.zeroed(x) + s
+
+
+def test_param_statuses_and_no_grad_module_noted():
+    torch.manual_seed(0)
+    m = PartlyFrozen()
+    with hooks.capture(m) as tr:
+        m(torch.randn(2, 3)).sum().backward()
+    p = tr.params
+    assert p["a.weight"].status == "ok"
+    assert p["a.weight"].grad_norm == pytest.approx(m.a.weight.grad.norm().item(), rel=1e-5)
+    assert p["a.weight"].grad_abs_max == pytest.approx(m.a.weight.grad.abs().max().item())
+    assert p["a.weight"].weight_norm == pytest.approx(m.a.weight.norm().item(), rel=1e-5)
+    assert p["a.weight"].ratio == pytest.approx(
+        m.a.weight.grad.norm().item() / m.a.weight.norm().item(), rel=1e-5
+    )
+    assert p["frozen.weight"].status == "frozen"
+    assert p["unused.weight"].status == "none" and p["unused.weight"].grad_norm is None
+    assert p["zeroed.weight"].status == "zero"
+    assert p["side.weight"].status == "none"
+    assert any(n.kind == "no_grad" and n.module == "side" for n in tr.notes)
+    # a gradient left over from before the capture is "stale", not fresh
+    m.unused(torch.randn(1, 3)).sum().backward()
+    with hooks.capture(m) as tr:
+        m(torch.randn(2, 3)).sum().backward()
+    assert tr.params["unused.weight"].status == "stale"
+
+
+def test_nan_in_weight_located_at_first_nonfinite_call():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[2].weight[1, 3] = float("nan")
+    with hooks.capture(model) as tr:
+        model(torch.randn(2, 4)).sum().backward()
+    hit = tr.first_nonfinite()
+    assert (hit.module, hit.call_index, hit.tensor) == ("2", 0, "out")
+    assert hit.stats.nan_count == 2  # column 1 of both rows
+    assert "2" in hit.describe() and "NaN" in hit.describe()
+    bwd = tr.first_nonfinite("backward")
+    assert bwd is not None and bwd.direction == "backward"
+    finite = nn.Linear(2, 2)
+    with hooks.capture(finite) as tr:
+        finite(torch.randn(1, 2)).sum().backward()
+    assert tr.first_nonfinite() is None and tr.first_nonfinite("backward") is None
+    with pytest.raises(ValueError):
+        tr.first_nonfinite("sideways")
+
+
+def test_module_infos_counts_own_and_total_params_with_tying():
+    emb = nn.Embedding(10, 4)
+    head = nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    model = nn.Sequential(emb, nn.Sequential(nn.Linear(4, 4), nn.ReLU()), head)
+    with hooks.capture(model) as tr:
+        pass
+    info = {m.name: m for m in tr.modules}
+    assert [m.name for m in tr.modules] == [n for n, _ in model.named_modules()]
+    assert info[""].total_params == 40 + 20
+    assert info["0"].own_params == 40 and info["2"].own_params == 40
+    assert info["1"].total_params == 20 and info["1"].own_params == 0
+    assert info["1.0"].depth == 2 and info[""].depth == 0
+
+
+def test_compiled_model_is_said():
+    model = nn.Linear(2, 2)
+    compiled = torch.compile(model)
+    with hooks.capture(compiled) as tr:
+        pass
+    assert any(n.kind == "compiled" for n in tr.notes)
+
+
+def test_stats_only_trace_holds_no_reference_to_activations():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+    refs: list[weakref.ref] = []
+    spy = model[1].register_forward_hook(lambda m, a, o: refs.append(weakref.ref(o)))
+    with hooks.capture(model) as tr:
+        y = model(torch.randn(4, 8))  # the graph (and the tanh output it saves) stays alive
+    spy.remove()
+    assert refs[0]() is not None  # alive through y's graph
+    del y
+    assert refs[0]() is None, "the trace kept an activation alive"
+    # and with backward inside the capture
+    spy = model[1].register_forward_hook(lambda m, a, o: refs.append(weakref.ref(o)))
+    with hooks.capture(model) as tr2:
+        y = model(torch.randn(4, 8))
+        y.sum().backward(retain_graph=True)
+    spy.remove()
+    assert refs[1]() is not None
+    del y
+    assert refs[1]() is None, "the trace kept an activation alive"
+    assert len(tr.forward) == 4 and len(tr2.backward) > 0  # the traces themselves are intact
+
+
+def _live_tensors() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+def test_thousand_steps_with_every_n_keep_memory_flat():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(4, 8)
+    counts = []
+    sampled = 0
+    for step in range(1000):
+        opt.zero_grad(set_to_none=True)
+        with hooks.capture(model, step=step, every=50) as tr:
+            model(x).square().mean().backward()
+        opt.step()
+        sampled += tr.captured
+        if step in (99, 999):
+            counts.append(_live_tensors())
+    assert sampled == 20
+    assert counts[1] <= counts[0], f"live tensors grew from {counts[0]} to {counts[1]}"
+    for m in model.modules():
+        assert not m._forward_hooks

@@ -1,0 +1,147 @@
+"""hooks.stats: every statistic against torch's own reductions on known tensors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import hooks
+from hooks.stats import HIST_SAMPLE, NUM_BINS, StatsBatch, TensorStats
+
+
+def reference(x: torch.Tensor) -> dict[str, float]:
+    """Each statistic computed the obvious way, one torch reduction each, in fp64."""
+    x = x.detach().double().reshape(-1)
+    return {
+        "mean": x.mean().item(),
+        "std": x.std().item() if x.numel() > 1 else 0.0,
+        "min": x.min().item(),
+        "max": x.max().item(),
+        "abs_max": x.abs().max().item(),
+        "l2": torch.linalg.vector_norm(x).item(),
+        "zero_frac": (x == 0).double().mean().item(),
+    }
+
+
+def assert_matches(st: TensorStats, x: torch.Tensor, rtol: float = 1e-5) -> None:
+    ref = reference(x)
+    for k, v in ref.items():
+        assert getattr(st, k) == pytest.approx(v, rel=rtol, abs=1e-6), k
+
+
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_known_tensor_matches_torch_reductions(sync_free):
+    torch.manual_seed(0)
+    x = torch.randn(37, 53) * 2.5 + 0.7
+    x[0, :5] = 0.0
+    x[3, 7] = -0.0  # negative zero is a zero too
+    batch = StatsBatch(sync_free=sync_free)
+    slot = batch.add(x)
+    st = batch.finalize()[slot]
+    assert st.numel == x.numel()
+    assert_matches(st, x)
+    assert st.zero_frac == pytest.approx(6 / x.numel())
+    assert st.nan_count == 0 and st.inf_count == 0 and st.finite
+    # the histogram is torch.histc over [min, max] with the default 32 bins
+    ref_hist = torch.histc(x, bins=NUM_BINS, min=x.min().item(), max=x.max().item())
+    assert st.hist == ref_hist.long().tolist()
+    assert sum(st.hist) == st.hist_count == x.numel()
+    assert (st.hist_min, st.hist_max) == (x.min().item(), x.max().item())
+
+
+def test_hand_computed_values():
+    st = hooks.summarize_tensor(torch.tensor([[3.0, -4.0], [0.0, 1.0]]))
+    assert st.mean == pytest.approx(0.0)
+    assert st.min == -4.0 and st.max == 3.0 and st.abs_max == 4.0
+    assert st.l2 == pytest.approx(math.sqrt(26.0))
+    assert st.std == pytest.approx(math.sqrt(26.0 / 3.0))
+    assert st.zero_frac == 0.25
+
+
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_nan_and_inf_counted_and_excluded(sync_free):
+    x = torch.arange(12, dtype=torch.float32)
+    x[2] = float("nan")
+    x[5] = float("inf")
+    x[7] = float("-inf")
+    x[9] = float("nan")
+    batch = StatsBatch(sync_free=sync_free)
+    slot = batch.add(x)
+    st = batch.finalize()[slot]
+    assert st.nan_count == 2 and st.inf_count == 2 and not st.finite
+    finite = x[torch.isfinite(x)]
+    assert_matches(st, finite)
+    assert sum(st.hist) == finite.numel()
+
+
+def test_all_nonfinite_and_empty():
+    st = hooks.summarize_tensor(torch.full((4,), float("nan")))
+    assert st.nan_count == 4 and st.mean is None and st.hist == []
+    st = hooks.summarize_tensor(torch.empty(0, 3))
+    assert st.numel == 0 and st.mean is None and st.finite
+
+
+def test_integer_bool_half_and_double_tensors():
+    ids = torch.tensor([[1, 5, 0], [2, 2, 9]])
+    assert_matches(hooks.summarize_tensor(ids), ids)
+    mask = torch.tensor([True, False, True, True])
+    assert hooks.summarize_tensor(mask).zero_frac == 0.25
+    h = torch.randn(64, dtype=torch.bfloat16)
+    assert_matches(hooks.summarize_tensor(h), h.float())
+    d = torch.randn(50, dtype=torch.float64)
+    assert_matches(hooks.summarize_tensor(d), d, rtol=1e-9)
+
+
+def test_mean_much_larger_than_std_keeps_precision():
+    # sum/sum-of-squares would cancel catastrophically here; the exact fallback must kick in.
+    torch.manual_seed(1)
+    x = 1000.0 + torch.randn(4096) * 1e-3
+    st = hooks.summarize_tensor(x)
+    assert st.std == pytest.approx(x.double().std().item(), rel=1e-3)
+    assert st.mean == pytest.approx(x.double().mean().item(), rel=1e-7)
+
+
+def test_constant_tensor_histogram_range_widened_like_histc():
+    x = torch.full((10,), 2.0)
+    st = hooks.summarize_tensor(x)
+    assert st.std == 0.0 and (st.hist_min, st.hist_max) == (1.0, 3.0)
+    assert st.hist == torch.histc(x, bins=NUM_BINS, min=2.0, max=2.0).long().tolist()
+
+
+def test_large_tensor_exact_scalars_sampled_histogram():
+    torch.manual_seed(2)
+    x = torch.randn(64, 1000)  # > HIST_SAMPLE elements
+    st = hooks.summarize_tensor(x)
+    assert_matches(st, x)
+    assert st.hist_count == sum(st.hist) <= HIST_SAMPLE + 1
+    # The sample's histogram has the shape of the full one (within sampling noise).
+    full = torch.histc(x, bins=NUM_BINS, min=st.hist_min, max=st.hist_max)
+    frac_full = full / full.sum()
+    frac_sample = torch.tensor(st.hist, dtype=torch.float32) / st.hist_count
+    assert (frac_full - frac_sample).abs().max().item() < 0.02
+
+
+def test_non_contiguous_and_requires_grad_inputs():
+    w = torch.randn(8, 6, requires_grad=True)
+    st = hooks.summarize_tensor(w.t())
+    assert_matches(st, w.t())
+    assert w.grad is None  # summarising never builds a graph
+
+
+def test_summarize_rejects_complex_and_non_tensors():
+    with pytest.raises(TypeError):
+        hooks.summarize_tensor(torch.randn(3, dtype=torch.complex64))
+    with pytest.raises(TypeError):
+        hooks.summarize_tensor([1.0, 2.0])  # type: ignore[arg-type]
+
+
+def test_round_trip_dict_encodes_nonfinite_as_strings():
+    x = torch.tensor([1.0, float("inf")])
+    st = hooks.summarize_tensor(x)
+    d = st.to_dict()
+    assert TensorStats.from_dict(d) == st
+    st2 = TensorStats(numel=1, mean=float("nan"))
+    assert st2.to_dict()["mean"] == "nan"
+    assert math.isnan(TensorStats.from_dict(st2.to_dict()).mean)
