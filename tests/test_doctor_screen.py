@@ -38,7 +38,8 @@ class Host(App):
 
 
 def test_summary_line_counts_statuses():
-    assert summary_line([r.to_dict() for r in RESULTS]) == "4 checks · 1 pass · 1 skip · 1 warn · 1 fail"
+    expect = "4 checks · 1 pass · 1 skip · 1 warn · 1 fail"
+    assert summary_line([r.to_dict() for r in RESULTS]) == expect
 
 
 async def test_table_lists_every_result_and_starts_on_the_first_failure():
@@ -126,3 +127,20 @@ async def test_step_app_d_then_enter_selects_the_module(tiny_trace_and_results):
         await pilot.pause()
         assert isinstance(app.screen, StepScreen)
         assert app.screen.stepper.call.module == "model.layers.0.self_attn"
+
+
+async def test_doctor_app_opens_on_the_doctor_view(tiny_trace_and_results):
+    from tui.commands.doctor import make_doctor_app
+    from tui.screens.step import StepScreen
+
+    trace, results = tiny_trace_and_results
+    app = make_doctor_app(trace, results, title="t")
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        assert isinstance(app.screen, DoctorScreen)
+        await pilot.press("escape")
+        await pilot.pause()
+        assert isinstance(app.screen, StepScreen)
+        await pilot.press("d")
+        await pilot.pause()
+        assert isinstance(app.screen, DoctorScreen)

@@ -101,7 +101,8 @@ def routing(t: Target, o: DoctorOptions) -> Outcome:
     first = next(iter(stats.values()))
     e = len(first["counts"])
     data = dict(batches=len(batches), layers=layers)
-    ev = (f"{len(stats)} MoE layer(s), {len(batches)} batches ({first['tokens']} tokens): busiest expert ×{worst_ratio[0]:.2f} its balanced share 1/{e}"
+    ev = (f"{len(stats)} MoE layer(s), {len(batches)} batches ({first['tokens']} tokens): "
+          f"busiest expert ×{worst_ratio[0]:.2f} its balanced share 1/{e}"
           f" ({worst_ratio[1]}), router entropy ≥ {min_ent[0]:.2f}·ln E")
     if worst_dead:
         block, dead = worst_dead

@@ -1,8 +1,9 @@
 """Check 9: numerics under bf16 — normalisation statistics and softmax must run in fp32.
 
-Measured, not read from source: a ``TorchDispatchMode`` records the dtype every reduction
-(``mean``, ``sum``, ``var``, ``rsqrt``...) and every softmax actually ran in, attributed to the
-innermost module running at the time.
+Measured, not read from source: a ``TorchFunctionMode`` records the dtype every reduction
+(``mean``, ``sum``, ``var``, ``rsqrt``...) and every softmax actually produced, attributed to
+the innermost module running at the time. (A function mode rather than a dispatch mode: the
+first ``TorchDispatchMode`` imports ``torch._dynamo``, about 4 s.)
 """
 
 from __future__ import annotations
@@ -11,37 +12,39 @@ import math
 from typing import Any
 
 import torch
-
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
 
 from hooks.checks.registry import DoctorOptions, check
 from hooks.checks.result import Outcome
 from hooks.checks.target import SkipCheck, Target, fmt
 
-#: Ops that compute normalisation statistics when they run inside a norm module.
+#: Functions that compute normalisation statistics when they run inside a norm module.
 STAT_OPS = frozenset({"mean", "sum", "var", "var_mean", "std", "std_mean", "rsqrt", "sqrt",
-                      "pow", "linalg_vector_norm", "norm"})
-#: Softmax-family ops.
-SOFTMAX_OPS = frozenset({"_softmax", "_log_softmax", "_safe_softmax"})
+                      "pow", "__pow__", "square", "norm", "vector_norm", "linalg_vector_norm"})
+#: Softmax-family functions (cross-entropy contains a log-softmax).
+SOFTMAX_OPS = frozenset({"softmax", "log_softmax", "_softmax", "_log_softmax", "cross_entropy"})
 #: Fused kernels that accumulate in fp32 internally whatever their input dtype.
-FUSED_OPS = frozenset({"_scaled_dot_product_flash_attention_for_cpu",
-                       "_scaled_dot_product_flash_attention",
-                       "_scaled_dot_product_efficient_attention",
-                       "_scaled_dot_product_cudnn_attention", "native_layer_norm",
-                       "_fused_rms_norm"})
-HALF = (torch.bfloat16, torch.float16)
+FUSED_OPS = frozenset({"scaled_dot_product_attention", "rms_norm", "layer_norm"})
 #: Relative error (to the output's largest magnitude) above which a bf16 norm output warns.
 NORM_REL_TOL = 2.0**-6
+#: Tokens (one row of the batch) run under autocast; enough for every op to show its dtype.
+AUTOCAST_TOKENS = 32
 #: Scale of the large-activation input fed to each norm (one channel 30× larger still).
 LARGE = 1e3
 
 
-class OpDtypeRecorder(TorchDispatchMode):
-    """Record ``(module, op, input dtype, output dtype)`` for watched aten ops.
+def _dtype(x: Any) -> str:
+    if isinstance(x, (tuple, list)) and x:
+        x = x[0]
+    return str(x.dtype).removeprefix("torch.") if isinstance(x, torch.Tensor) else ""
+
+
+class OpDtypeRecorder(TorchFunctionMode):
+    """Record ``(module, function, input dtype, output dtype)`` for watched torch functions.
 
     Args:
         model: the modules whose calls set the "current module" (pre/post forward hooks).
-        watch: op names (``overloadpacket.__name__``) to record.
+        watch: function names (``func.__name__``: ``mean``, ``softmax``...) to record.
     """
 
     def __init__(self, model: torch.nn.Module, watch: frozenset[str]) -> None:
@@ -64,17 +67,13 @@ class OpDtypeRecorder(TorchDispatchMode):
         for h in self._handles:
             h.remove()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        name = func.overloadpacket.__name__
+        name = getattr(func, "__name__", "")
         if name in self.watch:
             t_in = next((a for a in args if isinstance(a, torch.Tensor)), None)
-            t_out = out[0] if isinstance(out, (tuple, list)) and out else out
-            self.events.append((
-                self._stack[-1] if self._stack else "", name,
-                str(t_in.dtype).removeprefix("torch.") if t_in is not None else "",
-                str(t_out.dtype).removeprefix("torch.") if isinstance(t_out, torch.Tensor)
-                else ""))
+            self.events.append((self._stack[-1] if self._stack else "", name, _dtype(t_in),
+                                _dtype(out)))
         return out
 
 
@@ -132,7 +131,8 @@ def numerics(t: Target, o: DoctorOptions) -> Outcome:
 
     1. Every norm module on a bf16 large-activation input: statistics ops must run in fp32,
        the output must be finite and within :data:`NORM_REL_TOL` of the fp32 result.
-    2. The model under ``torch.autocast(bfloat16)`` on the batch: every softmax must produce
+    2. The model under ``torch.autocast(bfloat16)`` on the batch's first row (up to
+       :data:`AUTOCAST_TOKENS` tokens): every softmax must produce
        fp32 (or run in a fused fp32-accumulating kernel), norms keep fp32 statistics, the logits
        stay finite; the loss is compared with the fp32 loss.
     """
@@ -184,8 +184,9 @@ def _autocast_run(t: Target, norm_names: set[str], fails: list, warns: list,
     if t.input_ids is None and not t.args and not t.kwargs:
         return "autocast not tested (no batch)"
     labels = True if t.accepts("labels") and t.input_ids is not None else None
+    ids = t.input_ids[:1, :AUTOCAST_TOKENS] if t.input_ids is not None else None
     with t.mode(False), torch.no_grad():
-        ref_out = t.call(labels=labels)
+        ref_out = t.call(ids, labels=labels)
         ref_logits = t.logits(ref_out)
         if ref_logits is None:
             return "autocast not tested (the output has no logits)"
@@ -195,7 +196,7 @@ def _autocast_run(t: Target, norm_names: set[str], fails: list, warns: list,
         rec = OpDtypeRecorder(t.model, STAT_OPS | SOFTMAX_OPS | FUSED_OPS)
         try:
             with rec, torch.autocast(dev, dtype=torch.bfloat16):
-                out = t.call(labels=labels)
+                out = t.call(ids, labels=labels)
         finally:
             rec.remove()
         logits = t.need_logits(out).float()
@@ -206,9 +207,8 @@ def _autocast_run(t: Target, norm_names: set[str], fails: list, warns: list,
             fused += 1
         elif op in SOFTMAX_OPS:
             if _is_half(dout):
-                what = "log_softmax" if op == "_log_softmax" else "softmax"
-                msg = f"{what} in {dout} inside {mod or '<root>'} under bf16 autocast"
-                if op == "_log_softmax":
+                msg = f"{op.lstrip('_')} in {dout} inside {mod or '<root>'} under bf16 autocast"
+                if op in ("_log_softmax", "log_softmax", "cross_entropy") and not mod:
                     warns.append((msg + " (cross-entropy on 16-bit logits)", mod or None))
                 else:
                     fails.append((msg, mod or None))

@@ -217,7 +217,8 @@ def overfit(t: Target, o: DoctorOptions) -> Outcome:
     try:
         model = copy.deepcopy(t.model)
     except Exception as exc:
-        raise SkipCheck(f"cannot copy the model to train it: {type(exc).__name__}: {exc}")
+        raise SkipCheck(
+            f"cannot copy the model to train it: {type(exc).__name__}: {exc}") from None
     copy_t = Target(model, t.args, t.kwargs)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                             lr=o.overfit_lr, weight_decay=0.0)

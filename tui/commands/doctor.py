@@ -43,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="most optimizer steps of the overfit check (default 300)")
     g.add_argument("--only", metavar="IDS", default=None,
                    help="comma-separated check numbers or names, e.g. 1,2,gqa")
+    g.add_argument("--threads", type=_positive_int, default=1, metavar="N",
+                   help="torch intra-op threads while checking (default 1: the checks run "
+                        "many small ops, which extra threads slow down on a busy machine; "
+                        "see benchmarks/bench_doctor.py)")
     parser.epilog = _CHECK_LIST
 
 
@@ -83,7 +87,7 @@ def summary(results, seconds: float) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hooks.checks import DoctorOptions, resolve_only, run_checks
+    from hooks.checks import resolve_only
 
     try:
         only = resolve_only(args.only) if args.only is not None else None
@@ -95,6 +99,19 @@ def run(args: argparse.Namespace) -> int:
     if workload.input_ids is None:
         print("mdb doctor: the batch has no (B, T) int64 input_ids; checks that need token "
               "ids will be skipped", file=sys.stderr)
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _check_and_report(args, workload, only)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check_and_report(args: argparse.Namespace, workload, only) -> int:
+    from hooks.checks import DoctorOptions, run_checks
+
     opts = DoctorOptions(overfit_steps=args.overfit_steps, seed=args.seed)
     status = None
     if sys.stderr.isatty() and not args.json:
@@ -140,20 +157,33 @@ def _print_table(description: str, results, info: dict) -> None:
     console.print(line, markup=False)
 
 
-def _run_tui(workload, results, info: dict) -> int:
-    """Capture one step of the workload and open the step app with the doctor view on top."""
+def make_doctor_app(trace, results, *, title: str = "mdb doctor"):
+    """The step app on ``trace`` with the doctor view of ``results`` open on top (Esc or
+    ``q`` closes it to the step view, ``d`` reopens it; Enter on a finding jumps)."""
+    from pathlib import Path
+
+    import tui.app
     from tui.app import MdbApp
-    from tui.commands._common import capture_step
     from tui.screens.doctor import DoctorScreen
 
-    trace = capture_step(workload, attention=True)
-
     class DoctorApp(MdbApp):
-        def on_mount(self) -> None:
-            super().on_mount()
-            self.push_screen(DoctorScreen(results, title=f"mdb doctor · {workload.description}"))
+        # CSS_PATH is relative to the defining module: point at the app's own stylesheet
+        CSS_PATH = str(Path(tui.app.__file__).with_name(str(MdbApp.CSS_PATH)))
 
-    app = DoctorApp(trace, doctor_results=results)
+        def on_mount(self) -> None:
+            # Textual also runs MdbApp.on_mount (handlers are dispatched along the MRO), which
+            # pushes the step view; the doctor view goes on top of it after that.
+            self.call_after_refresh(self.push_screen, DoctorScreen(results, title=title))
+
+    return DoctorApp(trace, doctor_results=results)
+
+
+def _run_tui(workload, results, info: dict) -> int:
+    """Capture one step of the workload and open the step app with the doctor view on top."""
+    from tui.commands._common import capture_step
+
+    trace = capture_step(workload, attention=True)
+    app = make_doctor_app(trace, results, title=f"mdb doctor · {workload.description}")
     app.run()
     if app.error:
         print(f"mdb: error: {app.error}", file=sys.stderr)

@@ -1,0 +1,49 @@
+"""``mdb doctor``'s default run (checks 1-9) on the default config: 1 vs 2 intra-op threads.
+
+Both sides are timed interleaved in one process (``torch.set_num_threads`` switched per call)
+on the same model and batch, so machine load lands on both alike. Prints per-side medians and
+the ratio, plus the per-check seconds of the last 1-thread run.
+
+    python benchmarks/bench_doctor.py [--preset default] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from benchmarks._timing import interleaved, report  # noqa: E402
+from hooks.checks import run_checks  # noqa: E402
+from tui.commands._common import build_workload  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="default")
+    ap.add_argument("--repeats", type=int, default=5)
+    a = ap.parse_args()
+    ns = argparse.Namespace(preset=a.preset, config=None, model=None, text=None, seq_len=64,
+                            batch_size=2, seed=0)
+    work = build_workload(ns)
+    last: dict[str, list] = {}
+
+    def run(threads: int):
+        def fn():
+            torch.set_num_threads(threads)
+            last[threads] = run_checks(work)
+        return fn
+
+    times = interleaved({"1 thread": run(1), "2 threads": run(2)}, a.repeats, warmup=1)
+    print(f"mdb doctor checks 1-9 on preset {a.preset} ({work.description})")
+    report(times, "1 thread")
+    print("per check (last 1-thread run):",
+          ", ".join(f"{r.key} {r.seconds:.2f}s" for r in last[1]))
+
+
+if __name__ == "__main__":
+    main()
