@@ -1,198 +1,176 @@
-"""``mdb overfit``: throughput with a live Textual UI vs ``--headless``, UI responsiveness, and
-the run store's costs (write per step, watcher latency).
+"""Training throughput under the live screen vs ``--headless``, and the live screen's key latency.
 
 Usage::
 
-    python benchmarks/bench_overfit_ui.py [--steps 60] [--repeats 5] [--preset seed-test-c]
+    python benchmarks/bench_overfit_ui.py [--steps 150] [--repeats 5] [--mode pilot|tmux]
 
-What it measures (both sides interleaved in one run, medians printed):
+The same overfit run (preset seed-test-c, the default text, CLI defaults: a sample every 25
+steps, internals every 50) is trained alternately headless and under the live screen,
+``repeats`` times each, order flipped every round. Throughput is measured from the run
+database itself: (steps - 5) / (wall of the last step - wall of step 5), so start-up and the
+first steps' warm-up are left out alike on both sides. Prints each side's median steps/s, its
+IQR, and the ratio live/headless (goal: ≥ 0.90).
 
-1. **Training throughput**: the same overfit session (default config: seed-test-c, the zh text,
-   ``--every 50``, samples every 25 steps, every step written to SQLite) run (a) headless with
-   the plain-line reporter writing to /dev/null, and (b) in a Textual thread worker under an app
-   running headless (``App.run_test``), which receives one message per step and re-renders
-   its widgets. Goal: live ≥ 0.90 × headless steps/s. The app is a *stand-in* with the live
-   screen's load pattern (a header line, the latest sample, a per-step message) until the real
-   live screen is wired; pass ``--app module:factory`` (``factory(session) -> App`` that runs
-   ``session.run`` in a thread worker and exits when it returns) to measure the real one.
-2. **UI responsiveness while training**: lateness of a 20 ms interval timer on the app's
-   event loop (what a key press waits for, at most). Goal: < 100 ms.
-3. **Store write cost**: ``RunWriter.log_step`` per step (metrics only, and with a captured
-   step's internals), against the training step time.
-4. **Watcher latency**: a ``mdb overfit --headless`` writer subprocess, and a reader polling
-   ``RunStore.poll`` every 100 ms (as the watch screen does): time from a step's commit to the
-   reader seeing it. Goal: < 0.5 s.
+Modes:
+
+* ``pilot`` (default): both sides in this process; the live side runs the real
+  :class:`tui.live_app.LiveApp` under Textual's headless driver at 80×24 (every widget is laid
+  out and rendered, charts included; nothing is written to a terminal).
+* ``tmux``: both sides as real ``mdb overfit`` processes, the live one in an 80×24 tmux session
+  (includes terminal output and tmux's own CPU).
+
+Key latency (pilot mode): during one more live run, a thread posts a key event (as Textual's
+input thread does) every 0.25 s; the time until the screen's action runs is recorded. Prints the
+median, 95th percentile and maximum (goal: < 100 ms).
+
+Also (skip with ``--only throughput``): the run store's cost per step (``RunWriter.log_step``,
+with and without a captured step's internals, against the training step time) and a watcher's
+latency (a ``mdb overfit --headless`` writer subprocess, a reader polling ``RunStore.poll``
+every 100 ms: time from a step's commit to the reader seeing it; goal < 0.5 s).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import torch  # noqa: E402
-
-from hooks.runstore import RunStore  # noqa: E402
-from hooks.training import OverfitOptions, OverfitSession, default_overfit_text  # noqa: E402
+SKIP = 5  # warm-up steps left out of the throughput
 
 
-def make_session(tmp: Path, preset: str, steps: int, tag: str) -> OverfitSession:
-    import minillm
+def throughput(db: Path, name: str) -> float:
+    """Steps per second of run ``name`` between step SKIP and its last step."""
+    from hooks.runstore import RunStore
+
+    with RunStore(db) as store:
+        rows = store.metrics(store.run(name).id, after_step=SKIP - 1)
+    if len(rows) < 2:
+        raise RuntimeError(f"run {name} wrote only {len(rows)} steps")
+    return (rows[-1].step - rows[0].step) / (rows[-1].wall - rows[0].wall)
+
+
+def make_session(db: Path, name: str, steps: int):
+    from hooks.runstore import RunStore
+    from hooks.training import OverfitOptions, OverfitSession, default_overfit_text
+    from minillm import load_preset
 
     text, source = default_overfit_text()
-    opts = OverfitOptions(
-        text=text,
-        text_source=source,
-        model_config=minillm.load_preset(preset).to_dict(),
-        preset=preset,
-        steps=steps,
-        every=50,
-        sample_every=25,
-    )
-    store = RunStore(tmp / f"{tag}.sqlite", create=True)
-    return OverfitSession.create(store, tag, opts)
+    opts = OverfitOptions(text=text, text_source=source, steps=steps, every=50, sample_every=25,
+                          model_config=load_preset("seed-test-c").to_dict())
+    return OverfitSession.create(RunStore(db, create=True), name, opts)
 
 
-def run_headless(session: OverfitSession) -> float:
-    from tui.commands.overfit import _Reporter
+# -- pilot mode -----------------------------------------------------------------------------------
 
-    with open(os.devnull, "w") as devnull:
-        reporter = _Reporter(session, stream=devnull)
-        t0 = time.perf_counter()
-        session.run(on_step=reporter.on_step)
-        dt = time.perf_counter() - t0
+def run_headless_inproc(db: Path, name: str, steps: int) -> float:
+    session = make_session(db, name, steps)
+    session.run()
     session.store.close()
-    return dt
+    return throughput(db, name)
 
 
-def stand_in_app(session: OverfitSession):
-    """A Textual app with the live screen's load: a message per step, widgets re-rendered."""
-    from dataclasses import dataclass
+def run_live_inproc(db: Path, name: str, steps: int, keys: list[float] | None = None) -> float:
+    from textual import events
 
-    from textual.app import App, ComposeResult
-    from textual.message import Message
-    from textual.widgets import Footer, Header, Static
+    from tui.live_app import make_overfit_app
 
-    @dataclass
-    class StepDone(Message):
-        report: object
+    session = make_session(db, name, steps)
+    app = make_overfit_app(session)
+    screen = app.live
+    done_at: list[float] = []
+    if keys is not None:  # record when the action of each posted key runs
+        original = screen.action_log_scale
 
-    class StandIn(App):
-        BINDINGS = [("p", "pause", "pause"), ("q", "quit", "quit")]
+        def timed() -> None:
+            done_at.append(time.perf_counter())
+            original()
 
-        def __init__(self) -> None:
-            super().__init__()
-            self.session = session
-            self.train_seconds = 0.0
-            self.lateness: list[float] = []
-            self._next_tick = 0.0
+        screen.action_log_scale = timed  # type: ignore[method-assign]
 
-        def compose(self) -> ComposeResult:
-            yield Header()
-            yield Static(id="line")
-            yield Static(id="sample")
-            yield Static(id="load")
-            yield Footer()
+    async def drive() -> None:
+        async with app.run_test(size=(80, 24)) as pilot:
+            sent: list[float] = []
+            stop = threading.Event()
 
-        def on_mount(self) -> None:
-            self._next_tick = time.perf_counter() + 0.02
-            self.set_interval(0.02, self._tick)
-            self.run_worker(self._train, thread=True, exit_on_error=True)
+            def press() -> None:
+                while not stop.wait(0.25):
+                    sent.append(time.perf_counter())
+                    screen.post_message(events.Key("l", "l"))
 
-        def _tick(self) -> None:
-            now = time.perf_counter()
-            self.lateness.append(max(0.0, now - self._next_tick))
-            self._next_tick = now + 0.02
+            presser = threading.Thread(target=press, daemon=True) if keys is not None else None
+            if presser:
+                presser.start()
+            while not screen.training_done.is_set():
+                await pilot.pause(0.1)
+            stop.set()
+            if presser:
+                presser.join()
+            await pilot.pause(0.3)
+            if keys is not None:
+                keys.extend(b - a for a, b in zip(sent, done_at, strict=False))
 
-        def _train(self) -> None:
-            t0 = time.perf_counter()
-            self.session.run(on_step=lambda r: self.post_message(StepDone(r)))
-            self.train_seconds = time.perf_counter() - t0
-            self.call_from_thread(self.exit)
-
-        def on_stand_in_step_done(self, message: StepDone) -> None:  # pragma: no cover
-            self._show(message.report)
-
-        def on_step_done(self, message: StepDone) -> None:
-            self._show(message.report)
-
-        def _show(self, r) -> None:
-            m = r.metrics
-            self.query_one("#line", Static).update(
-                f"step {m.step}/{self.session.trainer.total_steps}  ce {m.ce:.4f}  "
-                f"aux {m.aux:.4f}  |g| {m.grad_norm:.3g}  {m.steps_per_s:.1f} steps/s"
-            )
-            if r.sample is not None:
-                self.query_one("#sample", Static).update("".join(r.sample))
-            if m.expert_load:
-                self.query_one("#load", Static).update(
-                    "  ".join(" ".join(f"{x:.2f}" for x in row) for row in m.expert_load)
-                )
-
-    return StandIn()
-
-
-def run_live(session: OverfitSession, factory) -> tuple[float, list[float]]:
-    app = factory(session)
-
-    async def go() -> None:
-        async with app.run_test(size=(120, 40)):
-            while app.is_running and not getattr(app, "train_seconds", 0):
-                await asyncio.sleep(0.05)
-
-    asyncio.run(go())
+    asyncio.run(drive())
     session.store.close()
-    return app.train_seconds, getattr(app, "lateness", [])
+    return throughput(db, name)
 
 
-def bench_throughput(args, tmp: Path, factory) -> None:
-    print(f"\n== training throughput: {args.preset}, {args.steps} steps per run, "
-          f"{args.repeats} runs per side, interleaved ==")
-    times: dict[str, list[float]] = {"headless": [], "live": []}
-    lateness: list[float] = []
-    # warm-up (imports, allocator)
-    run_headless(make_session(tmp, args.preset, 5, "warm-h"))
-    run_live(make_session(tmp, args.preset, 5, "warm-l"), factory)
-    for i in range(args.repeats):
-        order = ["headless", "live"] if i % 2 == 0 else ["live", "headless"]
-        for side in order:
-            s = make_session(tmp, args.preset, args.steps, f"{side}-{i}")
-            if side == "headless":
-                times[side].append(run_headless(s))
-            else:
-                dt, late = run_live(s, factory)
-                times[side].append(dt)
-                lateness.extend(late)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    for k, v in times.items():
-        print(f"{k:>9}: median {med[k]:.3f} s  ({args.steps / med[k]:.1f} steps/s)  "
-              f"all: {', '.join(f'{x:.2f}' for x in v)}")
-    print(f"throughput ratio live / headless: {med['headless'] / med['live']:.3f} (goal ≥ 0.90)")
-    if lateness:
-        lateness.sort()
-        p50 = lateness[len(lateness) // 2]
-        p99 = lateness[int(len(lateness) * 0.99)]
-        print(f"UI event-loop lateness while training (20 ms timer, {len(lateness)} ticks): "
-              f"median {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms, max {lateness[-1] * 1e3:.1f} ms"
-              " (goal: a key is handled within 100 ms)")
+# -- tmux mode ------------------------------------------------------------------------------------
 
+def _mdb_cmd(db: Path, name: str, steps: int) -> list[str]:
+    return [sys.executable, "-m", "tui.cli", "overfit", "--db", str(db), "--run", name,
+            "--steps", str(steps)]
+
+
+def run_headless_tmux(db: Path, name: str, steps: int) -> float:
+    subprocess.run(_mdb_cmd(db, name, steps) + ["--headless"], cwd=REPO, check=True,
+                   stdout=subprocess.DEVNULL)
+    return throughput(db, name)
+
+
+def run_live_tmux(db: Path, name: str, steps: int) -> float:
+    session = f"mdb-bench-{os.getpid()}"
+    done = db.parent / f"{name}.done"
+    cmd = " ".join(_mdb_cmd(db, name, steps)) + f"; touch {done}"
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "80", "-y", "24",
+                    f"cd {REPO} && {cmd}"], check=True)
+    try:
+        from hooks.runstore import RunStore
+
+        t0 = time.time()
+        while time.time() - t0 < 600:  # when the run is finished, quit the screen
+            time.sleep(0.5)
+            if db.exists():
+                with RunStore(db) as store:
+                    if any(r.name == name and r.status != "running" for r in store.runs()):
+                        break
+        subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=False)
+        while not done.exists() and time.time() - t0 < 600:
+            time.sleep(0.2)
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], check=False,
+                       stderr=subprocess.DEVNULL)
+    return throughput(db, name)
+
+
+# -- run store costs and watcher latency ------------------------------------------------------
 
 def bench_store(args, tmp: Path) -> None:
+    from hooks.runstore import RunStore  # noqa: F401
+
     print("\n== run store: cost of one step's transaction ==")
     import hooks
 
-    s = make_session(tmp, args.preset, 3, "store")
+    s = make_session(tmp / "store.sqlite", "store", 3)
     rep = s.trainer.train_step(capture=True)
     internals = rep.internals
     step_time = statistics.median(
@@ -214,7 +192,7 @@ def bench_store(args, tmp: Path) -> None:
     size = len(json.dumps(internals)) if internals else 0
     print(f"log_step, metrics only: {per * 1e3:.3f} ms; with internals ({size / 1e3:.0f} kB "
           f"JSON, hooks {getattr(hooks, '__name__', '?')}): {per_int * 1e3:.2f} ms; "
-          f"training step ({args.preset}): {step_time * 1e3:.1f} ms → metrics write = "
+          f"training step (seed-test-c): {step_time * 1e3:.1f} ms → metrics write = "
           f"{per / step_time * 100:.2f} % of a step")
     s.store.close()
 
@@ -235,6 +213,8 @@ def bench_watch_latency(args, tmp: Path) -> None:
          "--sample-every", "0"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
     )
+    from hooks.runstore import RunStore
+
     while True:
         try:
             store = RunStore(db)
@@ -262,30 +242,65 @@ def bench_watch_latency(args, tmp: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--preset", default="seed-test-c")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--mode", choices=["pilot", "tmux"], default="pilot")
+    parser.add_argument("--no-latency", action="store_true", help="skip the key latency run")
     parser.add_argument("--watch-steps", type=int, default=1000)
-    parser.add_argument("--app", default=None, metavar="MODULE:FACTORY",
-                        help="the live app to measure (default: the stand-in)")
     parser.add_argument("--only", choices=["throughput", "store", "watch"], default=None)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    factory = stand_in_app
-    if args.app:
-        mod, _, fn = args.app.partition(":")
-        factory = getattr(importlib.import_module(mod), fn)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
-    with tempfile.TemporaryDirectory() as d:
-        tmp = Path(d)
-        if args.only in (None, "store"):
-            bench_store(args, tmp)
-        if args.only in (None, "watch"):
-            bench_watch_latency(args, tmp)
-        if args.only in (None, "throughput"):
-            bench_throughput(args, tmp, factory)
+    import torch
+
+    torch.set_num_threads(1)
+    if args.mode == "tmux" and shutil.which("tmux") is None:
+        sys.exit("tmux mode needs tmux on PATH")
+    sides = {
+        "pilot": {"headless": run_headless_inproc, "live": run_live_inproc},
+        "tmux": {"headless": run_headless_tmux, "live": run_live_tmux},
+    }[args.mode]
+    tmp = Path(tempfile.mkdtemp(prefix="mdb-bench-ui-"))
+    print(f"torch {torch.__version__}, 1 thread, {os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.2f}")
+    if args.only in ("store", "watch"):
+        try:
+            (bench_store if args.only == "store" else bench_watch_latency)(args, tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return
+    if args.only is None:
+        bench_store(args, tmp)
+        bench_watch_latency(args, tmp)
+    rates: dict[str, list[float]] = {k: [] for k in sides}
+    try:
+        for i in range(args.repeats):
+            order = list(sides) if i % 2 == 0 else list(sides)[::-1]
+            for side in order:
+                db = tmp / f"{side}-{i}.sqlite"
+                rate = sides[side](db, f"{side}-{i}", args.steps)
+                rates[side].append(rate)
+                print(f"round {i + 1}/{args.repeats} {side:>8}: {rate:6.2f} steps/s", flush=True)
+        print(f"\n{args.mode} mode, {args.steps} steps per run, {args.repeats} runs per side, "
+              f"torch threads 1, steps {SKIP}..{args.steps} timed")
+        med = {}
+        for side, values in rates.items():
+            med[side] = statistics.median(values)
+            q = statistics.quantiles(values, n=4) if len(values) >= 4 else [min(values), 0,
+                                                                             max(values)]
+            print(f"{side:>8}: median {med[side]:6.2f} steps/s  IQR [{q[0]:.2f}, {q[2]:.2f}]")
+        print(f"ratio live/headless (medians): {med['live'] / med['headless']:.3f}  (goal ≥ 0.90)")
+        paired = [a / b for a, b in zip(rates["live"], rates["headless"], strict=True)]
+        print(f"ratio per round: median {statistics.median(paired):.3f}  "
+              f"[{', '.join(f'{r:.2f}' for r in paired)}]")
+        if args.mode == "pilot" and not args.no_latency:
+            lat: list[float] = []
+            run_live_inproc(tmp / "latency.sqlite", "latency", args.steps, keys=lat)
+            lat.sort()
+            p95 = lat[min(len(lat) - 1, int(0.95 * len(lat)))]
+            print(f"key latency while training ({len(lat)} keys): median "
+                  f"{statistics.median(lat) * 1e3:.1f} ms  p95 {p95 * 1e3:.1f} ms  "
+                  f"max {lat[-1] * 1e3:.1f} ms  (goal < 100 ms)")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,629 @@
+"""``LiveScreen``: a training run as it happens — ``mdb overfit`` live, and ``mdb watch``.
+
+One screen, two sources of steps:
+
+* **training** (:meth:`LiveScreen.training`): an :class:`hooks.training.OverfitSession` runs in a
+  thread worker. Its step callback appends each step to a buffer and posts
+  :class:`tui.messages.StepsPending` (replaceable, so a fast trainer cannot flood the queue);
+  the keys drive the session's :class:`hooks.training.TrainControl`.
+* **watching** (:meth:`LiveScreen.watching`): read-only. A thread worker reads everything new
+  about the run from the run store (``RunStore.poll``) and posts
+  :class:`tui.messages.RunPolled`; the handler re-arms the next poll with ``set_timer`` (every
+  ``poll_interval`` seconds, 0.2 by default, so a new step shows within ~0.3 s). Watching a
+  finished run replays it; the status line says when the writer finished, was interrupted,
+  failed, or is gone (pid gone or heartbeat stale).
+
+What it shows: loss over steps (cross-entropy, aux and total as separate lines; log scale by
+default, ``l`` toggles), gradient norm over steps, tokens routed to each expert over steps for
+each MoE layer, steps/s and tokens/s, a progress bar with ETA, and the latest greedy
+continuation of the text's beginning with how many characters already match the text.
+
+Redraws are throttled so the screen costs the trainer little (see
+``benchmarks/bench_overfit_ui.py``): the numbers at most every ``text_interval`` (0.2 s), the
+charts at most every ``chart_interval`` (1 s while training in this process, 0.25 s when
+watching, where no trainer shares the process; the expert charts every other time), every
+series is bounded by
+:class:`tui.screens.live_data.Downsampler`, so a redraw costs the same at step 100,000 as at
+step 100. Nothing is redrawn while another screen (the step view) covers this one.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+import time
+
+from rich.text import Text
+from textual import on, work
+from textual.binding import Binding
+from textual.containers import Horizontal
+from textual.widgets import Footer, ProgressBar, Static
+from textual.worker import Worker, WorkerState, get_current_worker
+
+from tui import messages
+from tui.screens.base import MdbScreen
+from tui.screens.help import HelpScreen, binding_lines
+from tui.screens.live_chart import LineChart, Series
+from tui.screens.live_data import RunSeries, format_duration
+
+#: Columns an expert chart needs to stay legible; fewer layers are shown when narrower.
+EXPERT_CHART_MIN_WIDTH = 19
+#: The loss chart's lines, drawn in this order (a cell shows the last one drawn in it).
+LOSS_LINES = (("total", "bold"), ("aux", "yellow"), ("ce", "cyan"))
+EXPERT_STYLES = ("cyan", "yellow", "green", "magenta", "red", "blue", "bright_white",
+                 "bright_black")
+
+READ_ONLY = "read-only: this screen follows the database; control the run where it runs"
+
+
+def _num(x: float | None, spec: str = ".4f") -> str:
+    if x is None:
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return format(x, spec)
+
+
+def _rate(x: float | None, unit: str) -> str:
+    if x is None:
+        return f"— {unit}"
+    if x >= 100:
+        return f"{x:,.0f} {unit}"
+    return f"{x:.1f} {unit}"
+
+
+class LiveHelpScreen(HelpScreen):
+    """The live screen's keys (generated from its bindings), closed like the step view's help."""
+
+    def __init__(self, watch: bool) -> None:
+        super().__init__()
+        self.watch = watch
+
+    def compose(self):
+        from textual.containers import VerticalScroll
+
+        lines = [
+            "mdb live screen · every action has a letter key.",
+            "",
+            "live screen",
+            *binding_lines(LiveScreen.BINDINGS),
+            "",
+        ]
+        if self.watch:
+            lines += [
+                "mdb watch is read-only: p, s, c and x only say so; control the run in the",
+                "terminal running `mdb overfit` (or stop it with kill -TERM <pid>).",
+            ]
+        else:
+            lines += [
+                "c captures the next step's internals (forward, backward, routing) and opens",
+                "them in the step view; training stays paused there; q in the step view comes",
+                "back here, p resumes. x stops the run after the current step and writes a",
+                "checkpoint (continue it with `mdb overfit --resume RUN`); q stops and quits.",
+            ]
+        with VerticalScroll(id="help-box"):
+            yield Static("\n".join(lines), id="help-text", markup=False)
+
+
+class LiveScreen(MdbScreen):
+    """Charts and numbers of one training run, live (training) or read-only (watching).
+
+    Build it with :meth:`training` or :meth:`watching` rather than directly.
+
+    Args:
+        session: The :class:`hooks.training.OverfitSession` to train (training mode).
+        store: A :class:`hooks.runstore.RunStore` to read (watch mode).
+        run: The :class:`hooks.runstore.RunInfo` to follow (watch mode).
+        heartbeat: Seconds between the writer's heartbeats (training mode).
+        poll_interval: Seconds between database polls (watch mode).
+        text_interval: Minimum seconds between redraws of the numbers.
+        chart_interval: Minimum seconds between redraws of the charts (default: 1 s when
+            training, 0.25 s when watching).
+
+    Attributes:
+        series: The :class:`tui.screens.live_data.RunSeries` being plotted.
+        ended: Set (a ``TrainingEnded``) once the training worker returned.
+        training_done: A ``threading.Event`` set when the training thread has returned.
+        error: One line when training crashed or the database became unreadable.
+    """
+
+    BINDINGS = [
+        Binding("p", "pause", "pause/resume", id="live.pause"),
+        Binding("s", "step", "step", id="live.step"),
+        Binding("c", "capture", "capture→step view", id="live.capture"),
+        Binding("x", "stop", "stop", id="live.stop"),
+        Binding("l", "log_scale", "log/linear loss", show=False, id="live.log"),
+        Binding("e", "next_layers", "more MoE layers", show=False, id="live.layers"),
+        Binding("question_mark", "help", "keys", key_display="?", id="live.help"),
+        Binding("q", "quit_live", "quit", id="live.quit"),
+    ]
+
+    def __init__(self, *, session=None, store=None, run=None, heartbeat: float = 1.0,
+                 poll_interval: float = 0.2, text_interval: float = 0.2,
+                 chart_interval: float | None = None, name: str | None = None) -> None:
+        super().__init__(name=name)
+        if (session is None) == (run is None):
+            raise ValueError("LiveScreen needs a session (training) or a store and run (watch)")
+        self.session = session
+        self.store = store
+        self.run = run
+        self.watch = session is None
+        self.heartbeat = heartbeat
+        self.poll_interval = poll_interval
+        self.text_interval = text_interval
+        if chart_interval is None:
+            chart_interval = 0.25 if session is None else 1.0
+        self.chart_interval = chart_interval
+        if session is not None:
+            text = session.options.text
+            total = session.trainer.total_steps
+            top_k = session.config.num_experts_per_tok
+            self.run_name = session.name
+        else:
+            cfg = run.config or {}
+            text = cfg.get("text", "") if isinstance(cfg.get("text"), str) else ""
+            total = run.total_steps
+            resolved = cfg.get("resolved_model_config") or cfg.get("model_config") or {}
+            top_k = resolved.get("num_experts_per_tok", 1) or 1
+            self.run_name = run.name
+        self.series = RunSeries(total, text=text, top_k=top_k)
+        self.state = "starting" if not self.watch else "reading"
+        self.ended: messages.TrainingEnded | None = None
+        self.error: str | None = None
+        self.training_done = threading.Event()
+        self._pending: collections.deque = collections.deque()
+        self._want_capture = False
+        self._quitting = False
+        self._cursor = 0
+        self._log_scale = True
+        self._layer_page = 0
+        self._redraw_timer = None
+        self._next_text = 0.0
+        self._next_chart = 0.0
+        self._dirty_text = True
+        self._dirty_charts = True
+        self._shown: dict[str, str] = {}
+        self._shown_progress: tuple[int, int] | None = None
+        self.redraws = 0  # chart redraws (tests, benchmark)
+        self.polls = 0
+
+    # -- construction ----------------------------------------------------------------------------
+    @classmethod
+    def training(cls, session, **kwargs) -> LiveScreen:
+        """The live screen of an :class:`hooks.training.OverfitSession` it will train."""
+        return cls(session=session, **kwargs)
+
+    @classmethod
+    def watching(cls, store, run, **kwargs) -> LiveScreen:
+        """A read-only screen following ``run`` (a :class:`hooks.runstore.RunInfo`) in ``store``."""
+        return cls(store=store, run=run, **kwargs)
+
+    # -- layout ----------------------------------------------------------------------------------
+    def compose(self):
+        yield Static(self._title(), id="title", markup=False)
+        yield Static("", id="live-status")
+        with Horizontal(id="live-progress-row"):
+            yield ProgressBar(total=self.series.total_steps, show_eta=False, id="live-progress")
+            yield Static("", id="live-rate", markup=False)
+        with Horizontal(id="live-charts"):
+            yield LineChart("loss", log=True, id="live-loss")
+            yield LineChart("grad norm", id="live-grad")
+        yield Horizontal(id="live-experts")
+        yield Static("", id="live-sample")
+        yield Static("", id="hint", markup=False)
+        yield Footer()
+
+    def _title(self) -> str:
+        if self.watch:
+            return f"mdb watch · run {self.run_name} · read-only · {self.store.path}"
+        s = self.session
+        return (f"mdb overfit · run {s.name} · {s.model.num_parameters():,} params · "
+                f"{s.ids.shape[1]} tokens/seq · {s.store.path}")
+
+    def on_mount(self) -> None:
+        if self.watch:
+            self.hint("following the database · q quits · ? keys")
+            self._poll()
+        else:
+            self.hint("training · p pause · c capture a step · x stop · ? keys")
+            self._train()
+        self._redraw_all()
+
+    def on_screen_resume(self) -> None:
+        self._dirty_text = self._dirty_charts = True
+        self._schedule_redraw()
+
+    def on_resize(self) -> None:
+        self._dirty_charts = True
+        self._schedule_redraw()
+
+    # -- training (thread worker) ----------------------------------------------------------------
+    @work(thread=True, exclusive=True, exit_on_error=False, group="train",
+          description="train the overfit run")
+    def _train(self) -> None:
+        worker = get_current_worker()
+        session = self.session
+        control = session.control
+
+        def on_step(report) -> None:
+            if worker.is_cancelled:
+                control.stop("quit")
+            self._pending.append((report.metrics, report.sample))
+            if report.trace is not None and self._want_capture:
+                self._want_capture = False
+                self.post_message(messages.StepCaptured(report.step, report.trace))
+            self.post_message(messages.StepsPending(report.step))
+
+        def on_state(state: str) -> None:
+            self.post_message(messages.TrainingState(state))
+
+        try:
+            self.post_message(messages.TrainingState("running"))
+            result = session.run(on_step=on_step, on_state=on_state,
+                                 heartbeat_interval=self.heartbeat)
+            f = result.failure
+            self.post_message(messages.TrainingEnded(
+                result.status, result.last_step, result.reason,
+                f.step if f else None, f.module if f else None))
+        finally:
+            self.training_done.set()
+
+    def on_steps_pending(self, message: messages.StepsPending) -> None:
+        message.stop()
+        self._drain()
+
+    def _drain(self) -> None:
+        got = False
+        while self._pending:
+            row, sample = self._pending.popleft()
+            self.series.add(row)
+            if sample is not None:
+                self.series.add_sample(row.step, sample[0], sample[1])
+            got = True
+        if got:
+            self._data_changed()
+
+    def on_training_state(self, message: messages.TrainingState) -> None:
+        message.stop()
+        if self.ended is None:
+            self.state = message.state
+            if message.state == "paused":
+                self.hint("paused · p resumes · s runs one step · c captures the next step")
+            self._dirty_text = True
+            self._schedule_redraw()
+
+    def on_step_captured(self, message: messages.StepCaptured) -> None:
+        message.stop()
+        from tui.screens.step import StepScreen
+
+        self._drain()
+        self.hint(f"captured step {message.step} · training paused · p resumes")
+        screen = StepScreen(message.trace, embedded=True)
+        self.app.push_screen(screen, self._back_from_step)
+
+    def _back_from_step(self, _result=None) -> None:
+        if self.ended is None:
+            self.hint("back from the step view · training paused · p resumes · s steps · "
+                      "c captures again")
+
+    def on_training_ended(self, message: messages.TrainingEnded) -> None:
+        message.stop()
+        self._drain()
+        self.ended = message
+        self.state = message.status
+        if message.status == "failed":
+            self.hint(f"✗ {message.reason}")
+        elif message.status == "finished":
+            self.hint(f"finished {message.last_step} steps · checkpoint written · q quits")
+        else:
+            self.hint(f"stopped after step {message.last_step} ({message.reason}) · checkpoint "
+                      f"written · resume with mdb overfit --resume {self.run_name} · q quits")
+        self._dirty_text = self._dirty_charts = True
+        self._schedule_redraw()
+        reason = self.session.control.stop_reason or ""
+        if self._quitting or reason.startswith("SIG"):
+            self.app.exit(return_code=self.exit_code())
+
+    def exit_code(self) -> int:
+        """Exit status of ``mdb overfit`` (live): 0 finished or stopped from the screen, 1
+        failed (non-finite value) or crashed, 128 + n when stopped by signal n."""
+        from hooks.training import signal_exit_code
+
+        if self.error is not None:
+            return 1
+        if self.ended is None:
+            return 0
+        if self.ended.status == "failed":
+            return 1
+        return signal_exit_code(self.session.control.stop_reason) or 0
+
+    # -- watching (thread worker + timer) --------------------------------------------------------
+    @work(thread=True, exclusive=True, exit_on_error=False, group="poll",
+          description="read new steps from the run database")
+    def _poll(self) -> None:
+        update = self.store.poll(self.run.id, self._cursor)
+        self.post_message(messages.RunPolled(update))
+
+    def on_run_polled(self, message: messages.RunPolled) -> None:
+        message.stop()
+        self.polls += 1
+        u = message.update
+        if u.restarted:  # resumed from an earlier checkpoint: read the run again from scratch
+            self.series.reset()
+            self._cursor = 0
+            self.call_later(self._poll)
+            return
+        was_error, self.error = self.error, None
+        if was_error:
+            self.hint("following the database again")
+        self.run = u.run
+        if u.run.total_steps != self.series.total_steps:
+            self.series.total_steps = u.run.total_steps
+            self.query_one("#live-progress", ProgressBar).update(total=u.run.total_steps)
+        samples = {s.step: s for s in u.samples}
+        for row in u.metrics:
+            self.series.add(row)
+            s = samples.pop(row.step, None)
+            if s is not None:
+                self.series.add_sample(s.step, s.prompt, s.text)
+        for s in samples.values():
+            self.series.add_sample(s.step, s.prompt, s.text)
+        self._cursor = u.last_step if u.metrics else self._cursor
+        state = u.run.writer_state()
+        if state == "running" and u.run.paused:
+            state = "paused"
+        changed = state != self.state
+        self.state = state
+        if u.metrics or changed or self.polls == 1:
+            self._data_changed()
+        # An ended run may still be resumed by `mdb overfit --resume`: keep looking, less often.
+        delay = self.poll_interval if state in ("running", "paused") else 1.0
+        self.set_timer(delay, self._poll)
+
+    @on(Worker.StateChanged)
+    def _worker_changed(self, event: Worker.StateChanged) -> None:
+        worker = event.worker
+        if event.state != WorkerState.ERROR:
+            return
+        exc = worker.error
+        line = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        if worker.group == "poll":
+            self.error = f"cannot read {self.store.path}: {line}"
+            self.hint(self.error + " · retrying")
+            self.set_timer(1.0, self._poll)
+        elif worker.group == "train":
+            self.error = f"training stopped by an error: {line}"
+            self.state = "crashed"
+            self.hint(self.error)
+            self._dirty_text = True
+            self._schedule_redraw()
+            if self._quitting:
+                self.app.exit(return_code=1)
+
+    # -- redraws (throttled) ---------------------------------------------------------------------
+    def _data_changed(self) -> None:
+        self._dirty_text = self._dirty_charts = True
+        self._schedule_redraw()
+
+    def _schedule_redraw(self) -> None:
+        if self._redraw_timer is not None:
+            return
+        now = time.monotonic()
+        due = self._next_text if self._dirty_text else self._next_chart
+        if self._dirty_charts:
+            due = min(due, self._next_chart)
+        # (a zero-delay Timer divides by zero in Textual 8: 10 ms at least)
+        self._redraw_timer = self.set_timer(max(0.01, due - now), self._redraw_due)
+
+    def _redraw_due(self) -> None:
+        self._redraw_timer = None
+        if not self.is_current:
+            return  # covered by the step view: redrawn on resume
+        now = time.monotonic()
+        if self._dirty_text and now >= self._next_text:
+            self._draw_text()
+            self._next_text = now + self.text_interval
+        if self._dirty_charts and now >= self._next_chart:
+            self._draw_charts()
+            self._next_chart = now + self.chart_interval
+        if self._dirty_text or self._dirty_charts:
+            self._schedule_redraw()
+
+    def _redraw_all(self) -> None:
+        self._draw_text()
+        self._draw_charts()
+
+    def _draw_text(self) -> None:
+        self._dirty_text = False
+        s = self.series
+        self._set("#live-status", self._status_text())
+        if s.total_steps and (s.total_steps, s.step) != self._shown_progress:
+            self._shown_progress = (s.total_steps, s.step)
+            self.query_one("#live-progress", ProgressBar).update(total=s.total_steps,
+                                                                 progress=s.step)
+        eta = s.eta()
+        ended = self.state not in ("running", "starting", "reading")
+        rate = f"{_rate(s.steps_per_s(), 'steps/s')} · {_rate(s.tokens_per_s(), 'tok/s')}"
+        self._set("#live-rate", f"{rate} · ETA {format_duration(eta) if not ended else '—'}")
+        self._set("#live-sample", self._sample_text())
+
+    def _set(self, selector: str, content) -> None:
+        """Update a Static only when its content changed (an update costs a layout pass)."""
+        key = content.markup if isinstance(content, Text) else content
+        if self._shown.get(selector) != key:
+            self._shown[selector] = key
+            self.query_one(selector, Static).update(content)
+
+    def _status_text(self) -> Text:
+        s = self.series
+        total = f"/{s.total_steps}" if s.total_steps else ""
+        head = self._state_text()
+        text = Text()
+        text.append_text(head)
+        text.append(f"  step {s.step}{total}")
+        m = s.last
+        if m is not None:
+            text.append(f"  ce {_num(m.ce)}  aux {_num(m.aux)}  total {_num(m.total)}  "
+                        f"|g| {_num(m.grad_norm, '.3g')}")
+        return text
+
+    def _state_text(self) -> Text:
+        state = self.state
+        if self.watch and self.run is not None:
+            from tui.commands.runs import status_text
+
+            if state == "gone":
+                return Text("✗ " + self.run.gone_reason(), style="bold red")
+            label = status_text(self.run)
+            styles = {"running": "bold green", "paused": "bold yellow", "finished": "bold cyan",
+                      "interrupted": "bold yellow", "failed": "bold red"}
+            marks = {"running": "● ", "paused": "‖ ", "finished": "✓ ", "interrupted": "■ ",
+                     "failed": "✗ "}
+            if self.polls == 0:
+                return Text("… reading", style="bold")
+            return Text(marks.get(state, "") + label, style=styles.get(state, "bold"))
+        if state == "failed" and self.ended is not None:
+            where = f" in {self.ended.fail_module}" if self.ended.fail_module else ""
+            return Text(f"✗ failed @ step {self.ended.fail_step}{where}", style="bold red")
+        if state == "interrupted" and self.ended is not None:
+            return Text(f"■ stopped ({self.ended.reason})", style="bold yellow")
+        labels = {
+            "starting": ("… starting", "bold"),
+            "running": ("● running", "bold green"),
+            "paused": ("‖ paused", "bold yellow"),
+            "finished": ("✓ finished", "bold cyan"),
+            "crashed": ("✗ crashed", "bold red"),
+        }
+        label, style = labels.get(state, (state, "bold"))
+        return Text(label, style=style)
+
+    def _sample_text(self) -> Text:
+        sample = self.series.sample
+        if sample is None:
+            return Text("greedy continuation of the text's beginning: not sampled yet",
+                        style="dim")
+        text = Text(f"@{sample.step} ", style="dim")
+        text.append(sample.prompt, style="bold")
+        text.append("│", style="dim")
+        body = sample.text.replace("\n", "⏎")
+        text.append(body[: sample.matched], style="green")
+        text.append(body[sample.matched:], style="red")
+        if self.series.text:
+            text.append(f"  ({sample.matched}/{len(sample.text)} match)", style="dim")
+        return text
+
+    def _draw_charts(self) -> None:
+        self._dirty_charts = False
+        self.redraws += 1
+        s = self.series
+        scale = "log" if self._log_scale else "linear"
+        loss = self.query_one("#live-loss", LineChart)
+        n = loss.resolution
+        loss.plot([Series(name, *getattr(s, name).points(n), style)
+                   for name, style in LOSS_LINES], title=f"loss ({scale})", log=self._log_scale)
+        grad = self.query_one("#live-grad", LineChart)
+        grad.plot([Series("", *s.grad_norm.points(grad.resolution), "green")])
+        if self.redraws % 2 == 1 or self.watch or self.state != "running":
+            self._draw_experts()  # slow-moving: every other redraw while training
+
+    def _draw_experts(self) -> None:
+        s = self.series
+        row = self.query_one("#live-experts", Horizontal)
+        if not s.experts:
+            if not row.children:
+                row.mount(Static("", id="live-experts-note"))
+            note = row.query("#live-experts-note")
+            if note:
+                note.first().update(
+                    "tokens per expert: no MoE layers in this model" if s.rows else
+                    "tokens per expert: waiting for the first step")
+            return
+        charts = list(row.query(LineChart))
+        if len(charts) != len(s.experts):
+            row.remove_children()
+            charts = [LineChart(x_axis=False, classes="live-expert") for _ in s.experts]
+            row.mount(*charts)
+        per_page = max(1, (row.size.width or self.app.size.width) // EXPERT_CHART_MIN_WIDTH)
+        pages = max(1, math.ceil(len(charts) / per_page))
+        self._layer_page %= pages
+        first = self._layer_page * per_page
+        for i, (chart, samplers) in enumerate(zip(charts, s.experts, strict=True)):
+            visible = first <= i < first + per_page
+            chart.display = visible
+            if not visible:
+                continue
+            more = f" ({self._layer_page + 1}/{pages}, e: more)" if pages > 1 and i == first else ""
+            n = chart.resolution
+            chart.plot(
+                [Series(f"{e}", *sampler.points(n), EXPERT_STYLES[e % len(EXPERT_STYLES)])
+                 for e, sampler in enumerate(samplers)],
+                title=f"L{i} tok{more}")
+
+    # -- actions ---------------------------------------------------------------------------------
+    def _read_only(self) -> bool:
+        if self.watch:
+            self.hint(READ_ONLY)
+            return True
+        if self.ended is not None or self.error is not None:
+            self.hint(f"the run has ended ({self.state}) · q quits")
+            return True
+        return False
+
+    def action_pause(self) -> None:
+        if self._read_only():
+            return
+        paused = self.session.control.toggle_pause()
+        if paused:
+            self.hint("pausing after the current step · p resumes · s runs one step")
+        else:
+            self.state = "running"
+            self.hint("resumed · p pauses · c captures the next step")
+            self._dirty_text = True
+            self._schedule_redraw()
+
+    def action_step(self) -> None:
+        if self._read_only():
+            return
+        control = self.session.control
+        if not control.paused:
+            self.hint("s runs one step while paused · p pauses first")
+            return
+        control.step_once()
+        self.hint(f"running step {self.series.step + 1} · s again for another · p resumes")
+
+    def action_capture(self) -> None:
+        if self._read_only():
+            return
+        self._want_capture = True
+        self.session.control.request_capture(pause_after=True)
+        self.hint(f"capturing step {self.series.step + 1}; the step view opens when it is done")
+
+    def action_stop(self) -> None:
+        if self._read_only():
+            return
+        self.session.control.stop("stopped from the live screen")
+        self.hint("stopping after the current step and writing a checkpoint…")
+
+    def action_log_scale(self) -> None:
+        self._log_scale = not self._log_scale
+        self.hint(f"loss on a {'log' if self._log_scale else 'linear'} scale")
+        self._dirty_charts = True
+        self._schedule_redraw()
+
+    def action_next_layers(self) -> None:
+        self._layer_page += 1
+        self._dirty_charts = True
+        self._schedule_redraw()
+
+    def action_help(self) -> None:
+        self.app.push_screen(LiveHelpScreen(self.watch))
+
+    def action_quit_live(self) -> None:
+        if self.watch or self.ended is not None or self.error is not None or self._quitting:
+            self.app.exit(return_code=self.exit_code() if not self.watch else 0)
+            return
+        self._quitting = True
+        self.session.control.stop("quit")
+        self.hint("stopping after the current step and writing a checkpoint… (q again: "
+                  "quit at once)")
