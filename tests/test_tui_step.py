@@ -320,3 +320,20 @@ async def test_step_screen_embeds_in_another_app(tiny):
         await pilot.press("n", "r", "q")  # q from a view: back through the step view
         assert not isinstance(app.screen, StepScreen)
         assert app.is_running
+
+
+async def test_doctor_results_open_and_jump(tiny):
+    trace, _ = tiny
+    from hooks.checks.result import CheckResult
+    from tui.screens.doctor import DoctorScreen
+
+    results = [CheckResult(id=1, key="demo", name="demo check", status="fail",
+                           evidence="made up for the test", module="model.layers.1.mlp.gate")]
+    app = make_step_app(trace, doctor_results=results)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("d")
+        assert isinstance(app.screen, DoctorScreen)
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(app.screen, StepScreen)
+        assert app.screen.stepper.current is trace.call("model.layers.1.mlp.gate")

@@ -51,10 +51,10 @@ class AttentionScreen(ViewScreen):
         Binding("N,right_square_bracket", "layer(1)", "next layer", key_display="N",
                 id="attention.next_layer"),
         Binding("P,left_square_bracket", "layer(-1)", "prev layer", key_display="P",
-                id="attention.prev_layer"),
+                show=False, id="attention.prev_layer"),
         Binding("l,right,full_stop", "head(1)", "next head", key_display="l",
                 id="attention.next_head"),
-        Binding("h,left,comma", "head(-1)", "prev head", key_display="h",
+        Binding("h,left,comma", "head(-1)", "prev head", key_display="h", show=False,
                 id="attention.prev_head"),
         Binding("x", "sequence", "next sequence", show=False, id="attention.sequence"),
         Binding("j", "scroll(1)", "scroll down", show=False, id="attention.down"),
@@ -68,11 +68,9 @@ class AttentionScreen(ViewScreen):
         self.position = 0
         self.head = 0
         self.batch = 0
-        current = step.stepper.module or ""
-        for i, rec in enumerate(self.records):
-            if rec.layer is not None and rec.layer == step.stepper.layer():
-                self.position = i
-            if current == rec.module or current.startswith(rec.module + "."):
+        here = step.stepper.layer()
+        for i, rec in enumerate(self.records):  # open at the layer the step view is in
+            if here is not None and rec.layer == here:
                 self.position = i
                 break
         self.matrix: list[list[float]] = []

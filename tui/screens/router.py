@@ -53,7 +53,7 @@ class RouterScreen(ViewScreen):
         Binding("N,right_square_bracket,right,l", "layer(1)", "next layer", key_display="N",
                 id="router.next_layer"),
         Binding("P,left_square_bracket,left,h", "layer(-1)", "prev layer", key_display="P",
-                id="router.prev_layer"),
+                show=False, id="router.prev_layer"),
         Binding("tab", "app.focus_next", "switch table", show=False, id="router.focus"),
         *VIEW_BINDINGS,
     ]
@@ -62,10 +62,11 @@ class RouterScreen(ViewScreen):
         super().__init__(step)
         self.records = list(self.trace.routing)
         self.position = 0
-        current = step.stepper.module or ""
+        here = step.stepper.layer()
         for i, rec in enumerate(self.records):  # open at the layer the step view is in
-            if current == rec.module or current.startswith(rec.module + "."):
+            if here is not None and rec.layer == here:
                 self.position = i
+                break
 
     def compose(self):
         yield Static("", id="title", markup=False)

@@ -83,3 +83,5 @@ class ModuleTree(Tree[str]):
             parent = parent.parent
         _ = self.last_line  # rebuild the line cache so the node's line is known
         self.move_cursor(node)
+        if node.line >= 0:  # keep the current module mid-height, with context on both sides
+            self.scroll_to(y=max(0, node.line - self.size.height // 2), animate=False)
