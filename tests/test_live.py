@@ -1,0 +1,226 @@
+"""The live screen of ``mdb overfit``: bounded series, the braille chart, and Pilot runs of the
+real screen (charts grow, loss falls, pause / step / capture → step view → back, stop, NaN)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+from hooks.runstore import MetricRow, RunStore
+from hooks.training import OverfitOptions, OverfitSession
+from minillm import MiniLLMConfig
+from tui.screens.live_chart import Series, _line, chart_rows
+from tui.screens.live_data import Downsampler, RunSeries, matching_prefix
+
+TEXT = "人工智能正在改变世界。" * 3
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_session(tmp_path, steps: int = 20, name: str = "live", **kw) -> OverfitSession:
+    cfg = MiniLLMConfig(vocab_size=16, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                        num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+    opts = OverfitOptions(text=TEXT, model_config=cfg.to_dict(), steps=steps, lr=1e-2,
+                          sample_every=5, every=0, **kw)
+    store = RunStore(tmp_path / "mdb.sqlite", create=True)
+    return OverfitSession.create(store, name, opts)
+
+
+# -- pure parts ----------------------------------------------------------------------------------
+
+def test_downsampler_matches_block_means():
+    rng = torch.Generator().manual_seed(0)
+    values = torch.rand(1000, generator=rng, dtype=torch.float64).tolist()
+    d = Downsampler(capacity=16)
+    for i, v in enumerate(values, start=1):
+        d.append(i, v)
+    d.append(1001, float("nan"))  # skipped
+    xs, ys = d.points()
+    assert len(xs) <= 16 and d.count == 1000
+    width = d.width
+    assert width == 64  # 1000 points in ≤ 16 buckets: widths 1, 2, 4, ... 64
+    for k, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        block = values[k * width:(k + 1) * width]
+        assert x == min((k + 1) * width, 1000)
+        assert y == pytest.approx(torch.tensor(block, dtype=torch.float64).mean().item(),
+                                  rel=1e-12)
+    # max_points merges whole groups of buckets, weighted by their point counts
+    xs4, ys4 = d.points(4)
+    assert len(xs4) == 4 and xs4[-1] == 1000
+    assert ys4[0] == pytest.approx(sum(values[: 4 * width]) / (4 * width), rel=1e-12)
+
+
+def test_bresenham_line_is_connected_and_close_to_the_segment():
+    for (x0, y0, x1, y1) in [(0, 0, 9, 3), (5, 7, 0, 0), (2, 2, 2, 9), (0, 5, 7, 5), (3, 1, 0, 8)]:
+        pts = list(_line(x0, y0, x1, y1))
+        assert pts[0] == (x0, y0) and pts[-1] == (x1, y1)
+        for (a, b), (c, d) in zip(pts, pts[1:], strict=False):
+            assert max(abs(a - c), abs(b - d)) == 1  # 8-connected, no repeats
+        length = math.hypot(x1 - x0, y1 - y0)
+        for px, py in pts:  # distance to the infinite line ≤ 1 dot
+            dist = abs((y1 - y0) * px - (x1 - x0) * py + x1 * y0 - y1 * x0) / length
+            assert dist <= 1.0
+
+
+def test_chart_places_a_rising_line_from_bottom_left_to_top_right():
+    rows = chart_rows([Series("a", [0, 10], [0.0, 1.0], "cyan")], 20, 6, title="t")
+    assert len(rows) == 6
+    plot = ["".join(t for t, _ in r) for r in rows[1:5]]
+    gutter = plot[0].index("┤") + 1
+    first, last = plot[0][gutter:], plot[-1][gutter:]
+    assert first.rstrip()[-1] != " " and len(first.rstrip()) == len(first)  # top row: right end
+    assert last[0] != " "  # bottom row: left end
+    assert plot[0].lstrip().startswith("1┤") and plot[-1].lstrip().startswith("0┤")  # y labels
+    axis = "".join(t for t, _ in rows[5])
+    assert axis.split() == ["0", "step", "10"]
+
+
+def test_chart_log_scale_skips_nonpositive_and_labels_decades():
+    rows = chart_rows([Series("a", [1, 2, 3, 4], [100.0, 10.0, 0.0, 1.0])], 30, 7, log=True)
+    labels = ["".join(t for t, _ in r).split("┤")[0].strip() for r in rows[1:6]]
+    assert labels[0] == "100" and labels[-1] == "1" and labels[2] == "10"
+
+
+def test_run_series_rates_eta_and_expert_tokens():
+    s = RunSeries(total_steps=100, text="abcdef", top_k=2)
+    for i in range(1, 11):
+        s.add(MetricRow(step=i, wall=100 + 0.5 * i, ce=1 / i, aux=0.01, total=1 / i + 0.01,
+                        grad_norm=1.0, step_time=0.25, tokens_per_s=40.0,
+                        expert_load=[[0.75, 0.25]]))
+    assert s.steps_per_s() == pytest.approx(2.0)
+    assert s.tokens_per_s() == pytest.approx(2.0 * 10)  # 10 tokens per step
+    assert s.eta() == pytest.approx(90 * 0.5)
+    _, tokens = s.experts[0][0].points()
+    assert tokens[-1] == pytest.approx(0.75 * 10 * 2)  # fraction × N × k
+    s.add_sample(10, "ab", "cdxy")
+    assert s.sample.matched == 2 == matching_prefix("cdxy", "cdef")
+
+
+# -- the screen, with a real trainer ---------------------------------------------------------------
+
+async def _wait(pilot, cond, timeout: float = 60.0) -> None:
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError("timed out")
+        await pilot.pause(0.05)
+
+
+async def test_live_screen_20_steps_charts_grow_and_loss_falls(tmp_path):
+    from tui.live_app import make_overfit_app
+
+    session = tiny_session(tmp_path, steps=20)
+    app = make_overfit_app(session, chart_interval=0.05, text_interval=0.05)
+    screen = app.live
+    sizes = []
+    async with app.run_test(size=(80, 24)) as pilot:
+        loss_chart = app.screen.query_one("#live-loss")
+        while not screen.training_done.is_set():
+            sizes.append(sum(len(s.xs) for s in loss_chart.series))
+            await pilot.pause(0.05)
+        await _wait(pilot, lambda: screen.ended is not None)
+        await pilot.pause(0.3)
+        sizes.append(sum(len(s.xs) for s in loss_chart.series))
+        assert screen.state == "finished"
+        assert screen.series.step == 20 and screen.series.rows == 20
+        status = str(app.screen.query_one("#live-status").render())
+        assert "finished" in status and "step 20/20" in status
+        assert len(app.screen.query(".live-expert")) == 2  # one chart per MoE layer
+        await pilot.press("q")
+    assert app.return_code == 0
+    # the chart's data grew while training ran, up to 3 lines × 20 steps
+    assert sizes[-1] == 60
+    assert any(0 < a < sizes[-1] for a in sizes) or len(set(sizes)) > 2
+    assert sizes == sorted(sizes)
+    # the loss fell: what the chart drew against the run store's rows
+    xs, ce = screen.series.ce.points()
+    with RunStore(tmp_path / "mdb.sqlite") as store:
+        rows = store.metrics(store.run("live").id)
+    assert xs == [r.step for r in rows]
+    assert ce == pytest.approx([r.ce for r in rows], rel=1e-12)
+    assert rows[-1].ce < 0.5 * rows[0].ce
+
+
+async def test_pause_step_capture_opens_step_view_and_comes_back(tmp_path):
+    from tui.live_app import make_overfit_app
+    from tui.screens.live import LiveScreen
+    from tui.screens.step import StepScreen
+
+    session = tiny_session(tmp_path, steps=400)
+    app = make_overfit_app(session, chart_interval=0.1)
+    screen = app.live
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _wait(pilot, lambda: screen.series.step >= 2)
+        await pilot.press("p")
+        await _wait(pilot, lambda: screen.state == "paused")
+        await pilot.pause(0.3)
+        paused_at = screen.series.step
+        await pilot.pause(0.3)
+        assert screen.series.step == paused_at  # stays paused
+        await pilot.press("s")
+        await _wait(pilot, lambda: screen.series.step == paused_at + 1)
+        await pilot.press("c")
+        await _wait(pilot, lambda: isinstance(app.screen, StepScreen))
+        assert app.screen.trace.step == paused_at + 2
+        assert app.screen.trace.forward and app.screen.trace.backward
+        await pilot.press("q")  # back to the live screen, still paused
+        await _wait(pilot, lambda: isinstance(app.screen, LiveScreen))
+        assert session.control.paused
+        assert screen.series.step == paused_at + 2
+        await pilot.press("x")
+        await _wait(pilot, lambda: screen.ended is not None)
+        assert screen.ended.status == "interrupted"
+        await pilot.press("q")
+    assert app.return_code == 0
+    with RunStore(tmp_path / "mdb.sqlite") as store:
+        run = store.run("live")
+    assert (run.status, run.last_step, run.checkpoint_step) == (
+        "interrupted", paused_at + 2, paused_at + 2)
+
+
+async def test_nonfinite_loss_shows_failed_with_step_and_module(tmp_path):
+    import argparse
+
+    from tui.commands.overfit import _arm_nan
+    from tui.live_app import make_overfit_app
+
+    session = tiny_session(tmp_path, steps=30)
+    _arm_nan(session, 4)
+    app = make_overfit_app(session)
+    screen = app.live
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _wait(pilot, lambda: screen.ended is not None)
+        await pilot.pause(0.4)
+        status = str(app.screen.query_one("#live-status").render())
+        assert screen.ended.status == "failed" and screen.ended.fail_step == 4
+        assert "failed @ step 4 in model.layers.1.self_attn" in status
+        await pilot.press("q")
+    assert app.return_code == 1
+    with RunStore(tmp_path / "mdb.sqlite") as store:
+        run = store.run("live")
+    assert (run.status, run.fail_step) == ("failed", 4)
+    assert run.fail_module.startswith("model.layers.1.self_attn")
+    del argparse
+
+
+async def test_too_small_terminal_says_so(tmp_path):
+    from tui.live_app import make_overfit_app
+
+    session = tiny_session(tmp_path, steps=3)
+    app = make_overfit_app(session)
+    async with app.run_test(size=(60, 20)) as pilot:
+        await _wait(pilot, lambda: app.live.training_done.is_set())
+        await pilot.pause(0.2)
+        assert app.screen.has_class("-too-small")
+        assert "terminal too small" in str(app.screen.query_one("#too-small").render())
+        await pilot.press("q")

@@ -1,0 +1,192 @@
+"""``mdb watch``: follows a run written by a real ``mdb overfit --headless`` subprocess, reports
+the writer gone after ``kill -9``, replays a finished run, and rejects bad input in one line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hooks.runstore import RunStore
+from tui.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+
+TINY_TOML = """\
+vocab_size = 256
+hidden_size = 16
+intermediate_size = 32
+num_hidden_layers = 1
+num_attention_heads = 2
+num_key_value_heads = 1
+num_local_experts = 2
+num_experts_per_tok = 1
+max_position_embeddings = 128
+"""
+
+
+def _writer(tmp_path, steps: int, name: str = "w") -> tuple[subprocess.Popen, Path]:
+    toml = tmp_path / "tiny.toml"
+    toml.write_text(TINY_TOML)
+    db = tmp_path / "mdb.sqlite"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tui.cli", "overfit", "--headless", "--config", str(toml),
+         "--steps", str(steps), "--db", str(db), "--run", name, "--every", "0",
+         "--sample-every", "10", "--heartbeat", "0.2"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    return proc, db
+
+
+def _wait_for_run(db: Path, name: str, min_step: int = 1, timeout: float = 60.0):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if db.exists():
+            try:
+                with RunStore(db) as store:
+                    run = store.run(name)
+                    if run.last_step >= min_step:
+                        return run
+            except Exception:
+                pass
+        time.sleep(0.05)
+    raise AssertionError(f"run {name} never reached step {min_step}")
+
+
+async def _wait(pilot, cond, timeout: float = 60.0) -> None:
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError("timed out")
+        await pilot.pause(0.05)
+
+
+@pytest.mark.slow
+async def test_watch_follows_a_real_writer_then_sees_it_finish(tmp_path):
+    from tui.commands.watch import open_run
+    from tui.live_app import make_watch_app
+
+    proc, db = _writer(tmp_path, steps=300)
+    try:
+        _wait_for_run(db, "w", 1)
+        store, run = open_run(str(db), None)  # the latest run by default
+        assert run.name == "w"
+        app = make_watch_app(store, run)
+        screen = app.live
+        lags = []
+        async with app.run_test(size=(80, 24)) as pilot:
+            await _wait(pilot, lambda: screen.series.step >= 5)
+            # a new step shows within 0.5 s of being written
+            for _ in range(20):
+                before = screen.series.step
+                await _wait(pilot, lambda b=before: screen.series.step > b, timeout=10)
+                lags.append(time.time() - screen.series.last.wall)
+            await _wait(pilot, lambda: screen.state == "finished", timeout=120)
+            await pilot.pause(0.4)
+            status = str(app.screen.query_one("#live-status").render())
+            assert "finished" in status and "step 300/300" in status
+            await pilot.press("p")  # read-only
+            assert "read-only" in str(app.screen.query_one("#hint").render())
+            await pilot.press("q")
+        store.close()
+    finally:
+        proc.wait(timeout=120)
+    assert proc.returncode == 0
+    assert max(lags) < 0.5, lags
+    with RunStore(db) as ref:  # every step seen exactly once, in order, same values
+        rows = ref.metrics(ref.run("w").id)
+    assert len(rows) == screen.series.rows == screen.series.ce.count == 300
+    assert screen.series.last.ce == rows[-1].ce
+    mean_ce = sum(r.ce for r in rows) / len(rows)
+    xs, ce = screen.series.ce.points(1)  # one bucket: the mean of every step seen
+    assert xs == [300] and ce[0] == pytest.approx(mean_ce, rel=1e-9)
+
+
+@pytest.mark.slow
+async def test_watch_reports_the_writer_gone_after_kill_9(tmp_path):
+    from tui.commands.watch import open_run
+    from tui.live_app import make_watch_app
+
+    proc, db = _writer(tmp_path, steps=100000)
+    try:
+        _wait_for_run(db, "w", 3)
+        store, run = open_run(str(db), "w")
+        app = make_watch_app(store, run)
+        screen = app.live
+        async with app.run_test(size=(80, 24)) as pilot:
+            await _wait(pilot, lambda: screen.state == "running")
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+            await _wait(pilot, lambda: screen.state == "gone", timeout=10)
+            await pilot.pause(0.4)
+            status = str(app.screen.query_one("#live-status").render())
+            assert f"writer gone: process {proc.pid}" in status
+            await pilot.press("q")
+        store.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    with RunStore(db) as ref:
+        assert ref.integrity_check() == "ok"
+        assert ref.run("w").writer_state() == "gone"
+
+
+async def test_watch_replays_a_finished_run(tmp_path):
+    from hooks.training import OverfitOptions, OverfitSession
+    from minillm import MiniLLMConfig
+    from tui.commands.watch import open_run
+    from tui.live_app import make_watch_app
+
+    cfg = MiniLLMConfig(vocab_size=16, hidden_size=16, intermediate_size=32,
+                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                        num_local_experts=2, num_experts_per_tok=1, max_position_embeddings=64)
+    with RunStore(tmp_path / "mdb.sqlite", create=True) as store:
+        s = OverfitSession.create(store, "done", OverfitOptions(
+            text="人工智能正在改变世界。", model_config=cfg.to_dict(), steps=12, every=0,
+            sample_every=4))
+        s.run()
+    store, run = open_run(str(tmp_path / "mdb.sqlite"), "done")
+    app = make_watch_app(store, run)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _wait(pilot, lambda: app.live.polls >= 1)
+        await pilot.pause(0.4)
+        assert app.live.series.rows == 12 and app.live.state == "finished"
+        assert app.live.series.sample.step == 12
+        assert "✓ finished" in str(app.screen.query_one("#live-status").render())
+        await pilot.press("q")
+    store.close()
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("mdb: error: ")
+    return err[0]
+
+
+def test_watch_bad_input_one_line_exit_2(tmp_path, capsys):
+    assert main(["watch", "--db", str(tmp_path / "missing.sqlite")]) == 2
+    assert "no run database" in _one_error_line(capsys)
+    other = tmp_path / "other.sqlite"
+    import sqlite3
+
+    with sqlite3.connect(other) as conn:
+        conn.execute("CREATE TABLE t (x)")
+    assert main(["watch", "--db", str(other)]) == 2
+    assert "not an mdb run database" in _one_error_line(capsys)
+    garbage = tmp_path / "garbage.sqlite"
+    garbage.write_bytes(b"not a database at all" * 100)
+    assert main(["watch", "--db", str(garbage)]) == 2
+    _one_error_line(capsys)
+    db = tmp_path / "mdb.sqlite"
+    RunStore(db, create=True).close()
+    assert main(["watch", "--db", str(db)]) == 2
+    assert "no runs" in _one_error_line(capsys)
+    assert main(["watch", "nope", "--db", str(db)]) == 2
+    assert "no run named 'nope'" in _one_error_line(capsys)

@@ -1,0 +1,73 @@
+"""``mdb watch [RUN]``: follow a recorded run from its database, read-only, on the live screen.
+
+Any number of watchers may follow a run at once, from any terminal (an SSH session opened after
+the run started sees every step from the first). A new step shows within ~0.3 s of being
+written; when the writer finishes, is interrupted, fails, or dies without saying so (its pid is
+gone, or its heartbeat is stale) the status line says which. Watching a finished run replays it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tui.errors import MdbError
+
+HELP = ("follow a run live from the run database, read-only (default: the latest run); "
+        "replays a finished one")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``mdb watch``."""
+    parser.add_argument("run", metavar="RUN", nargs="?", default=None,
+                        help="run name (default: the most recently started run; see `mdb runs`)")
+    parser.add_argument("--db", metavar="PATH", default=None,
+                        help="run database (default $MDB_DB, else ./runs/mdb.sqlite)")
+    parser.add_argument("--poll", metavar="SECONDS", type=float, default=0.2,
+                        help=argparse.SUPPRESS)
+
+
+def open_run(db: str | None, name: str | None):
+    """Open the database read-only and find the run to watch.
+
+    Returns:
+        ``(store, run)``: a :class:`hooks.runstore.RunStore` and the
+        :class:`hooks.runstore.RunInfo` of ``name`` (or of the latest run).
+
+    Raises:
+        MdbError: Missing or unreadable database, a database of something else, no such run,
+            or no runs at all (one line each).
+    """
+    from hooks.runstore import RunStore, RunStoreError, default_db_path
+
+    path = db if db else default_db_path()
+    try:
+        store = RunStore(path)
+    except RunStoreError as exc:
+        raise MdbError(str(exc)) from None
+    try:
+        run = store.run(name) if name else store.latest_run()
+    except RunStoreError as exc:
+        store.close()
+        raise MdbError(str(exc)) from None
+    if run is None:
+        store.close()
+        raise MdbError(f"no runs in {path} yet (start one with `mdb overfit`)")
+    return store, run
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``mdb watch``."""
+    if not (args.poll > 0):
+        raise MdbError(f"--poll must be a positive number of seconds, got {args.poll}")
+    store, info = open_run(args.db, args.run)
+    try:
+        if not (sys.stdin.isatty() and sys.stdout.isatty()):
+            raise MdbError("mdb watch needs a terminal (for a table of runs use `mdb runs`)")
+        from tui.live_app import make_watch_app
+
+        app = make_watch_app(store, info, poll_interval=args.poll)
+        app.run()
+    finally:
+        store.close()
+    return 0
