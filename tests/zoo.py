@@ -11,7 +11,6 @@ Hkv=2, 4 experts top-2, 128 positions) with a (2, 64) batch.
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,7 +18,6 @@ from torch import nn
 from minillm import MiniLLM, load_preset
 from minillm.attention import MiniLLMAttention, causal_mask
 from minillm.layers import MiniLLMRMSNorm, MiniLLMRotaryEmbedding, apply_rotary_pos_emb
-from minillm.model import MiniLLMOutput
 from minillm.moe import load_balancing_loss
 
 SEQ = 64
