@@ -341,3 +341,21 @@ def test_routing_stats_against_bincount_and_categorical_entropy():
     ent = torch.distributions.Categorical(probs=all_p).entropy().mean() / math.log(6)
     assert s["entropy"] == pytest.approx(float(ent), rel=1e-5)
     assert s["tokens"] == 150
+
+
+def test_a_wrapped_model_without_config_is_checked_without_false_failures():
+    model, batch = zoo.correct()
+
+    class Wrapper(torch.nn.Module):  # a user's model: no .config, own forward signature
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, labels=None):
+            return self.inner(input_ids, labels=labels)
+
+    results = by_key(run_checks(Wrapper(model), batch))
+    assert not any(r.failed or r.status == "warn" for r in results.values()), {
+        k: r.evidence for k, r in results.items() if r.status != "pass"}
+    assert "no max_position_embeddings" in results["rope"].evidence
+    assert results["gqa"].module == "inner.model.layers.0.self_attn"

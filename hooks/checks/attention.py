@@ -97,7 +97,8 @@ def rope(t: Target, o: DoctorOptions) -> Outcome:
     ids = t.need_ids()
     maxpos = t.max_positions
     token = int(ids[0, 0])
-    full = min(maxpos, ROPE_FULL_LIMIT) if maxpos else min(ids.shape[1] * 4, 256)
+    # without a configured limit only the batch's own length is known to be valid
+    full = min(maxpos, ROPE_FULL_LIMIT) if maxpos else ids.shape[1]
     data: dict[str, Any] = dict(rotary=rot[0], attention=attn.name,
                                 max_position_embeddings=maxpos, tested_length=full)
     rep = torch.full((1, full), token, dtype=ids.dtype, device=ids.device)
@@ -152,6 +153,12 @@ def rope(t: Target, o: DoctorOptions) -> Outcome:
                      f"{fmt(data.get('signal'))})")
     if longer:
         parts.append(f"{maxpos + 1} tokens refused ({longer.split(':')[0]})")
+    elif not maxpos:
+        parts.append("no max_position_embeddings in the config: table length and refusal of "
+                     "longer inputs not tested")
+    elif maxpos > ROPE_FULL_LIMIT:
+        parts.append(f"tested {full} of {maxpos} positions; refusal of longer inputs not "
+                     f"tested (too long to run)")
     ev = "; ".join(parts)
     if problems:
         return Outcome.fail("; ".join(problems + warns + parts),
