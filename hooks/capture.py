@@ -186,7 +186,7 @@ class Capture:
         self._handles: list[Any] = []
         self._tensor_handles: list[Any] = []
         self._no_grad: dict[str, int] = {}
-        self._touched: dict[str, torch.Tensor] = {}  # name -> [|g|^2, min g, max g, |w|^2]
+        self._touched: dict[str, torch.Tensor] = {}  # name -> [|g|, min g, max g, |w|]
         self._kept = 0
         self._dropped = 0
         self._errors: dict[str, str] = {}
@@ -435,17 +435,22 @@ class Capture:
             return
         try:
             with torch.no_grad():
-                g = _dense(param.grad).reshape(-1)
-                w = param.detach().reshape(-1)
+                g = param.grad
+                if g.is_sparse:
+                    g = g.coalesce().values()
                 if g.numel() == 0:
-                    z = g.new_zeros(())
-                    self._touched[name] = torch.stack([z, z, z, z])
+                    self._touched[name] = torch.zeros(4)
                     return
                 if not g.is_floating_point():
                     g = g.float()
                 lo, hi = torch.aminmax(g)
                 self._touched[name] = torch.stack(
-                    [torch.dot(g, g), lo, hi, torch.dot(w, w).to(g.dtype)]
+                    [
+                        torch.linalg.vector_norm(g),
+                        lo,
+                        hi,
+                        torch.linalg.vector_norm(param.detach()).to(g.dtype),
+                    ]
                 ).float()
         except Exception as exc:
             self._error(name, exc)
@@ -469,9 +474,7 @@ class Capture:
             for name, p in named:
                 rec = ParamGradRecord(name, list(p.shape), "none")
                 if name in vals:
-                    g2, lo, hi, w2 = vals[name]
-                    rec.weight_norm = math.sqrt(w2) if w2 >= 0 else math.nan
-                    rec.grad_norm = math.sqrt(g2) if g2 >= 0 else math.nan
+                    rec.grad_norm, lo, hi, rec.weight_norm = vals[name]
                     rec.grad_abs_max = math.nan if math.isnan(lo + hi) else max(-lo, hi)
                     rec.status = "zero" if rec.grad_abs_max == 0.0 else "ok"
                 else:

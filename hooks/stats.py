@@ -1,17 +1,18 @@
 """Tensor statistics: one summary per tensor, computed in as few passes as the numbers allow.
 
 The capture engine summarises every module output, input and gradient, so this is the hot path.
-A tensor is read as a detached flat fp32 view (no copy for contiguous fp32 tensors). On CPU four
-reductions give everything: ``torch.aminmax`` (min, max), ``sum``, ``torch.dot(x, x)`` (sum of
-squares) and ``torch.count_nonzero``, read back together with one ``tolist()``. The rest is
-derived: ``mean = sum / n``, ``var = (sumsq - n mean^2) / (n - 1)``, ``abs_max = max(-min, max)``,
-``l2 = sqrt(sumsq)``. When that variance formula would lose precision (``|mean| >> std``) or
-overflow, an exact two-pass fp64 computation replaces it. When min and max are finite the tensor
-holds no NaN and no Inf, so the NaN/Inf counting passes are skipped; only a tensor with
-non-finite values takes the slow path, whose statistics describe its finite elements.
-(``torch.var_mean`` and ``torch.histc`` are avoided: on CPU they run 20-50x slower per element
-than the reductions above.) The histogram is a bucketised ``bincount`` over ``[min, max]``,
-exact up to :data:`HIST_SAMPLE` elements and on a strided sample beyond.
+A tensor is read as a detached flat fp32 view (no copy for contiguous fp32 tensors). On CPU five
+cheap kernels give everything: ``torch.aminmax`` (min, max), ``sum``, ``torch.dot(x, x)`` (sum of
+squares) and ``dot(sign(x), sign(x))`` (non-zero count), read back together with one
+``tolist()``. The rest is derived: ``mean = sum / n``, ``var = (sumsq - n mean^2) / (n - 1)``,
+``abs_max = max(-min, max)``, ``l2 = sqrt(sumsq)``. When that variance formula would lose
+precision (``|mean| >> std``) or overflow, an exact two-pass fp64 computation replaces it. When
+min and max are finite the tensor holds no NaN and no Inf, so the NaN/Inf counting passes are
+skipped; only a tensor with non-finite values takes the slow path, whose statistics describe its
+finite elements. (``torch.var_mean``, ``count_nonzero`` and a full-size ``torch.histc`` are
+avoided: on CPU they run 2-50x slower per element than the kernels above.) The histogram is
+``torch.histc`` over ``[min, max]``, exact up to :data:`HIST_SAMPLE` elements and taken on a
+strided sample beyond.
 
 On other devices :class:`StatsBatch` uses a sync-free formulation and keeps every result on the
 device until :meth:`StatsBatch.finalize` converts all of them with one ``tolist()`` per statistic.
@@ -28,7 +29,7 @@ import torch
 #: Number of histogram bins of every :class:`TensorStats`.
 NUM_BINS = 32
 #: Tensors with more elements are histogrammed on a strided sample of about this many.
-HIST_SAMPLE = 2048
+HIST_SAMPLE = 1024
 _EXACT_COUNT = 1 << 24  # float32 sums of ones are exact below this
 
 _STAT_FIELDS = ("mean", "std", "min", "max", "abs_max", "l2", "zero_frac")
@@ -197,10 +198,8 @@ class StatsBatch:
     """Collects statistics of many tensors and converts them to Python numbers once.
 
     ``add`` runs the reductions and keeps only small results, never the tensor itself: on CPU
-    five numbers (read back at once) and a copy of the histogram sample (at most
-    :data:`HIST_SAMPLE` values). ``finalize`` bins all samples of the batch in one vectorised
-    ``bincount`` (one histogram per tensor costs a handful of kernel launches each, which for
-    hundreds of small tensors costs more than the reductions themselves).
+    five numbers (read back at once) and a ``bins``-element histogram tensor; ``finalize``
+    converts all histograms with one ``tolist()``.
 
     Args:
         bins: histogram bins per tensor.
@@ -213,7 +212,7 @@ class StatsBatch:
         self.sync_free = sync_free
         self._out: list[TensorStats | None] = []
         # CPU path: histogram samples binned in finalize
-        self._samples: list[torch.Tensor] = []  # copies, at most HIST_SAMPLE values each
+        self._hists: list[torch.Tensor] = []  # (bins,) int64 counts, one per CPU slot
         self._sample_slots: list[int] = []
         # sync-free path: per slot device tensors, converted in finalize
         self._dev: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
@@ -281,7 +280,9 @@ class StatsBatch:
         var = max(var, 0.0)
         h_lo, h_hi = (lo, hi) if lo != hi else (lo - 1.0, hi + 1.0)
         sample = _hist_sample(xf, x.shape[-1] if x.dim() else 1)
-        self._samples.append(sample.clone())
+        # one kernel on at most HIST_SAMPLE values (a batched binning of all samples at the end
+        # costs more: its large fresh allocations page-fault)
+        self._hists.append(torch.histc(sample, bins=self.bins, min=h_lo, max=h_hi))
         self._sample_slots.append(slot)
         self._out[slot] = TensorStats(
             numel=n,
@@ -300,25 +301,12 @@ class StatsBatch:
         )
 
     def _bin_samples(self) -> None:
-        """Histogram every CPU sample with one vectorised pass and one ``bincount``.
-
-        All samples are concatenated; each value maps to ``row * bins + bin`` with its own
-        tensor's ``[hist_min, hist_max]``.
-        """
+        """Convert the CPU histograms with one ``tolist()``."""
         if not self._sample_slots:
             return
-        stats = [self._out[s] for s in self._sample_slots]
-        nb, rows = self.bins, len(stats)
-        lengths = torch.tensor([t.numel() for t in self._samples])
-        seg = torch.repeat_interleave(torch.arange(rows), lengths)
-        lo = torch.tensor([st.hist_min for st in stats], dtype=torch.float64)  # type: ignore[union-attr]
-        hi = torch.tensor([st.hist_max for st in stats], dtype=torch.float64)  # type: ignore[union-attr]
-        flat = torch.cat(self._samples).double()
-        pos = (flat - lo[seg]).mul_((nb / (hi - lo))[seg])
-        idx = pos.clamp_(0, nb - 1).to(torch.int64).add_(seg * nb)
-        hists = torch.bincount(idx, minlength=rows * nb).view(rows, nb).tolist()
-        for st, h in zip(stats, hists, strict=True):
-            st.hist = h  # type: ignore[union-attr]
+        hists = torch.stack(self._hists).tolist()
+        for slot, h in zip(self._sample_slots, hists, strict=True):
+            self._out[slot].hist = [int(v) for v in h]  # type: ignore[union-attr]
 
     # -- any device: no read-back; counts NaN/Inf always ----------------------------------------
     def _add_sync_free(self, slot: int, x: torch.Tensor, n: int) -> None:

@@ -382,7 +382,8 @@ def test_stats_only_trace_holds_no_reference_to_activations():
 
 def _live_tensors() -> int:
     gc.collect()
-    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+    kinds = (torch.Tensor, nn.Parameter)
+    return sum(1 for o in gc.get_objects() if type(o) in kinds)
 
 
 def test_thousand_steps_with_every_n_keep_memory_flat():
@@ -404,3 +405,64 @@ def test_thousand_steps_with_every_n_keep_memory_flat():
     assert counts[1] <= counts[0], f"live tensors grew from {counts[0]} to {counts[1]}"
     for m in model.modules():
         assert not m._forward_hooks
+
+
+class Gate(nn.Module):
+    def __init__(self, d_in: int = 4) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d_in, 3)
+
+    def forward(self, x):
+        return torch.sigmoid(self.proj(x))
+
+
+class GateProbe(hooks.Probe):
+    name = "gate-open"
+
+    def on_forward(self, ctx, name, call_index, module, args, kwargs, output):
+        ctx.add_extra(
+            hooks.ProbeRecord(
+                self.name,
+                name,
+                call_index,
+                values={"open_frac": (output > 0.5).float().mean().item()},
+                tensors={"gates": output.detach().clone()},
+            )
+        )
+
+
+class BrokenProbe(hooks.Probe):
+    name = "broken"
+
+    def on_forward(self, ctx, name, call_index, module, args, kwargs, output):
+        raise ValueError("nope")
+
+
+def test_user_probe_registered_per_type_and_saved(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(Gate(), nn.Linear(3, 4), Gate())  # both gates take 4 features
+    probe = hooks.register_probe(Gate, GateProbe())
+    broken = hooks.register_probe("Gate", BrokenProbe())
+    try:
+        x = torch.randn(5, 4)
+        with hooks.capture(model) as tr:
+            y = model(x)
+    finally:
+        hooks.unregister_probe(probe)
+        hooks.unregister_probe(broken)
+    assert [(e.probe, e.module, e.call_index) for e in tr.extras] == [
+        ("gate-open", "0", 0),
+        ("gate-open", "2", 0),
+    ]
+    g0 = model[0](x)
+    assert tr.extras[0].values["open_frac"] == pytest.approx((g0 > 0.5).float().mean().item())
+    torch.testing.assert_close(tr.extras[1].tensors["gates"], y)
+    # a failing probe never breaks the forward: it becomes a note
+    assert any(n.kind == "probe" and "nope" in n.message for n in tr.notes)
+    back = hooks.Trace.load(tr.save(tmp_path / "p"))
+    assert back.extras[1].values == tr.extras[1].values
+    torch.testing.assert_close(back.extras[1].tensors["gates"], y)
+    # unregistered: the next capture runs no user probe
+    with hooks.capture(model) as tr2:
+        model(x)
+    assert tr2.extras == []
