@@ -337,3 +337,19 @@ async def test_doctor_results_open_and_jump(tiny):
         await pilot.pause()
         assert isinstance(app.screen, StepScreen)
         assert app.screen.stepper.current is trace.call("model.layers.1.mlp.gate")
+
+
+async def test_reopened_views_follow_the_step_view_layer(tiny):
+    trace, _ = tiny
+    app = make_step_app(trace)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("r")
+        first = app.screen
+        assert first.record is trace.routing[0]
+        await pilot.press("s", "N", "N", "r")  # now in layer 1
+        assert app.screen is first  # the same (cached) view, moved to the new layer
+        assert app.screen.record is trace.routing[1]
+        assert int(app.screen.query_one("#tokens", DataTable).get_row_at(0)[2]) == \
+            trace.routing[1].top_k_ids[0, 0].item()
+        await pilot.press("a")
+        assert app.screen.record is trace.attention[1]

@@ -68,11 +68,8 @@ class AttentionScreen(ViewScreen):
         self.position = 0
         self.head = 0
         self.batch = 0
-        here = step.stepper.layer()
-        for i, rec in enumerate(self.records):  # open at the layer the step view is in
-            if here is not None and rec.layer == here:
-                self.position = i
-                break
+        self.position = self.layer_position()
+        self._shown_for = (step.stepper.direction, step.stepper.index)
         self.matrix: list[list[float]] = []
 
     def compose(self):
@@ -92,6 +89,24 @@ class AttentionScreen(ViewScreen):
             return
         self.show_grid()
         self.query_one("#grid-scroll").focus()
+
+    def layer_position(self) -> int:
+        """Index of the record of the step view's current layer (else the current one)."""
+        here = self.step.stepper.layer()
+        for i, rec in enumerate(self.records):
+            if here is not None and rec.layer == here:
+                return i
+        return getattr(self, "position", 0)
+
+    def follow_step(self) -> None:
+        where = (self.step.stepper.direction, self.step.stepper.index)
+        if where == self._shown_for or not self.records:
+            return
+        self._shown_for = where
+        position = self.layer_position()
+        if position != self.position:
+            self.position = position
+            self.show_grid()
 
     @property
     def record(self):

@@ -62,11 +62,8 @@ class RouterScreen(ViewScreen):
         super().__init__(step)
         self.records = list(self.trace.routing)
         self.position = 0
-        here = step.stepper.layer()
-        for i, rec in enumerate(self.records):  # open at the layer the step view is in
-            if here is not None and rec.layer == here:
-                self.position = i
-                break
+        self.position = self.layer_position()
+        self._shown_for = (step.stepper.direction, step.stepper.index)
 
     def compose(self):
         yield Static("", id="title", markup=False)
@@ -85,6 +82,24 @@ class RouterScreen(ViewScreen):
             return
         self.show_layer()
         self.query_one("#tokens", DataTable).focus()
+
+    def layer_position(self) -> int:
+        """Index of the record of the step view's current layer (else the current one)."""
+        here = self.step.stepper.layer()
+        for i, rec in enumerate(self.records):
+            if here is not None and rec.layer == here:
+                return i
+        return getattr(self, "position", 0)
+
+    def follow_step(self) -> None:
+        where = (self.step.stepper.direction, self.step.stepper.index)
+        if where == self._shown_for or not self.records:
+            return
+        self._shown_for = where
+        position = self.layer_position()
+        if position != self.position:
+            self.position = position
+            self.show_layer()
 
     @property
     def record(self):

@@ -93,6 +93,7 @@ class StepScreen(MdbScreen):
         self.doctor_results = doctor_results
         self.embedded = embedded
         self.stepper = Stepper(trace)
+        self._installed: list[str] = []
         self.nonfinite = None
         if start_at_nonfinite:
             self.nonfinite = self.stepper.first_nonfinite()
@@ -181,7 +182,37 @@ class StepScreen(MdbScreen):
             self.jump(module)
 
     def action_view(self, view: str) -> None:
-        self.app.push_screen(self.make_view(view))
+        self.open_view(view)
+
+    #: Views kept installed after their first opening (re-opening one skips building it).
+    CACHED_VIEWS = ("router", "attention", "gradients")
+
+    def open_view(self, view: str, *, replace: bool = False) -> None:
+        """Show ``view`` on top of this screen (``replace``: instead of the current view).
+
+        The router, attention and gradients views are built once per step screen and kept
+        installed, so opening one again costs only a repaint; they follow the step view's
+        layer when shown again (see ``ViewScreen.on_screen_resume``).
+        """
+        show = self.app.switch_screen if replace else self.app.push_screen
+        if view not in self.CACHED_VIEWS:
+            show(self.make_view(view))
+            return
+        name = f"mdb-{view}-{id(self)}"
+        if not self.app.is_screen_installed(name):
+            self.app.install_screen(self.make_view(view), name)
+            self._installed.append(name)
+        show(name)
+
+    def on_unmount(self) -> None:
+        from textual.app import ScreenStackError
+
+        for name in self._installed:  # an embedding app keeps running: free the views
+            try:
+                if self.app.is_screen_installed(name):
+                    self.app.uninstall_screen(name)
+            except ScreenStackError:  # still on the stack while the app shuts down
+                pass
 
     def action_help(self) -> None:
         from tui.screens.help import HelpScreen

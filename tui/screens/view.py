@@ -42,6 +42,13 @@ class ViewScreen(MdbScreen):
         self.step = step
         self.trace = step.trace
 
+    def follow_step(self) -> None:
+        """Called when the view is shown again: move to the step view's layer if it has one."""
+
+    def on_screen_resume(self) -> None:
+        if self.is_mounted:
+            self.follow_step()
+
     def action_back(self) -> None:
         self.app.pop_screen()
 
@@ -49,7 +56,7 @@ class ViewScreen(MdbScreen):
         if view == self.VIEW:
             self.hint(f"this is the {view} view · s returns to the step view")
             return
-        self.app.switch_screen(self.step.make_view(view))
+        self.step.open_view(view, replace=True)
 
     def action_help(self) -> None:
         from tui.screens.help import HelpScreen
