@@ -290,14 +290,20 @@ class Capture:
         return any(fnmatch.fnmatchcase(name, p) or name.startswith(p + ".") for p in a)
 
     def _slot(self, t: torch.Tensor) -> int | None:
+        if t.is_meta:
+            return None
         key = id(t)
+        try:
+            version = t._version
+        except RuntimeError:  # inference tensors track no version: never reuse their slot
+            return self._batch.add(t)
         hit = self._cache.get(key)
-        if hit is not None and hit[0]() is t and hit[1] == t._version:
+        if hit is not None and hit[0]() is t and hit[1] == version:
             return hit[2]
         slot = self._batch.add(t)
         if slot is not None:
             try:
-                self._cache[key] = (weakref.ref(t), t._version, slot)
+                self._cache[key] = (weakref.ref(t), version, slot)
             except TypeError:  # pragma: no cover - tensor subclasses without weakref support
                 pass
         return slot

@@ -246,18 +246,28 @@ class Trace:
             raise TraceFormatError(f"{jpath} is not valid JSON: {exc}") from None
         if not isinstance(data, dict) or data.get("kind") != "mdb-trace":
             raise TraceFormatError(f"{jpath} is not an mdb trace")
-        schema = data.get("schema")
-        if schema != SCHEMA_VERSION:
-            raise TraceFormatError(
-                f"{jpath} has trace schema {schema!r}; this mdb reads schema {SCHEMA_VERSION}"
-            )
         tpath = d / TENSORS_NAME
-        tensors = load_file(str(tpath)) if tpath.exists() else {}
-        return cls.from_dict(data, tensors)
+        try:
+            tensors = load_file(str(tpath)) if tpath.exists() else {}
+        except Exception as exc:  # safetensors raises its own error types for corrupt files
+            raise TraceFormatError(f"{tpath} is not a valid safetensors file: {exc}") from None
+        try:
+            return cls.from_dict(data, tensors)
+        except TraceFormatError as exc:
+            raise TraceFormatError(f"{jpath}: {exc}") from None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Trace:
-        """Inverse of :meth:`to_dict` + :meth:`all_tensors`."""
+        """Inverse of :meth:`to_dict` + :meth:`all_tensors`.
+
+        Raises:
+            TraceFormatError: another schema version, or missing/mistyped fields or tensors.
+        """
+        schema = data.get("schema", SCHEMA_VERSION) if isinstance(data, dict) else None
+        if schema != SCHEMA_VERSION:
+            raise TraceFormatError(
+                f"trace schema {schema!r}; this mdb reads schema {SCHEMA_VERSION}"
+            )
         try:
             kept = {k: tensors[k] for k in data.get("tensor_keys", [])}
             return cls(

@@ -466,3 +466,14 @@ def test_user_probe_registered_per_type_and_saved(tmp_path):
     with hooks.capture(model) as tr2:
         model(x)
     assert tr2.extras == []
+
+
+def test_inference_mode_capture_records_forward_only():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU())
+    x = torch.randn(2, 3)
+    with torch.inference_mode(), hooks.capture(model) as tr:
+        y = model(x)
+    assert [r.module for r in tr.forward] == ["", "0", "1"]
+    assert_stats(tr.call("1").outputs[0].stats, y)
+    assert tr.backward == [] and any(n.kind == "no_backward" for n in tr.notes)

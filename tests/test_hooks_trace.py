@@ -154,3 +154,16 @@ def test_unsampled_step_trace_round_trips(tmp_path):
         model(torch.ones(1, 2))
     back = hooks.Trace.load(tr.save(tmp_path / "s3"))
     assert back.captured is False and back.step == 3 and back.forward == []
+
+
+def test_corrupt_tensor_file_is_a_format_error(tmp_path):
+    tr = run(tiny_model())
+    path = tr.save(tmp_path / "c")
+    (path / TENSORS_NAME).write_bytes(b"\x00\x01garbage")
+    with pytest.raises(hooks.TraceFormatError, match="safetensors"):
+        hooks.Trace.load(path)
+
+
+def test_from_dict_checks_schema():
+    with pytest.raises(hooks.TraceFormatError, match="schema"):
+        hooks.Trace.from_dict({"kind": "mdb-trace", "schema": 0, "forward": []}, {})
