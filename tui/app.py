@@ -32,6 +32,8 @@ class MdbApp(App[int]):
         loader: called in a thread worker to produce the trace (when ``trace`` is None).
         loading_text: what the loading screen says while ``loader`` runs.
         doctor_results: ``hooks.checks`` results for the ``d`` view, or None.
+        doctor_runner: runs the checks on demand for the ``d`` view (``mdb step`` passes one
+            bound to its model), or None.
         exit_after_paint: exit as soon as the step view is painted (start-up benchmark).
             Defaults to the environment variable ``MDB_EXIT_AFTER_PAINT=1``. With
             ``MDB_PAINT_LOG=FILE`` the app also appends ``loading <time>`` and ``step <time>``
@@ -44,8 +46,10 @@ class MdbApp(App[int]):
 
     def __init__(self, trace=None, *, loader: Callable[[], object] | None = None,
                  loading_text: str = "capturing one forward and backward pass…",
-                 doctor_results=None, exit_after_paint: bool | None = None) -> None:
+                 doctor_results=None, doctor_runner=None,
+                 exit_after_paint: bool | None = None) -> None:
         super().__init__()
+        self.doctor_runner = doctor_runner
         if trace is None and loader is None:
             raise ValueError("MdbApp needs a trace or a loader")
         self.trace = trace
@@ -79,7 +83,8 @@ class MdbApp(App[int]):
         from tui.screens.step import StepScreen
 
         self.trace = trace
-        screen = StepScreen(trace, doctor_results=self.doctor_results)
+        screen = StepScreen(trace, doctor_results=self.doctor_results,
+                            doctor_runner=self.doctor_runner)
         if len(self.screen_stack) > 1:
             self.switch_screen(screen)
         else:
@@ -120,7 +125,8 @@ def make_step_app(trace, *, doctor_results=None, exit_after_paint: bool | None =
 
 
 def make_loading_app(loader: Callable[[], object], *, loading_text: str | None = None,
-                     doctor_results=None) -> MdbApp:
+                     doctor_results=None, doctor_runner=None) -> MdbApp:
     """The app that paints a loading screen and runs ``loader()`` in a worker for the trace."""
     kwargs = {"loading_text": loading_text} if loading_text else {}
-    return MdbApp(loader=loader, doctor_results=doctor_results, **kwargs)
+    return MdbApp(loader=loader, doctor_results=doctor_results, doctor_runner=doctor_runner,
+                  **kwargs)

@@ -81,6 +81,14 @@ def capture(workload):
     return capture_step(workload, attention=True)
 
 
+def run_doctor(workload, on_result):
+    """``mdb doctor``'s checks (without the slow overfit check) on the workload's model; the
+    step view's ``d`` key runs this on demand."""
+    from hooks.checks import run_checks
+
+    return run_checks(workload, on_result=on_result)
+
+
 def precheck(args: argparse.Namespace) -> None:
     """Checks that need no torch, done before the terminal switches to the app."""
     from pathlib import Path
@@ -114,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         workload = build_from_args(args)
         app = make_loading_app(
             lambda: capture(workload),
+            doctor_runner=lambda on_result: run_doctor(workload, on_result),
             loading_text=f"mdb · capturing one forward and backward pass of "
                          f"{workload.description or 'the model'}…",
         )

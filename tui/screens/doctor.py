@@ -12,12 +12,15 @@ receive it). Esc or ``q`` closes the screen (dismiss result ``None``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from rich.text import Text
+from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
+from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
@@ -62,6 +65,9 @@ class DoctorScreen(Screen[str | None]):
         results: :class:`hooks.checks.CheckResult` objects, or their ``to_dict()`` form (the
             ``results`` list of ``mdb doctor --json``).
         title: the first line (e.g. the model's description).
+        runner: when there are no results yet, a function ``runner(on_result) -> results``
+            that runs the checks (``mdb step`` passes one bound to its model); it runs in a
+            thread worker when the screen is first shown, and rows appear as checks finish.
     """
 
     CSS_PATH = "doctor.tcss"
@@ -81,10 +87,25 @@ class DoctorScreen(Screen[str | None]):
             call_index: always 0 (the module's first call).
         """
 
-    def __init__(self, results: Iterable[Any], *, title: str = "mdb doctor") -> None:
+    @dataclass
+    class ResultReady(Message):
+        """One check finished in the runner's worker."""
+
+        result: dict[str, Any]
+
+    @dataclass
+    class RunFinished(Message):
+        """The runner's worker ended; ``error`` is a one-line reason when it failed."""
+
+        error: str | None = None
+
+    def __init__(self, results: Iterable[Any] = (), *, title: str = "mdb doctor",
+                 runner: Callable[[Callable[[Any], None]], Any] | None = None) -> None:
         super().__init__()
         self.rows: list[dict[str, Any]] = [_as_dict(r) for r in results]
         self.title_text = title
+        self.runner = runner if not self.rows else None
+        self.running = False
 
     # -- layout ---------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -100,15 +121,58 @@ class DoctorScreen(Screen[str | None]):
         table.add_column("check", key="check")
         table.add_column("status", key="status")
         table.add_column("evidence", key="evidence")
-        first_bad = None
         for i, r in enumerate(self.rows):
-            status = r["status"]
-            evidence = r.get("evidence", "")
-            short = evidence if len(evidence) <= 90 else evidence[:89] + "…"
-            table.add_row(str(r.get("id", i + 1)), r.get("name", r.get("key", "")),
-                          Text(status, style=STATUS_STYLE.get(status, "")), short, key=str(i))
-            if first_bad is None and status in ("fail", "error"):
-                first_bad = i
+            self._add_row(table, i, r)
+        if self.runner is not None:
+            self.running = True
+            self._set_title("running the checks on this model… (takes a few seconds)")
+            self.query_one("#doctor-detail", Static).update(
+                "results appear as each check finishes; q, d or Esc closes this view and the "
+                "checks go on in the background")
+            self._run_checks()
+        else:
+            self._select_first_bad()
+        table.focus()
+
+    def _set_title(self, status: str) -> None:
+        self.query_one("#doctor-title", Static).update(
+            Text(f"{self.title_text} · {status}", style="bold"))
+
+    def _add_row(self, table: DataTable, i: int, r: dict[str, Any]) -> None:
+        status = r["status"]
+        evidence = r.get("evidence", "")
+        short = evidence if len(evidence) <= 90 else evidence[:89] + "…"
+        table.add_row(str(r.get("id", i + 1)), r.get("name", r.get("key", "")),
+                      Text(status, style=STATUS_STYLE.get(status, "")), short, key=str(i))
+
+    @work(thread=True, exclusive=True, exit_on_error=False, group="doctor",
+          description="run the doctor's checks")
+    def _run_checks(self) -> None:
+        try:
+            self.runner(lambda r: self.post_message(self.ResultReady(_as_dict(r))))
+        except Exception as exc:  # a check framework failure: one line, the view stays up
+            self.post_message(self.RunFinished(f"{type(exc).__name__}: {exc}"))
+        else:
+            self.post_message(self.RunFinished())
+
+    def on_doctor_screen_result_ready(self, message: ResultReady) -> None:
+        table = self.query_one("#doctor-table", DataTable)
+        self.rows.append(message.result)
+        self._add_row(table, len(self.rows) - 1, message.result)
+        self._set_title(f"running… {summary_line(self.rows)}")
+
+    def on_doctor_screen_run_finished(self, message: RunFinished) -> None:
+        self.running = False
+        if message.error:
+            self._set_title(f"the checks stopped: {message.error}")
+            return
+        self._set_title(summary_line(self.rows))
+        self._select_first_bad()
+
+    def _select_first_bad(self) -> None:
+        table = self.query_one("#doctor-table", DataTable)
+        first_bad = next((i for i, r in enumerate(self.rows)
+                          if r["status"] in ("fail", "error")), None)
         if self.rows:
             table.move_cursor(row=first_bad or 0)
             self._show(first_bad or 0)

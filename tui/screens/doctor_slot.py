@@ -37,10 +37,11 @@ class NoDoctorScreen(ModalScreen[None]):
 def doctor_screen(step):
     """The screen ``d`` opens from ``step`` (a :class:`tui.screens.step.StepScreen`)."""
     results = step.doctor_results
-    if not results:
+    runner = getattr(step, "doctor_runner", None)
+    if not results and runner is None:
         return NoDoctorScreen()
-    try:
-        from tui.screens.doctor import DoctorScreen
-    except ImportError:
-        return NoDoctorScreen()
-    return DoctorScreen(results)
+    from tui.screens.doctor import DoctorScreen
+
+    if results:
+        return DoctorScreen(results)
+    return DoctorScreen(runner=runner)

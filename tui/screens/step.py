@@ -45,6 +45,8 @@ class StepScreen(MdbScreen):
     Args:
         trace: the :class:`hooks.Trace` to walk.
         doctor_results: check results for ``d`` (a list, see ``tui.screens.doctor``), or None
+        doctor_runner: when there are no results, ``runner(on_result)`` runs the checks on
+            the live model the first time ``d`` is pressed (see ``DoctorScreen``), or None
             when none were computed (``d`` then says how to get them).
         embedded: False when this is the app's main screen (``q`` quits the app); True when
             pushed on top of another app's screen (``q`` and Esc pop back to it).
@@ -86,11 +88,13 @@ class StepScreen(MdbScreen):
                 tooltip="embedded: back to the calling screen"),
     ]
 
-    def __init__(self, trace, *, doctor_results=None, embedded: bool = False,
-                 start_at_nonfinite: bool = True, name: str | None = None) -> None:
+    def __init__(self, trace, *, doctor_results=None, doctor_runner=None,
+                 embedded: bool = False, start_at_nonfinite: bool = True,
+                 name: str | None = None) -> None:
         super().__init__(name=name)
         self.trace = trace
         self.doctor_results = doctor_results
+        self.doctor_runner = doctor_runner
         self.embedded = embedded
         self.stepper = Stepper(trace)
         self._installed: list[str] = []
@@ -184,8 +188,9 @@ class StepScreen(MdbScreen):
     def action_view(self, view: str) -> None:
         self.open_view(view)
 
-    #: Views kept installed after their first opening (re-opening one skips building it).
-    CACHED_VIEWS = ("router", "attention", "gradients")
+    #: Views kept installed after their first opening (re-opening one skips building it; the
+    #: doctor view keeps the results its checks produced).
+    CACHED_VIEWS = ("router", "attention", "gradients", "doctor")
 
     def open_view(self, view: str, *, replace: bool = False) -> None:
         """Show ``view`` on top of this screen (``replace``: instead of the current view).
