@@ -69,6 +69,12 @@ def _is_compiled(modules: list[tuple[str, nn.Module]]) -> bool:
     return False
 
 
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass on this thread (checkpoint recomputation)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
 def module_infos(
     model: nn.Module, modules: list[tuple[str, nn.Module]] | None = None
 ) -> list[ModuleInfo]:
@@ -345,6 +351,11 @@ class Capture:
                 len(fwd), name, tname, ci, len(stack), stack[-1].index if stack else None
             )
             fwd.append(rec)
+            if _in_backward():
+                rec.notes.append(
+                    "recomputed during backward (activation checkpointing): a repeat of an "
+                    "earlier forward call"
+                )
             if self.inputs:
                 tensors: list[tuple[str, torch.Tensor]] = []
                 others: list[tuple[str, str]] = []

@@ -477,3 +477,27 @@ def test_inference_mode_capture_records_forward_only():
     assert [r.module for r in tr.forward] == ["", "0", "1"]
     assert_stats(tr.call("1").outputs[0].stats, y)
     assert tr.backward == [] and any(n.kind == "no_backward" for n in tr.notes)
+
+
+def test_activation_checkpointing_recompute_is_marked():
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=False).sum()
+
+    model = Outer()
+    with hooks.capture(model) as tr:
+        model(torch.randn(2, 4)).backward()
+    first, again = tr.calls("inner.0")
+    assert (first.call_index, again.call_index) == (0, 1)
+    assert not first.notes and "recomputed during backward" in again.notes[0]
+    assert first.outputs[0].stats == again.outputs[0].stats
+    assert tr.params["inner.0.weight"].status == "ok"
