@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from hooks.probes import ProbeContext, probes_for
-from hooks.records import CallRecord, GradRecord, ModuleInfo, Note, ParamGradRecord
+from hooks.records import CallRecord, GradRecord, ModuleInfo, Note, ParamGradRecord, TensorInfo
 from hooks.stats import NUM_BINS, StatsBatch
 from hooks.trace import Trace
 from hooks.walk import dtype_name, find_tensors, named_modules, named_parameters
@@ -184,7 +184,7 @@ class Capture:
             return tr
         self._batch = StatsBatch(bins=self.bins)
         self._pending: list[tuple[Any, int]] = []  # (TensorInfo | GradRecord, slot)
-        self._cache: dict[int, tuple[weakref.ref, int, int]] = {}
+        self._cache: dict[Any, tuple[weakref.ref, int, int]] = {}
         self._counts: dict[str, int] = {}
         self._stack: list[CallRecord] = []
         self._t0: list[float] = []
@@ -296,15 +296,19 @@ class Capture:
         return any(fnmatch.fnmatchcase(name, p) or name.startswith(p + ".") for p in a)
 
     def _slot(self, t: torch.Tensor) -> int | None:
+        # A tensor seen before (the same object, or a contiguous view of the same memory, e.g.
+        # ``x.reshape(-1, d)`` passed on to the next module) reuses its statistics, as long as
+        # the first tensor is alive (its memory cannot have been reused) and neither was
+        # modified in place since (views share the version counter).
         if t.is_meta:
             return None
-        key = id(t)
         try:
             version = t._version
         except RuntimeError:  # inference tensors track no version: never reuse their slot
             return self._batch.add(t)
+        key = (t.data_ptr(), t.numel(), t.dtype) if t.is_contiguous() else id(t)
         hit = self._cache.get(key)
-        if hit is not None and hit[0]() is t and hit[1] == version:
+        if hit is not None and hit[0]() is not None and hit[1] == version:
             return hit[2]
         slot = self._batch.add(t)
         if slot is not None:
@@ -314,9 +318,7 @@ class Capture:
                 pass
         return slot
 
-    def _info(self, path: str, t: torch.Tensor):
-        from hooks.records import TensorInfo
-
+    def _info(self, path: str, t: torch.Tensor) -> TensorInfo:
         info = TensorInfo(path, list(t.shape), dtype_name(t.dtype), t.requires_grad)
         slot = self._slot(t)
         if slot is not None:

@@ -501,3 +501,30 @@ def test_activation_checkpointing_recompute_is_marked():
     assert not first.notes and "recomputed during backward" in again.notes[0]
     assert first.outputs[0].stats == again.outputs[0].stats
     assert tr.params["inner.0.weight"].status == "ok"
+
+
+class ViewsAndInPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Identity()
+        self.c = nn.Identity()
+
+    def forward(self, x):
+        h = self.a(x)
+        self.b(h.reshape(-1))  # a view of the same memory: same statistics
+        h.mul_(2.0)  # in place: the view's statistics are stale now
+        return self.c(h.reshape(-1))
+
+
+def test_cached_statistics_follow_views_and_in_place_changes():
+    torch.manual_seed(0)
+    m = ViewsAndInPlace()
+    x = torch.randn(3, 4)
+    with torch.no_grad(), hooks.capture(m) as tr:
+        m(x)
+    h = m.a(x).detach()
+    assert_stats(tr.call("b").inputs[0].stats, h)
+    assert tr.call("b").inputs[0].stats is tr.call("a").outputs[0].stats
+    assert_stats(tr.call("c").inputs[0].stats, 2.0 * h)
+    assert_stats(tr.call("a").outputs[0].stats, h)  # summarised before the in-place change
