@@ -319,8 +319,11 @@ class LiveScreen(MdbScreen):
         else:
             self.hint(f"stopped after step {message.last_step} ({message.reason}) · checkpoint "
                       f"written · resume with mdb overfit --resume {self.run_name} · q quits")
-        self._dirty_text = self._dirty_charts = True
-        self._schedule_redraw()
+        if self.is_current:  # the end of a run is shown at once, not at the next redraw slot
+            self._redraw_all()
+        else:
+            self._dirty_text = self._dirty_charts = True
+            self._schedule_redraw()
         reason = self.session.control.stop_reason or ""
         if self._quitting or reason.startswith("SIG"):
             self.app.exit(return_code=self.exit_code())
