@@ -192,7 +192,7 @@ class Capture:
         self._handles: list[Any] = []
         self._tensor_handles: list[Any] = []
         self._no_grad: dict[str, int] = {}
-        self._touched: dict[str, torch.Tensor] = {}  # name -> [|g|, min g, max g, |w|]
+        self._touched: dict[str, torch.Tensor] = {}  # name -> [|g|^2, min g, max g, |w|^2]
         self._kept = 0
         self._dropped = 0
         self._errors: dict[str, str] = {}
@@ -458,19 +458,18 @@ class Capture:
                 if g.is_sparse:
                     g = g.coalesce().values()
                 if g.numel() == 0:
-                    self._touched[name] = torch.zeros(4)
+                    self._touched[name] = torch.zeros(4, dtype=torch.float64)
                     return
-                if not g.is_floating_point():
+                if g.dtype not in (torch.float32, torch.float64):
                     g = g.float()
-                lo, hi = torch.aminmax(g)
-                self._touched[name] = torch.stack(
-                    [
-                        torch.linalg.vector_norm(g),
-                        lo,
-                        hi,
-                        torch.linalg.vector_norm(param.detach()).to(g.dtype),
-                    ]
-                ).float()
+                w = param.detach()
+                if w.dtype is not g.dtype:
+                    w = w.to(g.dtype)
+                gf = g.view(-1) if g.is_contiguous() else g.reshape(-1)
+                wf = w.view(-1) if w.is_contiguous() else w.reshape(-1)
+                lo, hi = torch.aminmax(gf)
+                # dot(x, x) is the fastest sum of squares on CPU (BLAS); sqrt taken at exit
+                self._touched[name] = torch.stack([torch.dot(gf, gf), lo, hi, torch.dot(wf, wf)])
         except Exception as exc:
             self._error(name, exc)
 
@@ -480,11 +479,7 @@ class Capture:
         named = named_parameters(self._modules)
         touched = self._touched
         names = list(touched)
-        vals = (
-            dict(zip(names, torch.stack([touched[n] for n in names]).tolist(), strict=True))
-            if names
-            else {}
-        )
+        vals = {n: touched[n].tolist() for n in names}
         out: dict[str, ParamGradRecord] = {}
         with torch.no_grad():
             # parameters not seen by the hook (frozen, no grad, stale grad): one fused launch
@@ -493,7 +488,9 @@ class Capture:
             for name, p in named:
                 rec = ParamGradRecord(name, list(p.shape), "none")
                 if name in vals:
-                    rec.grad_norm, lo, hi, rec.weight_norm = vals[name]
+                    g2, lo, hi, w2 = vals[name]
+                    rec.grad_norm = math.sqrt(g2) if g2 >= 0 else math.nan
+                    rec.weight_norm = math.sqrt(w2) if w2 >= 0 else math.nan
                     rec.grad_abs_max = math.nan if math.isnan(lo + hi) else max(-lo, hi)
                     rec.status = "zero" if rec.grad_abs_max == 0.0 else "ok"
                 else:
