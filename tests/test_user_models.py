@@ -1,0 +1,34 @@
+"""``--model FILE:FUNCTION`` with the examples in samples/user_models.py (any nn.Module)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tui.cli import main
+from tui.commands._common import capture_step, load_user_workload
+from tests.conftest import SAMPLES
+
+EXAMPLES = SAMPLES / "user_models.py"
+
+
+def test_small_cnn_summary_lists_every_layer_and_the_mean_loss(capsys):
+    assert main(["summary", "--model", f"{EXAMPLES}:small_cnn"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("Conv2d") == 2 and "AdaptiveAvgPool2d" in out
+    workload = load_user_workload(f"{EXAMPLES}:small_cnn")
+    expected = workload.model(*workload.args).float().mean().item()  # the reference: no hooks
+    trace = capture_step(load_user_workload(f"{EXAMPLES}:small_cnn"), attention=False)
+    assert trace.meta["loss"] == pytest.approx(expected, rel=1e-6)
+    assert "mean of the output" in trace.meta["loss_source"]
+
+
+def test_hf_mixtral_workload_records_routing_for_every_layer():
+    pytest.importorskip("transformers")
+    workload = load_user_workload(f"{EXAMPLES}:hf_mixtral")
+    torch.manual_seed(0)
+    trace = capture_step(workload, attention=False)
+    assert [r.module for r in trace.routing] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    for rec in trace.routing:
+        assert rec.top_k_ids.shape == (64, 2)
+        assert int(rec.tokens_per_expert.sum()) == 64 * 2
