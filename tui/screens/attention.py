@@ -13,7 +13,7 @@ from textual.binding import Binding
 from textual.containers import ScrollableContainer
 from textual.widgets import Footer, Static
 
-from tui.screens.view import VIEW_BINDINGS, ViewScreen
+from tui.screens.view import VIEW_BINDINGS, LayerViewScreen
 from tui.widgets import fmt
 
 LEGEND = "shade: ' ' 0 · '·' <5% · '░' <20% · '▒' <40% · '▓' <60% · '█' ≥60%"
@@ -43,10 +43,11 @@ def grid_text(matrix: list[list[float]], labels: list[str]) -> str:
     return "\n".join(lines)
 
 
-class AttentionScreen(ViewScreen):
+class AttentionScreen(LayerViewScreen):
     """Attention probabilities of a chosen layer, head and sequence of the batch."""
 
     VIEW = "attention"
+    LAYER_KIND = "attention layers"
     BINDINGS = [
         Binding("N,right_square_bracket", "layer(1)", "next layer", key_display="N",
                 id="attention.next_layer"),
@@ -65,11 +66,9 @@ class AttentionScreen(ViewScreen):
     def __init__(self, step) -> None:
         super().__init__(step)
         self.records = list(self.trace.attention)
-        self.position = 0
         self.head = 0
         self.batch = 0
-        self.position = self.layer_position()
-        self._shown_for = (step.stepper.direction, step.stepper.index)
+        self.start_at_step_layer()
         self.matrix: list[list[float]] = []
 
     def compose(self):
@@ -87,40 +86,11 @@ class AttentionScreen(ViewScreen):
                 "attention · no attention probabilities were recorded "
                 "(capture with attention=True; mdb step does)")
             return
-        self.show_grid()
+        self.show()
         self.query_one("#grid-scroll").focus()
 
-    def layer_position(self) -> int:
-        """Index of the record of the step view's current layer (else the current one)."""
-        here = self.step.stepper.layer()
-        for i, rec in enumerate(self.records):
-            if here is not None and rec.layer == here:
-                return i
-        return getattr(self, "position", 0)
-
-    def follow_step(self) -> None:
-        where = (self.step.stepper.direction, self.step.stepper.index)
-        if where == self._shown_for or not self.records:
-            return
-        self._shown_for = where
-        position = self.layer_position()
-        if position != self.position:
-            self.position = position
-            self.show_grid()
-
-    @property
-    def record(self):
-        return self.records[self.position] if self.records else None
-
-    def action_layer(self, delta: int) -> None:
-        new = self.position + delta
-        if not self.records or not 0 <= new < len(self.records):
-            self.hint("no more attention layers in that direction")
-            return
-        self.position = new
+    def on_layer_changed(self) -> None:
         self.head = min(self.head, self.record.probs.shape[1] - 1)
-        self.hint("")
-        self.show_grid()
 
     def action_head(self, delta: int) -> None:
         if not self.records:
@@ -128,19 +98,19 @@ class AttentionScreen(ViewScreen):
         heads = self.record.probs.shape[1]
         self.head = (self.head + delta) % heads
         self.hint("")
-        self.show_grid()
+        self.show()
 
     def action_sequence(self) -> None:
         if not self.records:
             return
         self.batch = (self.batch + 1) % self.record.probs.shape[0]
-        self.show_grid()
+        self.show()
 
     def action_scroll(self, delta: int) -> None:
         grid = self.query_one("#grid-scroll", ScrollableContainer)
         grid.scroll_relative(y=delta * 3, animate=False)
 
-    def show_grid(self) -> None:
+    def show(self) -> None:
         """Draw the grid of the current layer, head and sequence."""
         rec = self.record
         b_count, n_heads, t_q, _ = rec.probs.shape

@@ -16,7 +16,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import DataTable, Footer, Static
 
-from tui.screens.view import VIEW_BINDINGS, ViewScreen
+from tui.screens.view import VIEW_BINDINGS, LayerViewScreen
 from tui.widgets import fmt
 
 #: An expert whose share of the N·k assignments is at least this many times the uniform share
@@ -45,10 +45,11 @@ def expert_rows(record) -> list[dict]:
     return rows
 
 
-class RouterScreen(ViewScreen):
+class RouterScreen(LayerViewScreen):
     """Per-layer routing table, tokens per expert and the load-balancing losses."""
 
     VIEW = "router"
+    LAYER_KIND = "MoE layers"
     BINDINGS = [
         Binding("N,right_square_bracket,right,l", "layer(1)", "next layer", key_display="N",
                 id="router.next_layer"),
@@ -61,9 +62,7 @@ class RouterScreen(ViewScreen):
     def __init__(self, step) -> None:
         super().__init__(step)
         self.records = list(self.trace.routing)
-        self.position = 0
-        self.position = self.layer_position()
-        self._shown_for = (step.stepper.direction, step.stepper.index)
+        self.start_at_step_layer()
 
     def compose(self):
         yield Static("", id="title", markup=False)
@@ -80,43 +79,10 @@ class RouterScreen(ViewScreen):
             self.query_one("#title", Static).update(
                 "router · this model has no MoE layer (no routing was recorded)")
             return
-        self.show_layer()
+        self.show()
         self.query_one("#tokens", DataTable).focus()
 
-    def layer_position(self) -> int:
-        """Index of the record of the step view's current layer (else the current one)."""
-        here = self.step.stepper.layer()
-        for i, rec in enumerate(self.records):
-            if here is not None and rec.layer == here:
-                return i
-        return getattr(self, "position", 0)
-
-    def follow_step(self) -> None:
-        where = (self.step.stepper.direction, self.step.stepper.index)
-        if where == self._shown_for or not self.records:
-            return
-        self._shown_for = where
-        position = self.layer_position()
-        if position != self.position:
-            self.position = position
-            self.show_layer()
-
-    @property
-    def record(self):
-        return self.records[self.position] if self.records else None
-
-    def action_layer(self, delta: int) -> None:
-        if not self.records:
-            return
-        new = self.position + delta
-        if not 0 <= new < len(self.records):
-            self.hint("no more MoE layers in that direction")
-            return
-        self.position = new
-        self.hint("")
-        self.show_layer()
-
-    def show_layer(self) -> None:
+    def show(self) -> None:
         """Fill both tables and the summary for the current MoE layer."""
         rec = self.record
         layer = "?" if rec.layer is None else rec.layer

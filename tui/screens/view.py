@@ -71,3 +71,66 @@ class ViewScreen(MdbScreen):
         """Close this view and select ``module``'s first call in the step view."""
         self.app.pop_screen()
         self.step.jump(module)
+
+
+class LayerViewScreen(ViewScreen):
+    """A view that shows one record per layer (router, attention) and follows the step view.
+
+    Subclasses set ``records`` (each with a ``layer`` attribute) in ``__init__`` before calling
+    :meth:`start_at_step_layer`, name the records in ``LAYER_KIND`` and draw the current one in
+    :meth:`show`.
+    """
+
+    #: What one record is, for hints ("MoE layers", "attention layers").
+    LAYER_KIND = "layers"
+
+    def __init__(self, step) -> None:
+        super().__init__(step)
+        self.records: list = []
+        self.position = 0
+        self._shown_for: tuple | None = None
+
+    def start_at_step_layer(self) -> None:
+        """Select the record of the step view's current layer (call once records are set)."""
+        self.position = self.layer_position()
+        self._shown_for = (self.step.stepper.direction, self.step.stepper.index)
+
+    @property
+    def record(self):
+        """The record on show, or None when there are none."""
+        return self.records[self.position] if self.records else None
+
+    def layer_position(self) -> int:
+        """Index of the record of the step view's current layer (else the current one)."""
+        here = self.step.stepper.layer()
+        for i, rec in enumerate(self.records):
+            if here is not None and rec.layer == here:
+                return i
+        return self.position
+
+    def follow_step(self) -> None:
+        where = (self.step.stepper.direction, self.step.stepper.index)
+        if where == self._shown_for or not self.records:
+            return
+        self._shown_for = where
+        position = self.layer_position()
+        if position != self.position:
+            self.position = position
+            self.show()
+
+    def action_layer(self, delta: int) -> None:
+        new = self.position + delta
+        if not self.records or not 0 <= new < len(self.records):
+            self.hint(f"no more {self.LAYER_KIND} in that direction")
+            return
+        self.position = new
+        self.on_layer_changed()
+        self.hint("")
+        self.show()
+
+    def on_layer_changed(self) -> None:
+        """Called after ``action_layer`` moved to another record, before :meth:`show`."""
+
+    def show(self) -> None:
+        """Draw the current record."""
+        raise NotImplementedError
