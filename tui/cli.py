@@ -27,14 +27,19 @@ COMMANDS: dict[str, str] = {
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with exit code 2 and one line on stderr for bad arguments (argparse's default)."""
+    """argparse whose bad-argument report is one line on stderr (exit code 2), not the usage
+    block: ``mdb step: error: argument --seq-len: 'abc' is not an integer (see mdb step -h)``."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the full ``mdb`` parser with every available subcommand registered."""
     parser = _Parser(
         prog="mdb",
-        description="mdb: a terminal debugger for the internals of a small Llama/Mixtral-style LLM.",
+        description="mdb: a terminal debugger for the internals of a small "
+        "Llama/Mixtral-style LLM.",
     )
     parser.add_argument("--version", action="version", version=f"mdb {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

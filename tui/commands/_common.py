@@ -33,36 +33,76 @@ def default_text_path() -> Path:
     return samples_dir() / "alice.txt"
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, *, seq_len: int = 64,
-                        batch_size: int = 2) -> None:
+def add_model_arguments(
+    parser: argparse.ArgumentParser, *, seq_len: int = 64, batch_size: int = 2
+) -> None:
     """Add the options that choose the model and the batch."""
     g = parser.add_argument_group("model and batch")
     src = g.add_mutually_exclusive_group()
-    src.add_argument("--preset", default=None,
-                     help="a named minillm config (default, seed-test-c, mha, mqa, dense, "
-                          "learned-pos, tiny); default: default")
-    src.add_argument("--config", metavar="FILE.toml", default=None,
-                     help="a minillm config as TOML (see samples/presets/)")
-    src.add_argument("--model", metavar="MODULE:FUNCTION", default=None,
-                     help="debug your own model: FUNCTION() returns (model, batch); batch is a "
-                          "tensor of input ids, a tuple of positional args or a dict of kwargs")
-    g.add_argument("--text", metavar="FILE", default=None,
-                   help="UTF-8 text the batch is cut from (default: samples/alice.txt)")
-    g.add_argument("--seq-len", type=_positive_int, default=seq_len,
-                   help=f"tokens per sequence (default {seq_len})")
-    g.add_argument("--batch-size", type=_positive_int, default=batch_size,
-                   help=f"sequences per batch (default {batch_size})")
+    src.add_argument(
+        "--preset",
+        default=None,
+        help="a named minillm config (default, seed-test-c, mha, mqa, dense, "
+        "learned-pos, tiny); default: default",
+    )
+    src.add_argument(
+        "--config",
+        metavar="FILE.toml",
+        default=None,
+        help="a minillm config as TOML (see samples/presets/)",
+    )
+    src.add_argument(
+        "--model",
+        metavar="MODULE:FUNCTION",
+        default=None,
+        help="debug your own model: FUNCTION() returns (model, batch); batch is a "
+        "tensor of input ids, a tuple of positional args or a dict of kwargs",
+    )
+    g.add_argument(
+        "--text",
+        metavar="FILE",
+        default=None,
+        help="UTF-8 text the batch is cut from (default: samples/alice.txt)",
+    )
+    g.add_argument(
+        "--seq-len",
+        type=positive_int,
+        default=seq_len,
+        help=f"tokens per sequence (default {seq_len})",
+    )
+    g.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=batch_size,
+        help=f"sequences per batch (default {batch_size})",
+    )
     g.add_argument("--seed", type=int, default=0, help="torch seed for weights (default 0)")
 
 
-def _positive_int(text: str) -> int:
+def _number(text: str, kind: type, ok, requirement: str):
     try:
-        value = int(text)
+        value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+        noun = "an integer" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {requirement}, got {text}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer > 0."""
+    return _number(text, int, lambda v: v > 0, "a positive integer")
+
+
+def nonneg_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return _number(text, int, lambda v: v >= 0, "0 or a positive integer")
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    return _number(text, float, lambda v: 0 < v < float("inf"), "a positive number")
 
 
 @dataclass
@@ -224,7 +264,9 @@ def load_user_workload(spec: str) -> Workload:
     try:
         result = func()
     except Exception as exc:
-        raise MdbError(f"--model {spec}: {func_name}() raised {type(exc).__name__}: {exc}") from None
+        raise MdbError(
+            f"--model {spec}: {func_name}() raised {type(exc).__name__}: {exc}"
+        ) from None
     if not (isinstance(result, tuple) and len(result) == 2):
         raise MdbError(
             f"--model {spec}: {func_name}() must return (model, batch), got {type(result).__name__}"
@@ -249,8 +291,11 @@ def load_user_workload(spec: str) -> Workload:
             f"keyword arguments, got {type(batch).__name__}"
         )
     input_ids = kwargs.get("input_ids", args[0] if args else None)
-    if not (isinstance(input_ids, torch.Tensor) and input_ids.dtype == torch.long
-            and input_ids.dim() == 2):
+    if not (
+        isinstance(input_ids, torch.Tensor)
+        and input_ids.dtype == torch.long
+        and input_ids.dim() == 2
+    ):
         input_ids = None
     n_params = sum(p.numel() for p in model.parameters())
     return Workload(

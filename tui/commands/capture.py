@@ -9,21 +9,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tui.commands._common import add_model_arguments
+from tui.commands._common import add_model_arguments, nonneg_int
 from tui.commands.step import add_threads_argument, set_threads
 from tui.errors import MdbError
 
 HELP = "capture one forward+backward step to a trace directory (open it with mdb step --trace)"
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="trace directory to write (conventionally NAME.mdbtrace)")
     add_model_arguments(parser)
     add_threads_argument(parser)
-    parser.add_argument("--keep-bytes", type=_nonneg_int, default=0, metavar="N",
+    parser.add_argument("--keep-bytes", type=nonneg_int, default=0, metavar="N",
                         help="also keep full copies of outputs and gradients up to N bytes "
                              "(default 0: statistics only)")
     parser.add_argument("--no-attention", action="store_true",

@@ -15,7 +15,7 @@ import json
 import sys
 import time
 
-from tui.commands._common import _positive_int, add_model_arguments
+from tui.commands._common import add_model_arguments, positive_int
 from tui.errors import MdbError
 
 HELP = "check a model for common build mistakes (init, mask, RoPE, GQA, gradients, routing...)"
@@ -39,11 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "finding jumps to its module)")
     g.add_argument("--overfit", action="store_true",
                    help="also run check 10: overfit the batch (slower)")
-    g.add_argument("--overfit-steps", type=_positive_int, default=300, metavar="N",
+    g.add_argument("--overfit-steps", type=positive_int, default=300, metavar="N",
                    help="most optimizer steps of the overfit check (default 300)")
     g.add_argument("--only", metavar="IDS", default=None,
                    help="comma-separated check numbers or names, e.g. 1,2,gqa")
-    g.add_argument("--threads", type=_positive_int, default=1, metavar="N",
+    g.add_argument("--threads", type=positive_int, default=1, metavar="N",
                    help="torch intra-op threads while checking (default 1: the checks run "
                         "many small ops, which extra threads slow down on a busy machine; "
                         "see benchmarks/bench_doctor.py)")

@@ -18,6 +18,7 @@ import sys
 import time
 from typing import Any
 
+from tui.commands._common import nonneg_int, positive_float, positive_int
 from tui.errors import MdbError
 
 HELP = (
@@ -40,36 +41,6 @@ _DEFAULTS: dict[str, Any] = {
 }
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or a positive integer, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (value > 0 and value < float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``mdb overfit``."""
     g = parser.add_argument_group("what to train")
@@ -83,14 +54,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "character count")
     src.add_argument("--config", metavar="FILE.toml", default=None,
                      help="a minillm config as TOML (see samples/presets/)")
-    g.add_argument("--steps", type=_positive_int, default=None,
+    g.add_argument("--steps", type=positive_int, default=None,
                    help="total training steps (default 300; with --resume: a new total)")
-    g.add_argument("--lr", type=_positive_float, default=None,
+    g.add_argument("--lr", type=positive_float, default=None,
                    help="AdamW learning rate, constant (default 3e-3)")
-    g.add_argument("--seq-len", type=_positive_int, default=None,
+    g.add_argument("--seq-len", type=positive_int, default=None,
                    help="tokens per sequence (default: the whole text); shorter windows are "
                         "drawn at seeded random offsets each step")
-    g.add_argument("--batch-size", type=_positive_int, default=None,
+    g.add_argument("--batch-size", type=positive_int, default=None,
                    help="sequences per step (default 1)")
     g.add_argument("--seed", type=int, default=None,
                    help="seed of the weights and the window offsets (default 0)")
@@ -100,13 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--db", metavar="PATH", default=None,
                    help="run database (default $MDB_DB, else ./runs/mdb.sqlite); checkpoints go "
                         "beside it in <db-name>-checkpoints/<run>/")
-    r.add_argument("--every", type=_nonneg_int, default=None,
+    r.add_argument("--every", type=nonneg_int, default=None,
                    help="record the internals (hooks statistics) every N steps; 0 = never "
                         "(default 50)")
-    r.add_argument("--sample-every", type=_nonneg_int, default=None,
+    r.add_argument("--sample-every", type=nonneg_int, default=None,
                    help="greedy continuation of the text's beginning every N steps; 0 = never "
                         "(default 25)")
-    r.add_argument("--checkpoint-every", type=_nonneg_int, default=None,
+    r.add_argument("--checkpoint-every", type=nonneg_int, default=None,
                    help="also checkpoint every N steps (default 0: at the end and on "
                         "interruption only); lets a run killed with -9 resume")
     r.add_argument("--resume", metavar="RUN", default=None,
@@ -117,10 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="no UI: one progress line on a terminal, plain lines otherwise (for "
                         "nohup, tmux, batch jobs); also used when stdin or stdout is not a "
                         "terminal")
-    x.add_argument("--threads", type=_positive_int, default=1,
+    x.add_argument("--threads", type=positive_int, default=1,
                    help="torch CPU threads (default 1: small models train fastest on one)")
-    x.add_argument("--heartbeat", type=_positive_float, default=1.0, help=argparse.SUPPRESS)
-    x.add_argument("--debug-nan-at", type=_positive_int, default=None, metavar="STEP",
+    x.add_argument("--heartbeat", type=positive_float, default=1.0, help=argparse.SUPPRESS)
+    x.add_argument("--debug-nan-at", type=positive_int, default=None, metavar="STEP",
                    help=argparse.SUPPRESS)
 
 
