@@ -70,13 +70,18 @@ def main() -> None:
 
     with torch.no_grad():
         diff = (ours(ids).logits - hf(input_ids=ids).logits).abs().max().item()
-    print(f"config: default (19.8M params), batch {args.batch_size} x seq {args.seq_len}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}, HF experts "
-          f"{getattr(hf.config, '_experts_implementation', 'n/a')}; max |logit diff| {diff:.2e}")
-    times = interleaved({"minillm fwd+bwd": step_ours, "HF Mixtral fwd+bwd": step_hf},
-                        repeats=args.repeats)
+    print(
+        f"config: default (19.8M params), batch {args.batch_size} x seq {args.seq_len}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}, HF experts "
+        f"{getattr(hf.config, '_experts_implementation', 'n/a')}; max |logit diff| {diff:.2e}"
+    )
+    times = interleaved(
+        {"minillm fwd+bwd": step_ours, "HF Mixtral fwd+bwd": step_hf}, repeats=args.repeats
+    )
     med = report(times, baseline="HF Mixtral fwd+bwd")
-    print(f"RATIO minillm/HF = {med['minillm fwd+bwd'] / med['HF Mixtral fwd+bwd']:.3f} (goal <= 0.8)")
+    print(
+        f"RATIO minillm/HF = {med['minillm fwd+bwd'] / med['HF Mixtral fwd+bwd']:.3f} (goal <= 0.8)"
+    )
 
 
 if __name__ == "__main__":

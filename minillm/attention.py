@@ -74,7 +74,9 @@ class MiniLLMAttention(nn.Module):
         use_cache: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, KVCache | None]:
         b, t, _ = hidden_states.shape
-        q_BHTd = self.q_proj(hidden_states).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        q_BHTd = (
+            self.q_proj(hidden_states).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        )
         k_BKTd = (
             self.k_proj(hidden_states)
             .view(b, t, self.num_key_value_heads, self.head_dim)

@@ -164,9 +164,7 @@ class MiniLLMConfig:
                 f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef!r}"
             )
         if not (0.0 <= self.attention_dropout < 1.0):
-            raise ValueError(
-                f"attention_dropout must be in [0, 1), got {self.attention_dropout!r}"
-            )
+            raise ValueError(f"attention_dropout must be in [0, 1), got {self.attention_dropout!r}")
         if self.rope_scaling is not None:
             self._validate_rope_scaling()
 

@@ -77,7 +77,9 @@ def config_from_hf(hf_config) -> MiniLLMConfig:
     )
 
 
-def state_dict_from_hf(hf_state: dict[str, torch.Tensor], config: MiniLLMConfig) -> dict[str, torch.Tensor]:
+def state_dict_from_hf(
+    hf_state: dict[str, torch.Tensor], config: MiniLLMConfig
+) -> dict[str, torch.Tensor]:
     """Map a HF Llama/Mixtral state dict to MiniLLM's keys (tensors are not copied)."""
     out: dict[str, torch.Tensor] = {}
     for key, tensor in hf_state.items():
@@ -131,7 +133,8 @@ def from_hf(hf_model: nn.Module) -> MiniLLM:
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(
-            f"HF weights do not map onto MiniLLM: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            f"HF weights do not map onto MiniLLM: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
         )
     model.to(dtype=next(hf_model.parameters()).dtype)
     model.train(hf_model.training)

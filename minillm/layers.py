@@ -100,9 +100,9 @@ class MiniLLMRotaryEmbedding(nn.Module):
         orig = self.original_max_position_embeddings
         if seq_len <= orig:
             return self.inv_freq
-        base = self.theta * (
-            (self.factor * seq_len / orig) - (self.factor - 1)
-        ) ** (self.head_dim / (self.head_dim - 2))
+        base = self.theta * ((self.factor * seq_len / orig) - (self.factor - 1)) ** (
+            self.head_dim / (self.head_dim - 2)
+        )
         return rope_inv_freq(self.head_dim, base).to(self.inv_freq.device)
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +115,10 @@ class MiniLLMRotaryEmbedding(nn.Module):
         return self.cos_cached[position_ids], self.sin_cached[position_ids]
 
     def extra_repr(self) -> str:
-        s = f"head_dim={self.head_dim}, theta={self.theta:g}, max_positions={self.max_position_embeddings}"
+        s = (
+            f"head_dim={self.head_dim}, theta={self.theta:g}, "
+            f"max_positions={self.max_position_embeddings}"
+        )
         if self.scaling_type:
             s += f", scaling={self.scaling_type}x{self.factor:g}"
         return s

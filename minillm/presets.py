@@ -63,7 +63,5 @@ def load_preset(name: str, **overrides: Any) -> MiniLLMConfig:
     try:
         _, fields = PRESETS[name]
     except KeyError:
-        raise ValueError(
-            f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}"
-        ) from None
+        raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}") from None
     return MiniLLMConfig.from_dict({**fields, **overrides})

@@ -14,7 +14,10 @@ def test_odd_head_dim():
 
 
 def test_heads_not_multiple_of_kv_heads():
-    with pytest.raises(ValueError, match="num_attention_heads \\(8\\) must be a multiple of num_key_value_heads \\(3\\)"):
+    with pytest.raises(
+        ValueError,
+        match="num_attention_heads \\(8\\) must be a multiple of num_key_value_heads \\(3\\)",
+    ):
         MiniLLMConfig(num_key_value_heads=3)
 
 
@@ -24,16 +27,27 @@ def test_experts_per_token_out_of_range(k):
         MiniLLMConfig(num_experts_per_tok=k)
 
 
-@pytest.mark.parametrize("field", ["vocab_size", "hidden_size", "num_hidden_layers",
-                                   "num_attention_heads", "max_position_embeddings",
-                                   "intermediate_size", "num_key_value_heads"])
+@pytest.mark.parametrize(
+    "field",
+    [
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "max_position_embeddings",
+        "intermediate_size",
+        "num_key_value_heads",
+    ],
+)
 def test_non_positive_sizes(field):
     with pytest.raises(ValueError, match=f"{field} must be a positive integer"):
         MiniLLMConfig(**{field: 0})
 
 
 def test_hidden_not_divisible_by_heads():
-    with pytest.raises(ValueError, match="hidden_size \\(250\\) must be divisible by num_attention_heads"):
+    with pytest.raises(
+        ValueError, match="hidden_size \\(250\\) must be divisible by num_attention_heads"
+    ):
         MiniLLMConfig(hidden_size=250)
 
 

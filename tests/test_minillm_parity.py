@@ -51,8 +51,9 @@ def test_mixtral_logits_match(tie):
 
 
 def test_llama_logits_match_with_mqa_and_tied_head():
-    cfg = LlamaConfig(**{**SMALL, "num_key_value_heads": 1}, num_hidden_layers=2,
-                      tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        **{**SMALL, "num_key_value_heads": 1}, num_hidden_layers=2, tie_word_embeddings=True
+    )
     hf = LlamaForCausalLM(cfg).eval()
     ours = MiniLLM.from_hf(hf).eval()
     assert not ours.config.is_moe and ours.weights_tied
@@ -75,13 +76,19 @@ def test_gradients_match_hf():
     hf_params = dict(hf.named_parameters())
     torch.testing.assert_close(
         ours.model.layers[0].self_attn.q_proj.weight.grad,
-        hf_params["model.layers.0.self_attn.q_proj.weight"].grad, atol=1e-5, rtol=1e-4)
+        hf_params["model.layers.0.self_attn.q_proj.weight"].grad,
+        atol=1e-5,
+        rtol=1e-4,
+    )
     gate_up = hf_params["model.layers.0.mlp.experts.gate_up_proj"].grad
     i = ours.config.intermediate_size
     for e in range(4):
         torch.testing.assert_close(
-            ours.model.layers[0].mlp.experts[e].up_proj.weight.grad, gate_up[e, i:],
-            atol=1e-5, rtol=1e-4)
+            ours.model.layers[0].mlp.experts[e].up_proj.weight.grad,
+            gate_up[e, i:],
+            atol=1e-5,
+            rtol=1e-4,
+        )
 
 
 def test_aux_loss_relates_to_hf_by_top_k():
@@ -119,10 +126,16 @@ def test_rope_scaling_matches_hf(kind):
     from minillm.config import MiniLLMConfig
     from minillm.layers import MiniLLMRotaryEmbedding
 
-    cfg = LlamaConfig(**{**SMALL, "max_position_embeddings": 32}, num_hidden_layers=1,
-                      rope_parameters={"rope_type": kind, "factor": 4.0, "rope_theta": 10000.0})
+    cfg = LlamaConfig(
+        **{**SMALL, "max_position_embeddings": 32},
+        num_hidden_layers=1,
+        rope_parameters={"rope_type": kind, "factor": 4.0, "rope_theta": 10000.0},
+    )
     ours_cfg = MiniLLMConfig(
-        vocab_size=97, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=97,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
         max_position_embeddings=128,
         rope_scaling={"rope_type": kind, "factor": 4.0, "original_max_position_embeddings": 32},
     )

@@ -13,9 +13,16 @@ from minillm.attention import MiniLLMAttention
 from minillm.layers import MiniLLMRMSNorm, MiniLLMRotaryEmbedding, apply_rotary_pos_emb, repeat_kv
 from minillm.moe import MiniLLMSparseMoeBlock, route
 
-TINY = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-            max_position_embeddings=64)
+TINY = dict(
+    vocab_size=61,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    max_position_embeddings=64,
+)
 
 
 def tiny(**kw) -> MiniLLM:
@@ -59,22 +66,31 @@ def test_route_weights_renormalised_and_match_manual_topk():
     p = torch.softmax(logits, -1)
     manual_ids = p.argsort(-1, descending=True)[:, :3]
     assert torch.equal(ids, manual_ids)
-    torch.testing.assert_close(w, p.gather(1, manual_ids) / p.gather(1, manual_ids).sum(-1, keepdim=True))
+    torch.testing.assert_close(
+        w, p.gather(1, manual_ids) / p.gather(1, manual_ids).sum(-1, keepdim=True)
+    )
     torch.testing.assert_close(w.sum(-1), torch.ones(10))
 
 
-@pytest.mark.parametrize("preset", [dict(), dict(position_embedding="learned"), dict(num_local_experts=0),
-                                    dict(attn_implementation="eager")])
+@pytest.mark.parametrize(
+    "preset",
+    [
+        dict(),
+        dict(position_embedding="learned"),
+        dict(num_local_experts=0),
+        dict(attn_implementation="eager"),
+    ],
+)
 def test_causality(preset):
     model = tiny(**preset).eval()
     ids = torch.randint(0, 61, (2, 20))
     t = 11
     changed = ids.clone()
-    changed[:, t + 1:] = torch.randint(0, 61, (2, 20 - t - 1))
+    changed[:, t + 1 :] = torch.randint(0, 61, (2, 20 - t - 1))
     with torch.no_grad():
         a, b = model(ids).logits, model(changed).logits
     torch.testing.assert_close(a[:, : t + 1], b[:, : t + 1], atol=1e-6, rtol=0)
-    assert (a[:, t + 1:] - b[:, t + 1:]).abs().max() > 1e-4
+    assert (a[:, t + 1 :] - b[:, t + 1 :]).abs().max() > 1e-4
 
 
 def test_rope_scores_depend_only_on_relative_position():
@@ -99,8 +115,9 @@ def test_rope_scores_depend_only_on_relative_position():
 def test_rope_halves_equal_interleaved_after_permutation():
     """Meta's interleaved complex pairs == HF halves once q/k rows are permuted (NOTES #7)."""
     dh, pos = 8, 7
-    cfg = MiniLLMConfig(hidden_size=16, num_attention_heads=2, num_key_value_heads=2,
-                        max_position_embeddings=16)
+    cfg = MiniLLMConfig(
+        hidden_size=16, num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16
+    )
     rope = MiniLLMRotaryEmbedding(cfg)
     x = torch.randn(dh)
     # Meta: complex pairs (x[2i], x[2i+1]) rotated by pos * theta_i.
@@ -114,8 +131,9 @@ def test_rope_halves_equal_interleaved_after_permutation():
 
 
 def test_gqa_grouping_is_h_div_n_rep():
-    cfg = MiniLLMConfig(**{**TINY, "num_attention_heads": 4, "num_key_value_heads": 2},
-                        attn_implementation="eager")
+    cfg = MiniLLMConfig(
+        **{**TINY, "num_attention_heads": 4, "num_key_value_heads": 2}, attn_implementation="eager"
+    )
     attn = MiniLLMAttention(cfg, 0)
     attn.return_attn_weights = True
     x = torch.randn(1, 6, 32)
@@ -157,13 +175,17 @@ def test_gqa_with_kv_heads_equal_heads_is_mha():
     out, _, _ = attn(x)
     mha = torch.nn.MultiheadAttention(32, 4, bias=False, batch_first=True)
     with torch.no_grad():
-        mha.in_proj_weight.copy_(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+        mha.in_proj_weight.copy_(
+            torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        )
         mha.out_proj.weight.copy_(attn.o_proj.weight)
     ref, _ = mha(x, x, x, attn_mask=torch.ones(9, 9).triu(1).bool(), need_weights=False)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)  # no RoPE passed: plain MHA
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(position_embedding="learned"), dict(num_local_experts=0)])
+@pytest.mark.parametrize(
+    "kw", [dict(), dict(position_embedding="learned"), dict(num_local_experts=0)]
+)
 def test_kv_cache_logits_equal_uncached(kw):
     model = tiny(**kw).eval()
     ids = torch.randint(0, 61, (2, 16))
@@ -174,7 +196,7 @@ def test_kv_cache_logits_equal_uncached(kw):
         torch.testing.assert_close(out.logits, full[:, :p], atol=1e-5, rtol=0)
         past = out.past_key_values
         for j in range(p, 13):  # one token at a time
-            step = model(ids[:, j:j + 1], past_key_values=past, use_cache=True)
+            step = model(ids[:, j : j + 1], past_key_values=past, use_cache=True)
             torch.testing.assert_close(step.logits[:, 0], full[:, j], atol=1e-5, rtol=0)
             past = step.past_key_values
         chunk = model(ids[:, 13:], past_key_values=past, use_cache=True)  # several at once
@@ -222,7 +244,9 @@ def test_untied_config_has_separate_head():
 
 def test_dense_and_learned_variants_have_expected_modules():
     dense = tiny(num_local_experts=0)
-    assert not hasattr(dense.model.layers[0].mlp, "gate") and hasattr(dense.model.layers[0].mlp, "gate_proj")
+    assert not hasattr(dense.model.layers[0].mlp, "gate") and hasattr(
+        dense.model.layers[0].mlp, "gate_proj"
+    )
     learned = tiny(position_embedding="learned")
     assert learned.model.embed_positions.weight.shape == (64, 32)
     assert not hasattr(learned.model, "rotary_emb")
@@ -261,7 +285,8 @@ def test_cross_entropy_matches_manual_shift():
     labels = ids.clone()
     labels[0, 4] = -100
     out = model(ids, labels=labels)
-    manual = F.cross_entropy(out.logits[:, :-1].reshape(-1, 61), labels[:, 1:].reshape(-1),
-                             ignore_index=-100)
+    manual = F.cross_entropy(
+        out.logits[:, :-1].reshape(-1, 61), labels[:, 1:].reshape(-1), ignore_index=-100
+    )
     torch.testing.assert_close(out.ce_loss, manual)
     torch.testing.assert_close(out.loss, out.ce_loss + out.aux_loss)

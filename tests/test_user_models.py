@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import SAMPLES
 from tui.cli import main
 from tui.commands._common import capture_step, load_user_workload
-from tests.conftest import SAMPLES
 
 EXAMPLES = SAMPLES / "user_models.py"
 
