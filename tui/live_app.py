@@ -11,7 +11,11 @@ tests and the benchmark.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import sys
+import threading
 
 from textual.app import App
 
@@ -85,7 +89,13 @@ def run_live(session, args=None) -> int:
     heartbeat = getattr(args, "heartbeat", 1.0) if args is not None else 1.0
     app = make_overfit_app(session, heartbeat=heartbeat)
     screen = app.live
-    restore = install_stop_signals(session.control)
+
+    def on_signal(name: str) -> None:
+        if name == "SIGHUP":  # the terminal is gone (SSH dropped, tmux killed)
+            threading.Thread(target=_exit_after_hangup, args=(screen, session),
+                             name="mdb-hangup", daemon=True).start()
+
+    restore = install_stop_signals(session.control, on_signal=on_signal)
     try:
         app.run()
         session.control.stop("quit")
@@ -113,6 +123,21 @@ def run_live(session, args=None) -> int:
         print(f"run {name} interrupted ({result.reason}) after step {result.last_step}{loss}; "
               f"checkpoint written; continue with: mdb overfit --resume {name}{db}")
     return exit_code(result)
+
+
+def _exit_after_hangup(screen, session, timeout: float = 300.0) -> None:
+    """After SIGHUP: let the training thread finish its step, checkpoint and mark the run
+    interrupted, then end the process at once (exit 129).
+
+    Textual's shutdown writes terminal-restoring sequences to the terminal, which no longer
+    exists after a hangup: it blocks there forever while the input thread spins on the dead
+    tty. Nothing is left to restore, and the run store has committed every step, so the
+    process leaves without it.
+    """
+    screen.training_done.wait(timeout)
+    with contextlib.suppress(Exception):
+        session.store.close()
+    os._exit(128 + signal.SIGHUP)
 
 
 def exit_code(result) -> int:
