@@ -11,6 +11,19 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 SAMPLES = REPO / "samples"
 
+#: A minimal MoE config for training tests that must run thousands of steps quickly.
+TINY_TOML = """\
+vocab_size = 256
+hidden_size = 16
+intermediate_size = 32
+num_hidden_layers = 1
+num_attention_heads = 2
+num_key_value_heads = 1
+num_local_experts = 2
+num_experts_per_tok = 1
+max_position_embeddings = 128
+"""
+
 
 @pytest.fixture(autouse=True)
 def _seed_and_threads():

@@ -16,21 +16,8 @@ import pytest
 import torch
 
 from hooks.runstore import RunStore
+from tests.conftest import REPO, TINY_TOML
 from tui.cli import main
-
-REPO = Path(__file__).resolve().parent.parent
-
-TINY_TOML = """\
-vocab_size = 256
-hidden_size = 16
-intermediate_size = 32
-num_hidden_layers = 1
-num_attention_heads = 2
-num_key_value_heads = 1
-num_local_experts = 2
-num_experts_per_tok = 1
-max_position_embeddings = 128
-"""
 
 
 @pytest.fixture(autouse=True)
