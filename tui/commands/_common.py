@@ -22,6 +22,18 @@ from tui.errors import MdbError
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 
 
+def require_terminal(command: str, instead: str) -> None:
+    """Raise :class:`MdbError` unless stdin and stdout are a terminal (a Textual app needs one;
+    without it the app would draw into a pipe and wait for keys that never come).
+
+    Args:
+        command: the command, e.g. ``"mdb step"``.
+        instead: what to run without a terminal, e.g. ``"mdb summary"``.
+    """
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise MdbError(f"{command} needs a terminal (without one, use {instead})")
+
+
 def samples_dir() -> Path:
     """The ``samples/`` folder: ``$MDB_SAMPLES`` if set, else the one beside the packages."""
     env = os.environ.get("MDB_SAMPLES")

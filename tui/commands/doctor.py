@@ -93,9 +93,11 @@ def run(args: argparse.Namespace) -> int:
         only = resolve_only(args.only) if args.only is not None else None
     except ValueError as exc:
         raise MdbError(f"--only: {exc}") from None
-    from tui.commands._common import build_workload
+    from tui.commands._common import build_workload, require_terminal
 
     workload = build_workload(args)
+    if args.tui:  # after the input checks: bad input is reported as such either way
+        require_terminal("mdb doctor --tui", "`mdb doctor` for the table or `--json`")
     if workload.input_ids is None:
         print("mdb doctor: the batch has no (B, T) int64 input_ids; checks that need token "
               "ids will be skipped", file=sys.stderr)

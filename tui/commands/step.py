@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tui.commands._common import add_model_arguments
+from tui.commands._common import add_model_arguments, require_terminal
 from tui.errors import MdbError
 
 HELP = "step through one forward and backward pass of the model in a terminal debugger"
@@ -126,6 +126,9 @@ def run(args: argparse.Namespace) -> int:
             loading_text=f"mdb · capturing one forward and backward pass of "
                          f"{workload.description or 'the model'}…",
         )
+    # after the input checks, so that bad input is reported as such with or without a terminal
+    require_terminal("mdb step", "`mdb summary` for a table, or `mdb capture --out FILE` to "
+                     "save a trace and open it later with `mdb step --trace FILE`")
     code = app.run()
     if app.error:
         print(f"mdb: error: {app.error}", file=sys.stderr)

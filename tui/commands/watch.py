@@ -9,8 +9,8 @@ gone, or its heartbeat is stale) the status line says which. Watching a finished
 from __future__ import annotations
 
 import argparse
-import sys
 
+from tui.commands._common import require_terminal
 from tui.errors import MdbError
 
 HELP = ("follow a run live from the run database, read-only (default: the latest run); "
@@ -62,8 +62,7 @@ def run(args: argparse.Namespace) -> int:
         raise MdbError(f"--poll must be a positive number of seconds, got {args.poll}")
     store, info = open_run(args.db, args.run)
     try:
-        if not (sys.stdin.isatty() and sys.stdout.isatty()):
-            raise MdbError("mdb watch needs a terminal (for a table of runs use `mdb runs`)")
+        require_terminal("mdb watch", "`mdb runs` for a table of runs")
         from tui.live_app import make_watch_app
 
         app = make_watch_app(store, info, poll_interval=args.poll)
