@@ -31,5 +31,16 @@ def _seed_and_threads():
     yield
 
 
+@pytest.fixture
+def one_thread():
+    """Run the test with one torch thread (restored after). Small models are overhead-bound and
+    train fastest on one thread, above all on a shared 2-core machine. Test files that want it
+    say ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def pytest_configure(config):
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")

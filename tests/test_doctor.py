@@ -27,13 +27,7 @@ ALL_KEYS = ["init-loss", "causality", "rope", "gqa", "grad-flow", "routing", "no
             "tied", "numerics", "overfit"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small models are overhead-bound; one thread avoids contention on the shared 2 cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def by_key(results):

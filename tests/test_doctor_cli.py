@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from tui.cli import main
 
@@ -17,12 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 ZOO = str(REPO / "tests" / "zoo.py")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_json_for_tiny_minillm(capsys):

@@ -18,12 +18,7 @@ from tui.screens.live_data import Downsampler, RunSeries, matching_prefix
 TEXT = "人工智能正在改变世界。" * 3
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_session(tmp_path, steps: int = 20, name: str = "live", **kw) -> OverfitSession:

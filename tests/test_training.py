@@ -32,13 +32,7 @@ from minillm import MiniLLM, MiniLLMConfig, load_preset
 TEXT = "人工智能正在改变世界。" * 2
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models train fastest on one thread (and the CI machine is shared)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_config(vocab: int = 11, **kw) -> MiniLLMConfig:
