@@ -285,25 +285,12 @@ class StatsBatch:
             var = ss2 / (count - 1)
             ss_ = ss2 + count * mean * mean
         var = max(var, 0.0)
-        h_lo, h_hi = (lo, hi) if lo != hi else (lo - 1.0, hi + 1.0)
         sample = _hist_sample(xf, x.shape[-1] if x.dim() else 1)
         # binned in finalize, all samples at once (one histc per tensor costs ~20 us of overhead)
         self._samples.append(sample.clone() if sample.is_contiguous() else sample.contiguous())
         self._sample_slots.append(slot)
-        self._out[slot] = TensorStats(
-            numel=n,
-            mean=mean,
-            std=math.sqrt(var),
-            min=lo,
-            max=hi,
-            abs_max=max(-lo, hi),
-            l2=math.sqrt(max(ss_, 0.0)),
-            zero_frac=1.0 - nnz_ / count,
-            nan_count=nan,
-            inf_count=inf,
-            hist_min=h_lo,
-            hist_max=h_hi,
-            hist_count=sample.numel(),
+        self._out[slot] = _from_moments(
+            n, count, mean, var, lo, hi, ss_, nnz_, nan, inf, [], sample.numel()
         )
 
     def _bin_samples(self) -> None:
@@ -367,22 +354,8 @@ class StatsBatch:
                 continue
             var = max(var, 0.0)
             sumsq = (c - 1) * var + c * mean * mean
-            h_lo, h_hi = (lo, hi) if lo != hi else (lo - 1.0, hi + 1.0)
-            self._out[slot] = TensorStats(
-                numel=n,
-                mean=mean,
-                std=math.sqrt(var),
-                min=lo,
-                max=hi,
-                abs_max=max(-lo, hi),
-                l2=math.sqrt(max(sumsq, 0.0)),
-                zero_frac=1.0 - nnz / c,
-                nan_count=nan,
-                inf_count=n - c - nan,
-                hist=[int(v) for v in h],
-                hist_min=h_lo,
-                hist_max=h_hi,
-                hist_count=c,
+            self._out[slot] = _from_moments(
+                n, c, mean, var, lo, hi, sumsq, nnz, nan, n - c - nan, [int(v) for v in h], c
             )
 
     def finalize(self) -> list[TensorStats]:
@@ -395,3 +368,36 @@ class StatsBatch:
         out = self._out
         self.__init__(self.bins, self.sync_free)  # type: ignore[misc]
         return out  # type: ignore[return-value]
+
+
+def _from_moments(
+    n: int,
+    count: int,
+    mean: float,
+    var: float,
+    lo: float,
+    hi: float,
+    sumsq: float,
+    nnz: float,
+    nan: int,
+    inf: int,
+    hist: list[int],
+    hist_count: int,
+) -> TensorStats:
+    """A :class:`TensorStats` from the moments of the ``count`` finite elements of ``n``."""
+    return TensorStats(
+        numel=n,
+        mean=mean,
+        std=math.sqrt(var),
+        min=lo,
+        max=hi,
+        abs_max=max(-lo, hi),
+        l2=math.sqrt(max(sumsq, 0.0)),
+        zero_frac=1.0 - nnz / count,
+        nan_count=nan,
+        inf_count=inf,
+        hist=hist,
+        hist_min=lo if lo != hi else lo - 1.0,
+        hist_max=hi if lo != hi else hi + 1.0,
+        hist_count=hist_count,
+    )
