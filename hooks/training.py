@@ -15,6 +15,10 @@ Two layers:
   :class:`hooks.runstore.RunStore`, checkpoints (safetensors + JSON, no pickle) at the end and on
   interruption, and resumes from a checkpoint.
 
+An overfit run's checkpoints live in ``<db stem>-checkpoints/<run>/step-<N>/``; the store's
+row names the current one and is the commit point (older directories are deleted after it is
+updated), so a ``kill -9`` at any moment leaves a checkpoint that matches the database.
+
 Checkpoint layout (a directory, written to ``<dir>.tmp`` and renamed into place)::
 
     model.safetensors      model state (tied tensors stored once: safetensors.torch.save_model)
@@ -810,6 +814,10 @@ def _decode_json(value: Any) -> Any:
     return value
 
 
+def _step_dir_name(step: int) -> str:
+    return f"step-{int(step):08d}"
+
+
 def save_checkpoint(
     path: str | os.PathLike[str],
     model: nn.Module,
@@ -1090,6 +1098,8 @@ class OverfitSession:
         self.control = TrainControl()
         self.result: TrainResult | None = None
         self.checkpoint_error: str | None = None
+        #: The checkpoint directory the store records for this run (``None``: none yet).
+        self.last_checkpoint: Path | None = Path(checkpoint) if checkpoint is not None else None
         torch.manual_seed(options.seed)
         if options.tokenizer == "char":
             self.tokenizer: Any = minillm.CharTokenizer.from_text(options.text)
@@ -1239,22 +1249,48 @@ class OverfitSession:
         return self.prompt, self.tokenizer.decode(out[0, len(prompt_ids) :].tolist())
 
     @property
-    def checkpoint_path(self) -> Path:
-        """This run's checkpoint directory (beside the database)."""
+    def checkpoint_root(self) -> Path:
+        """This run's directory of checkpoints (beside the database)."""
         return checkpoint_dir(self.store.path, self.name)
 
+    @property
+    def checkpoint_path(self) -> Path:
+        """The run's latest recorded checkpoint, or its checkpoint root if none was written."""
+        return self.last_checkpoint if self.last_checkpoint is not None else self.checkpoint_root
+
     def save_checkpoint(self) -> Path:
-        """Checkpoint the current step and record it in the store."""
+        """Checkpoint the current step and record it in the store.
+
+        Each checkpoint goes to its own ``step-<N>`` directory; the database row is the commit
+        point. Older step directories are deleted only after the row names the new one, so a
+        ``kill -9`` at any instant leaves the checkpoint the database names intact (a newer,
+        unrecorded directory is ignored and removed by the next save).
+        """
         step = self.trainer.step
         path = save_checkpoint(
-            self.checkpoint_path,
+            self.checkpoint_root / _step_dir_name(step),
             self.model,
             self.optimizer,
             step=step,
             extra={"run": self.name, "seed": self.options.seed},
         )
         self.writer.set_checkpoint(step, path)
+        self.last_checkpoint = path
+        self._prune_checkpoints(keep=path)
         return path
+
+    def _prune_checkpoints(self, keep: Path) -> None:
+        """Delete this run's checkpoint directories other than ``keep`` (best effort)."""
+        root = self.checkpoint_root
+        if not root.is_dir():
+            return
+        for child in root.iterdir():
+            if child.is_dir() and child.name.startswith("step-") and child != keep:
+                shutil.rmtree(child, ignore_errors=True)
+        # the layout before step directories: files directly in the run's directory
+        for name in ("model.safetensors", "optimizer.safetensors", "checkpoint.json"):
+            with contextlib.suppress(OSError):
+                (root / name).unlink()
 
     # -- running -------------------------------------------------------------------------------
 
@@ -1338,4 +1374,4 @@ class OverfitSession:
         return None
 
     def _has_checkpoint(self) -> bool:
-        return (self.checkpoint_path / "checkpoint.json").exists()
+        return self.last_checkpoint is not None

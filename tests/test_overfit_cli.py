@@ -59,8 +59,10 @@ def test_headless_run_then_runs_table(tmp_path, tiny, capsys):
         assert store.internals_steps(run.id) == [3, 6]
         assert store.internals(run.id, 3)["kind"] == "mdb-trace"
     ckpt = db.parent / "mdb-checkpoints" / "a"
-    assert {p.name for p in ckpt.iterdir()} == {
+    assert [p.name for p in ckpt.iterdir()] == ["step-00000006"]
+    assert {p.name for p in (ckpt / "step-00000006").iterdir()} == {
         "model.safetensors", "optimizer.safetensors", "checkpoint.json"}
+    assert f"checkpoint in {ckpt / 'step-00000006'}" in out
 
     assert main(["runs", "--db", str(db)]) == 0
     table = capsys.readouterr().out

@@ -380,6 +380,36 @@ def test_overfit_session_writes_every_step_and_resumes(tmp_path):
     assert ce_a == ce_b
 
 
+def test_kill_between_checkpoint_write_and_record_resumes_from_the_recorded_one(tmp_path):
+    """A writer killed after writing a newer checkpoint but before the store recorded it: the
+    resume loads the checkpoint the database names (CI once caught the old single-directory
+    layout overwritten with step 10 while the database said 5)."""
+    store = RunStore(tmp_path / "mdb.sqlite", create=True)
+    session = OverfitSession.create(store, "r", _tiny_options(steps=40, every=0,
+                                                               checkpoint_every=5))
+    session.run(on_step=lambda r: r.step == 7 and session.control.stop("x"))
+    assert store.run("r").checkpoint_step == 7
+    recorded = session.checkpoint_path
+    weights_at_7 = {n: p.detach().clone() for n, p in session.model.named_parameters()}
+    # what `kill -9` leaves: the next checkpoint complete on disk, the database not updated
+    session.trainer.step = 10
+    orphan = save_checkpoint(session.checkpoint_root / "step-00000010", session.model,
+                             session.optimizer, step=10)
+    assert orphan.is_dir() and recorded.is_dir() and orphan != recorded
+
+    resumed = OverfitSession.resume(store, "r", steps=12)
+    assert resumed.trainer.step == 7
+    for n, p in resumed.model.named_parameters():
+        torch.testing.assert_close(p, weights_at_7[n], rtol=0, atol=0, msg=n)
+    resumed.run()
+    run = store.run("r")
+    assert (run.status, run.last_step, run.checkpoint_step) == ("finished", 12, 12)
+    assert [m.step for m in store.metrics(run.id)] == list(range(1, 13))
+    # only the recorded checkpoint is left
+    assert sorted(d.name for d in session.checkpoint_root.iterdir()) == ["step-00000012"]
+    assert resumed.checkpoint_path == session.checkpoint_root / "step-00000012"
+
+
 def test_captured_step_round_trips_through_the_store(tmp_path):
     if not training._hooks_capture_available():
         pytest.skip("hooks.capture not available")
