@@ -192,7 +192,8 @@ class Capture:
         self._handles: list[Any] = []
         self._tensor_handles: list[Any] = []
         self._no_grad: dict[str, int] = {}
-        self._touched: dict[str, torch.Tensor] = {}  # name -> [|g|^2, min g, max g, |w|^2]
+        # name -> 0-d tensors (|g|^2, min g, max g, |w|^2), read back together at exit
+        self._touched: dict[str, tuple[torch.Tensor, ...]] = {}
         self._kept = 0
         self._dropped = 0
         self._errors: dict[str, str] = {}
@@ -458,7 +459,7 @@ class Capture:
                 if g.is_sparse:
                     g = g.coalesce().values()
                 if g.numel() == 0:
-                    self._touched[name] = torch.zeros(4, dtype=torch.float64)
+                    self._touched[name] = tuple(torch.zeros(4, dtype=torch.float64))
                     return
                 if g.dtype not in (torch.float32, torch.float64):
                     g = g.float()
@@ -469,7 +470,7 @@ class Capture:
                 wf = w.view(-1) if w.is_contiguous() else w.reshape(-1)
                 lo, hi = torch.aminmax(gf)
                 # dot(x, x) is the fastest sum of squares on CPU (BLAS); sqrt taken at exit
-                self._touched[name] = torch.stack([torch.dot(gf, gf), lo, hi, torch.dot(wf, wf)])
+                self._touched[name] = (torch.dot(gf, gf), lo, hi, torch.dot(wf, wf))
         except Exception as exc:
             self._error(name, exc)
 
@@ -479,7 +480,7 @@ class Capture:
         named = named_parameters(self._modules)
         touched = self._touched
         names = list(touched)
-        vals = {n: touched[n].tolist() for n in names}
+        vals = {n: [v.item() for v in touched[n]] for n in names}
         out: dict[str, ParamGradRecord] = {}
         with torch.no_grad():
             # parameters not seen by the hook (frozen, no grad, stale grad): one fused launch

@@ -20,6 +20,7 @@ device until :meth:`StatsBatch.finalize` converts all of them with one ``tolist(
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,9 @@ import torch
 NUM_BINS = 32
 #: Tensors with more elements are histogrammed on a strided sample of about this many.
 HIST_SAMPLE = 1024
+#: Zeros are always counted exactly in tensors of at most this many elements; a larger tensor is
+#: counted exactly when its histogram sample holds a zero (see ``TensorStats.zero_exact``).
+ZERO_EXACT_NUMEL = 1 << 16
 _EXACT_COUNT = 1 << 24  # float32 sums of ones are exact below this
 
 _STAT_FIELDS = ("mean", "std", "min", "max", "abs_max", "l2", "zero_frac")
@@ -52,7 +56,15 @@ class TensorStats:
         max: largest element.
         abs_max: largest absolute value.
         l2: Euclidean norm ``sqrt(sum(x**2))``.
-        zero_frac: fraction of elements exactly equal to zero, in [0, 1].
+        zero_frac: fraction of elements exactly equal to zero, in [0, 1]. Exact when
+            ``zero_exact``; otherwise 0.0 (see there).
+        zero_exact: False when ``zero_frac`` was not counted: a CPU tensor of more than
+            :data:`ZERO_EXACT_NUMEL` elements whose histogram sample holds no zero. Counting
+            them costs two more passes over memory (a third of the summary's time), so it is
+            done only when the sample shows zeros. A tensor reported this way has no zero row
+            when it has at most about HIST_SAMPLE rows (the sample's stride is shorter than a
+            row), and for zeros scattered at random a fraction below ~0.3% (95% bound for a
+            sample of HIST_SAMPLE elements).
         nan_count: number of NaN elements.
         inf_count: number of +Inf or -Inf elements.
         hist: element counts in ``NUM_BINS`` equal-width bins over ``[hist_min, hist_max]`` (the
@@ -73,6 +85,7 @@ class TensorStats:
     abs_max: float | None = None
     l2: float | None = None
     zero_frac: float | None = None
+    zero_exact: bool = True
     nan_count: int = 0
     inf_count: int = 0
     hist: list[int] = field(default_factory=list)
@@ -90,6 +103,7 @@ class TensorStats:
         d: dict[str, Any] = {"numel": self.numel}
         for name in _STAT_FIELDS:
             d[name] = encode_float(getattr(self, name))
+        d["zero_exact"] = self.zero_exact
         d["nan_count"] = self.nan_count
         d["inf_count"] = self.inf_count
         d["hist"] = list(self.hist)
@@ -104,6 +118,7 @@ class TensorStats:
         return cls(
             numel=int(d["numel"]),
             **{name: decode_float(d.get(name)) for name in _STAT_FIELDS},
+            zero_exact=bool(d.get("zero_exact", True)),
             nan_count=int(d.get("nan_count", 0)),
             inf_count=int(d.get("inf_count", 0)),
             hist=[int(v) for v in d.get("hist", [])],
@@ -144,19 +159,33 @@ def _as_float_view(t: torch.Tensor) -> torch.Tensor | None:
     return x
 
 
-def _hist_sample(xf: torch.Tensor, last_dim: int) -> torch.Tensor:
-    """``xf`` itself, or a strided sample of about HIST_SAMPLE elements for larger tensors.
+@functools.lru_cache(maxsize=256)
+def _sample_index(n: int, last_dim: int) -> tuple[torch.Tensor, int]:
+    """Positions of the strided histogram sample of a flat tensor of ``n > HIST_SAMPLE``
+    elements, padded to HIST_SAMPLE with position 0, and how many are real.
 
-    The stride is coprime with the last dimension, so the sample walks through every column
-    instead of repeatedly hitting the same few features.
+    Every ``stride``-th element, ``stride ~ n / HIST_SAMPLE`` coprime with the last dimension:
+    the sample walks through every column instead of repeatedly hitting the same few features
+    (and, while ``stride <= last_dim``, through every row).
     """
-    n = xf.numel()
-    if n <= HIST_SAMPLE:
-        return xf
     stride = -(-n // HIST_SAMPLE)
     while math.gcd(stride, max(last_dim, 1)) != 1:
         stride += 1
-    return xf[::stride]
+    idx = torch.zeros(HIST_SAMPLE, dtype=torch.int64)
+    real = torch.arange(0, n, stride)
+    idx[: real.numel()] = real
+    return idx, real.numel()
+
+
+def _hist_sample(xf: torch.Tensor, last_dim: int) -> tuple[torch.Tensor, int]:
+    """``(sample, k)``: a copy of HIST_SAMPLE values of ``xf`` (1-D, CPU) whose first ``k`` are
+    the histogram sample — all of ``xf`` when it is that small, else its strided sample
+    (:func:`_sample_index`, whose padding repeats element 0). The padding is never counted."""
+    n = xf.numel()
+    if n <= HIST_SAMPLE:
+        return torch.nn.functional.pad(xf, (0, HIST_SAMPLE - n)), n
+    idx, k = _sample_index(n, last_dim)
+    return torch.index_select(xf, 0, idx), k
 
 
 def _count_nonzero(xf: torch.Tensor) -> int:
@@ -212,7 +241,8 @@ class StatsBatch:
         self.sync_free = sync_free
         self._out: list[TensorStats | None] = []
         # CPU path: histogram samples binned in finalize
-        self._samples: list[torch.Tensor] = []  # copies of at most HIST_SAMPLE values
+        self._samples: list[torch.Tensor] = []  # HIST_SAMPLE values each (see _hist_sample)
+        self._sample_lens: list[int] = []  # how many of them are the sample
         self._sample_slots: list[int] = []
         # sync-free path: per slot device tensors, converted in finalize
         self._dev: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
@@ -233,7 +263,7 @@ class StatsBatch:
             self._out.append(TensorStats(numel=0))
             return slot
         self._out.append(None)
-        sync_free = self.sync_free if self.sync_free is not None else x.device.type != "cpu"
+        sync_free = self.sync_free if self.sync_free is not None else not x.is_cpu
         if sync_free:
             self._add_sync_free(slot, x, n)
         else:
@@ -243,23 +273,26 @@ class StatsBatch:
     # -- CPU: read five numbers back (free on CPU), skip the NaN/Inf passes for finite tensors --
     def _add_cpu(self, slot: int, x: torch.Tensor, n: int) -> None:
         xf = x.view(-1) if x.is_contiguous() else x.reshape(-1)
+        last = x.shape[-1] if x.dim() else 1
         mn, mx = torch.aminmax(xf)
-        if n < _EXACT_COUNT:  # dot(sign(x), sign(x)) counts non-zeros, 2x faster than count_nonzero
-            sg = torch.sign(xf)
-            nz = torch.dot(sg, sg)
-        else:
-            nz = torch.count_nonzero(xf)
-        # .item() on CPU is a plain read (~0.3 us): cheaper than stack + tolist
-        lo, hi, s_, ss_, nnz_ = (
-            mn.item(),
-            mx.item(),
-            xf.sum().item(),
-            torch.dot(xf, xf).item(),
-            nz.item(),
-        )
+        lo, hi = mn.item(), mx.item()  # .item() on CPU is a plain read (~0.3 us)
         nan = inf = 0
         count = n
-        if not (math.isfinite(lo) and math.isfinite(hi)):
+        if math.isfinite(lo) and math.isfinite(hi):
+            # the histogram sample, copied (the tensor is not kept); binned in finalize, all
+            # samples at once (one histc per tensor costs ~20 us of overhead)
+            sample, k = _hist_sample(xf, last)
+            # the padding repeats element 0, a zero only if the sample holds one already
+            zero_exact = n <= ZERO_EXACT_NUMEL or torch.count_nonzero(sample).item() < HIST_SAMPLE
+            if not zero_exact:
+                nnz_ = n
+            elif n < _EXACT_COUNT:  # dot(sign x, sign x): 2x faster than count_nonzero
+                sg = torch.sign(xf)
+                nnz_ = torch.dot(sg, sg).item()
+            else:
+                nnz_ = torch.count_nonzero(xf).item()
+            s_, ss_ = xf.sum().item(), torch.dot(xf, xf).item()
+        else:
             nan = int(torch.isnan(xf).sum())
             finite = torch.isfinite(xf)
             count = int(finite.sum())
@@ -271,6 +304,8 @@ class StatsBatch:
             mn, mx = torch.aminmax(xf)
             lo, hi, s_, ss_ = torch.stack([mn, mx, xf.sum(), torch.dot(xf, xf)]).tolist()
             nnz_ = _count_nonzero(xf)
+            zero_exact = True
+            sample, k = _hist_sample(xf, last)
         mean = s_ / count
         var = (ss_ - count * mean * mean) / (count - 1) if count > 1 else 0.0
         # sum and sum of squares lose precision when |mean| >> std (or overflow in fp32):
@@ -285,35 +320,39 @@ class StatsBatch:
             var = ss2 / (count - 1)
             ss_ = ss2 + count * mean * mean
         var = max(var, 0.0)
-        sample = _hist_sample(xf, x.shape[-1] if x.dim() else 1)
-        # binned in finalize, all samples at once (one histc per tensor costs ~20 us of overhead)
-        self._samples.append(sample.clone() if sample.is_contiguous() else sample.contiguous())
+        self._samples.append(sample)
+        self._sample_lens.append(k)
         self._sample_slots.append(slot)
-        self._out[slot] = _from_moments(
-            n, count, mean, var, lo, hi, ss_, nnz_, nan, inf, [], sample.numel()
-        )
+        st = _from_moments(n, count, mean, var, lo, hi, ss_, nnz_, nan, inf, [], k)
+        st.zero_exact = zero_exact
+        self._out[slot] = st
 
     def _bin_samples(self) -> None:
         """Histogram every CPU sample at once, binning like ``torch.histc``.
 
-        Samples are padded with NaN into one (R, S) matrix; each value maps to
-        ``(x - lo) * bins / (hi - lo)`` of its own row, truncated; padding goes to an extra bin
-        that is dropped; one ``bincount`` counts everything.
+        The samples are the rows of one (R, HIST_SAMPLE) matrix per dtype, their padding set to
+        NaN; each value maps to ``(x - lo) * bins / (hi - lo)`` of its own row, truncated; NaN
+        goes to an extra bin that is dropped; one ``bincount`` counts everything.
         """
-        if not self._sample_slots:
-            return
-        stats = [self._out[s] for s in self._sample_slots]
-        nb, rows = self.bins, len(stats)
-        mat = torch.nn.utils.rnn.pad_sequence(
-            self._samples, batch_first=True, padding_value=math.nan
-        )
-        lo = torch.tensor([st.hist_min for st in stats], dtype=mat.dtype)[:, None]  # type: ignore[union-attr]
-        hi = torch.tensor([st.hist_max for st in stats], dtype=mat.dtype)[:, None]  # type: ignore[union-attr]
-        mat.sub_(lo).mul_(nb).div_(hi - lo).nan_to_num_(nan=-1.0).clamp_(-1.0, nb - 1).add_(1.0)
-        idx = mat.to(torch.int64).add_(torch.arange(rows)[:, None] * (nb + 1))
-        counts = torch.bincount(idx.view(-1), minlength=rows * (nb + 1)).view(rows, nb + 1)
-        for st, h in zip(stats, counts[:, 1:].tolist(), strict=True):
-            st.hist = h  # type: ignore[union-attr]
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, sample in enumerate(self._samples):
+            by_dtype.setdefault(sample.dtype, []).append(i)
+        nb = self.bins
+        for idxs in by_dtype.values():
+            stats = [self._out[self._sample_slots[i]] for i in idxs]
+            rows = len(stats)
+            mat = torch.stack([self._samples[i] for i in idxs])
+            lens = torch.tensor([self._sample_lens[i] for i in idxs])
+            mat.masked_fill_(torch.arange(HIST_SAMPLE) >= lens[:, None], math.nan)
+            lo = torch.tensor([st.hist_min for st in stats], dtype=mat.dtype)[:, None]  # type: ignore[union-attr]
+            hi = torch.tensor([st.hist_max for st in stats], dtype=mat.dtype)[:, None]  # type: ignore[union-attr]
+            mat.sub_(lo).mul_(nb).div_(hi - lo).nan_to_num_(nan=-1.0).clamp_(-1.0, nb - 1)
+            # int32 indices: half the memory of int64 to write; bincount takes either
+            idx = mat.add_(1.0).to(torch.int32)
+            idx.add_(torch.arange(0, rows * (nb + 1), nb + 1, dtype=torch.int32)[:, None])
+            counts = torch.bincount(idx.view(-1), minlength=rows * (nb + 1)).view(rows, nb + 1)
+            for st, h in zip(stats, counts[:, 1:].tolist(), strict=True):
+                st.hist = h  # type: ignore[union-attr]
 
     # -- any device: no read-back; counts NaN/Inf always ----------------------------------------
     def _add_sync_free(self, slot: int, x: torch.Tensor, n: int) -> None:

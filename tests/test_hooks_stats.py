@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hooks
-from hooks.stats import HIST_SAMPLE, NUM_BINS, StatsBatch, TensorStats
+from hooks.stats import HIST_SAMPLE, NUM_BINS, ZERO_EXACT_NUMEL, StatsBatch, TensorStats
 
 
 def reference(x: torch.Tensor) -> dict[str, float]:
@@ -122,6 +122,35 @@ def test_large_tensor_exact_scalars_sampled_histogram():
     frac_full = full / full.sum()
     frac_sample = torch.tensor(st.hist, dtype=torch.float32) / st.hist_count
     assert (frac_full - frac_sample).abs().max().item() < 0.02
+
+
+def test_zero_count_exact_when_small_or_when_the_sample_shows_zeros():
+    torch.manual_seed(3)
+    # ReLU output (about half zeros), far larger than ZERO_EXACT_NUMEL: counted exactly
+    r = torch.relu(torch.randn(512, 768))
+    st = hooks.summarize_tensor(r)
+    assert st.zero_exact and st.zero_frac == (r == 0).double().mean().item()
+    # one zero row among 512 rows of 768: the sample's stride is shorter than a row, so the
+    # row is seen and the zeros are counted exactly
+    g = torch.randn(512, 768)
+    g[137] = 0
+    st = hooks.summarize_tensor(g)
+    assert st.zero_exact and st.zero_frac == 768 / g.numel()
+    # a single zero in a small tensor: exact
+    s = torch.randn(ZERO_EXACT_NUMEL)
+    s[5] = 0
+    st = hooks.summarize_tensor(s)
+    assert st.zero_exact and st.zero_frac == 1 / s.numel()
+    # no zero at all in a large tensor: not counted, said so, and the rest is still exact
+    big = torch.randn(300, 1000).abs_().add_(0.1)
+    st = hooks.summarize_tensor(big)
+    assert not st.zero_exact and st.zero_frac == 0.0
+    assert_matches(st, big)
+    assert TensorStats.from_dict(st.to_dict()) == st
+    # a non-finite tensor takes the exact path
+    big[0, 0] = float("nan")
+    st = hooks.summarize_tensor(big)
+    assert st.zero_exact and st.nan_count == 1 and st.zero_frac == 0.0
 
 
 def test_non_contiguous_and_requires_grad_inputs():

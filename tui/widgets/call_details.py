@@ -40,7 +40,8 @@ def _stat_values(stats) -> list[tuple[str, str]]:
     if stats is None:
         return [("—", "")] * (len(STAT_ROWS) + 2)
     cells = [(fmt.sci(getattr(stats, attr)), "") for _, attr in STAT_ROWS]
-    cells.append((fmt.pct(stats.zero_frac), ""))
+    # a large tensor whose sample held no zero was not counted (hooks.stats.ZERO_EXACT_NUMEL)
+    cells.append((fmt.pct(stats.zero_frac) if stats.zero_exact else "≈0%", ""))
     bad = stats.nan_count + stats.inf_count
     cells.append((f"✗ {stats.nan_count}/{stats.inf_count}", "bold red") if bad
                  else ("✓ 0/0", "green"))
