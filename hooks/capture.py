@@ -454,23 +454,24 @@ class Capture:
         if not self.active:
             return
         try:
-            with torch.no_grad():
-                g = param.grad
-                if g.is_sparse:
-                    g = g.coalesce().values()
-                if g.numel() == 0:
-                    self._touched[name] = tuple(torch.zeros(4, dtype=torch.float64))
-                    return
-                if g.dtype not in (torch.float32, torch.float64):
-                    g = g.float()
-                w = param.detach()
-                if w.dtype is not g.dtype:
-                    w = w.to(g.dtype)
-                gf = g.view(-1) if g.is_contiguous() else g.reshape(-1)
-                wf = w.view(-1) if w.is_contiguous() else w.reshape(-1)
-                lo, hi = torch.aminmax(gf)
-                # dot(x, x) is the fastest sum of squares on CPU (BLAS); sqrt taken at exit
-                self._touched[name] = (torch.dot(gf, gf), lo, hi, torch.dot(wf, wf))
+            # detached reads build no graph (even under create_graph): no no_grad() needed,
+            # whose enter/exit would cost more than the Python of this hook
+            g = param.grad.detach()
+            if g.is_sparse:
+                g = g.coalesce().values()
+            if g.numel() == 0:
+                self._touched[name] = tuple(torch.zeros(4, dtype=torch.float64))
+                return
+            if g.dtype not in (torch.float32, torch.float64):
+                g = g.float()
+            w = param.detach()
+            if w.dtype is not g.dtype:
+                w = w.to(g.dtype)
+            gf = g.view(-1) if g.is_contiguous() else g.reshape(-1)
+            wf = w.view(-1) if w.is_contiguous() else w.reshape(-1)
+            lo, hi = torch.aminmax(gf)
+            # dot(x, x) is the fastest sum of squares on CPU (BLAS); sqrt taken at exit
+            self._touched[name] = (torch.dot(gf, gf), lo, hi, torch.dot(wf, wf))
         except Exception as exc:
             self._error(name, exc)
 

@@ -33,7 +33,7 @@ NUM_BINS = 32
 HIST_SAMPLE = 1024
 #: Zeros are always counted exactly in tensors of at most this many elements; a larger tensor is
 #: counted exactly when its histogram sample holds a zero (see ``TensorStats.zero_exact``).
-ZERO_EXACT_NUMEL = 1 << 16
+ZERO_EXACT_NUMEL = 1 << 14
 _EXACT_COUNT = 1 << 24  # float32 sums of ones are exact below this
 
 _STAT_FIELDS = ("mean", "std", "min", "max", "abs_max", "l2", "zero_frac")
