@@ -154,6 +154,55 @@ async def test_watch_replays_a_finished_run(tmp_path):
     store.close()
 
 
+async def test_watch_c_opens_the_latest_stored_capture_in_the_step_view(tmp_path):
+    from hooks.training import OverfitOptions, OverfitSession, load_trace
+    from minillm import MiniLLMConfig
+    from tui.commands.watch import open_run
+    from tui.live_app import make_watch_app
+    from tui.screens.step import StepScreen
+
+    cfg = MiniLLMConfig(vocab_size=16, hidden_size=16, intermediate_size=32,
+                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                        num_local_experts=2, num_experts_per_tok=1, max_position_embeddings=64)
+    db = tmp_path / "mdb.sqlite"
+    with RunStore(db, create=True) as store:
+        for name, every in (("cap", 5), ("nocap", 0)):
+            OverfitSession.create(store, name, OverfitOptions(
+                text="人工智能正在改变世界。", model_config=cfg.to_dict(), steps=12, every=every,
+                sample_every=0)).run()
+        run_id = store.run("cap").id
+        assert store.internals_steps(run_id) == [5, 10]
+        expected = load_trace(store, run_id, 10)
+
+    store, run = open_run(str(db), "cap")
+    app = make_watch_app(store, run)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _wait(pilot, lambda: app.live.polls >= 1)
+        await pilot.press("c")
+        await _wait(pilot, lambda: isinstance(app.screen, StepScreen), timeout=30)
+        trace = app.screen.trace
+        assert str(app.screen.query_one("#title").render()).startswith("step 10 · overfit run cap")
+        assert trace.step == 10 and len(trace.forward) == len(expected.forward)
+        assert [r.module for r in trace.forward] == [r.module for r in expected.forward]
+        assert trace.forward[-1].outputs[0].stats == expected.forward[-1].outputs[0].stats
+        await pilot.press("q")  # back to the live screen, not out of the app
+        await _wait(pilot, lambda: app.screen is app.live)
+        assert "back from the step view" in str(app.screen.query_one("#hint").render())
+        await pilot.press("q")
+    store.close()
+
+    store, run = open_run(str(db), "nocap")
+    app = make_watch_app(store, run)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _wait(pilot, lambda: app.live.polls >= 1)
+        await pilot.press("c")
+        hint = app.screen.query_one("#hint")
+        await _wait(pilot, lambda: "no stored capture" in str(hint.render()), timeout=30)
+        assert app.screen is app.live
+        await pilot.press("q")
+    store.close()
+
+
 def _one_error_line(capsys) -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err

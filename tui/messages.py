@@ -131,3 +131,14 @@ class RunPolled(Message):
     """
 
     update: Any
+
+
+@dataclass
+class Hint(Message):
+    """A one-line status for the screen's hint bar, from a worker.
+
+    Attributes:
+        text: The line.
+    """
+
+    text: str

@@ -92,8 +92,10 @@ class LiveHelpScreen(HelpScreen):
         ]
         if self.watch:
             lines += [
-                "mdb watch is read-only: p, s, c and x only say so; control the run in the",
+                "mdb watch is read-only: p, s and x only say so; control the run in the",
                 "terminal running `mdb overfit` (or stop it with kill -TERM <pid>).",
+                "c opens the run's latest stored capture (the writer records one every",
+                "--every steps) in the step view; q there comes back here.",
             ]
         else:
             lines += [
@@ -297,13 +299,18 @@ class LiveScreen(MdbScreen):
         message.stop()
         from tui.screens.step import StepScreen
 
-        self._drain()
-        self.hint(f"captured step {message.step} · training paused · p resumes")
+        if self.watch:
+            self.hint(f"stored capture of step {message.step} · q in the step view comes back")
+        else:
+            self._drain()
+            self.hint(f"captured step {message.step} · training paused · p resumes")
         screen = StepScreen(message.trace, embedded=True)
         self.app.push_screen(screen, self._back_from_step)
 
     def _back_from_step(self, _result=None) -> None:
-        if self.ended is None:
+        if self.watch:
+            self.hint("back from the step view · c opens the latest stored capture again")
+        elif self.ended is None:
             self.hint("back from the step view · training paused · p resumes · s steps · "
                       "c captures again")
 
@@ -384,6 +391,28 @@ class LiveScreen(MdbScreen):
         delay = self.poll_interval if state in ("running", "paused") else 1.0
         self.set_timer(delay, self._poll)
 
+    @work(thread=True, exclusive=True, exit_on_error=False, group="stored-capture",
+          description="read the latest stored capture")
+    def _open_stored_capture(self) -> None:
+        """Watch mode's ``c``: the run's latest captured step, rebuilt from the store on a
+        connection of this thread, posted as :class:`messages.StepCaptured`."""
+        from hooks.runstore import RunStore
+        from hooks.training import load_trace
+
+        with RunStore(self.store.path) as store:
+            steps = store.internals_steps(self.run.id)
+            trace = load_trace(store, self.run.id, steps[-1]) if steps else None
+        if trace is None:
+            self.post_message(messages.Hint(
+                f"run {self.run_name} has no stored capture yet (the writer stores one every "
+                "--every steps; --every 0 stores none)"))
+            return
+        self.post_message(messages.StepCaptured(steps[-1], trace))
+
+    def on_hint(self, message: messages.Hint) -> None:
+        message.stop()
+        self.hint(message.text)
+
     @on(Worker.StateChanged)
     def _worker_changed(self, event: Worker.StateChanged) -> None:
         worker = event.worker
@@ -391,7 +420,9 @@ class LiveScreen(MdbScreen):
             return
         exc = worker.error
         line = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-        if worker.group == "poll":
+        if worker.group == "stored-capture":
+            self.hint(f"cannot open the stored capture: {line}")
+        elif worker.group == "poll":
             self.error = f"cannot read {self.store.path}: {line}"
             self.hint(self.error + " · retrying")
             self.set_timer(1.0, self._poll)
@@ -596,6 +627,10 @@ class LiveScreen(MdbScreen):
         self.hint(f"running step {self.series.step + 1} · s again for another · p resumes")
 
     def action_capture(self) -> None:
+        if self.watch:
+            self.hint("reading the latest stored capture…")
+            self._open_stored_capture()
+            return
         if self._read_only():
             return
         self._want_capture = True

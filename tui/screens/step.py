@@ -105,7 +105,8 @@ class StepScreen(MdbScreen):
     # -- layout ---------------------------------------------------------------------------------
     def compose(self):
         meta = self.trace.meta or {}
-        title = " · ".join(x for x in (meta.get("description") or self.trace.model_type,
+        step = f"step {meta['step']}" if meta.get("step") is not None else None  # a run's step
+        title = " · ".join(x for x in (step, meta.get("description") or self.trace.model_type,
                                        loss_line(meta)) if x)
         yield Static(title, id="title", markup=False)
         yield Static("", id="status", markup=False)
