@@ -60,8 +60,8 @@ def throughput(db: Path, name: str) -> float:
 
 
 def make_session(db: Path, name: str, steps: int):
+    from hooks.overfit import OverfitOptions, OverfitSession, default_overfit_text
     from hooks.runstore import RunStore
-    from hooks.training import OverfitOptions, OverfitSession, default_overfit_text
     from minillm import load_preset
 
     text, source = default_overfit_text()

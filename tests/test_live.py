@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
+from hooks.overfit import OverfitOptions, OverfitSession
 from hooks.runstore import MetricRow, RunStore
-from hooks.training import OverfitOptions, OverfitSession
 from minillm import MiniLLMConfig
 from tui.screens.live_chart import Series, _line, chart_rows
 from tui.screens.live_data import Downsampler, RunSeries, matching_prefix

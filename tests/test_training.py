@@ -1,4 +1,5 @@
-"""The training loop: metrics against recomputation, controls, NaN location, checkpoints, resume."""
+"""The training loop, checkpoints and the overfit run: metrics against recomputation,
+controls, NaN location, checkpoints, resume."""
 
 from __future__ import annotations
 
@@ -14,17 +15,15 @@ import torch.nn.functional as F
 from torch import nn
 
 import hooks.training as training
+from hooks.checkpoint import load_checkpoint, save_checkpoint
+from hooks.overfit import OverfitOptions, OverfitSession, default_overfit_text
 from hooks.runstore import RunStore
 from hooks.training import (
-    OverfitOptions,
-    OverfitSession,
     TrainControl,
     Trainer,
     expert_load,
-    load_checkpoint,
     load_trace,
     locate_nonfinite,
-    save_checkpoint,
     signal_exit_code,
 )
 from minillm import MiniLLM, MiniLLMConfig, load_preset
@@ -463,7 +462,7 @@ def test_overfit_bad_options_raise_one_line(tmp_path):
 @pytest.mark.slow
 def test_seed_claim_default_overfit_reaches_ce_below_005_by_step_300(tmp_path):
     """Seed 000 test C: the default overfit config memorises the sentence (CE < 0.05 by 300)."""
-    text, _ = training.default_overfit_text()
+    text, _ = default_overfit_text()
     assert text == "人工智能正在改变世界。" * 6
     opts = OverfitOptions(text=text, model_config=load_preset("seed-test-c").to_dict(),
                           sample_every=0)

@@ -129,7 +129,7 @@ async def test_watch_reports_the_writer_gone_after_kill_9(tmp_path):
 
 
 async def test_watch_replays_a_finished_run(tmp_path):
-    from hooks.training import OverfitOptions, OverfitSession
+    from hooks.overfit import OverfitOptions, OverfitSession
     from minillm import MiniLLMConfig
     from tui.commands.watch import open_run
     from tui.live_app import make_watch_app
@@ -155,7 +155,8 @@ async def test_watch_replays_a_finished_run(tmp_path):
 
 
 async def test_watch_c_opens_the_latest_stored_capture_in_the_step_view(tmp_path):
-    from hooks.training import OverfitOptions, OverfitSession, load_trace
+    from hooks.overfit import OverfitOptions, OverfitSession
+    from hooks.training import load_trace
     from minillm import MiniLLMConfig
     from tui.commands.watch import open_run
     from tui.live_app import make_watch_app

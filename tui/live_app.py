@@ -51,7 +51,7 @@ class LiveApp(App[int]):
 
 
 def make_overfit_app(session, **kwargs) -> LiveApp:
-    """The live app training ``session`` (an :class:`hooks.training.OverfitSession`).
+    """The live app training ``session`` (an :class:`hooks.overfit.OverfitSession`).
 
     Keyword arguments go to :class:`tui.screens.live.LiveScreen` (``heartbeat``,
     ``chart_interval``, ...).

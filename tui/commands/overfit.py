@@ -118,7 +118,7 @@ def _default_run_name(store) -> str:
 
 
 def _options_from_args(args: argparse.Namespace):
-    from hooks.training import OverfitOptions, default_overfit_text
+    from hooks.overfit import OverfitOptions, default_overfit_text
     from tui.commands._common import load_config, read_text, samples_dir
 
     if args.text:
@@ -154,7 +154,7 @@ def _options_from_args(args: argparse.Namespace):
 
 
 def build_session(args: argparse.Namespace, control=None):
-    """The :class:`hooks.training.OverfitSession` the options describe (new or resumed).
+    """The :class:`hooks.overfit.OverfitSession` the options describe (new or resumed).
 
     Args:
         args: Parsed ``mdb overfit`` options.
@@ -166,8 +166,8 @@ def build_session(args: argparse.Namespace, control=None):
     """
     import torch
 
+    from hooks.overfit import OverfitSession
     from hooks.runstore import RunStoreError
-    from hooks.training import OverfitSession
 
     torch.set_num_threads(args.threads)
     if args.resume:

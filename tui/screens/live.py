@@ -2,7 +2,7 @@
 
 One screen, two sources of steps:
 
-* **training** (:meth:`LiveScreen.training`): an :class:`hooks.training.OverfitSession` runs in a
+* **training** (:meth:`LiveScreen.training`): an :class:`hooks.overfit.OverfitSession` runs in a
   thread worker. Its step callback appends each step to a buffer and posts
   :class:`tui.messages.StepsPending` (replaceable, so a fast trainer cannot flood the queue);
   the keys drive the session's :class:`hooks.training.TrainControl`.
@@ -114,7 +114,7 @@ class LiveScreen(MdbScreen):
     Build it with :meth:`training` or :meth:`watching` rather than directly.
 
     Args:
-        session: The :class:`hooks.training.OverfitSession` to train (training mode).
+        session: The :class:`hooks.overfit.OverfitSession` to train (training mode).
         store: A :class:`hooks.runstore.RunStore` to read (watch mode).
         run: The :class:`hooks.runstore.RunInfo` to follow (watch mode).
         heartbeat: Seconds between the writer's heartbeats (training mode).
@@ -193,7 +193,7 @@ class LiveScreen(MdbScreen):
     # -- construction ----------------------------------------------------------------------------
     @classmethod
     def training(cls, session, **kwargs) -> LiveScreen:
-        """The live screen of an :class:`hooks.training.OverfitSession` it will train."""
+        """The live screen of an :class:`hooks.overfit.OverfitSession` it will train."""
         return cls(session=session, **kwargs)
 
     @classmethod
