@@ -481,7 +481,9 @@ class Capture:
         named = named_parameters(self._modules)
         touched = self._touched
         names = list(touched)
-        vals = {n: [v.item() for v in touched[n]] for n in names}
+        # every parameter's four numbers read back at once (stack promotes mixed dtypes)
+        flat = torch.stack([v for n in names for v in touched[n]]).tolist() if names else []
+        vals = {n: flat[4 * i : 4 * i + 4] for i, n in enumerate(names)}
         out: dict[str, ParamGradRecord] = {}
         with torch.no_grad():
             # parameters not seen by the hook (frozen, no grad, stale grad): one fused launch

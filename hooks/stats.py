@@ -180,7 +180,8 @@ def _sample_index(n: int, last_dim: int) -> tuple[torch.Tensor, int]:
 def _hist_sample(xf: torch.Tensor, last_dim: int) -> tuple[torch.Tensor, int]:
     """``(sample, k)``: a copy of HIST_SAMPLE values of ``xf`` (1-D, CPU) whose first ``k`` are
     the histogram sample — all of ``xf`` when it is that small, else its strided sample
-    (:func:`_sample_index`, whose padding repeats element 0). The padding is never counted."""
+    (:func:`_sample_index`). The padding after them repeats one value (zero, or element 0), so
+    that the binning can take it back out of a single bin."""
     n = xf.numel()
     if n <= HIST_SAMPLE:
         return torch.nn.functional.pad(xf, (0, HIST_SAMPLE - n)), n
@@ -330,28 +331,30 @@ class StatsBatch:
     def _bin_samples(self) -> None:
         """Histogram every CPU sample at once, binning like ``torch.histc``.
 
-        The samples are the rows of one (R, HIST_SAMPLE) matrix per dtype, their padding set to
-        NaN; each value maps to ``(x - lo) * bins / (hi - lo)`` of its own row, truncated; NaN
-        goes to an extra bin that is dropped; one ``bincount`` counts everything.
+        The samples are the rows of one (R, HIST_SAMPLE) matrix per dtype; each value maps to
+        ``(x - lo) * bins / (hi - lo)`` of its own row, truncated and clamped to the bins; one
+        ``bincount`` counts everything. A row's padding (the positions past its sample, all equal
+        to the value at position ``k``) is then taken back out of the bin it went to.
         """
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, sample in enumerate(self._samples):
             by_dtype.setdefault(sample.dtype, []).append(i)
-        nb = self.bins
+        nb, size = self.bins, HIST_SAMPLE
         for idxs in by_dtype.values():
             stats = [self._out[self._sample_slots[i]] for i in idxs]
             rows = len(stats)
             mat = torch.stack([self._samples[i] for i in idxs])
-            lens = torch.tensor([self._sample_lens[i] for i in idxs])
-            mat.masked_fill_(torch.arange(HIST_SAMPLE) >= lens[:, None], math.nan)
             lo = torch.tensor([st.hist_min for st in stats], dtype=mat.dtype)[:, None]  # type: ignore[union-attr]
             hi = torch.tensor([st.hist_max for st in stats], dtype=mat.dtype)[:, None]  # type: ignore[union-attr]
-            mat.sub_(lo).mul_(nb).div_(hi - lo).nan_to_num_(nan=-1.0).clamp_(-1.0, nb - 1)
+            mat.sub_(lo).mul_(nb).div_(hi - lo).clamp_(0, nb - 1)
             # int32 indices: half the memory of int64 to write; bincount takes either
-            idx = mat.add_(1.0).to(torch.int32)
-            idx.add_(torch.arange(0, rows * (nb + 1), nb + 1, dtype=torch.int32)[:, None])
-            counts = torch.bincount(idx.view(-1), minlength=rows * (nb + 1)).view(rows, nb + 1)
-            for st, h in zip(stats, counts[:, 1:].tolist(), strict=True):
+            offsets = torch.arange(0, rows * nb, nb, dtype=torch.int32)[:, None]
+            idx = mat.to(torch.int32).add_(offsets)
+            counts = torch.bincount(idx.view(-1), minlength=rows * nb)
+            lens = torch.tensor([self._sample_lens[i] for i in idxs])
+            pad_bins = idx[torch.arange(rows), lens.clamp(max=size - 1)].long()
+            counts.index_add_(0, pad_bins, lens - size)  # rows with no padding subtract 0
+            for st, h in zip(stats, counts.view(rows, nb).tolist(), strict=True):
                 st.hist = h  # type: ignore[union-attr]
 
     # -- any device: no read-back; counts NaN/Inf always ----------------------------------------
