@@ -344,9 +344,21 @@ class StatsBatch:
             stats = [self._out[self._sample_slots[i]] for i in idxs]
             rows = len(stats)
             mat = torch.stack([self._samples[i] for i in idxs])
-            lo = torch.tensor([st.hist_min for st in stats], dtype=mat.dtype)[:, None]  # type: ignore[union-attr]
-            hi = torch.tensor([st.hist_max for st in stats], dtype=mat.dtype)[:, None]  # type: ignore[union-attr]
-            mat.sub_(lo).mul_(nb).div_(hi - lo).clamp_(0, nb - 1)
+            lo_hi = [(st.hist_min, st.hist_max) for st in stats]  # type: ignore[union-attr]
+            bounds = torch.tensor(lo_hi, dtype=mat.dtype)
+            lo, width = bounds[:, :1], bounds[:, 1:] - bounds[:, :1]
+            if bool(torch.isfinite(width).all() and (width > 0).all()):
+                mat.sub_(lo).mul_(nb).div_(width)  # histc's order of operations
+            else:
+                # a range that is 0 or overflows in this dtype (a constant >= 2**24 in fp32,
+                # [-3e38, 3e38]): bin in fp64, where hist_min/hist_max were computed, on halved
+                # values (exact), dividing before scaling, so nothing overflows
+                mat = mat.double().mul_(0.5)
+                bounds = torch.tensor(lo_hi, dtype=torch.float64).mul_(0.5)
+                lo, width = bounds[:, :1], bounds[:, 1:] - bounds[:, :1]
+                mat.sub_(lo).div_(width).mul_(nb)
+            # 0/0 is left only for a constant whose +-1 range vanished: the middle bin, as histc
+            mat.nan_to_num_(nan=nb // 2).clamp_(0, nb - 1)
             # int32 indices: half the memory of int64 to write; bincount takes either
             offsets = torch.arange(0, rows * nb, nb, dtype=torch.int32)[:, None]
             idx = mat.to(torch.int32).add_(offsets)

@@ -153,6 +153,45 @@ def test_zero_count_exact_when_small_or_when_the_sample_shows_zeros():
     assert st.zero_exact and st.nan_count == 1 and st.zero_frac == 0.0
 
 
+@pytest.mark.parametrize(
+    "values",
+    [([1e8] * 3, torch.float32), ([-(2.0**25)] * 5, torch.float32),
+     ([-3e38, 0.0, 3e38], torch.float32), ([float("inf"), 1e8, 1e8], torch.float32),
+     ([1e20] * 4, torch.float64), ([-1.5e308, 0.0, 1.5e308], torch.float64)],
+    ids=["constant-1e8", "constant--2^25", "range-overflows", "inf-and-constant",
+         "fp64-constant-1e20", "fp64-range-overflows"],
+)
+def test_degenerate_ranges_bin_like_histc_in_fp64(values):
+    """A range that is 0 or infinite in its dtype (lo - 1 == lo at 1e8 in fp32) once crashed
+    bincount. The reference bins each value by histc's rule in Python floats, on halved values
+    so that the width stays finite (torch.histc itself returns all zeros there); a constant
+    whose +-1 range vanished goes to the middle bin, as histc puts it."""
+    values, dtype = values
+    x = torch.tensor(values, dtype=dtype)
+    st = hooks.summarize_tensor(x)
+    assert sum(st.hist) == st.hist_count == int(torch.isfinite(x).sum())
+    finite = x[torch.isfinite(x)].double()
+    if st.hist_min == st.hist_max:  # the +-1 widening vanished: all in the middle bin
+        assert st.hist[NUM_BINS // 2] == finite.numel()
+        return
+    lo, hi = st.hist_min / 2, st.hist_max / 2
+    ref = [0] * NUM_BINS
+    for v in finite.tolist():
+        ref[min(max(int((v / 2 - lo) / (hi - lo) * NUM_BINS), 0), NUM_BINS - 1)] += 1
+    assert st.hist == ref
+
+
+def test_degenerate_range_inside_a_capture_keeps_the_trace():
+    class Const(torch.nn.Module):
+        def forward(self, x):
+            return x * 0 + 1e8
+
+    model = Const()
+    with hooks.capture(model) as trace:
+        model(torch.randn(4, 3))
+    assert trace.forward[0].outputs[0].stats.hist_count == 12
+
+
 def test_non_contiguous_and_requires_grad_inputs():
     w = torch.randn(8, 6, requires_grad=True)
     st = hooks.summarize_tensor(w.t())
