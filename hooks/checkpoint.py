@@ -81,13 +81,36 @@ def save_checkpoint(
     Returns:
         The checkpoint directory.
     """
-    from safetensors.torch import save_file, save_model
-
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
+    try:
+        _write_checkpoint_files(tmp, model, optimizer, step, extra)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a disk-full write leaves nothing behind
+        raise
+    old = path.with_name(path.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if path.exists():
+        os.replace(path, old)
+    os.replace(tmp, path)
+    if old.exists():
+        shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def _write_checkpoint_files(
+    tmp: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    step: int,
+    extra: Mapping[str, Any] | None,
+) -> None:
+    from safetensors.torch import save_file, save_model
+
     save_model(model, str(tmp / "model.safetensors"))
     meta: dict[str, Any] = {
         "format": CHECKPOINT_FORMAT,
@@ -116,15 +139,6 @@ def save_checkpoint(
         json.dump(meta, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
-    old = path.with_name(path.name + ".old")
-    if old.exists():
-        shutil.rmtree(old)
-    if path.exists():
-        os.replace(path, old)
-    os.replace(tmp, path)
-    if old.exists():
-        shutil.rmtree(old, ignore_errors=True)
-    return path
 
 
 def read_checkpoint_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -182,8 +196,8 @@ def load_checkpoint(
     d = Path(meta["_dir"])
     try:
         missing, unexpected = load_model(model, str(d / "model.safetensors"), strict=True)
-    except (RuntimeError, OSError) as exc:
-        raise ValueError(f"checkpoint {d} does not fit the model: {exc}") from exc
+    except Exception as exc:  # RuntimeError, OSError, safetensors' SafetensorError (truncated)
+        raise ValueError(f"checkpoint {d} does not fit the model or is unreadable: {exc}") from exc
     if optimizer is not None:
         info = meta.get("optimizer")
         if info is None:
@@ -192,7 +206,10 @@ def load_checkpoint(
             raise ValueError(
                 f"checkpoint {d} holds {info['class']} state, not {type(optimizer).__name__}"
             )
-        tensors = load_file(str(d / "optimizer.safetensors"))
+        try:
+            tensors = load_file(str(d / "optimizer.safetensors"))
+        except Exception as exc:
+            raise ValueError(f"checkpoint {d} has an unreadable optimizer state: {exc}") from exc
         state: dict[int, dict[str, Any]] = {}
         for key, value in tensors.items():
             idx, name = key.split(".", 1)

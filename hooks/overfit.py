@@ -5,9 +5,10 @@
 to a :class:`hooks.runstore.RunStore`, checkpoints (:mod:`hooks.checkpoint`) at the end, on
 interruption and every ``checkpoint_every`` steps, and resumes from the last checkpoint.
 
-A run's checkpoints live in ``<db stem>-checkpoints/<run>/step-<N>/``; the store's row names
-the current one and is the commit point (older directories are deleted after it is updated),
-so a ``kill -9`` at any moment leaves a checkpoint that matches the database.
+A run's checkpoints live in ``<db stem>-checkpoints/<run>/step-<N>/`` (N zero-padded to 8
+digits), written when the run starts, every ``checkpoint_every`` steps and at its end; the
+store's row names the current one and is the commit point (older directories are deleted after
+it is updated), so a ``kill -9`` at any moment leaves a checkpoint that matches the database.
 
 This module never imports textual, rich or tui.
 """
@@ -170,8 +171,10 @@ class OverfitSession:
         self.control = TrainControl()
         self.result: TrainResult | None = None
         self.checkpoint_error: str | None = None
-        #: The checkpoint directory the store records for this run (``None``: none yet).
+        #: The checkpoint directory the store records for this run (``None``: none yet), and
+        #: its step.
         self.last_checkpoint: Path | None = Path(checkpoint) if checkpoint is not None else None
+        self.last_checkpoint_step: int | None = start_step if checkpoint is not None else None
         torch.manual_seed(options.seed)
         if options.tokenizer == "char":
             self.tokenizer: Any = minillm.CharTokenizer.from_text(options.text)
@@ -259,21 +262,23 @@ class OverfitSession:
         if steps is not None:
             options.steps = int(steps)
         options.validate()
-        writer = store.resume_run(name, total_steps=options.steps)
+        if run.checkpoint_path is None:  # resume_run says why it cannot go on
+            store.resume_run(name, total_steps=options.steps)
         ckpt = Path(run.checkpoint_path or "")
         if not ckpt.is_absolute():
             ckpt = store.path.parent / ckpt
-        try:
-            meta = read_checkpoint_meta(ckpt)
-            if meta["step"] != run.checkpoint_step:
-                raise ValueError(
-                    f"checkpoint at {ckpt} is of step {meta['step']}, the database says "
-                    f"{run.checkpoint_step}"
-                )
-            session = cls(options, store, writer, start_step=meta["step"], checkpoint=ckpt)
-        except BaseException as exc:
-            writer.finish("interrupted", reason=f"resume failed: {exc}")
-            raise
+        # the checkpoint is read and loaded before the store is changed: a missing or corrupt
+        # one leaves the run as it was
+        meta = read_checkpoint_meta(ckpt)
+        if meta["step"] != run.checkpoint_step:
+            raise ValueError(
+                f"checkpoint at {ckpt} is of step {meta['step']}, the database says "
+                f"{run.checkpoint_step}"
+            )
+        session = cls(options, store, None, start_step=meta["step"], checkpoint=ckpt)
+        session.last_checkpoint_step = meta["step"]
+        writer = store.resume_run(name, total_steps=options.steps)
+        session.writer, session.name = writer, name
         writer.update_config(
             {**options.to_dict(), "resolved_model_config": session.config.to_dict()}
         )
@@ -347,7 +352,7 @@ class OverfitSession:
             extra={"run": self.name, "seed": self.options.seed},
         )
         self.writer.set_checkpoint(step, path)
-        self.last_checkpoint = path
+        self.last_checkpoint, self.last_checkpoint_step = path, step
         self._prune_checkpoints(keep=path)
         return path
 
@@ -404,13 +409,17 @@ class OverfitSession:
                 on_state(state)
 
         writer.start_heartbeat(heartbeat_interval)
+        if self.last_checkpoint is None:
+            # a new run starts with a checkpoint of its initial state, so that a writer killed
+            # before its first periodic checkpoint still leaves a run that can be resumed
+            self._try_checkpoint()
         try:
             result = self.trainer.run(self.control, on_step=step_cb, on_state=state_cb)
         except BaseException as exc:
             interrupted = isinstance(exc, KeyboardInterrupt)
             reason = "KeyboardInterrupt" if interrupted else f"{type(exc).__name__}: {exc}"
             with contextlib.suppress(Exception):
-                if self.trainer.step > self.trainer.start_step:
+                if self.trainer.step != self.last_checkpoint_step:
                     self.save_checkpoint()
             with contextlib.suppress(Exception):
                 writer.finish("interrupted" if interrupted else "failed", reason=reason[:500],
@@ -426,24 +435,30 @@ class OverfitSession:
             )
         else:
             reason = result.reason
-            if result.last_step > self.trainer.start_step or not self._has_checkpoint():
-                error = self._try_checkpoint()
-                if error:
-                    reason = f"{reason}; {error}"
-                    result.reason = reason
+            if result.last_step != self.last_checkpoint_step:
+                self._try_checkpoint()
+            if self.checkpoint_error:
+                reason = f"{reason}; {self.checkpoint_error}"
+                result.reason = reason
             writer.finish(result.status, reason=reason)
         self.result = result
         return result
 
     def _try_checkpoint(self) -> str | None:
-        """Checkpoint; on a filesystem error return a one-line description instead of raising
-        (the run's metrics are safe in the database; :attr:`checkpoint_error` keeps it)."""
+        """Checkpoint; if it cannot be written (disk full, read-only directory...) return a
+        one-line description instead of raising. The run's metrics are safe in the database;
+        :attr:`checkpoint_error` keeps the failure until a later checkpoint succeeds."""
         try:
             self.save_checkpoint()
-        except OSError as exc:
-            self.checkpoint_error = f"checkpoint failed: {exc.strerror or exc}"
+        except Exception as exc:  # OSError, safetensors' SafetensorError, ...
+            line = (getattr(exc, "strerror", None) or str(exc) or type(exc).__name__)
+            self.checkpoint_error = f"checkpoint of step {self.trainer.step} failed: " + (
+                line.splitlines()[0][:200])
             return self.checkpoint_error
+        self.checkpoint_error = None
         return None
 
-    def _has_checkpoint(self) -> bool:
-        return self.last_checkpoint is not None
+    @property
+    def checkpoint_current(self) -> bool:
+        """Whether the recorded checkpoint is of the last step trained (nothing to lose)."""
+        return self.last_checkpoint_step == self.trainer.step

@@ -62,9 +62,10 @@ class TensorStats:
             :data:`ZERO_EXACT_NUMEL` elements whose histogram sample holds no zero. Counting
             them costs two more passes over memory (a third of the summary's time), so it is
             done only when the sample shows zeros. A tensor reported this way has no zero row
-            when it has at most about HIST_SAMPLE rows (the sample's stride is shorter than a
-            row), and for zeros scattered at random a fraction below ~0.3% (95% bound for a
-            sample of HIST_SAMPLE elements).
+            when the sample's stride (about numel / HIST_SAMPLE, made coprime with the last
+            dimension) is at most the last dimension; zeros scattered at random are then below
+            ~0.3% (95% bound for a sample of HIST_SAMPLE elements). Zeros laid out with exactly
+            the stride's period can hide from the sample.
         nan_count: number of NaN elements.
         inf_count: number of +Inf or -Inf elements.
         hist: element counts in ``NUM_BINS`` equal-width bins over ``[hist_min, hist_max]`` (the
@@ -128,8 +129,11 @@ class TensorStats:
         )
 
     def values(self) -> dict[str, float | None]:
-        """The scalar statistics by name (the ones :func:`hooks.diff` compares)."""
+        """The scalar statistics by name (the ones :func:`hooks.diff` compares); ``zero_frac``
+        is ``None`` when it was not counted (``zero_exact`` False)."""
         out: dict[str, float | None] = {name: getattr(self, name) for name in _STAT_FIELDS}
+        if not self.zero_exact:
+            out["zero_frac"] = None
         out["nan_count"] = float(self.nan_count)
         out["inf_count"] = float(self.inf_count)
         return out

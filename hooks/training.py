@@ -751,3 +751,30 @@ class Trainer:
         if self.step >= self.total_steps:
             return TrainResult("finished", self.step, "finished")
         return TrainResult("interrupted", self.step, control.stop_reason or "stopped")
+
+
+_MOVED = {
+    "OverfitOptions": "hooks.overfit",
+    "OverfitSession": "hooks.overfit",
+    "default_overfit_text": "hooks.overfit",
+    "DEFAULT_TEXT_PATH": "hooks.overfit",
+    "SEED_SENTENCE": "hooks.overfit",
+    "CHECKPOINT_FORMAT": "hooks.checkpoint",
+    "save_checkpoint": "hooks.checkpoint",
+    "load_checkpoint": "hooks.checkpoint",
+    "read_checkpoint_meta": "hooks.checkpoint",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Names that moved to :mod:`hooks.overfit` and :mod:`hooks.checkpoint` still import from
+    here, with a DeprecationWarning."""
+    module = _MOVED.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    import warnings
+
+    warnings.warn(f"hooks.training.{name} moved to {module}.{name}", DeprecationWarning,
+                  stacklevel=2)
+    return getattr(importlib.import_module(module), name)

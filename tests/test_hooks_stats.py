@@ -214,3 +214,11 @@ def test_round_trip_dict_encodes_nonfinite_as_strings():
     st2 = TensorStats(numel=1, mean=float("nan"))
     assert st2.to_dict()["mean"] == "nan"
     assert math.isnan(TensorStats.from_dict(st2.to_dict()).mean)
+
+
+def test_uncounted_zero_fraction_is_not_compared_by_diff():
+    big = torch.randn(300, 1000).abs_().add_(0.1)
+    st = hooks.summarize_tensor(big)
+    assert not st.zero_exact and st.values()["zero_frac"] is None
+    small = hooks.summarize_tensor(torch.tensor([0.0, 1.0]))
+    assert small.zero_exact and small.values()["zero_frac"] == 0.5

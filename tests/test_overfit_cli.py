@@ -35,7 +35,10 @@ def tiny(tmp_path) -> Path:
 
 
 def _one_error_line(capsys) -> str:
-    err = capsys.readouterr().err
+    return _the_error_line(capsys.readouterr().err)
+
+
+def _the_error_line(err: str) -> str:
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     assert lines[0].startswith("mdb: error: ")
@@ -305,3 +308,81 @@ def test_signals_interrupt_checkpoint_and_resume(tmp_path, tiny, capsys):
             r = store.run(name)
             assert (r.status, r.last_step, r.attempt) == ("finished", targets[name], 2)
             assert [m.step for m in store.metrics(r.id)] == list(range(1, targets[name] + 1))
+
+
+@pytest.mark.slow
+def test_kill_9_before_any_periodic_checkpoint_resumes_from_step_0(tmp_path, tiny, capsys):
+    """A new run checkpoints its initial state first, so a writer killed before its first
+    periodic checkpoint leaves a run that resumes (found in review: it could not be resumed
+    nor recreated under its name)."""
+    db = tmp_path / "mdb.sqlite"
+    proc, log = _spawn(["overfit", "--headless", "--config", str(tiny), "--steps", "100000",
+                        "--db", str(db), "--run", "e", "--every", "0", "--sample-every", "0",
+                        "--heartbeat", "0.2"], tmp_path, "e")
+    _wait_for(lambda: (proc.poll() is not None)
+              or ((r := _run_row(db, "e")) is not None and r.last_step >= 3), 120, "step 3")
+    proc.kill()
+    proc.wait(timeout=30)
+    with RunStore(db) as store:
+        run = store.run("e")
+        assert run.checkpoint_step == 0 and run.writer_state() == "gone"
+    capsys.readouterr()
+    assert main(["overfit", "--headless", "--db", str(db), "--resume", "e", "--steps", "4"]) == 0
+    assert "run e finished: step 4/4" in capsys.readouterr().out
+    with RunStore(db) as store:
+        assert [m.step for m in store.metrics(store.run("e").id)] == [1, 2, 3, 4]
+
+
+def test_checkpoint_that_cannot_be_written_is_one_error_line_and_exit_1(tmp_path, tiny, capsys,
+                                                                        monkeypatch):
+    """Disk full / read-only: the run's steps are kept, the end line says the checkpoint failed
+    and where a resume would start, exit 1, and no half-written directory is left."""
+    from safetensors import SafetensorError
+
+    import hooks.checkpoint as checkpoint
+
+    real = checkpoint._write_checkpoint_files
+
+    def disk_full(tmp, model, optimizer, step, extra):
+        if step >= 5:
+            (tmp / "model.safetensors").write_bytes(b"partial")
+            raise SafetensorError("Error while serializing: No space left on device")
+        real(tmp, model, optimizer, step, extra)
+
+    monkeypatch.setattr(checkpoint, "_write_checkpoint_files", disk_full)
+    db = tmp_path / "mdb.sqlite"
+    rc = main(["overfit", "--headless", "--config", str(tiny), "--steps", "6", "--db", str(db),
+               "--run", "full", "--every", "0", "--sample-every", "0", "--checkpoint-every", "3"])
+    captured = capsys.readouterr()
+    assert rc == 1
+    line = _the_error_line(captured.err)
+    assert "run full finished after step 6" in line
+    assert "checkpoint of step 6 failed: Error while serializing: No space left" in line
+    assert "a resume starts again from step 3" in line
+    assert "Traceback" not in captured.out + captured.err
+    with RunStore(db) as store:
+        run = store.run("full")
+        assert (run.status, run.last_step, run.checkpoint_step) == ("finished", 6, 3)
+    ckpts = db.parent / "mdb-checkpoints" / "full"
+    assert [p.name for p in ckpts.iterdir()] == ["step-00000003"]
+
+
+def test_corrupt_checkpoint_resume_is_one_line_and_leaves_the_run_as_it_was(tmp_path, tiny,
+                                                                              capsys):
+    db = tmp_path / "mdb.sqlite"
+    assert main(["overfit", "--headless", "--config", str(tiny), "--steps", "4", "--db", str(db),
+                 "--run", "c1", "--every", "0", "--sample-every", "0"]) == 0
+    ckpt = db.parent / "mdb-checkpoints" / "c1" / "step-00000004"
+    for name in ("optimizer.safetensors", "model.safetensors"):
+        data = (ckpt / name).read_bytes()
+        (ckpt / name).write_bytes(data[:1000])
+        capsys.readouterr()
+        assert main(["overfit", "--headless", "--db", str(db), "--resume", "c1",
+                     "--steps", "8"]) == 2
+        err = capsys.readouterr().err
+        assert "cannot resume 'c1'" in _the_error_line(err) and "Traceback" not in err
+        (ckpt / name).write_bytes(data)
+    with RunStore(db) as store:
+        run = store.run("c1")
+        assert (run.status, run.last_step, run.attempt) == ("finished", 4, 1)
+        assert len(store.metrics(run.id)) == 4

@@ -486,3 +486,16 @@ def test_seed_claim_default_overfit_reaches_ce_below_005_by_step_300(tmp_path):
     # and greedy decoding from the first 4 characters reproduces the text
     prompt, cont = session.greedy_sample()
     assert prompt + cont == text[: len(prompt) + len(cont)]
+
+
+def test_names_moved_out_of_hooks_training_still_import_with_a_warning():
+    import hooks.checkpoint
+    import hooks.overfit
+
+    with pytest.warns(DeprecationWarning, match="moved to hooks.overfit"):
+        from hooks.training import OverfitSession as Moved
+    assert Moved is hooks.overfit.OverfitSession
+    with pytest.warns(DeprecationWarning, match="moved to hooks.checkpoint"):
+        assert training.save_checkpoint is hooks.checkpoint.save_checkpoint
+    with pytest.raises(AttributeError):
+        training.no_such_name  # noqa: B018

@@ -82,8 +82,14 @@ async def test_watch_follows_a_real_writer_then_sees_it_finish(tmp_path):
             await pilot.pause(0.4)
             status = str(app.screen.query_one("#live-status").render())
             assert "finished" in status and f"step {steps}/{steps}" in status
-            await pilot.press("p")  # read-only
-            assert "read-only" in str(app.screen.query_one("#hint").render())
+            # read-only: the keys that drive training are neither shown nor acted on
+            assert "read-only" in str(app.screen.query_one("#title").render())
+            footer = " ".join(str(k.render()) for k in app.screen.query("FooterKey"))
+            assert "pause" not in footer and "stop" not in footer and "step view" in footer
+            hint_before = str(app.screen.query_one("#hint").render())
+            await pilot.press("p", "x")
+            assert str(app.screen.query_one("#hint").render()) == hint_before
+            assert screen.state == "finished"
             await pilot.press("q")
         store.close()
     finally:
@@ -189,6 +195,16 @@ async def test_watch_c_opens_the_latest_stored_capture_in_the_step_view(tmp_path
         await pilot.press("q")  # back to the live screen, not out of the app
         await _wait(pilot, lambda: app.screen is app.live)
         assert "back from the step view" in str(app.screen.query_one("#hint").render())
+        # a capture that arrives while help is open does not cover it (c, then ? before the
+        # read finished)
+        await pilot.press("question_mark")
+        help_screen = app.screen
+        app.live.action_capture()
+        hint = app.live.query_one("#hint")
+        await _wait(pilot, lambda: "c opens it" in str(hint.render()), timeout=30)
+        assert app.screen is help_screen
+        await pilot.press("q")
+        await _wait(pilot, lambda: app.screen is app.live)
         await pilot.press("q")
     store.close()
 

@@ -20,6 +20,7 @@ import threading
 from textual.app import App
 
 from tui import messages
+from tui.run_end import end_of_run
 
 
 class LiveApp(App[int]):
@@ -68,10 +69,6 @@ def make_watch_app(store, run, **kwargs) -> LiveApp:
     return LiveApp(LiveScreen.watching(store, run, **kwargs))
 
 
-def _fmt(x: float | None) -> str:
-    return "nan" if x is None else f"{x:.4f}"
-
-
 def run_live(session, args=None) -> int:
     """Train ``session`` under the live screen; return the exit status of ``mdb overfit``.
 
@@ -112,17 +109,11 @@ def run_live(session, args=None) -> int:
               file=sys.stderr)
         return 1
     m = screen.series.last
-    loss = f", ce {_fmt(m.ce)}" if m is not None else ""
-    if result.status == "finished":
-        print(f"run {name} finished: step {result.last_step}/{session.trainer.total_steps}"
-              f"{loss}; checkpoint in {session.checkpoint_path}")
-    elif result.status == "failed":
-        print(f"run {name} failed: {result.reason}")
-    else:
-        db = f" --db {args.db}" if args is not None and getattr(args, "db", None) else ""
-        print(f"run {name} interrupted ({result.reason}) after step {result.last_step}{loss}; "
-              f"checkpoint written; continue with: mdb overfit --resume {name}{db}")
-    return exit_code(result)
+    db = getattr(args, "db", None) if args is not None else None
+    line, is_error, code = end_of_run(session, result, m.ce if m is not None else None, db)
+    print(f"mdb: error: {line}" if is_error else line, file=sys.stderr if is_error else sys.stdout)
+    # stopped from the screen (x, q) is a normal end here, unlike a headless run's 130
+    return code if is_error else exit_code(result)
 
 
 def _exit_after_hangup(screen, session, timeout: float = 300.0) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 from tui.commands._common import nonneg_int, positive_float, positive_int
 from tui.errors import MdbError
+from tui.run_end import end_of_run
 
 HELP = (
     "memorise a short text (seed 000's test C) as a recorded run, on a live screen (or "
@@ -27,7 +28,6 @@ HELP = (
 )
 
 #: Exit status of a run that failed (non-finite loss or gradient).
-EXIT_FAILED = 1
 
 _DEFAULTS: dict[str, Any] = {
     "preset": "seed-test-c",
@@ -393,7 +393,7 @@ def run_headless(session, args: argparse.Namespace | None = None) -> int:
         129 SIGHUP); 130 when stopped otherwise; :data:`EXIT_FAILED` (1) when a non-finite
         value appeared.
     """
-    from hooks.training import install_stop_signals, signal_exit_code
+    from hooks.training import install_stop_signals
 
     restore = install_stop_signals(session.control)
     reporter = _Reporter(session)
@@ -408,22 +408,14 @@ def run_headless(session, args: argparse.Namespace | None = None) -> int:
     finally:
         restore()
         session.store.close()
-    name = session.name
     m = reporter.last_metrics
-    loss = f", ce {_fmt(m.ce)}" if m is not None else ""
-    if result.status == "finished":
-        reporter.line(f"run {name} finished: step {result.last_step}/{session.trainer.total_steps}"
-                      f"{loss}; checkpoint in {session.checkpoint_path}")
-        return 0
-    if result.status == "failed":
-        reporter.line(f"run {name} failed: {result.reason}")
-        return EXIT_FAILED
-    reporter.line(
-        f"run {name} interrupted ({result.reason}) after step {result.last_step}{loss}; "
-        f"checkpoint written; continue with: mdb overfit --resume {name}"
-        + (f" --db {args.db}" if args is not None and args.db else "")
-    )
-    return signal_exit_code(result.reason) or 130
+    line, is_error, code = end_of_run(session, result, m.ce if m is not None else None,
+                                      args.db if args is not None else None)
+    if is_error:
+        print(f"mdb: error: {line}", file=sys.stderr)
+    else:
+        reporter.line(line)
+    return code
 
 
 def run(args: argparse.Namespace) -> int:

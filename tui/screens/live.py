@@ -54,9 +54,6 @@ LOSS_LINES = (("total", "bold"), ("aux", "yellow"), ("ce", "cyan"))
 EXPERT_STYLES = ("cyan", "yellow", "green", "magenta", "red", "blue", "bright_white",
                  "bright_black")
 
-READ_ONLY = "read-only: this screen follows the database; control the run where it runs"
-
-
 def _num(x: float | None, spec: str = ".4f") -> str:
     if x is None:
         return "nan"
@@ -92,8 +89,8 @@ class LiveHelpScreen(HelpScreen):
         ]
         if self.watch:
             lines += [
-                "mdb watch is read-only: p, s and x only say so; control the run in the",
-                "terminal running `mdb overfit` (or stop it with kill -TERM <pid>).",
+                "mdb watch is read-only (no p, s or x): control the run in the terminal",
+                "running `mdb overfit` (or stop it with kill -TERM <pid>).",
                 "c opens the run's latest stored capture (the writer records one every",
                 "--every steps) in the step view; q there comes back here.",
             ]
@@ -133,7 +130,7 @@ class LiveScreen(MdbScreen):
     BINDINGS = [
         Binding("p", "pause", "pause/resume", id="live.pause"),
         Binding("s", "step", "step", id="live.step"),
-        Binding("c", "capture", "capture→step view", id="live.capture"),
+        Binding("c", "capture", "step view", id="live.capture"),
         Binding("x", "stop", "stop", id="live.stop"),
         Binding("l", "log_scale", "log/linear loss", show=False, id="live.log"),
         Binding("e", "next_layers", "more MoE layers", show=False, id="live.layers"),
@@ -299,6 +296,9 @@ class LiveScreen(MdbScreen):
         message.stop()
         from tui.screens.step import StepScreen
 
+        if self.watch and self.app.screen is not self:  # the user went on (help): not over it
+            self.hint(f"stored capture of step {message.step} read · c opens it")
+            return
         if self.watch:
             self.hint(f"stored capture of step {message.step} · q in the step view comes back")
         else:
@@ -404,8 +404,7 @@ class LiveScreen(MdbScreen):
             trace = load_trace(store, self.run.id, steps[-1]) if steps else None
         if trace is None:
             self.post_message(messages.Hint(
-                f"run {self.run_name} has no stored capture yet (the writer stores one every "
-                "--every steps; --every 0 stores none)"))
+                "no stored capture in this run (the writer stores one every --every N steps)"))
             return
         self.post_message(messages.StepCaptured(steps[-1], trace))
 
@@ -595,10 +594,13 @@ class LiveScreen(MdbScreen):
                 title=f"L{i} tok{more}")
 
     # -- actions ---------------------------------------------------------------------------------
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Watching, the keys that drive training are hidden from the footer and do nothing."""
+        if self.watch and action in ("pause", "step", "stop"):
+            return False
+        return True
+
     def _read_only(self) -> bool:
-        if self.watch:
-            self.hint(READ_ONLY)
-            return True
         if self.ended is not None or self.error is not None:
             self.hint(f"the run has ended ({self.state}) · q quits")
             return True

@@ -1,0 +1,49 @@
+"""The line ``mdb overfit`` prints when a run ends, and its exit status (headless and live)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Exit status of a run that failed (a non-finite value) or whose checkpoint could not be written.
+EXIT_FAILED = 1
+
+
+def fmt_loss(x: float | None) -> str:
+    """A loss as printed in the progress and end lines (``nan`` when missing)."""
+    return "nan" if x is None else f"{x:.4f}"
+
+
+def end_of_run(
+    session: Any, result: Any, ce: float | None, db: str | None
+) -> tuple[str, bool, int]:
+    """What to print when a run ends: ``(line, is_error, exit status)``.
+
+    ``is_error`` lines go to stderr with the ``mdb: error:`` prefix. The line says "checkpoint"
+    only about a checkpoint that exists: when the last one failed (disk full, read-only
+    directory), it says so, and which step a resume would start from.
+
+    Args:
+        session: The :class:`hooks.overfit.OverfitSession` that ran.
+        result: Its :class:`hooks.training.TrainResult`.
+        ce: The last step's cross-entropy, if any.
+        db: The ``--db`` given on the command line (repeated in the resume hint), or ``None``.
+    """
+    from hooks.training import signal_exit_code
+
+    name = session.name
+    loss = f", ce {fmt_loss(ce)}" if ce is not None else ""
+    resume = f"mdb overfit --resume {name}" + (f" --db {db}" if db else "")
+    saved = session.last_checkpoint_step
+    if session.checkpoint_error and not session.checkpoint_current:
+        where = (f"a resume starts again from step {saved}" if saved is not None
+                 else "it cannot be resumed")
+        return (f"run {name} {result.status} after step {result.last_step}{loss}, but its "
+                f"{session.checkpoint_error}; {where}", True, EXIT_FAILED)
+    if result.status == "finished":
+        return (f"run {name} finished: step {result.last_step}/{session.trainer.total_steps}"
+                f"{loss}; checkpoint in {session.checkpoint_path}", False, 0)
+    if result.status == "failed":
+        return f"run {name} failed: {result.reason}", False, EXIT_FAILED
+    return (f"run {name} interrupted ({result.reason}) after step {result.last_step}{loss}; "
+            f"checkpoint written; continue with: {resume}", False,
+            signal_exit_code(result.reason) or 130)
