@@ -80,6 +80,11 @@ def save_checkpoint(
 
     Returns:
         The checkpoint directory.
+
+    Raises:
+        OSError, safetensors.SafetensorError: The files could not be written (disk full,
+            read-only directory); ``<path>.tmp`` is removed and any previous checkpoint at
+            ``path`` is untouched.
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")

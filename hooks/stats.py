@@ -1,18 +1,21 @@
 """Tensor statistics: one summary per tensor, computed in as few passes as the numbers allow.
 
 The capture engine summarises every module output, input and gradient, so this is the hot path.
-A tensor is read as a detached flat fp32 view (no copy for contiguous fp32 tensors). On CPU five
-cheap kernels give everything: ``torch.aminmax`` (min, max), ``sum``, ``torch.dot(x, x)`` (sum of
-squares) and ``dot(sign(x), sign(x))`` (non-zero count), read back together with one
-``tolist()``. The rest is derived: ``mean = sum / n``, ``var = (sumsq - n mean^2) / (n - 1)``,
-``abs_max = max(-min, max)``, ``l2 = sqrt(sumsq)``. When that variance formula would lose
-precision (``|mean| >> std``) or overflow, an exact two-pass fp64 computation replaces it. When
-min and max are finite the tensor holds no NaN and no Inf, so the NaN/Inf counting passes are
-skipped; only a tensor with non-finite values takes the slow path, whose statistics describe its
-finite elements. (``torch.var_mean``, ``count_nonzero`` and a full-size ``torch.histc`` are
-avoided: on CPU they run 2-50x slower per element than the kernels above.) The histogram is
-binned like ``torch.histc`` over ``[min, max]``, exact up to :data:`HIST_SAMPLE` elements and
-taken on a strided sample beyond; all histograms of a capture are binned together at the end.
+A tensor is read as a detached flat fp32 view (no copy for contiguous fp32 tensors). On CPU three
+passes over memory give everything: ``torch.aminmax`` (min, max), ``sum`` and ``torch.dot(x, x)``
+(sum of squares), each read back with ``.item()``. The rest is derived: ``mean = sum / n``,
+``var = (sumsq - n mean^2) / (n - 1)``, ``abs_max = max(-min, max)``, ``l2 = sqrt(sumsq)``. When
+that variance formula would lose precision (``|mean| >> std``) or overflow, an exact two-pass
+fp64 computation replaces it. When min and max are finite the tensor holds no NaN and no Inf, so
+the NaN/Inf counting passes are skipped; only a tensor with non-finite values takes the slow
+path, whose statistics describe its finite elements. Zeros are counted with
+``dot(sign(x), sign(x))`` (two more passes) in tensors of at most :data:`ZERO_EXACT_NUMEL`
+elements and in any tensor whose histogram sample holds a zero; otherwise they are not counted
+and :attr:`TensorStats.zero_exact` says so. (``torch.var_mean``, ``count_nonzero`` and a
+full-size ``torch.histc`` are avoided: on CPU they run 2-50x slower per element than the kernels
+above.) The histogram is binned like ``torch.histc`` over ``[min, max]``, exact up to
+:data:`HIST_SAMPLE` elements and taken on a strided sample beyond; all histograms of a capture
+are binned together at the end.
 
 On other devices :class:`StatsBatch` uses a sync-free formulation and keeps every result on the
 device until :meth:`StatsBatch.finalize` converts all of them with one ``tolist()`` per statistic.
@@ -153,16 +156,6 @@ def decode_float(v: float | str | None) -> float | None:
     return float(v)
 
 
-def _as_float_view(t: torch.Tensor) -> torch.Tensor | None:
-    """Detached fp32 (or fp64) flat view of ``t``; ``None`` for complex tensors."""
-    x = t.detach()
-    if x.is_complex():
-        return None
-    if x.dtype not in (torch.float32, torch.float64):
-        x = x.float()
-    return x
-
-
 @functools.lru_cache(maxsize=256)
 def _sample_index(n: int, last_dim: int) -> tuple[torch.Tensor, int]:
     """Positions of the strided histogram sample of a flat tensor of ``n > HIST_SAMPLE``
@@ -275,7 +268,7 @@ class StatsBatch:
             self._add_cpu(slot, x, n)
         return slot
 
-    # -- CPU: read five numbers back (free on CPU), skip the NaN/Inf passes for finite tensors --
+    # -- CPU: read a few numbers back (free on CPU), skip NaN/Inf passes for finite tensors --
     def _add_cpu(self, slot: int, x: torch.Tensor, n: int) -> None:
         xf = x.view(-1) if x.is_contiguous() else x.reshape(-1)
         last = x.shape[-1] if x.dim() else 1
