@@ -173,6 +173,7 @@ class LiveScreen(MdbScreen):
         self.training_done = threading.Event()
         self._pending: collections.deque = collections.deque()
         self._want_capture = False
+        self._pending_capture: messages.StepCaptured | None = None  # arrived under another screen
         self._quitting = False
         self._cursor = 0
         self._log_scale = True
@@ -232,6 +233,9 @@ class LiveScreen(MdbScreen):
     def on_screen_resume(self) -> None:
         self._dirty_text = self._dirty_charts = True
         self._schedule_redraw()
+        pending, self._pending_capture = self._pending_capture, None
+        if pending is not None:
+            self.call_later(self._open_capture, pending)
 
     def on_resize(self) -> None:
         self._dirty_charts = True
@@ -294,11 +298,15 @@ class LiveScreen(MdbScreen):
 
     def on_step_captured(self, message: messages.StepCaptured) -> None:
         message.stop()
+        if self.app.screen is not self:  # the user opened help meanwhile: not on top of it
+            self._pending_capture = message
+            self.hint(f"step {message.step} captured · its step view opens when you are back")
+            return
+        self._open_capture(message)
+
+    def _open_capture(self, message: messages.StepCaptured) -> None:
         from tui.screens.step import StepScreen
 
-        if self.watch and self.app.screen is not self:  # the user went on (help): not over it
-            self.hint(f"stored capture of step {message.step} read · c opens it")
-            return
         if self.watch:
             self.hint(f"stored capture of step {message.step} · q in the step view comes back")
         else:
