@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import warnings
 from pathlib import Path
 
@@ -44,3 +45,12 @@ def one_thread():
 
 def pytest_configure(config):
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+
+
+async def wait_until(pilot, cond, timeout: float = 60.0) -> None:
+    """Let a Textual Pilot run until ``cond()`` is true; AssertionError after ``timeout`` s."""
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError("timed out")
+        await pilot.pause(0.05)

@@ -4,7 +4,6 @@ real screen (charts grow, loss falls, pause / step / capture → step view → b
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ import torch
 from hooks.overfit import OverfitOptions, OverfitSession
 from hooks.runstore import MetricRow, RunStore
 from minillm import MiniLLMConfig
+from tests.conftest import wait_until
 from tui.screens.live_chart import Series, _line, chart_rows
 from tui.screens.live_data import Downsampler, RunSeries, matching_prefix
 
@@ -103,14 +103,6 @@ def test_run_series_rates_eta_and_expert_tokens():
 
 # -- the screen, with a real trainer ---------------------------------------------------------------
 
-async def _wait(pilot, cond, timeout: float = 60.0) -> None:
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError("timed out")
-        await pilot.pause(0.05)
-
-
 async def test_live_screen_20_steps_charts_grow_and_loss_falls(tmp_path):
     from tui.live_app import make_overfit_app
 
@@ -123,7 +115,7 @@ async def test_live_screen_20_steps_charts_grow_and_loss_falls(tmp_path):
         while not screen.training_done.is_set():
             sizes.append(sum(len(s.xs) for s in loss_chart.series))
             await pilot.pause(0.05)
-        await _wait(pilot, lambda: screen.ended is not None)
+        await wait_until(pilot, lambda: screen.ended is not None)
         await pilot.pause(0.3)
         sizes.append(sum(len(s.xs) for s in loss_chart.series))
         assert screen.state == "finished"
@@ -155,25 +147,25 @@ async def test_pause_step_capture_opens_step_view_and_comes_back(tmp_path):
     app = make_overfit_app(session, chart_interval=0.1)
     screen = app.live
     async with app.run_test(size=(80, 24)) as pilot:
-        await _wait(pilot, lambda: screen.series.step >= 2)
+        await wait_until(pilot, lambda: screen.series.step >= 2)
         await pilot.press("p")
-        await _wait(pilot, lambda: screen.state == "paused")
+        await wait_until(pilot, lambda: screen.state == "paused")
         await pilot.pause(0.3)
         paused_at = screen.series.step
         await pilot.pause(0.3)
         assert screen.series.step == paused_at  # stays paused
         await pilot.press("s")
-        await _wait(pilot, lambda: screen.series.step == paused_at + 1)
+        await wait_until(pilot, lambda: screen.series.step == paused_at + 1)
         await pilot.press("c")
-        await _wait(pilot, lambda: isinstance(app.screen, StepScreen))
+        await wait_until(pilot, lambda: isinstance(app.screen, StepScreen))
         assert app.screen.trace.step == paused_at + 2
         assert app.screen.trace.forward and app.screen.trace.backward
         await pilot.press("q")  # back to the live screen, still paused
-        await _wait(pilot, lambda: isinstance(app.screen, LiveScreen))
+        await wait_until(pilot, lambda: isinstance(app.screen, LiveScreen))
         assert session.control.paused
         assert screen.series.step == paused_at + 2
         await pilot.press("x")
-        await _wait(pilot, lambda: screen.ended is not None)
+        await wait_until(pilot, lambda: screen.ended is not None)
         assert screen.ended.status == "interrupted"
         await pilot.press("q")
     assert app.return_code == 0
@@ -194,7 +186,7 @@ async def test_nonfinite_loss_shows_failed_with_step_and_module(tmp_path):
     app = make_overfit_app(session)
     screen = app.live
     async with app.run_test(size=(80, 24)) as pilot:
-        await _wait(pilot, lambda: screen.ended is not None)
+        await wait_until(pilot, lambda: screen.ended is not None)
         await pilot.pause(0.4)
         status = str(app.screen.query_one("#live-status").render())
         assert screen.ended.status == "failed" and screen.ended.fail_step == 4
@@ -214,7 +206,7 @@ async def test_too_small_terminal_says_so(tmp_path):
     session = tiny_session(tmp_path, steps=3)
     app = make_overfit_app(session)
     async with app.run_test(size=(60, 20)) as pilot:
-        await _wait(pilot, lambda: app.live.training_done.is_set())
+        await wait_until(pilot, lambda: app.live.training_done.is_set())
         await pilot.pause(0.2)
         assert app.screen.has_class("-too-small")
         assert "terminal too small" in str(app.screen.query_one("#too-small").render())

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hooks.runstore import RunStore
-from tests.conftest import REPO, TINY_TOML
+from tests.conftest import REPO, TINY_TOML, wait_until
 from tui.cli import main
 
 
@@ -46,14 +46,6 @@ def _wait_for_run(db: Path, name: str, min_step: int = 1, timeout: float = 60.0)
     raise AssertionError(f"run {name} never reached step {min_step}")
 
 
-async def _wait(pilot, cond, timeout: float = 60.0) -> None:
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError("timed out")
-        await pilot.pause(0.05)
-
-
 @pytest.mark.slow
 async def test_watch_follows_a_real_writer_then_sees_it_finish(tmp_path):
     from tui.commands.watch import open_run
@@ -71,14 +63,14 @@ async def test_watch_follows_a_real_writer_then_sees_it_finish(tmp_path):
         screen = app.live
         lags = []
         async with app.run_test(size=(80, 24)) as pilot:
-            await _wait(pilot, lambda: screen.series.step >= 5)
+            await wait_until(pilot, lambda: screen.series.step >= 5)
             # a new step shows within 0.5 s of being written
             for _ in range(20):
                 before = screen.series.step
-                await _wait(pilot, lambda b=before: screen.series.step > b, timeout=10)
+                await wait_until(pilot, lambda b=before: screen.series.step > b, timeout=10)
                 lags.append(time.time() - screen.series.last.wall)
                 assert screen.series.step < steps, "the run ended before 20 steps were timed"
-            await _wait(pilot, lambda: screen.state == "finished", timeout=120)
+            await wait_until(pilot, lambda: screen.state == "finished", timeout=120)
             await pilot.pause(0.4)
             status = str(app.screen.query_one("#live-status").render())
             assert "finished" in status and f"step {steps}/{steps}" in status
@@ -117,10 +109,10 @@ async def test_watch_reports_the_writer_gone_after_kill_9(tmp_path):
         app = make_watch_app(store, run)
         screen = app.live
         async with app.run_test(size=(80, 24)) as pilot:
-            await _wait(pilot, lambda: screen.state == "running")
+            await wait_until(pilot, lambda: screen.state == "running")
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
-            await _wait(pilot, lambda: screen.state == "gone", timeout=10)
+            await wait_until(pilot, lambda: screen.state == "gone", timeout=10)
             await pilot.pause(0.4)
             status = str(app.screen.query_one("#live-status").render())
             assert f"writer gone: process {proc.pid}" in status
@@ -151,7 +143,7 @@ async def test_watch_replays_a_finished_run(tmp_path):
     store, run = open_run(str(tmp_path / "mdb.sqlite"), "done")
     app = make_watch_app(store, run)
     async with app.run_test(size=(80, 24)) as pilot:
-        await _wait(pilot, lambda: app.live.polls >= 1)
+        await wait_until(pilot, lambda: app.live.polls >= 1)
         await pilot.pause(0.4)
         assert app.live.series.rows == 12 and app.live.state == "finished"
         assert app.live.series.sample.step == 12
@@ -184,16 +176,16 @@ async def test_watch_c_opens_the_latest_stored_capture_in_the_step_view(tmp_path
     store, run = open_run(str(db), "cap")
     app = make_watch_app(store, run)
     async with app.run_test(size=(80, 24)) as pilot:
-        await _wait(pilot, lambda: app.live.polls >= 1)
+        await wait_until(pilot, lambda: app.live.polls >= 1)
         await pilot.press("c")
-        await _wait(pilot, lambda: isinstance(app.screen, StepScreen), timeout=30)
+        await wait_until(pilot, lambda: isinstance(app.screen, StepScreen), timeout=30)
         trace = app.screen.trace
         assert str(app.screen.query_one("#title").render()).startswith("step 10 · overfit run cap")
         assert trace.step == 10 and len(trace.forward) == len(expected.forward)
         assert [r.module for r in trace.forward] == [r.module for r in expected.forward]
         assert trace.forward[-1].outputs[0].stats == expected.forward[-1].outputs[0].stats
         await pilot.press("q")  # back to the live screen, not out of the app
-        await _wait(pilot, lambda: app.screen is app.live)
+        await wait_until(pilot, lambda: app.screen is app.live)
         assert "back from the step view" in str(app.screen.query_one("#hint").render())
         # a capture that arrives while help is open does not cover it (c, then ? before the
         # read finished): it opens when help is closed
@@ -201,22 +193,22 @@ async def test_watch_c_opens_the_latest_stored_capture_in_the_step_view(tmp_path
         help_screen = app.screen
         app.live.action_capture()
         hint = app.live.query_one("#hint")
-        await _wait(pilot, lambda: "opens when you are back" in str(hint.render()), timeout=30)
+        await wait_until(pilot, lambda: "opens when you are back" in str(hint.render()), timeout=30)
         assert app.screen is help_screen
         await pilot.press("q")
-        await _wait(pilot, lambda: isinstance(app.screen, StepScreen))
+        await wait_until(pilot, lambda: isinstance(app.screen, StepScreen))
         await pilot.press("q")
-        await _wait(pilot, lambda: app.screen is app.live)
+        await wait_until(pilot, lambda: app.screen is app.live)
         await pilot.press("q")
     store.close()
 
     store, run = open_run(str(db), "nocap")
     app = make_watch_app(store, run)
     async with app.run_test(size=(80, 24)) as pilot:
-        await _wait(pilot, lambda: app.live.polls >= 1)
+        await wait_until(pilot, lambda: app.live.polls >= 1)
         await pilot.press("c")
         hint = app.screen.query_one("#hint")
-        await _wait(pilot, lambda: "no stored capture" in str(hint.render()), timeout=30)
+        await wait_until(pilot, lambda: "no stored capture" in str(hint.render()), timeout=30)
         assert app.screen is app.live
         await pilot.press("q")
     store.close()
