@@ -390,8 +390,8 @@ def run_headless(session, args: argparse.Namespace | None = None) -> int:
 
     Returns:
         0 finished; 128 + signal number when stopped by a signal (130 SIGINT, 143 SIGTERM,
-        129 SIGHUP); 130 when stopped otherwise; :data:`EXIT_FAILED` (1) when a non-finite
-        value appeared.
+        129 SIGHUP); 130 when stopped otherwise; :data:`tui.run_end.EXIT_FAILED` (1) when a
+        non-finite value appeared or the last checkpoint could not be written.
     """
     from hooks.training import install_stop_signals
 
