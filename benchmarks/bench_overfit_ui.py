@@ -50,7 +50,7 @@ SKIP = 5  # warm-up steps left out of the throughput
 
 def throughput(db: Path, name: str) -> float:
     """Steps per second of run ``name`` between step SKIP and its last step."""
-    from hooks.runstore import RunStore
+    from hooks.runs.store import RunStore
 
     with RunStore(db) as store:
         rows = store.metrics(store.run(name).id, after_step=SKIP - 1)
@@ -60,8 +60,8 @@ def throughput(db: Path, name: str) -> float:
 
 
 def make_session(db: Path, name: str, steps: int):
-    from hooks.overfit import OverfitOptions, OverfitSession, default_overfit_text
-    from hooks.runstore import RunStore
+    from hooks.runs.overfit import OverfitOptions, OverfitSession, default_overfit_text
+    from hooks.runs.store import RunStore
     from minillm import load_preset
 
     text, source = default_overfit_text()
@@ -144,7 +144,7 @@ def run_live_tmux(db: Path, name: str, steps: int) -> float:
     subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "80", "-y", "24",
                     f"cd {REPO} && {cmd}"], check=True)
     try:
-        from hooks.runstore import RunStore
+        from hooks.runs.store import RunStore
 
         t0 = time.time()
         while time.time() - t0 < 600:  # when the run is finished, quit the screen
@@ -165,7 +165,7 @@ def run_live_tmux(db: Path, name: str, steps: int) -> float:
 # -- run store costs and watcher latency ------------------------------------------------------
 
 def bench_store(args, tmp: Path) -> None:
-    from hooks.runstore import RunStore  # noqa: F401
+    from hooks.runs.store import RunStore  # noqa: F401
 
     print("\n== run store: cost of one step's transaction ==")
     import hooks
@@ -213,7 +213,7 @@ def bench_watch_latency(args, tmp: Path) -> None:
          "--sample-every", "0"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
     )
-    from hooks.runstore import RunStore
+    from hooks.runs.store import RunStore
 
     while True:
         try:

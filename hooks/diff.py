@@ -12,14 +12,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
+from hooks.records import CallRecord, GradRecord, ParamGradRecord, RoutingRecord
 from hooks.stats import TensorStats, encode_float
 
-if TYPE_CHECKING:
-    from hooks.trace import Trace
+
+class Trace(Protocol):
+    """What :func:`diff_traces` reads of a trace (:class:`hooks.Trace` has it all); a protocol,
+    so that comparing traces does not need the module that defines them."""
+
+    forward: list[CallRecord]
+    backward: list[GradRecord]
+    params: dict[str, ParamGradRecord]
+    routing: list[RoutingRecord]
+    tensors: dict[str, torch.Tensor]
 
 _PARAM_FIELDS = ("grad_norm", "grad_abs_max", "weight_norm", "ratio")
 

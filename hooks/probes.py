@@ -22,21 +22,29 @@ MyProbe())``. A probe that raises never breaks the forward: the error becomes a 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from hooks.records import AttentionRecord, Note, ProbeRecord, RoutingRecord, layer_of
+from hooks.trace import Trace
 
-if TYPE_CHECKING:
-    from hooks.capture import Capture
+
+class ProbeHost(Protocol):
+    """What a :class:`ProbeContext` needs of the capture that runs it (a
+    :class:`hooks.capture.Capture`); a protocol, so that probes do not import the capture."""
+
+    active: bool
+    trace: Trace
+
+    def wants_attention(self, name: str) -> bool: ...
 
 
 class ProbeContext:
     """What a probe may do with the running capture (one per capture)."""
 
-    def __init__(self, capture: Capture) -> None:
+    def __init__(self, capture: ProbeHost) -> None:
         self._capture = capture
 
     @property

@@ -17,10 +17,11 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from hooks.diff import TraceDiff, diff_traces
 from hooks.records import (
     AttentionRecord,
     CallRecord,
@@ -32,9 +33,6 @@ from hooks.records import (
     ProbeRecord,
     RoutingRecord,
 )
-
-if TYPE_CHECKING:
-    from hooks.diff import TraceDiff
 
 #: Version of the on-disk format; bumped on incompatible changes.
 SCHEMA_VERSION = 1
@@ -160,8 +158,6 @@ class Trace:
 
         See :class:`hooks.diff.TraceDiff`.
         """
-        from hooks.diff import diff_traces
-
         return diff_traces(self, other)
 
     # -- persistence ----------------------------------------------------------------------------

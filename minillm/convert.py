@@ -1,4 +1,5 @@
-"""Convert a Hugging Face ``LlamaForCausalLM`` / ``MixtralForCausalLM`` into a :class:`MiniLLM`.
+"""Map a Hugging Face ``LlamaForCausalLM`` / ``MixtralForCausalLM`` config and state dict onto
+MiniLLM's (:meth:`minillm.MiniLLM.from_hf` builds the model from them).
 
 Module names are the same on both sides, so most tensors copy by key. Two differences:
 
@@ -12,10 +13,8 @@ Module names are the same on both sides, so most tensors copy by key. Two differ
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from minillm.config import MiniLLMConfig
-from minillm.model import MiniLLM
 
 
 def _rope_config(hf_config) -> tuple[float, dict | None]:
@@ -110,32 +109,3 @@ def state_dict_from_hf(
             out[key] = tensor
     return out
 
-
-def from_hf(hf_model: nn.Module) -> MiniLLM:
-    """A :class:`MiniLLM` with the same config and weights as a HF causal LM instance.
-
-    Args:
-        hf_model: a ``LlamaForCausalLM`` or ``MixtralForCausalLM`` (e.g. built from a config,
-            no hub access needed).
-
-    Returns:
-        A MiniLLM in the same train/eval mode; its logits match HF's to float tolerance.
-
-    Raises:
-        ValueError: unsupported architecture features (see :func:`config_from_hf`) or weights
-            that do not map one to one.
-    """
-    config = config_from_hf(hf_model.config)
-    model = MiniLLM(config)
-    state = state_dict_from_hf(hf_model.state_dict(), config)
-    if config.tie_word_embeddings:
-        state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(
-            f"HF weights do not map onto MiniLLM: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}"
-        )
-    model.to(dtype=next(hf_model.parameters()).dtype)
-    model.train(hf_model.training)
-    return model

@@ -16,6 +16,7 @@ from torch import nn
 
 from minillm.attention import KVCache, MiniLLMAttention
 from minillm.config import MiniLLMConfig
+from minillm.convert import config_from_hf, state_dict_from_hf
 from minillm.layers import MiniLLMRMSNorm, MiniLLMRotaryEmbedding
 from minillm.moe import MiniLLMMLP, MiniLLMSparseMoeBlock, load_balancing_loss
 
@@ -214,11 +215,34 @@ class MiniLLM(nn.Module):
 
     @classmethod
     def from_hf(cls, hf_model: nn.Module) -> MiniLLM:
-        """Convert a HF ``LlamaForCausalLM`` or ``MixtralForCausalLM`` (see
-        :func:`minillm.convert.from_hf`)."""
-        from minillm.convert import from_hf
+        """A MiniLLM with the same config and weights as a HF causal LM instance.
 
-        return from_hf(hf_model)
+        Args:
+            hf_model: a ``LlamaForCausalLM`` or ``MixtralForCausalLM`` (e.g. built from a
+                config, no hub access needed).
+
+        Returns:
+            A MiniLLM in the same train/eval mode and dtype; its logits match HF's to float
+            tolerance.
+
+        Raises:
+            ValueError: unsupported architecture features (see
+                :func:`minillm.convert.config_from_hf`) or weights that do not map one to one.
+        """
+        config = config_from_hf(hf_model.config)
+        model = cls(config)
+        state = state_dict_from_hf(hf_model.state_dict(), config)
+        if config.tie_word_embeddings:
+            state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(
+                f"HF weights do not map onto MiniLLM: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}"
+            )
+        model.to(dtype=next(hf_model.parameters()).dtype)
+        model.train(hf_model.training)
+        return model
 
     # ------------------------------------------------------------------ forward
     def forward(

@@ -35,3 +35,19 @@ def test_cli_help_is_fast_and_imports_no_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_import_contracts_hold():
+    """The layers of pyproject.toml's [tool.importlinter]: minillm and hooks free of the UI,
+    the checks and the runs on top of the capture engine, no cycles between sibling modules."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    code = (
+        "import sys\n"
+        "from importlinter.cli import lint_imports\n"
+        f"sys.exit(lint_imports(config_filename={str(root / 'pyproject.toml')!r}, "
+        "no_cache=True, no_logo=True))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]

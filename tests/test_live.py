@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from hooks.overfit import OverfitOptions, OverfitSession
-from hooks.runstore import MetricRow, RunStore
+from hooks.runs.overfit import OverfitOptions, OverfitSession
+from hooks.runs.store import MetricRow, RunStore
 from minillm import MiniLLMConfig
 from tests.conftest import wait_until
 from tui.screens.live_chart import Series, _line, chart_rows

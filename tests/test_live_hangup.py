@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from hooks.runstore import RunStore
+from hooks.runs.store import RunStore
 from tests.conftest import REPO
 from tests.test_cli_step import _mdb_argv
 

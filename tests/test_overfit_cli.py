@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hooks.runstore import RunStore
+from hooks.runs.store import RunStore
 from tests.conftest import REPO, TINY_TOML
 from tui.cli import main
 
@@ -339,7 +339,7 @@ def test_checkpoint_that_cannot_be_written_is_one_error_line_and_exit_1(tmp_path
     and where a resume would start, exit 1, and no half-written directory is left."""
     from safetensors import SafetensorError
 
-    import hooks.checkpoint as checkpoint
+    import hooks.runs.checkpoint as checkpoint
 
     real = checkpoint._write_checkpoint_files
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from hooks.runstore import (
+from hooks.runs.store import (
     APPLICATION_ID,
     MetricRow,
     RunExistsError,

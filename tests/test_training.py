@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import hooks.training as training
-from hooks.checkpoint import load_checkpoint, save_checkpoint
-from hooks.overfit import OverfitOptions, OverfitSession, default_overfit_text
-from hooks.runstore import RunStore
-from hooks.training import (
+import hooks.runs.trainer as training
+from hooks.runs.checkpoint import load_checkpoint, save_checkpoint
+from hooks.runs.overfit import OverfitOptions, OverfitSession, default_overfit_text
+from hooks.runs.store import RunStore
+from hooks.runs.trainer import (
     TrainControl,
     Trainer,
     expert_load,
@@ -488,14 +488,22 @@ def test_seed_claim_default_overfit_reaches_ce_below_005_by_step_300(tmp_path):
     assert prompt + cont == text[: len(prompt) + len(cont)]
 
 
-def test_names_moved_out_of_hooks_training_still_import_with_a_warning():
-    import hooks.checkpoint
-    import hooks.overfit
+@pytest.mark.parametrize(
+    "old, name, new",
+    [
+        ("hooks.training", "Trainer", "hooks.runs.trainer"),
+        ("hooks.training", "OverfitSession", "hooks.runs.overfit"),
+        ("hooks.training", "save_checkpoint", "hooks.runs.checkpoint"),
+        ("hooks.runstore", "RunStore", "hooks.runs.store"),
+        ("hooks.overfit", "OverfitOptions", "hooks.runs.overfit"),
+        ("hooks.checkpoint", "load_checkpoint", "hooks.runs.checkpoint"),
+    ],
+)
+def test_old_import_paths_still_work_with_a_warning(old, name, new):
+    import importlib
 
-    with pytest.warns(DeprecationWarning, match="moved to hooks.overfit"):
-        from hooks.training import OverfitSession as Moved
-    assert Moved is hooks.overfit.OverfitSession
-    with pytest.warns(DeprecationWarning, match="moved to hooks.checkpoint"):
-        assert training.save_checkpoint is hooks.checkpoint.save_checkpoint
+    with pytest.warns(DeprecationWarning, match=f"moved to {new}.{name}"):
+        moved = getattr(importlib.import_module(old), name)
+    assert moved is getattr(importlib.import_module(new), name)
     with pytest.raises(AttributeError):
-        training.no_such_name  # noqa: B018
+        importlib.import_module(old).no_such_name  # noqa: B018

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hooks.runstore import RunStore
+from hooks.runs.store import RunStore
 from tests.conftest import REPO, TINY_TOML, wait_until
 from tui.cli import main
 
@@ -127,7 +127,7 @@ async def test_watch_reports_the_writer_gone_after_kill_9(tmp_path):
 
 
 async def test_watch_replays_a_finished_run(tmp_path):
-    from hooks.overfit import OverfitOptions, OverfitSession
+    from hooks.runs.overfit import OverfitOptions, OverfitSession
     from minillm import MiniLLMConfig
     from tui.commands.watch import open_run
     from tui.live_app import make_watch_app
@@ -153,8 +153,8 @@ async def test_watch_replays_a_finished_run(tmp_path):
 
 
 async def test_watch_c_opens_the_latest_stored_capture_in_the_step_view(tmp_path):
-    from hooks.overfit import OverfitOptions, OverfitSession
-    from hooks.training import load_trace
+    from hooks.runs.overfit import OverfitOptions, OverfitSession
+    from hooks.runs.trainer import load_trace
     from minillm import MiniLLMConfig
     from tui.commands.watch import open_run
     from tui.live_app import make_watch_app

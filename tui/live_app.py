@@ -52,7 +52,7 @@ class LiveApp(App[int]):
 
 
 def make_overfit_app(session, **kwargs) -> LiveApp:
-    """The live app training ``session`` (an :class:`hooks.overfit.OverfitSession`).
+    """The live app training ``session`` (an :class:`hooks.runs.overfit.OverfitSession`).
 
     Keyword arguments go to :class:`tui.screens.live.LiveScreen` (``heartbeat``,
     ``chart_interval``, ...).
@@ -63,7 +63,7 @@ def make_overfit_app(session, **kwargs) -> LiveApp:
 
 
 def make_watch_app(store, run, **kwargs) -> LiveApp:
-    """The read-only app following ``run`` (a :class:`hooks.runstore.RunInfo`) in ``store``."""
+    """The read-only app following ``run`` (a :class:`hooks.runs.store.RunInfo`) in ``store``."""
     from tui.screens.live import LiveScreen
 
     return LiveApp(LiveScreen.watching(store, run, **kwargs))
@@ -81,7 +81,7 @@ def run_live(session, args=None) -> int:
         0 finished, or stopped from the screen; 1 failed (non-finite value) or crashed;
         128 + n when stopped by signal n.
     """
-    from hooks.training import install_stop_signals
+    from hooks.runs.trainer import install_stop_signals
 
     heartbeat = getattr(args, "heartbeat", 1.0) if args is not None else 1.0
     app = make_overfit_app(session, heartbeat=heartbeat)
@@ -132,8 +132,8 @@ def _exit_after_hangup(screen, session, timeout: float = 300.0) -> None:
 
 
 def exit_code(result) -> int:
-    """Exit status of a live run from its :class:`hooks.training.TrainResult` (see run_live)."""
-    from hooks.training import signal_exit_code
+    """Exit status of a live run from its :class:`hooks.runs.trainer.TrainResult` (see run_live)."""
+    from hooks.runs.trainer import signal_exit_code
 
     if result.status == "failed":
         return 1

@@ -127,7 +127,7 @@ class RunPolled(Message):
     """A watch poll read the database: everything new about the run since the last poll.
 
     Attributes:
-        update: The :class:`hooks.runstore.RunUpdate` (run row, new metric rows and samples).
+        update: The :class:`hooks.runs.store.RunUpdate` (run row, new metric rows and samples).
     """
 
     update: Any

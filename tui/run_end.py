@@ -23,12 +23,12 @@ def end_of_run(
     directory), it says so, and which step a resume would start from.
 
     Args:
-        session: The :class:`hooks.overfit.OverfitSession` that ran.
-        result: Its :class:`hooks.training.TrainResult`.
+        session: The :class:`hooks.runs.overfit.OverfitSession` that ran.
+        result: Its :class:`hooks.runs.trainer.TrainResult`.
         ce: The last step's cross-entropy, if any.
         db: The ``--db`` given on the command line (repeated in the resume hint), or ``None``.
     """
-    from hooks.training import signal_exit_code
+    from hooks.runs.trainer import signal_exit_code
 
     name = session.name
     loss = f", ce {fmt_loss(ce)}" if ce is not None else ""

@@ -99,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _open_store(args: argparse.Namespace, *, create: bool):
-    from hooks.runstore import RunStore, RunStoreError, default_db_path
+    from hooks.runs.store import RunStore, RunStoreError, default_db_path
 
     path = args.db if args.db else default_db_path()
     try:
@@ -118,7 +118,7 @@ def _default_run_name(store) -> str:
 
 
 def _options_from_args(args: argparse.Namespace):
-    from hooks.overfit import OverfitOptions, default_overfit_text
+    from hooks.runs.overfit import OverfitOptions, default_overfit_text
     from tui.commands._common import load_config, read_text, samples_dir
 
     if args.text:
@@ -154,11 +154,11 @@ def _options_from_args(args: argparse.Namespace):
 
 
 def build_session(args: argparse.Namespace, control=None):
-    """The :class:`hooks.overfit.OverfitSession` the options describe (new or resumed).
+    """The :class:`hooks.runs.overfit.OverfitSession` the options describe (new or resumed).
 
     Args:
         args: Parsed ``mdb overfit`` options.
-        control: A :class:`hooks.training.TrainControl` to use (e.g. one whose signal handlers
+        control: A :class:`hooks.runs.trainer.TrainControl` to use (e.g. one whose signal handlers
             are already installed), or ``None`` for a fresh one.
 
     Raises:
@@ -166,8 +166,8 @@ def build_session(args: argparse.Namespace, control=None):
     """
     import torch
 
-    from hooks.overfit import OverfitSession
-    from hooks.runstore import RunStoreError
+    from hooks.runs.overfit import OverfitSession
+    from hooks.runs.store import RunStoreError
 
     torch.set_num_threads(args.threads)
     if args.resume:
@@ -393,7 +393,7 @@ def run_headless(session, args: argparse.Namespace | None = None) -> int:
         129 SIGHUP); 130 when stopped otherwise; :data:`tui.run_end.EXIT_FAILED` (1) when a
         non-finite value appeared or the last checkpoint could not be written.
     """
-    from hooks.training import install_stop_signals
+    from hooks.runs.trainer import install_stop_signals
 
     restore = install_stop_signals(session.control)
     reporter = _Reporter(session)
@@ -420,7 +420,7 @@ def run_headless(session, args: argparse.Namespace | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``mdb overfit``."""
-    from hooks.training import TrainControl, install_stop_signals
+    from hooks.runs.trainer import TrainControl, install_stop_signals
 
     control = TrainControl()
     # Signals arriving while the model is built stop the run before its first step.

@@ -32,26 +32,9 @@ def format_age(seconds: float) -> str:
     return f"{s // 86400}d{(s % 86400) // 3600}h"
 
 
-def status_text(run, now: float | None = None) -> str:
-    """The status cell: ``running``, ``paused``, ``finished``, ``interrupted (SIGTERM)``,
-    ``failed @ step 7 in model.layers.1.mlp``, ``gone (...)``."""
-    state = run.writer_state(now)
-    if state == "running":
-        return "paused" if run.paused else "running"
-    if state == "gone":
-        return "gone: " + run.gone_reason(now).removeprefix("writer gone: ")
-    if state == "interrupted":
-        return f"interrupted ({run.reason})" if run.reason else "interrupted"
-    if state == "failed":
-        where = f" in {run.fail_module}" if run.fail_module else ""
-        step = f" @ step {run.fail_step}" if run.fail_step is not None else ""
-        return f"failed{step}{where}" if (step or where) else f"failed ({run.reason})"
-    return state
-
-
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``mdb runs``."""
-    from hooks.runstore import RunStore, RunStoreError, default_db_path
+    from hooks.runs.store import RunStore, RunStoreError, default_db_path
 
     path = args.db if args.db else default_db_path()
     try:
@@ -88,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     colors = {"running": "green", "paused": "yellow", "finished": "cyan",
               "interrupted": "yellow", "failed": "red", "gone": "red"}
     for r in runs:
-        status = status_text(r, now)
+        status = r.status_line(now)
         color = colors.get(status.split(" ")[0].split(":")[0], "")
         steps = f"{r.last_step}/{r.total_steps}" if r.total_steps else str(r.last_step)
         m = last[r.id]

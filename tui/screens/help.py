@@ -30,26 +30,9 @@ def binding_lines(bindings) -> list[str]:
     return lines
 
 
-def help_text() -> str:
-    """The full key reference, one section per view."""
-    from tui.screens.attention import AttentionScreen
-    from tui.screens.gradients import GradientsScreen
-    from tui.screens.router import RouterScreen
-    from tui.screens.search import SearchScreen
-    from tui.screens.step import StepScreen
-    from tui.screens.view import VIEW_BINDINGS
-
-    own = {id(b) for b in VIEW_BINDINGS}
-    sections = [
-        ("step view", StepScreen.BINDINGS + [Binding("enter", "", "jump to the tree node's "
-                                                     "first call")]),
-        ("router view", [b for b in RouterScreen.BINDINGS if id(b) not in own]),
-        ("attention view", [b for b in AttentionScreen.BINDINGS if id(b) not in own]),
-        ("gradients view", [b for b in GradientsScreen.BINDINGS if id(b) not in own]
-         + [Binding("enter", "", "open the parameter's module in the step view")]),
-        ("every view", VIEW_BINDINGS),
-        ("find (/)", SearchScreen.BINDINGS + [Binding("enter", "", "jump to the match")]),
-    ]
+def help_text(sections: list[tuple[str, list]]) -> str:
+    """The key reference: :data:`INTRO`, then one titled block of :func:`binding_lines` per
+    ``(title, bindings)`` section."""
     out = [INTRO]
     for title, bindings in sections:
         out.append("")
@@ -59,7 +42,12 @@ def help_text() -> str:
 
 
 class HelpScreen(ModalScreen[None]):
-    """The key reference as a scrollable modal."""
+    """The key reference as a scrollable modal.
+
+    Args:
+        text: what to show (:func:`help_text`); the screen that opens help knows its keys, so
+            this module imports no other screen.
+    """
 
     BINDINGS = [
         Binding("question_mark,q,escape,enter", "close", "close", id="help.close"),
@@ -67,9 +55,13 @@ class HelpScreen(ModalScreen[None]):
         Binding("k,up", "scroll(-1)", "up", show=False, id="help.up"),
     ]
 
+    def __init__(self, text: str = INTRO) -> None:
+        super().__init__()
+        self.text = text
+
     def compose(self):
         with VerticalScroll(id="help-box"):
-            yield Static(help_text(), id="help-text", markup=False)
+            yield Static(self.text, id="help-text", markup=False)
 
     def action_close(self) -> None:
         self.dismiss(None)

@@ -2,10 +2,10 @@
 
 One screen, two sources of steps:
 
-* **training** (:meth:`LiveScreen.training`): an :class:`hooks.overfit.OverfitSession` runs in a
-  thread worker. Its step callback appends each step to a buffer and posts
+* **training** (:meth:`LiveScreen.training`): an :class:`hooks.runs.overfit.OverfitSession`
+  runs in a thread worker. Its step callback appends each step to a buffer and posts
   :class:`tui.messages.StepsPending` (replaceable, so a fast trainer cannot flood the queue);
-  the keys drive the session's :class:`hooks.training.TrainControl`.
+  the keys drive the session's :class:`hooks.runs.trainer.TrainControl`.
 * **watching** (:meth:`LiveScreen.watching`): read-only. A thread worker reads everything new
   about the run from the run store (``RunStore.poll``) and posts
   :class:`tui.messages.RunPolled`; the handler re-arms the next poll with ``set_timer`` (every
@@ -111,9 +111,9 @@ class LiveScreen(MdbScreen):
     Build it with :meth:`training` or :meth:`watching` rather than directly.
 
     Args:
-        session: The :class:`hooks.overfit.OverfitSession` to train (training mode).
-        store: A :class:`hooks.runstore.RunStore` to read (watch mode).
-        run: The :class:`hooks.runstore.RunInfo` to follow (watch mode).
+        session: The :class:`hooks.runs.overfit.OverfitSession` to train (training mode).
+        store: A :class:`hooks.runs.store.RunStore` to read (watch mode).
+        run: The :class:`hooks.runs.store.RunInfo` to follow (watch mode).
         heartbeat: Seconds between the writer's heartbeats (training mode).
         poll_interval: Seconds between database polls (watch mode).
         text_interval: Minimum seconds between redraws of the numbers.
@@ -191,12 +191,13 @@ class LiveScreen(MdbScreen):
     # -- construction ----------------------------------------------------------------------------
     @classmethod
     def training(cls, session, **kwargs) -> LiveScreen:
-        """The live screen of an :class:`hooks.overfit.OverfitSession` it will train."""
+        """The live screen of an :class:`hooks.runs.overfit.OverfitSession` it will train."""
         return cls(session=session, **kwargs)
 
     @classmethod
     def watching(cls, store, run, **kwargs) -> LiveScreen:
-        """A read-only screen following ``run`` (a :class:`hooks.runstore.RunInfo`) in ``store``."""
+        """A read-only screen following ``run`` (a :class:`hooks.runs.store.RunInfo`) in
+        ``store``."""
         return cls(store=store, run=run, **kwargs)
 
     # -- layout ----------------------------------------------------------------------------------
@@ -346,7 +347,7 @@ class LiveScreen(MdbScreen):
     def exit_code(self) -> int:
         """Exit status of ``mdb overfit`` (live): 0 finished or stopped from the screen, 1
         failed (non-finite value) or crashed, 128 + n when stopped by signal n."""
-        from hooks.training import signal_exit_code
+        from hooks.runs.trainer import signal_exit_code
 
         if self.error is not None:
             return 1
@@ -404,8 +405,8 @@ class LiveScreen(MdbScreen):
     def _open_stored_capture(self) -> None:
         """Watch mode's ``c``: the run's latest captured step, rebuilt from the store on a
         connection of this thread, posted as :class:`messages.StepCaptured`."""
-        from hooks.runstore import RunStore
-        from hooks.training import load_trace
+        from hooks.runs.store import RunStore
+        from hooks.runs.trainer import load_trace
 
         with RunStore(self.store.path) as store:
             steps = store.internals_steps(self.run.id)
@@ -512,11 +513,9 @@ class LiveScreen(MdbScreen):
     def _state_text(self) -> Text:
         state = self.state
         if self.watch and self.run is not None:
-            from tui.commands.runs import status_text
-
             if state == "gone":
                 return Text("✗ " + self.run.gone_reason(), style="bold red")
-            label = status_text(self.run)
+            label = self.run.status_line()
             styles = {"running": "bold green", "paused": "bold yellow", "finished": "bold cyan",
                       "interrupted": "bold yellow", "failed": "bold red"}
             marks = {"running": "● ", "paused": "‖ ", "finished": "✓ ", "interrupted": "■ ",

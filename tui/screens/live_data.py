@@ -6,7 +6,7 @@ costs the same at step 100 as at step 100,000:
 * :class:`Downsampler` keeps at most ``capacity`` buckets of a series; when full, neighbouring
   buckets are merged pairwise and the bucket width doubles (the scheme of an "online
   decimation" buffer). Appending is amortised O(1), reading is O(capacity), memory is bounded.
-* :class:`RunSeries` feeds every :class:`hooks.runstore.MetricRow` of a run into one downsampler
+* :class:`RunSeries` feeds every :class:`hooks.runs.store.MetricRow` of a run into one downsampler
   per plotted quantity (CE, aux, total loss, gradient norm, and per MoE layer per expert the
   tokens routed to it) and keeps the numbers the header shows (throughput, ETA, last sample).
 """
@@ -156,7 +156,7 @@ class RunSeries:
         ce, aux, total, grad_norm: :class:`Downsampler` of those metrics per step.
         experts: Per MoE layer, per expert, a :class:`Downsampler` of the tokens routed to that
             expert at each step (fraction × N·k, N = tokens per step), shape (L_moe, E).
-        last: The latest :class:`hooks.runstore.MetricRow` (``None`` before the first).
+        last: The latest :class:`hooks.runs.store.MetricRow` (``None`` before the first).
         first_step: Step of the first row seen (a resumed run does not start at 1).
         sample: The latest :class:`Sample`.
     """
@@ -181,7 +181,7 @@ class RunSeries:
 
     # -- feeding --------------------------------------------------------------------------------
     def add(self, row: Any) -> None:
-        """Add one :class:`hooks.runstore.MetricRow` (steps must arrive in increasing order)."""
+        """Add one :class:`hooks.runs.store.MetricRow` (steps must arrive in increasing order)."""
         step = row.step
         if self.first_step is None:
             self.first_step = step

@@ -61,7 +61,7 @@ class ViewScreen(MdbScreen):
     def action_help(self) -> None:
         from tui.screens.help import HelpScreen
 
-        self.app.push_screen(HelpScreen())
+        self.app.push_screen(HelpScreen(self.step.help_text()))
 
     def action_quit_view(self) -> None:
         self.app.pop_screen()

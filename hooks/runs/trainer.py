@@ -1,0 +1,754 @@
+"""A UI-free training loop with live controls: :class:`Trainer` and :class:`TrainControl`.
+
+:class:`Trainer` is generic over a model and a batch: ``model(**batch)`` must return an object
+with ``loss`` (scalar) and optionally ``ce_loss``, ``aux_loss`` and ``router_logits`` (one (N, E)
+tensor per MoE layer), as :class:`minillm.MiniLLM` and Hugging Face causal LMs do.
+:meth:`Trainer.run` reports every step through a callback (in the training thread) and obeys a
+:class:`TrainControl` (pause / resume / single step / stop / capture the next step's internals)
+that any other thread may drive — a Textual app runs :meth:`Trainer.run` in a thread worker and
+posts a message from the callback. A non-finite loss or gradient stops the run as ``failed``
+with the step and the module where the first non-finite value appeared.
+
+The overfit run of ``mdb overfit`` built on it is :mod:`hooks.runs.overfit`; checkpoints are
+:mod:`hooks.runs.checkpoint`.
+
+This module never imports textual, rich or tui.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hooks.runs.store import MetricRow, RunStore
+
+__all__ = [
+    "NonFiniteInfo",
+    "StepReport",
+    "TrainControl",
+    "TrainResult",
+    "Trainer",
+    "expert_load",
+    "install_stop_signals",
+    "load_trace",
+    "locate_nonfinite",
+    "signal_exit_code",
+]
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Controls
+# ---------------------------------------------------------------------------------------------
+
+
+class TrainControl:
+    """Thread-safe run controls shared by the training thread and a UI (or signal handler).
+
+    Every method may be called from any thread. The training loop checks the controls between
+    steps: a stop or pause takes effect after the step in progress.
+
+    Args:
+        paused: Start paused (the first step waits for :meth:`resume` or :meth:`step_once`).
+    """
+
+    def __init__(self, paused: bool = False) -> None:
+        self._cond = threading.Condition()
+        self._paused = paused
+        self._credits = 0
+        self._stop_reason: str | None = None
+        self._capture = False
+        self._pause_after_capture = False
+
+    # -- commands ----------------------------------------------------------------------------
+
+    def pause(self) -> None:
+        """Pause after the current step."""
+        with self._cond:
+            self._paused = True
+            self._cond.notify_all()
+
+    def resume(self) -> None:
+        """Resume continuous training."""
+        with self._cond:
+            self._paused = False
+            self._credits = 0
+            self._cond.notify_all()
+
+    def toggle_pause(self) -> bool:
+        """Pause if running, resume if paused; returns the new paused state."""
+        with self._cond:
+            self._paused = not self._paused
+            self._credits = 0
+            self._cond.notify_all()
+            return self._paused
+
+    def step_once(self, n: int = 1) -> None:
+        """While paused, allow ``n`` more steps (ignored while running)."""
+        with self._cond:
+            if self._paused:
+                self._credits += max(0, int(n))
+                self._cond.notify_all()
+
+    def stop(self, reason: str = "stopped") -> None:
+        """Stop after the current step; the run ends ``interrupted`` with this reason.
+
+        The first reason wins (a later ``stop`` does not overwrite it).
+        """
+        with self._cond:
+            if self._stop_reason is None:
+                self._stop_reason = reason
+            self._cond.notify_all()
+
+    def request_capture(self, pause_after: bool = False) -> None:
+        """Capture the internals of the next step; optionally pause right after it."""
+        with self._cond:
+            self._capture = True
+            self._pause_after_capture = pause_after
+            if self._paused and self._credits == 0:
+                self._credits = 1  # the captured step runs even while paused
+            self._cond.notify_all()
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def paused(self) -> bool:
+        """Whether continuous training is paused."""
+        with self._cond:
+            return self._paused
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether :meth:`stop` was called."""
+        with self._cond:
+            return self._stop_reason is not None
+
+    @property
+    def stop_reason(self) -> str | None:
+        """The reason given to the first :meth:`stop`, else ``None``."""
+        with self._cond:
+            return self._stop_reason
+
+    @property
+    def capture_pending(self) -> bool:
+        """Whether the next step will be captured on request."""
+        with self._cond:
+            return self._capture
+
+    # -- used by the loop --------------------------------------------------------------------
+
+    def _decide(self) -> str:
+        """``"stop"``, ``"go"`` or ``"wait"`` for the next step (consumes a single-step credit)."""
+        with self._cond:
+            if self._stop_reason is not None:
+                return "stop"
+            if not self._paused:
+                return "go"
+            if self._credits > 0:
+                self._credits -= 1
+                return "go"
+            return "wait"
+
+    def _wait(self, timeout: float) -> None:
+        with self._cond:
+            if self._stop_reason is None and self._paused and self._credits == 0:
+                self._cond.wait(timeout)
+
+    def _take_capture(self) -> tuple[bool, bool]:
+        with self._cond:
+            cap, pause_after = self._capture, self._pause_after_capture
+            self._capture = self._pause_after_capture = False
+            return cap, pause_after
+
+
+def signal_exit_code(reason: str | None) -> int | None:
+    """Conventional exit status for a run stopped by a signal: 128 + the signal number.
+
+    ``"SIGINT"`` → 130, ``"SIGTERM"`` → 143, ``"SIGHUP"`` → 129; ``None`` for other reasons.
+    """
+    if not reason or not reason.startswith("SIG"):
+        return None
+    try:
+        return 128 + int(signal.Signals[reason])
+    except KeyError:
+        return None
+
+
+def install_stop_signals(
+    control: TrainControl,
+    signals: Iterable[str] = ("SIGINT", "SIGTERM", "SIGHUP"),
+    on_signal: Callable[[str], None] | None = None,
+) -> Callable[[], None]:
+    """Make these signals stop the run gracefully (finish the step, checkpoint, mark interrupted).
+
+    Must be called from the main thread (a Python rule for ``signal.signal``). The stop reason
+    is the signal's name (``"SIGTERM"``), which :func:`signal_exit_code` maps to an exit status.
+    A second SIGINT while stopping raises ``KeyboardInterrupt`` as usual.
+
+    Args:
+        control: The controls to stop.
+        signals: Signal names; names this platform lacks are skipped.
+        on_signal: Called (in the main thread, inside the handler) with the signal name.
+
+    Returns:
+        A function restoring the previous handlers.
+    """
+    previous: dict[int, Any] = {}
+
+    def handler(signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        if name == "SIGINT" and control.stop_requested:
+            raise KeyboardInterrupt
+        control.stop(name)
+        if on_signal is not None:
+            on_signal(name)
+
+    for name in signals:
+        sig = getattr(signal, name, None)
+        if sig is None:
+            continue
+        previous[sig] = signal.signal(sig, handler)
+
+    def restore() -> None:
+        for sig, old in previous.items():
+            with contextlib.suppress(ValueError, TypeError):
+                signal.signal(sig, old)
+
+    return restore
+
+
+# ---------------------------------------------------------------------------------------------
+# Step results
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class NonFiniteInfo:
+    """Where a non-finite value first appeared in a failed step.
+
+    Attributes:
+        step: The step whose loss or gradient was non-finite.
+        what: ``"loss"`` (forward) or ``"gradient"`` (backward).
+        module: Qualified name of the module whose output (forward) or gradient (backward)
+            was first non-finite, or a parameter name for a gradient; ``None`` if not located.
+        detail: One line describing the offending tensor.
+    """
+
+    step: int
+    what: str
+    module: str | None
+    detail: str
+
+    def describe(self) -> str:
+        """One line, e.g. ``non-finite loss at step 7, first in model.layers.1.mlp (...)``."""
+        where = f", first in {self.module}" if self.module else ""
+        return f"non-finite {self.what} at step {self.step}{where}: {self.detail}"
+
+
+@dataclass
+class StepReport:
+    """What one training step produced; passed to the ``on_step`` callback.
+
+    Attributes:
+        metrics: The step's :class:`hooks.runs.store.MetricRow`.
+        internals: JSON-serialisable captured statistics when the step was captured
+            (``hooks.Trace.to_dict()``).
+        internals_tensors: The capture's tensors (routing, attention) as safetensors bytes.
+        trace: The capture object itself (a :class:`hooks.Trace` when the hooks engine is
+            available) for a step-through view, else ``None``.
+        sample: ``(prompt, greedy continuation)`` when generated at this step.
+        failure: Set when the loss or gradient was non-finite (the update was skipped).
+        paused_after: The loop will pause after this step (capture with ``pause_after``).
+    """
+
+    metrics: MetricRow
+    internals: dict[str, Any] | None = None
+    internals_tensors: bytes | None = None
+    trace: Any = None
+    sample: tuple[str, str] | None = None
+    failure: NonFiniteInfo | None = None
+    paused_after: bool = False
+
+    @property
+    def step(self) -> int:
+        """The step number (1-based)."""
+        return self.metrics.step
+
+
+@dataclass
+class TrainResult:
+    """How :meth:`Trainer.run` ended.
+
+    Attributes:
+        status: ``finished`` (reached ``total_steps``), ``interrupted`` (stopped through the
+            controls) or ``failed`` (non-finite loss or gradient).
+        last_step: The last completed step (its update applied, except for a failed step).
+        reason: ``"finished"``, the stop reason (``"SIGTERM"``, ``"stopped"``), or the failure.
+        failure: For ``failed``: where the non-finite value appeared.
+    """
+
+    status: str
+    last_step: int
+    reason: str
+    failure: NonFiniteInfo | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def expert_load(router_logits: Iterable[torch.Tensor], top_k: int) -> list[list[float]]:
+    """Fraction of routed slots each expert received, per MoE layer.
+
+    Args:
+        router_logits: One (N, E) tensor per MoE layer (N = B·T tokens).
+        top_k: k, experts per token.
+
+    Returns:
+        (L_moe, E) nested lists: ``count_e / (N·k)`` where ``count_e`` is the number of tokens
+        whose top-k includes expert e (ties broken as ``torch.topk``). Rows sum to 1; a
+        balanced router gives 1/E everywhere. This is ``f_e`` of the Switch load-balancing loss.
+    """
+    out = []
+    with torch.no_grad():
+        for logits in router_logits:
+            n, e = logits.shape
+            k = min(top_k, e)
+            ids = torch.topk(logits.float(), k, dim=-1).indices.reshape(-1)
+            counts = torch.bincount(ids, minlength=e).double()
+            out.append((counts / max(1, n * k)).tolist())
+    return out
+
+
+def _first_nonfinite_tensor(obj: Any) -> torch.Tensor | None:
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point() and not bool(torch.isfinite(obj).all()):
+            return obj
+        return None
+    if isinstance(obj, Mapping):
+        obj = list(obj.values())
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        obj = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            t = _first_nonfinite_tensor(item)
+            if t is not None:
+                return t
+    return None
+
+
+def _describe_tensor(t: torch.Tensor) -> str:
+    t = t.detach()
+    nan = int(torch.isnan(t).sum())
+    inf = int(torch.isinf(t).sum())
+    return f"{nan} NaN, {inf} Inf of {t.numel()} in a {tuple(t.shape)} tensor"
+
+
+def locate_nonfinite(
+    model: nn.Module, forward: Callable[[], Any]
+) -> tuple[str | None, str]:
+    """Run ``forward()`` with a forward hook on every module; name the first non-finite output.
+
+    A minimal locator used when the :mod:`hooks` capture engine is not available. Forward hooks
+    fire when a module *returns*, so among nested modules the innermost one that produced a
+    non-finite output is found first; among siblings, the first executed.
+
+    Args:
+        model: The model whose submodules are hooked.
+        forward: Runs the forward pass (its result is ignored).
+
+    Returns:
+        ``(qualified module name or None, one-line description)``.
+    """
+    found: list[tuple[str, str]] = []
+    handles = []
+
+    def make(name: str):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if found:
+                return
+            bad = _first_nonfinite_tensor(output)
+            if bad is not None:
+                found.append((name, f"output of {type(module).__name__}: " + _describe_tensor(bad)))
+
+        return hook
+
+    for name, module in model.named_modules():
+        handles.append(module.register_forward_hook(make(name or "<root>")))
+    try:
+        with torch.no_grad():
+            forward()
+    finally:
+        for h in handles:
+            h.remove()
+    if found:
+        return found[0]
+    return None, "no module output was non-finite (the loss itself is)"
+
+
+def _hooks_capture_available() -> bool:
+    try:
+        import hooks
+
+        return callable(getattr(hooks, "capture", None))
+    except Exception:  # pragma: no cover - a broken hooks package must not stop training
+        return False
+
+
+@contextlib.contextmanager
+def _maybe_capture(
+    model: nn.Module, step: int | None = None, kwargs: Mapping[str, Any] | None = None
+):
+    """``hooks.capture(model)`` as a context yielding the Trace, or ``None`` without the engine."""
+    if not _hooks_capture_available():
+        yield None
+        return
+    import hooks
+
+    with hooks.capture(model, step=step, **dict(kwargs or {})) as trace:
+        yield trace
+
+
+def _trace_tensors(trace: Any) -> bytes | None:
+    """The trace's tensors (``Trace.all_tensors()``) as safetensors bytes, or ``None``."""
+    all_tensors = getattr(trace, "all_tensors", None)
+    if not callable(all_tensors):
+        return None
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in all_tensors().items()}
+    if not tensors:
+        return None
+    from safetensors.torch import save
+
+    return save(tensors)
+
+
+def load_trace(store: RunStore, run_id: int, step: int):
+    """Rebuild the :class:`hooks.Trace` captured at ``step`` of a run from the store.
+
+    Args:
+        store: An open :class:`hooks.runs.store.RunStore` (a reader is fine).
+        run_id: :attr:`hooks.runs.store.RunInfo.id`.
+        step: A step listed by :meth:`hooks.runs.store.RunStore.internals_steps`.
+
+    Returns:
+        The trace (statistics, routing and attention tensors), or ``None`` when the step has no
+        captured internals.
+
+    Raises:
+        hooks.TraceFormatError: The stored internals are not a trace this mdb can read.
+    """
+    import hooks
+
+    data = store.internals(run_id, step)
+    if data is None:
+        return None
+    blob = store.internals_tensors(run_id, step)
+    tensors = {}
+    if blob:
+        from safetensors.torch import load
+
+        tensors = load(blob)
+    return hooks.Trace.from_dict(data, tensors)
+
+
+def _trace_to_internals(trace: Any) -> dict[str, Any] | None:
+    """JSON-serialisable statistics of a Trace: its ``to_dict()`` if any, else its records'."""
+    if trace is None:
+        return None
+    to_dict = getattr(trace, "to_dict", None)
+    if callable(to_dict):
+        return to_dict()
+    out: dict[str, Any] = {}
+    for attr in ("forward", "backward", "params", "routing"):
+        records = getattr(trace, attr, None)
+        if records is None:
+            continue
+        if isinstance(records, Mapping):
+            records = list(records.values())
+        out[attr] = [r.to_dict() if hasattr(r, "to_dict") else r for r in records]
+    return out
+
+
+def _trace_first_nonfinite(trace: Any, direction: str) -> tuple[str | None, str] | None:
+    fn = getattr(trace, "first_nonfinite", None)
+    if not callable(fn):
+        return None
+    nf = fn(direction)
+    if nf is None:
+        return None
+    describe = getattr(nf, "describe", None)
+    return getattr(nf, "module", None), describe() if callable(describe) else str(nf)
+
+
+# ---------------------------------------------------------------------------------------------
+# The generic trainer
+# ---------------------------------------------------------------------------------------------
+
+Batch = Mapping[str, Any]
+
+
+class Trainer:
+    """Train ``model`` on a batch (or a batch per step) with ``optimizer``; report every step.
+
+    One step: ``model(**batch)`` → check the loss is finite → ``loss.backward()`` → global
+    gradient norm (``torch.nn.utils.get_total_norm``) → check it is finite → optional clipping
+    → ``optimizer.step()``. A non-finite loss or gradient norm skips the update and ends the run
+    ``failed``; the step is run again under the :mod:`hooks` capture engine (or, without it,
+    :func:`locate_nonfinite`) to name the first module that produced a non-finite value.
+
+    Args:
+        model: Any ``nn.Module`` whose forward returns an object with a scalar ``loss``
+            (optionally ``ce_loss``, ``aux_loss``, ``router_logits``).
+        batch: Keyword arguments for the model (e.g. ``input_ids`` and ``labels`` (B, T)), or
+            a callable ``batch(step) -> mapping`` for a batch that changes per step.
+        optimizer: A ``torch.optim.Optimizer`` over the model's parameters.
+        total_steps: Train until this step number (steps are 1-based).
+        start_step: Steps already done (resume); the first step run is ``start_step + 1``.
+        grad_clip: Clip the global gradient norm to this value (``None``: no clipping).
+        capture_every: Capture the internals of every N-th step (0: only on request).
+        sample_every: Call ``sample_fn`` every N-th step, at the first step and at the last.
+        sample_fn: ``sample_fn(model) -> (prompt, continuation)`` (e.g. a greedy decode).
+        top_k: Experts per token for :func:`expert_load` (default:
+            ``model.config.num_experts_per_tok`` when present).
+        tokens_per_step: Tokens per step for throughput (default: ``input_ids.numel()``).
+        lr_at: Optional schedule ``lr_at(step) -> lr`` applied to every param group.
+        capture_kwargs: Extra keyword arguments of ``hooks.capture`` (e.g. ``attention=True``).
+        capture_meta: ``capture_meta(batch) -> dict`` stored in a captured trace's ``meta``
+            (token labels, config); the step's losses are added as ``loss``, ``ce_loss``,
+            ``aux_loss``.
+
+    Raises:
+        ValueError: ``total_steps < start_step`` or a negative interval.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        batch: Batch | Callable[[int], Batch],
+        optimizer: torch.optim.Optimizer,
+        *,
+        total_steps: int,
+        start_step: int = 0,
+        grad_clip: float | None = None,
+        capture_every: int = 0,
+        sample_every: int = 0,
+        sample_fn: Callable[[nn.Module], tuple[str, str]] | None = None,
+        top_k: int | None = None,
+        tokens_per_step: int | None = None,
+        lr_at: Callable[[int], float] | None = None,
+        capture_kwargs: Mapping[str, Any] | None = None,
+        capture_meta: Callable[[Batch], dict[str, Any]] | None = None,
+    ) -> None:
+        if total_steps < start_step:
+            raise ValueError(f"total_steps ({total_steps}) is before start_step ({start_step})")
+        if capture_every < 0 or sample_every < 0:
+            raise ValueError("capture_every and sample_every must be >= 0")
+        self.model = model
+        self.batch = batch
+        self.optimizer = optimizer
+        self.total_steps = int(total_steps)
+        self.step = int(start_step)
+        self.start_step = int(start_step)
+        self.grad_clip = grad_clip
+        self.capture_every = int(capture_every)
+        self.sample_every = int(sample_every)
+        self.sample_fn = sample_fn
+        cfg = getattr(model, "config", None)
+        self.top_k = top_k if top_k is not None else getattr(cfg, "num_experts_per_tok", 1)
+        self.tokens_per_step = tokens_per_step
+        self.lr_at = lr_at
+        self.capture_kwargs = dict(capture_kwargs or {})
+        self.capture_meta = capture_meta
+        self._params = [p for p in model.parameters() if p.requires_grad]
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def _batch(self, step: int) -> Batch:
+        return self.batch(step) if callable(self.batch) else self.batch
+
+    def _tokens(self, batch: Batch) -> int:
+        if self.tokens_per_step is not None:
+            return self.tokens_per_step
+        ids = batch.get("input_ids")
+        return int(ids.numel()) if isinstance(ids, torch.Tensor) else 0
+
+    def train_step(self, step: int | None = None, capture: bool = False) -> StepReport:
+        """Run one step (number ``self.step + 1`` unless given) and advance ``self.step``.
+
+        Args:
+            step: Step number (default ``self.step + 1``).
+            capture: Run it under the :mod:`hooks` capture engine and return its statistics.
+
+        Returns:
+            The :class:`StepReport`; ``failure`` is set (and the update skipped) when the loss
+            or gradient norm was non-finite.
+        """
+        step = self.step + 1 if step is None else int(step)
+        model, opt = self.model, self.optimizer
+        model.train()
+        batch = self._batch(step)
+        lr = self.lr_at(step) if self.lr_at is not None else None
+        if lr is not None:
+            for group in opt.param_groups:
+                group["lr"] = lr
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        cap_ctx = (
+            _maybe_capture(model, step, self.capture_kwargs) if capture
+            else contextlib.nullcontext()
+        )
+        with cap_ctx as trace:
+            out = model(**batch)
+            loss = out.loss
+            loss_ok = bool(torch.isfinite(loss.detach()).all())
+            if loss_ok:
+                loss.backward()
+        grad_norm = float("nan")
+        grad_ok = False
+        if loss_ok:
+            grads = [p.grad for p in self._params if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+            grad_norm = float(norm)
+            grad_ok = math.isfinite(grad_norm)
+            if grad_ok:
+                if self.grad_clip is not None:
+                    torch.nn.utils.clip_grads_with_norm_(self._params, self.grad_clip, norm)
+                opt.step()
+        step_time = time.perf_counter() - t0
+
+        ce = getattr(out, "ce_loss", None)
+        aux = getattr(out, "aux_loss", None)
+        routers = getattr(out, "router_logits", None) or ()
+        tokens = self._tokens(batch)
+        metrics = MetricRow(
+            step=step,
+            wall=time.time(),
+            ce=float(ce.detach()) if ce is not None else float(loss.detach()),
+            aux=float(aux.detach()) if aux is not None else 0.0,
+            total=float(loss.detach()),
+            grad_norm=grad_norm,
+            lr=float(opt.param_groups[0]["lr"]),
+            step_time=step_time,
+            tokens_per_s=tokens / step_time if step_time > 0 else None,
+            steps_per_s=1.0 / step_time if step_time > 0 else None,
+            expert_load=expert_load(routers, self.top_k) if routers else None,
+        )
+        report = StepReport(metrics=metrics)
+        if trace is not None:
+            meta = dict(self.capture_meta(batch)) if self.capture_meta is not None else {}
+            meta.update(step=step, loss=metrics.total, ce_loss=metrics.ce, aux_loss=metrics.aux)
+            meta = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v))
+                    for k, v in meta.items()}
+            if isinstance(getattr(trace, "meta", None), dict):
+                trace.meta.update(meta)
+            report.trace = trace
+            report.internals = _trace_to_internals(trace)
+            report.internals_tensors = _trace_tensors(trace)
+        if not (loss_ok and grad_ok):
+            report.failure = self._locate_failure(step, batch, loss_ok, trace)
+            opt.zero_grad(set_to_none=True)
+        elif self.sample_fn is not None and self._sample_due(step):
+            report.sample = self.sample_fn(model)
+        self.step = step
+        return report
+
+    def _sample_due(self, step: int) -> bool:
+        if self.sample_every <= 0:
+            return False
+        return step == self.start_step + 1 or step % self.sample_every == 0 or (
+            step == self.total_steps
+        )
+
+    def _locate_failure(
+        self, step: int, batch: Batch, loss_ok: bool, trace: Any
+    ) -> NonFiniteInfo:
+        what = "gradient" if loss_ok else "loss"
+        direction = "backward" if loss_ok else "forward"
+        located = _trace_first_nonfinite(trace, direction) if trace is not None else None
+        if located is None and _hooks_capture_available():
+            try:
+                with _maybe_capture(self.model, step) as tr:
+                    out = self.model(**batch)
+                    if loss_ok:
+                        out.loss.backward()
+                located = _trace_first_nonfinite(tr, direction)
+            except Exception:  # a broken capture must not hide the failure itself
+                located = None
+            self.optimizer.zero_grad(set_to_none=True)
+        if located is None and not loss_ok:
+            located = locate_nonfinite(self.model, lambda: self.model(**batch))
+        if located is None:  # gradient: the first parameter with a non-finite gradient
+            located = (None, "no non-finite gradient found")
+            for name, p in self.model.named_parameters():
+                if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                    located = (name, "gradient of parameter: " + _describe_tensor(p.grad))
+                    break
+        module, detail = located
+        return NonFiniteInfo(step=step, what=what, module=module, detail=detail)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def run(
+        self,
+        control: TrainControl | None = None,
+        on_step: Callable[[StepReport], None] | None = None,
+        on_state: Callable[[str], None] | None = None,
+    ) -> TrainResult:
+        """Train until ``total_steps``, a stop, or a non-finite value.
+
+        Runs in the calling thread; ``on_step`` and ``on_state`` are called in that thread.
+
+        Args:
+            control: Pause / single-step / stop / capture controls (a fresh one if ``None``).
+            on_step: Called after every step with its :class:`StepReport`.
+            on_state: Called with ``"paused"`` when the loop starts waiting and ``"running"``
+                when it continues after a pause.
+
+        Returns:
+            A :class:`TrainResult`.
+        """
+        control = control or TrainControl()
+        waiting = False
+        while self.step < self.total_steps:
+            decision = control._decide()
+            if decision == "stop":
+                break
+            if decision == "wait":
+                if not waiting:
+                    waiting = True
+                    if on_state is not None:
+                        on_state("paused")
+                control._wait(0.5)
+                continue
+            if waiting and not control.paused:
+                waiting = False
+                if on_state is not None:
+                    on_state("running")
+            step = self.step + 1
+            requested, pause_after = control._take_capture()
+            capture = requested or (self.capture_every > 0 and step % self.capture_every == 0)
+            report = self.train_step(step, capture=capture)
+            if pause_after:
+                control.pause()
+                report.paused_after = True
+            if on_step is not None:
+                on_step(report)
+            if report.failure is not None:
+                return TrainResult("failed", step, report.failure.describe(), report.failure)
+        if waiting and on_state is not None:
+            on_state("running")
+        if self.step >= self.total_steps:
+            return TrainResult("finished", self.step, "finished")
+        return TrainResult("interrupted", self.step, control.stop_reason or "stopped")
+
