@@ -17,6 +17,7 @@ Everything the TUI shows comes from a :class:`Trace` recorded by :func:`capture`
 Works on any ``torch.nn.Module``; never imports textual, rich or tui.
 """
 
+from hooks.batch import Batch, BatchError, LossChoice, from_factory, select_loss
 from hooks.capture import Capture, Selector, capture, module_infos
 from hooks.diff import TensorDiff, TraceDiff
 from hooks.probes import (
@@ -49,11 +50,14 @@ __all__ = [
     "NUM_BINS",
     "SCHEMA_VERSION",
     "AttentionRecord",
+    "Batch",
+    "BatchError",
     "BlockRoutingProbe",
     "CallRecord",
     "Capture",
     "EagerAttentionProbe",
     "GradRecord",
+    "LossChoice",
     "ModuleInfo",
     "NonFinite",
     "Note",
@@ -73,9 +77,11 @@ __all__ = [
     "TraceDiff",
     "TraceFormatError",
     "capture",
+    "from_factory",
     "module_infos",
     "probes_for",
     "register_probe",
+    "select_loss",
     "summarize_tensor",
     "unregister_probe",
 ]

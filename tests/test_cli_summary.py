@@ -52,7 +52,8 @@ def test_summary_table_piped(capsys):
         assert cells[0] == leaf and cells[1] == type(module).__name__
     lm_head = next(r for r in rows if r.strip("│").split("│")[0].strip() == "lm_head")
     assert str(tuple(out.logits.shape)) in lm_head
-    assert f"ce_loss {out.ce_loss.item():.5g}" in text
+    loss, ce = out.loss.item(), out.ce_loss.item()
+    assert f"loss = out.loss = {loss:.4g} (ce {ce:.4g} + aux" in text
 
 
 def test_summary_depth_limits_rows(capsys):

@@ -98,13 +98,14 @@ def tiny_trace_and_results():
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
+        import hooks
         from hooks.checks import run_checks
         from tests import zoo
         from tui.commands._common import Workload, capture_step
 
         model, batch = zoo.gqa_repeat()
         results = run_checks(model, batch, only="gqa,tied")
-        trace = capture_step(Workload(model=model, kwargs=batch, input_ids=batch["input_ids"]),
+        trace = capture_step(Workload(model=model, batch=hooks.Batch.of(batch)),
                              attention=False)
         yield trace, results
     finally:

@@ -20,7 +20,8 @@ def test_small_cnn_summary_lists_every_layer_and_the_mean_loss(capsys):
     expected = workload.model(*workload.args).float().mean().item()  # the reference: no hooks
     trace = capture_step(load_user_workload(f"{EXAMPLES}:small_cnn"), attention=False)
     assert trace.meta["loss"] == pytest.approx(expected, rel=1e-6)
-    assert "mean of the output" in trace.meta["loss_source"]
+    assert trace.meta["loss_source"] == "mean(out)" and trace.meta["loss_fallback"] is True
+    assert "no loss: mean(out) = " in out
 
 
 def test_hf_mixtral_workload_records_routing_for_every_layer():

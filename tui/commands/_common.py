@@ -13,7 +13,7 @@ import importlib
 import importlib.util
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -123,23 +123,40 @@ class Workload:
 
     Attributes:
         model: the ``nn.Module``.
-        args: positional arguments of the forward call.
-        kwargs: keyword arguments of the forward call.
-        input_ids: (B, T) int64 ids when known (minillm workloads), else None.
-        token_strings: a printable label per token of ``input_ids`` row-major, or [].
+        batch: the :class:`hooks.Batch` of the forward call (arguments, their roles, token
+            labels).
+        loss_fn: ``loss_fn(output, batch)`` from a factory that returned one, else None.
         config: the minillm config as a dict, or None for a user model.
         description: one line saying what runs (shown in the UI).
         tokenizer: the tokenizer used, or None.
     """
 
     model: Any
-    args: tuple = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    input_ids: Any = None
-    token_strings: list[str] = field(default_factory=list)
+    batch: Any = None
+    loss_fn: Any = None
     config: dict[str, Any] | None = None
     description: str = ""
     tokenizer: Any = None
+
+    @property
+    def args(self) -> tuple:
+        """Positional arguments of the forward call."""
+        return self.batch.args
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of the forward call."""
+        return self.batch.kwargs
+
+    @property
+    def input_ids(self):
+        """(B, T) integer token ids when the batch has them, else None."""
+        return self.batch.ids(self.model)
+
+    @property
+    def token_strings(self) -> list[str]:
+        """A printable label per token of :attr:`input_ids`, row-major, or []."""
+        return self.batch.token_labels(self.model)
 
 
 def read_text(path: str | os.PathLike) -> str:
@@ -229,12 +246,13 @@ def build_workload(args: argparse.Namespace, *, default_text: Path | None = None
     input_ids = batch_from_text(text, tokenizer, args.batch_size, args.seq_len)
     model = MiniLLM(config)
     name = args.config or args.preset or "default"
+    from hooks.batch import Batch
+
+    batch = Batch((input_ids,), {"labels": input_ids},
+                  token_text=tokenizer.token_strings(input_ids.reshape(-1).tolist()))
     return Workload(
         model=model,
-        args=(input_ids,),
-        kwargs={"labels": input_ids},
-        input_ids=input_ids,
-        token_strings=tokenizer.token_strings(input_ids.reshape(-1).tolist()),
+        batch=batch,
         config=config.to_dict(),
         description=(
             f"minillm {name} · {model.num_parameters():,} params · batch "
@@ -247,7 +265,6 @@ def build_workload(args: argparse.Namespace, *, default_text: Path | None = None
 def load_user_workload(spec: str) -> Workload:
     """Import ``module:function`` (a module name or a ``path/to/file.py``), call it, and check
     that it returned ``(model, batch)``."""
-    import torch
 
     module_name, sep, func_name = spec.partition(":")
     if not sep or not module_name or not func_name:
@@ -279,73 +296,21 @@ def load_user_workload(spec: str) -> Workload:
         raise MdbError(
             f"--model {spec}: {func_name}() raised {type(exc).__name__}: {exc}"
         ) from None
-    if not (isinstance(result, tuple) and len(result) == 2):
-        raise MdbError(
-            f"--model {spec}: {func_name}() must return (model, batch), got {type(result).__name__}"
-        )
-    model, batch = result
-    if not isinstance(model, torch.nn.Module):
-        raise MdbError(
-            f"--model {spec}: the first value returned must be a torch.nn.Module, "
-            f"got {type(model).__name__}"
-        )
-    args: tuple = ()
-    kwargs: dict[str, Any] = {}
-    if isinstance(batch, torch.Tensor):
-        args = (batch,)
-    elif isinstance(batch, dict):
-        kwargs = dict(batch)
-    elif isinstance(batch, (tuple, list)):
-        args = tuple(batch)
-    else:
-        raise MdbError(
-            f"--model {spec}: the batch must be a tensor, a tuple of arguments or a dict of "
-            f"keyword arguments, got {type(batch).__name__}"
-        )
-    input_ids = kwargs.get("input_ids", args[0] if args else None)
-    if not (
-        isinstance(input_ids, torch.Tensor)
-        and input_ids.dtype == torch.long
-        and input_ids.dim() == 2
-    ):
-        input_ids = None
+    from hooks.batch import BatchError, from_factory
+
+    try:
+        model, batch, loss_fn = from_factory(result)
+    except BatchError as exc:
+        raise MdbError(f"--model {spec}: {func_name}() {exc}") from None
     n_params = sum(p.numel() for p in model.parameters())
     return Workload(
         model=model,
-        args=args,
-        kwargs=kwargs,
-        input_ids=input_ids,
-        token_strings=[str(int(i)) for i in input_ids.reshape(-1)] if input_ids is not None else [],
+        batch=batch,
+        loss_fn=loss_fn,
         config=None,
         description=f"{type(model).__name__} from {spec} · {n_params:,} params",
+        tokenizer=batch.tokenizer,
     )
-
-
-def loss_of(output: Any):
-    """The scalar to call ``backward()`` on, and how it was found.
-
-    ``output.loss`` (minillm, HF) or ``output["loss"]`` when present; a scalar output as is;
-    otherwise the mean of the first floating-point output tensor (so gradients still flow,
-    said in the returned description).
-    """
-    import torch
-
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, dict):
-        loss = output.get("loss")
-    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
-        return loss, "loss"
-    tensor = output
-    if isinstance(output, (tuple, list)) and output:
-        tensor = output[0]
-    logits = getattr(output, "logits", None)
-    if isinstance(logits, torch.Tensor):
-        tensor = logits
-    if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
-        if tensor.dim() == 0:
-            return tensor, "scalar output"
-        return tensor.float().mean(), "mean of the output (the model returned no loss)"
-    raise MdbError("the model returned no loss and no floating-point tensor to differentiate")
 
 
 def capture_step(workload: Workload, *, attention: bool = True, keep_bytes: int = 0):
@@ -358,6 +323,8 @@ def capture_step(workload: Workload, *, attention: bool = True, keep_bytes: int 
     """
     import math
 
+    import torch
+
     import hooks
 
     model = workload.model
@@ -367,16 +334,21 @@ def capture_step(workload: Workload, *, attention: bool = True, keep_bytes: int 
         "config": workload.config,
         "input_shape": list(workload.input_ids.shape) if workload.input_ids is not None else None,
     }
+    from hooks.batch import BatchError, select_loss
+
+    batch = workload.batch
     with hooks.capture(model, attention=attention, keep_bytes=keep_bytes, meta=meta) as trace:
-        output = model(*workload.args, **workload.kwargs)
-        loss, how = loss_of(output)
-        loss.backward()
-    meta["loss_source"] = how
+        output = batch.call(model)
+        try:
+            choice = select_loss(output, workload.loss_fn, batch)
+        except BatchError as exc:
+            raise MdbError(str(exc)) from None
+        choice.loss.backward()
+    meta["loss_source"] = choice.source
+    meta["loss_fallback"] = choice.fallback
     for name in ("loss", "ce_loss", "aux_loss"):
-        value = getattr(output, name, None)
-        if value is None and name == "loss":
-            value = loss
-        if value is not None:
+        value = choice.loss if name == "loss" else getattr(output, name, None)
+        if isinstance(value, torch.Tensor) and value.dim() == 0:
             value = float(value.detach())
             meta[name] = value if math.isfinite(value) else str(value)
     aux_losses = getattr(output, "aux_losses", None)

@@ -41,8 +41,10 @@ def run(args: argparse.Namespace) -> int:
         trace.save(out)
     except OSError as exc:
         raise MdbError(f"--out {out}: cannot write ({exc.strerror or exc})") from None
-    loss = trace.meta.get("loss")
-    loss_text = f" · loss {loss:.5g}" if isinstance(loss, float) else ""
+    from tui.widgets.fmt import loss_line
+
+    loss = loss_line(trace.meta)
+    loss_text = f" · {loss}" if loss else ""
     print(
         f"saved {out}: {len(trace.forward)} calls, {len(trace.backward)} gradients, "
         f"{len(trace.params)} parameters, {len(trace.routing)} routing and "

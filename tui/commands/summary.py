@@ -15,6 +15,7 @@ import sys
 
 from tui.commands._common import add_model_arguments
 from tui.commands.step import add_threads_argument, set_threads
+from tui.widgets.fmt import loss_line
 
 HELP = "print a torchinfo-style table of the model (shapes, parameters, output stats, grad norms)"
 
@@ -98,9 +99,7 @@ def footer_lines(trace) -> list[str]:
         f"{len(trace.backward)} output gradients · {len(trace.params)} parameter gradients",
     ]
     if "loss" in meta:
-        losses = ", ".join(f"{k} {meta[k]:.5g}" if isinstance(meta[k], float) else f"{k} {meta[k]}"
-                           for k in ("loss", "ce_loss", "aux_loss") if k in meta)
-        lines.append(f"losses: {losses}")
+        lines.append(loss_line(meta))
     bad = trace.first_nonfinite("forward") or trace.first_nonfinite("backward")
     if bad is not None:
         lines.append(f"first non-finite value: {bad.describe()}")

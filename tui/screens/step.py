@@ -21,22 +21,8 @@ from tui import messages
 from tui.screens.base import MdbScreen
 from tui.screens.stepper import Stepper
 from tui.widgets.call_details import CallDetails
+from tui.widgets.fmt import loss_line
 from tui.widgets.module_tree import ModuleTree
-
-
-def loss_line(meta: dict) -> str:
-    """``loss 6.94 (ce 6.90 + aux 0.0459)`` from a trace's meta, or ``""``."""
-    loss = meta.get("loss")
-    if loss is None:
-        return ""
-
-    def num(v) -> str:
-        return f"{v:.4g}" if isinstance(v, (int, float)) else str(v)
-
-    text = f"loss {num(loss)}"
-    if "ce_loss" in meta and "aux_loss" in meta:
-        text += f" (ce {num(meta['ce_loss'])} + aux {num(meta['aux_loss'])})"
-    return text
 
 
 class StepScreen(MdbScreen):
@@ -220,10 +206,34 @@ class StepScreen(MdbScreen):
             except ScreenStackError:  # still on the stack while the app shuts down
                 pass
 
+    @staticmethod
+    def help_text() -> str:
+        """Every key of the step view and of the views it opens (their own ``BINDINGS``)."""
+        from textual.binding import Binding
+
+        from tui.screens.attention import AttentionScreen
+        from tui.screens.gradients import GradientsScreen
+        from tui.screens.help import help_text
+        from tui.screens.router import RouterScreen
+        from tui.screens.search import SearchScreen
+        from tui.screens.view import VIEW_BINDINGS
+
+        own = {id(b) for b in VIEW_BINDINGS}
+        return help_text([
+            ("step view", StepScreen.BINDINGS
+             + [Binding("enter", "", "jump to the tree node's first call")]),
+            ("router view", [b for b in RouterScreen.BINDINGS if id(b) not in own]),
+            ("attention view", [b for b in AttentionScreen.BINDINGS if id(b) not in own]),
+            ("gradients view", [b for b in GradientsScreen.BINDINGS if id(b) not in own]
+             + [Binding("enter", "", "open the parameter's module in the step view")]),
+            ("every view", VIEW_BINDINGS),
+            ("find (/)", SearchScreen.BINDINGS + [Binding("enter", "", "jump to the match")]),
+        ])
+
     def action_help(self) -> None:
         from tui.screens.help import HelpScreen
 
-        self.app.push_screen(HelpScreen())
+        self.app.push_screen(HelpScreen(self.help_text()))
 
     def action_quit_view(self) -> None:
         """Quit the app, or, when embedded in another app, go back to its screen."""

@@ -133,3 +133,23 @@ def shade(p: float) -> str:
     if p < 0.05:
         return SHADES[1]
     return SHADES[min(2 + int(p / 0.2), len(SHADES) - 1)]
+
+
+def loss_line(meta: dict) -> str:
+    """What was differentiated and its value, from a trace's meta: ``loss = out.loss = 6.94
+    (ce 6.90 + aux 0.0459)``, ``loss = out[1] = 4.82``, or ``no loss: mean(out.logits) =
+    -0.0087`` when the model computed none; ``""`` without a loss."""
+    loss = meta.get("loss")
+    if loss is None:
+        return ""
+
+    def num(v) -> str:
+        return f"{v:.4g}" if isinstance(v, (int, float)) else str(v)
+
+    source = meta.get("loss_source")
+    if meta.get("loss_fallback"):
+        return f"no loss: {source} = {num(loss)}"
+    text = f"loss = {source} = {num(loss)}" if source else f"loss {num(loss)}"
+    if "ce_loss" in meta and "aux_loss" in meta:
+        text += f" (ce {num(meta['ce_loss'])} + aux {num(meta['aux_loss'])})"
+    return text
