@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hooks.ops import Replay
 from hooks.probes import ProbeContext, probes_for
 from hooks.records import CallRecord, GradRecord, ModuleInfo, Note, ParamGradRecord, TensorInfo
 from hooks.stats import NUM_BINS, StatsBatch
@@ -210,6 +211,9 @@ class Capture:
                     "(e.g. model._orig_mod) for reliable records",
                 )
             )
+        # what re-runs this forward for Trace.ops (the root's first call and the RNG state)
+        self._handles.append(self.model.register_forward_pre_hook(
+            self._remember_call, with_kwargs=True, prepend=True))
         ctx = ProbeContext(self)
         for name, m in self._modules:
             tname = type(m).__name__
@@ -341,6 +345,11 @@ class Capture:
         self._errors.setdefault(name, f"capture hook failed: {type(exc).__name__}: {exc}")
 
     # -- hooks ----------------------------------------------------------------------------------
+    def _remember_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.active and self.trace.replay is None and not _in_backward():
+            self.trace.replay = Replay.at(module, args, kwargs)
+        return None
+
     def _pre(self, name: str, tname: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not self.active:
             return None

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from hooks.diff import TraceDiff, diff_traces
+from hooks.ops import BackwardOrigin, OpTrace, Replay, backward_origin, record_ops
 from hooks.records import (
     AttentionRecord,
     CallRecord,
@@ -65,6 +66,12 @@ class Trace:
         model_type: class name of the captured model.
         captured: False when every-N sampling skipped this step (the trace is then empty).
         kept_bytes: bytes held in ``tensors``.
+        op_traces: the torch operations of stepped-into calls (:meth:`ops`), by
+            ``(module, call_index)``; saved with the trace.
+        backward_origin: the forward op whose backward produced the first non-finite
+            gradient, when it was located (:func:`hooks.ops.locate_backward_origin`).
+        replay: what re-runs the captured forward (the model and the root call's arguments);
+            None for a trace loaded from disk. Not saved.
     """
 
     forward: list[CallRecord] = field(default_factory=list)
@@ -81,6 +88,9 @@ class Trace:
     model_type: str = ""
     captured: bool = True
     kept_bytes: int = 0
+    op_traces: dict[tuple[str, int], OpTrace] = field(default_factory=dict)
+    backward_origin: BackwardOrigin | None = None
+    replay: Replay | None = field(default=None, repr=False, compare=False)
 
     # -- lookup ---------------------------------------------------------------------------------
     def calls(self, module: str) -> list[CallRecord]:
@@ -152,6 +162,55 @@ class Trace:
             return None
         raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
 
+    # -- stepping into a call ------------------------------------------------------------------
+    def ops(self, module: str, call_index: int = 0, *, refresh: bool = False) -> OpTrace:
+        """The torch operations inside one module call, with their source lines and statistics.
+
+        Recorded ops are returned as they are; otherwise the captured forward is replayed
+        (:func:`hooks.ops.record_ops`: same arguments, same RNG state, the recorder active only
+        inside that call) and the result is kept in :attr:`op_traces`. A replay whose call does
+        not reproduce the recorded output statistics is returned with
+        :attr:`OpTrace.diverged` set.
+
+        Args:
+            module: qualified module name (``""`` for the root).
+            call_index: which call of it.
+            refresh: replay even when ops were recorded before.
+
+        Raises:
+            KeyError: no such call was recorded.
+            LookupError: the ops were not recorded and the trace cannot replay (it was loaded
+                from disk, or the capture saw no call of its root module).
+        """
+        rec = self.call(module, call_index)
+        key = (module, call_index)
+        if key in self.op_traces and not refresh:
+            return self.op_traces[key]
+        if self.replay is None:
+            raise LookupError(
+                f"the ops of {module or '<root>'} call {call_index} were not recorded, and this "
+                "trace cannot replay its forward (it was loaded from disk); step in from a live "
+                "`mdb step`, or record them with `mdb capture --ops MODULE`")
+        ot = record_ops(self.replay, module, call_index, expected=rec.outputs)
+        self.op_traces[key] = ot
+        return ot
+
+    def locate_backward_origin(self, loss_of_output) -> BackwardOrigin | None:
+        """Find the forward op whose backward produced the first non-finite gradient
+        (:func:`hooks.ops.backward_origin`) and keep it in :attr:`backward_origin`.
+
+        Args:
+            loss_of_output: ``output -> 0-dim loss``, the loss the captured step
+                differentiated (e.g. ``lambda out: hooks.select_loss(out, loss_fn, batch).loss``).
+
+        Raises:
+            LookupError: the trace cannot replay its forward (loaded from disk).
+        """
+        if self.replay is None:
+            raise LookupError("this trace cannot replay its forward (it was loaded from disk)")
+        self.backward_origin = backward_origin(self.replay, loss_of_output)
+        return self.backward_origin
+
     # -- comparison -----------------------------------------------------------------------------
     def diff(self, other: Trace) -> TraceDiff:
         """Per module call, the change of each statistic from ``self`` to ``other``.
@@ -180,6 +239,9 @@ class Trace:
             "extras": [e.to_dict() for e in self.extras],
             "notes": [n.to_dict() for n in self.notes],
             "tensor_keys": sorted(self.tensors),
+            "op_traces": [o.to_dict() for o in self.op_traces.values()],
+            "backward_origin": (None if self.backward_origin is None
+                                else self.backward_origin.to_dict()),
         }
 
     def all_tensors(self) -> dict[str, torch.Tensor]:
@@ -191,6 +253,10 @@ class Trace:
             out.update(a.tensor_items(f"attention/{i}"))
         for i, e in enumerate(self.extras):
             out.update(e.tensor_items(f"extras/{i}"))
+        for i, ot in enumerate(self.op_traces.values()):
+            for op in ot.ops:
+                for path, t in op.kept.items():
+                    out[f"ops/{i}/{op.index}/{path}"] = t
         return out
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -290,6 +356,9 @@ class Trace:
                 model_type=data.get("model_type", ""),
                 captured=bool(data.get("captured", True)),
                 kept_bytes=int(data.get("kept_bytes", 0)),
+                op_traces=_op_traces(data.get("op_traces", []), tensors),
+                backward_origin=(None if data.get("backward_origin") is None
+                                 else BackwardOrigin.from_dict(data["backward_origin"])),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise TraceFormatError(f"malformed trace: {type(exc).__name__}: {exc}") from None
@@ -297,3 +366,16 @@ class Trace:
     def nbytes_json(self) -> int:
         """Size in bytes of the JSON part as :meth:`save` writes it."""
         return len(json.dumps(self.to_dict(), allow_nan=False, separators=(",", ":")))
+
+
+def _op_traces(items: list[dict[str, Any]],
+               tensors: dict[str, torch.Tensor]) -> dict[tuple[str, int], OpTrace]:
+    out = {}
+    for i, d in enumerate(items):
+        ot = OpTrace.from_dict(d)
+        prefix = f"ops/{i}/"
+        for op in ot.ops:
+            head = f"{prefix}{op.index}/"
+            op.kept = {k[len(head):]: v for k, v in tensors.items() if k.startswith(head)}
+        out[(ot.module, ot.call_index)] = ot
+    return out

@@ -313,13 +313,28 @@ def load_user_workload(spec: str) -> Workload:
     )
 
 
-def capture_step(workload: Workload, *, attention: bool = True, keep_bytes: int = 0):
+def capture_step(workload: Workload, *, attention: bool = True, keep_bytes: int = 0,
+                 ops: list[str] | None = None):
     """Run one forward and backward pass of ``workload`` under :func:`hooks.capture`.
+
+    When the forward produced NaN/Inf, the ops of the first non-finite call are recorded
+    (:meth:`hooks.Trace.ops`, a replay); when only the backward did, the forward op whose
+    backward created them is located (:meth:`hooks.Trace.locate_backward_origin`). Both are
+    saved with the trace.
+
+    Args:
+        workload: the model, batch and loss function.
+        attention: record attention probabilities.
+        keep_bytes: budget for full tensor copies.
+        ops: ``fnmatch`` patterns of module names whose every call's ops are recorded too.
 
     Returns:
         The :class:`hooks.Trace`, with ``meta`` holding the description, token labels,
         config, input shape and the loss values (``loss``, ``ce_loss``, ``aux_loss``).
         A non-finite loss does not stop the capture: the trace shows where it started.
+
+    Raises:
+        MdbError: ``ops`` matches no recorded call.
     """
     import math
 
@@ -355,4 +370,33 @@ def capture_step(workload: Workload, *, attention: bool = True, keep_bytes: int 
     if aux_losses is not None:
         meta["aux_losses"] = [float(v) for v in aux_losses.detach()]
     trace.meta.update(meta)
+    _step_into(trace, workload, ops or [])
     return trace
+
+
+def _step_into(trace, workload: Workload, patterns: list[str]) -> None:
+    """The ops :func:`capture_step` records: the first non-finite call's, the backward
+    origin, and every call of the modules ``patterns`` match."""
+    import fnmatch
+
+    from hooks.batch import select_loss
+
+    calls = [r for r in trace.forward
+             if any(fnmatch.fnmatchcase(r.module, p) for p in patterns)]
+    if patterns and not calls:
+        raise MdbError(f"--ops {' '.join(patterns)}: no recorded module call matches")
+    bad = trace.first_nonfinite("forward")
+    if bad is not None:
+        calls.append(trace.forward[bad.index])
+    for rec in calls:
+        try:
+            trace.ops(rec.module, rec.call_index)
+        except Exception as exc:  # the user's model raised on the replay: say so, go on
+            trace.meta.setdefault("ops_errors", []).append(
+                f"{rec.module} call {rec.call_index}: {type(exc).__name__}: {exc}")
+    if bad is None and trace.first_nonfinite("backward") is not None:
+        batch, loss_fn = workload.batch, workload.loss_fn
+        try:
+            trace.locate_backward_origin(lambda out: select_loss(out, loss_fn, batch).loss)
+        except Exception as exc:
+            trace.meta["backward_origin_error"] = f"{type(exc).__name__}: {exc}"

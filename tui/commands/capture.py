@@ -24,6 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-bytes", type=nonneg_int, default=0, metavar="N",
                         help="also keep full copies of outputs and gradients up to N bytes "
                              "(default 0: statistics only)")
+    parser.add_argument("--ops", metavar="MODULE", action="append", default=[],
+                        help="also record the torch ops of every call of MODULE (a name or "
+                        "fnmatch pattern; repeatable); the first non-finite call's ops are "
+                        "always recorded")
     parser.add_argument("--no-attention", action="store_true",
                         help="do not record attention probabilities (smaller trace)")
 
@@ -36,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         raise MdbError(f"--out {out}: exists and is not a directory")
     set_threads(args)
     trace = capture_step(build_workload(args), attention=not args.no_attention,
-                         keep_bytes=args.keep_bytes)
+                         keep_bytes=args.keep_bytes, ops=args.ops)
     try:
         trace.save(out)
     except OSError as exc:
@@ -53,4 +57,12 @@ def run(args: argparse.Namespace) -> int:
     bad = trace.first_nonfinite("forward") or trace.first_nonfinite("backward")
     if bad is not None:
         print(f"first non-finite value: {bad.describe()}")
+    for ot in trace.op_traces.values():
+        first = ot.first_nonfinite()
+        where = (f"; first non-finite: {first.short_op} at {first.location}: {first.code}"
+                 if first is not None else "")
+        state = f" (replay diverged: {ot.diverged})" if ot.diverged else ""
+        print(f"ops of {ot.module or '<root>'} call {ot.call_index}: {len(ot.ops)}{state}{where}")
+    if trace.backward_origin is not None:
+        print(f"first non-finite gradient made by {trace.backward_origin.describe()}")
     return 0

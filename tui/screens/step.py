@@ -56,6 +56,9 @@ class StepScreen(MdbScreen):
                 tooltip="first record of this pass"),
         Binding("f", "first_nonfinite", "NaN", id="step.first_nonfinite",
                 tooltip="first NaN/Inf (forward, else backward)"),
+        Binding("i", "step_into", "into", id="step.into",
+                tooltip="step into the current call: its torch ops (backward: the forward op "
+                "that made the gradient non-finite)"),
         Binding("slash", "search", "find", key_display="/", id="step.search",
                 tooltip="find a module by name"),
         Binding("r", "view('router')", "router", id="view.router",
@@ -106,7 +109,8 @@ class StepScreen(MdbScreen):
         self.refresh_view()
         self.query_one("#tree", ModuleTree).focus()
         if self.nonfinite is not None:
-            self.hint(f"opened at the first non-finite value: {self.nonfinite.describe()}")
+            self.hint(f"opened at the first non-finite value: {self.nonfinite.describe()}"
+                      f"{self._origin_text(self.nonfinite)}")
         elif not self.trace.backward:
             self.hint("no gradients recorded: this trace has a forward pass only")
         if hasattr(self.app, "log_paint"):
@@ -158,7 +162,15 @@ class StepScreen(MdbScreen):
             self.hint("✓ every recorded value and gradient is finite")
             return
         self.refresh_view()
-        self.hint(f"✗ first non-finite: {hit.describe()}")
+        self.hint(f"✗ first non-finite: {hit.describe()}{self._origin_text(hit)}")
+
+    def _origin_text(self, hit) -> str:
+        """`` · made by SqrtBackward0 (forward sqrt at m.py:9: ...) · i steps in`` for a
+        backward hit whose origin was located, else ``""``."""
+        origin = getattr(self.trace, "backward_origin", None)
+        if hit is None or hit.direction != "backward" or origin is None:
+            return ""
+        return f" · made by {origin.describe()} · i steps in"
 
     def action_search(self) -> None:
         from tui.screens.search import SearchScreen
@@ -214,6 +226,7 @@ class StepScreen(MdbScreen):
         from tui.screens.attention import AttentionScreen
         from tui.screens.gradients import GradientsScreen
         from tui.screens.help import help_text
+        from tui.screens.ops import OpsScreen
         from tui.screens.router import RouterScreen
         from tui.screens.search import SearchScreen
         from tui.screens.view import VIEW_BINDINGS
@@ -226,6 +239,8 @@ class StepScreen(MdbScreen):
             ("attention view", [b for b in AttentionScreen.BINDINGS if id(b) not in own]),
             ("gradients view", [b for b in GradientsScreen.BINDINGS if id(b) not in own]
              + [Binding("enter", "", "open the parameter's module in the step view")]),
+            ("ops view (i: step into a call)",
+             [b for b in OpsScreen.BINDINGS if id(b) not in own]),
             ("every view", VIEW_BINDINGS),
             ("find (/)", SearchScreen.BINDINGS + [Binding("enter", "", "jump to the match")]),
         ])
@@ -250,6 +265,29 @@ class StepScreen(MdbScreen):
 
     def _unit(self) -> str:
         return "call" if self.stepper.direction == "forward" else "gradient"
+
+    def action_step_into(self) -> None:
+        """Open the ops of the current forward call (in the backward pass: of the call whose
+        output this gradient belongs to, or of the module where the backward's first
+        non-finite gradient was created, with its op selected)."""
+        from tui.screens.ops import OpsScreen
+
+        st = self.stepper
+        call = st.call
+        if call is None:
+            self.hint("nothing to step into: the trace is empty")
+            return
+        select = None
+        origin = getattr(self.trace, "backward_origin", None)
+        if st.direction == "backward" and origin is not None and origin.module is not None:
+            bad = st.current.stats is not None and not st.current.stats.finite
+            if bad:
+                try:
+                    call = self.trace.call(origin.module, 0)
+                    select = (origin.file, origin.line, origin.op)
+                except KeyError:
+                    pass
+        self.app.push_screen(OpsScreen(self, call.module, call.call_index, select=select))
 
     # -- other views ----------------------------------------------------------------------------
     def make_view(self, view: str):
