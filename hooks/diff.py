@@ -58,6 +58,8 @@ class TensorDiff:
         delta: ``other - self`` per statistic (``None`` where either side has no value).
         max_abs_diff: max |other - self| element-wise where both traces kept the tensor with the
             same shape, else None.
+        scale: the larger ``abs_max`` of the two sides (what :meth:`relative` divides by), or
+            None when neither has statistics.
     """
 
     direction: str
@@ -69,6 +71,37 @@ class TensorDiff:
     shape_other: list[int]
     delta: dict[str, float | None]
     max_abs_diff: float | None = None
+    scale: float | None = None
+
+    @property
+    def shape_changed(self) -> bool:
+        """Whether the shape differs at all (also when only the row count does)."""
+        return self.shape_self != self.shape_other
+
+    @property
+    def layout_changed(self) -> bool:
+        """Whether a dimension other than the first differs (or the number of dimensions):
+        the architecture changed (k_proj of GQA against MHA), not just how many rows a call got
+        (an expert that received more tokens)."""
+        a, b = self.shape_self, self.shape_other
+        return len(a) != len(b) or a[1:] != b[1:]
+
+    def relative(self) -> float:
+        """How much the tensor changed, scale-free: the largest |Δ| of mean, std, min and max
+        over the larger |x| max of the two sides; ``inf`` when the layout changed
+        (:attr:`layout_changed`) or the NaN/Inf counts did, 0.0 when nothing changed. Calls
+        whose row count changed are compared by their statistics."""
+        if self.layout_changed:
+            return math.inf
+        if any(self.delta.get(k) for k in ("nan_count", "inf_count")):
+            return math.inf
+        vals = [abs(self.delta[k]) for k in ("mean", "std", "min", "max")
+                if self.delta.get(k) is not None]
+        if not vals:
+            return 0.0
+        if not self.scale or not math.isfinite(self.scale):
+            return math.inf if max(vals) > 0 else 0.0
+        return max(vals) / self.scale
 
     def max_abs_delta(self) -> float:
         """Largest |delta| over all statistics (0.0 when all are None)."""
@@ -86,6 +119,8 @@ class TensorDiff:
             "shape_other": self.shape_other,
             "delta": {k: encode_float(v) for k, v in self.delta.items()},
             "max_abs_diff": encode_float(self.max_abs_diff),
+            "scale": encode_float(self.scale),
+            "relative": encode_float(self.relative()),
         }
 
 
@@ -130,6 +165,16 @@ class TraceDiff:
             return False
         return self.max_abs_delta() <= atol
 
+    def ranked(self) -> list[TensorDiff]:
+        """Forward and backward rows that changed, largest :meth:`TensorDiff.relative` first
+        (layout changes and new NaN/Inf on top, forward before backward, then in recording
+        order)."""
+        rows = [d for d in self.forward + self.backward if d.relative() > 0
+                or d.shape_changed or (d.max_abs_diff or 0) > 0]
+        order = {id(d): i for i, d in enumerate(self.forward + self.backward)}  # recording order
+        rows.sort(key=lambda d: (-d.relative(), d.direction != "forward", order[id(d)]))
+        return rows
+
     def top(self, n: int = 10, stat: str = "l2", direction: str = "forward") -> list[TensorDiff]:
         """The ``n`` tensors whose ``stat`` changed most (by absolute change)."""
         rows = self.forward if direction == "forward" else self.backward
@@ -158,6 +203,11 @@ def _stats_delta(a: TensorStats | None, b: TensorStats | None) -> dict[str, floa
         return {}
     va, vb = a.values(), b.values()
     return {k: _sub(va[k], vb[k]) for k in va}
+
+
+def _scale(a: TensorStats | None, b: TensorStats | None) -> float | None:
+    vals = [s.abs_max for s in (a, b) if s is not None and s.abs_max is not None]
+    return max(vals) if vals else None
 
 
 def _kept_diff(ta: Trace, ka: str | None, tb: Trace, kb: str | None) -> float | None:
@@ -195,6 +245,7 @@ def diff_traces(a: Trace, b: Trace) -> TraceDiff:
                 tb.shape,
                 _stats_delta(ta.stats, tb.stats),
                 _kept_diff(a, ta.kept, b, tb.kept),
+                _scale(ta.stats, tb.stats),
             )  # fmt: skip
         )
     out.only_in_other += [f"forward {k[0] or '<root>'}#{k[1]} {k[2]}" for k in fb if k not in fa]
@@ -226,6 +277,7 @@ def diff_traces(a: Trace, b: Trace) -> TraceDiff:
                 gb.shape,
                 _stats_delta(ga.stats, gb.stats),
                 _kept_diff(a, ga.kept, b, gb.kept),
+                _scale(ga.stats, gb.stats),
             )  # fmt: skip
         )
     out.only_in_other += [

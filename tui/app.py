@@ -130,3 +130,25 @@ def make_loading_app(loader: Callable[[], object], *, loading_text: str | None =
     kwargs = {"loading_text": loading_text} if loading_text else {}
     return MdbApp(loader=loader, doctor_results=doctor_results, doctor_runner=doctor_runner,
                   **kwargs)
+
+
+class DiffApp(App[int]):
+    """``mdb diff A B``: the changed tensors, and each call of A beside B."""
+
+    CSS_PATH = "app.tcss"
+    TITLE = "mdb diff"
+    ENABLE_COMMAND_PALETTE = False
+
+    def __init__(self, a, b, diff, name_a: str, name_b: str) -> None:
+        super().__init__()
+        self.args = (a, b, diff, name_a, name_b)
+
+    def on_mount(self) -> None:
+        from tui.screens.diff import DiffScreen
+
+        self.push_screen(DiffScreen(*self.args))
+
+
+def make_diff_app(a, b, diff, name_a: str, name_b: str) -> DiffApp:
+    """The app of ``mdb diff`` for two traces and their :class:`hooks.diff.TraceDiff`."""
+    return DiffApp(a, b, diff, name_a, name_b)

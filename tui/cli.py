@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "watch": "watch",
     "runs": "runs",
     "doctor": "doctor",
+    "diff": "diff",
 }
 
 

@@ -1,0 +1,173 @@
+"""``mdb diff A B``: what changed between two captured steps, call by call.
+
+``A`` and ``B`` are trace directories (``mdb capture --out``) or stored captures of a run,
+``RUN@STEP`` (``mdb watch``'s ``c``, ``hooks.run(...).watch``). Calls are matched by module name
+and call index (:meth:`hooks.Trace.diff`); where the architectures differ (GQA against MHA) the
+names that agree are matched, tensors whose shape changed come first, and the rest are listed
+as only in A or only in B. In a terminal the rows open in a Textual screen (Enter shows the
+call of A and of B side by side); without one, or with ``--table``, the table is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from tui.errors import MdbError
+
+HELP = "compare two captured steps (trace directories or RUN@STEP), call by call"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("a", metavar="A", help="a trace directory, or RUN@STEP of the run store")
+    parser.add_argument("b", metavar="B", help="the trace to compare A with (B - A is shown)")
+    parser.add_argument("--db", metavar="FILE", default=None,
+                        help="run store for RUN@STEP (default: $MDB_DB or ./runs/mdb.sqlite)")
+    parser.add_argument("--table", action="store_true",
+                        help="print the table even in a terminal")
+    parser.add_argument("--json", action="store_true", help="print the diff as JSON")
+    parser.add_argument("--limit", type=int, default=40, metavar="N",
+                        help="rows of the printed table (default 40; 0: all)")
+
+
+def resolve_trace(spec: str, db: str | None = None):
+    """The :class:`hooks.Trace` that ``spec`` names: a trace directory if one exists there,
+    else ``RUN@STEP`` of the run store.
+
+    Raises:
+        MdbError: neither, or the run/step/file cannot be read.
+    """
+    from hooks import Trace, TraceFormatError
+
+    path = Path(spec)
+    if path.exists():
+        try:
+            return Trace.load(path)
+        except FileNotFoundError:
+            raise MdbError(f"{spec}: not a trace (no trace.json in it)") from None
+        except TraceFormatError as exc:
+            raise MdbError(f"{spec}: {exc}") from None
+        except OSError as exc:
+            raise MdbError(f"{spec}: cannot read ({exc.strerror or exc})") from None
+    name, sep, step = spec.rpartition("@")
+    if not sep or not name or not step.isdigit():
+        raise MdbError(f"{spec}: no such trace directory, and not RUN@STEP")
+    from hooks import TraceFormatError as _TFE
+    from hooks.runs.store import RunNotFoundError, RunStore, RunStoreError, default_db_path
+    from hooks.runs.trainer import load_trace
+
+    dbp = db or default_db_path()
+    try:
+        with RunStore(dbp) as store:
+            run = store.run(name)
+            trace = load_trace(store, run.id, int(step))
+            if trace is None:
+                steps = store.internals_steps(run.id)
+                have = ", ".join(map(str, steps[-8:])) if steps else "none"
+                raise MdbError(f"{spec}: run {name!r} has no capture at step {step} "
+                               f"(captured steps: {have})")
+            return trace
+    except RunNotFoundError:
+        raise MdbError(f"{spec}: no run {name!r} in {dbp}") from None
+    except RunStoreError as exc:
+        raise MdbError(f"{spec}: {exc}") from None
+    except _TFE as exc:
+        raise MdbError(f"{spec}: the stored capture is not readable: {exc}") from None
+
+
+def _num(x: float | None) -> str:
+    from tui.widgets.fmt import sci
+
+    return sci(x)
+
+
+def _rel(x: float) -> str:
+    return "inf" if math.isinf(x) else f"{100 * x:.3g}%"
+
+
+def rows(diff) -> list[dict]:
+    """The changed tensors as table rows, largest change first (see
+    :meth:`hooks.diff.TraceDiff.ranked`)."""
+    from tui.widgets.fmt import shape
+
+    out = []
+    for d in diff.ranked():
+        rel = d.relative()
+        if d.shape_changed:
+            what = f"{shape(d.shape_self)} → {shape(d.shape_other)}"
+        else:
+            what = shape(d.shape_self)
+        nan = d.delta.get("nan_count") or 0
+        out.append({
+            "diff": d, "pass": "fwd" if d.direction == "forward" else "bwd",
+            "call": f"{d.module or '<root>'}#{d.call_index}", "tensor": d.tensor,
+            "shape": what, "mean": _num(d.delta.get("mean")), "std": _num(d.delta.get("std")),
+            "change": ("layout" if d.layout_changed else f"{nan:+.0f} NaN" if nan
+                       else _rel(rel) + (" rows" if d.shape_changed else "")),
+        })
+    return out
+
+
+def summary_line(diff, a: str, b: str) -> str:
+    """``12 tensors changed · 2 only in A · 0 only in B`` or ``no differences``."""
+    if diff.is_zero():
+        return f"no differences between {a} and {b}"
+    n = len(diff.ranked())
+    return (f"{n} tensor(s) changed · {len(diff.only_in_self)} only in A · "
+            f"{len(diff.only_in_other)} only in B")
+
+
+def print_table(diff, a: str, b: str, limit: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    import os
+
+    tty = sys.stdout.isatty()
+    width = None
+    if not tty:  # piped: $COLUMNS when set, else wide enough for the longest module names
+        cols = os.environ.get("COLUMNS", "")
+        width = int(cols) if cols.isdigit() and int(cols) > 0 else 160
+    console = Console(file=sys.stdout, width=width, no_color=not tty or None, highlight=False)
+    console.print(f"A = {a}\nB = {b}\n{summary_line(diff, a, b)}", markup=False)
+    if diff.is_zero():
+        return
+    table = Table(title="B - A per module call, largest change first", title_justify="left",
+                  show_edge=False, pad_edge=False)
+    for col, just in (("pass", "left"), ("call", "left"), ("tensor", "left"),
+                      ("shape", "left"), ("Δmean", "right"), ("Δstd", "right"),
+                      ("change", "right")):
+        table.add_column(col, justify=just, no_wrap=col in ("call", "change"))
+    rs = rows(diff)
+    for r in rs[:limit] if limit else rs:
+        table.add_row(r["pass"], r["call"], r["tensor"], r["shape"], r["mean"], r["std"],
+                      r["change"])
+    console.print(table)
+    if limit and len(rs) > limit:
+        console.print(f"… {len(rs) - limit} more (--limit 0 lists all)", markup=False)
+    for label, keys in (("only in A", diff.only_in_self), ("only in B", diff.only_in_other)):
+        if keys:
+            shown = ", ".join(keys[:12]) + (f", … {len(keys) - 12} more" if len(keys) > 12
+                                             else "")
+            console.print(f"{label}: {shown}", markup=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``mdb diff``."""
+    a = resolve_trace(args.a, args.db)
+    b = resolve_trace(args.b, args.db)
+    diff = a.diff(b)
+    if args.json:
+        doc = {"a": args.a, "b": args.b, "no_differences": diff.is_zero(), **diff.to_dict()}
+        print(json.dumps(doc, allow_nan=False, default=str))
+        return 0
+    if args.table or not (sys.stdin.isatty() and sys.stdout.isatty()):
+        print_table(diff, args.a, args.b, args.limit)
+        return 0
+    from tui.app import make_diff_app
+
+    make_diff_app(a, b, diff, args.a, args.b).run()
+    return 0
