@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -78,53 +77,13 @@ def resolve_trace(spec: str, db: str | None = None):
         raise MdbError(f"{spec}: the stored capture is not readable: {exc}") from None
 
 
-def _num(x: float | None) -> str:
-    from tui.widgets.fmt import sci
-
-    return sci(x)
-
-
-def _rel(x: float) -> str:
-    return "inf" if math.isinf(x) else f"{100 * x:.3g}%"
-
-
-def rows(diff) -> list[dict]:
-    """The changed tensors as table rows, largest change first (see
-    :meth:`hooks.diff.TraceDiff.ranked`)."""
-    from tui.widgets.fmt import shape
-
-    out = []
-    for d in diff.ranked():
-        rel = d.relative()
-        if d.shape_changed:
-            what = f"{shape(d.shape_self)} → {shape(d.shape_other)}"
-        else:
-            what = shape(d.shape_self)
-        nan = d.delta.get("nan_count") or 0
-        out.append({
-            "diff": d, "pass": "fwd" if d.direction == "forward" else "bwd",
-            "call": f"{d.module or '<root>'}#{d.call_index}", "tensor": d.tensor,
-            "shape": what, "mean": _num(d.delta.get("mean")), "std": _num(d.delta.get("std")),
-            "change": ("layout" if d.layout_changed else f"{nan:+.0f} NaN" if nan
-                       else _rel(rel) + (" rows" if d.shape_changed else "")),
-        })
-    return out
-
-
-def summary_line(diff, a: str, b: str) -> str:
-    """``12 tensors changed · 2 only in A · 0 only in B`` or ``no differences``."""
-    if diff.is_zero():
-        return f"no differences between {a} and {b}"
-    n = len(diff.ranked())
-    return (f"{n} tensor(s) changed · {len(diff.only_in_self)} only in A · "
-            f"{len(diff.only_in_other)} only in B")
-
-
 def print_table(diff, a: str, b: str, limit: int) -> None:
+    import os
+
     from rich.console import Console
     from rich.table import Table
 
-    import os
+    from tui.widgets.diff_rows import rows, summary_line
 
     tty = sys.stdout.isatty()
     width = None

@@ -15,6 +15,7 @@ from textual.widgets import DataTable, Footer, Static
 
 from tui.screens.base import MdbScreen
 from tui.widgets.call_details import CallDetails
+from tui.widgets.diff_rows import rows, summary_line
 
 QUIT = Binding("q", "app.quit", "quit", id="diff.quit", tooltip="quit mdb diff")
 CALL_WIDTH = 33
@@ -54,15 +55,12 @@ class DiffScreen(MdbScreen):
 
     def __init__(self, a, b, diff, name_a: str, name_b: str) -> None:
         super().__init__()
-        from tui.commands.diff import rows
 
         self.a, self.b, self.diff = a, b, diff
         self.name_a, self.name_b = name_a, name_b
         self.rows = rows(diff)
 
     def compose(self):
-        from tui.commands.diff import summary_line
-
         yield Static(f"mdb diff · A {self.name_a} · B {self.name_b}", id="title", markup=False)
         yield Static(summary_line(self.diff, "A", "B"), id="status", markup=False)
         yield DataTable(id="diff-table", cursor_type="row", zebra_stripes=True)
