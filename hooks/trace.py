@@ -306,6 +306,8 @@ class Trace:
             data = json.loads(jpath.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise TraceFormatError(f"{jpath} is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise TraceFormatError(f"{jpath} nests too deeply to be a trace") from None
         if not isinstance(data, dict) or data.get("kind") != "mdb-trace":
             raise TraceFormatError(f"{jpath} is not an mdb trace")
         tpath = d / TENSORS_NAME

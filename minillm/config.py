@@ -155,16 +155,26 @@ class MiniLLMConfig:
             )
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {self.hidden_act!r}")
-        if not (self.rms_norm_eps > 0):
-            raise ValueError(f"rms_norm_eps must be positive, got {self.rms_norm_eps!r}")
-        if not (self.rope_theta > 0):
-            raise ValueError(f"rope_theta must be positive, got {self.rope_theta!r}")
-        if self.router_aux_loss_coef < 0:
+        if not isinstance(self.num_experts_per_tok, int) or isinstance(
+                self.num_experts_per_tok, bool):
             raise ValueError(
-                f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef!r}"
-            )
-        if not (0.0 <= self.attention_dropout < 1.0):
-            raise ValueError(f"attention_dropout must be in [0, 1), got {self.attention_dropout!r}")
+                f"num_experts_per_tok must be an integer, got {self.num_experts_per_tok!r}")
+        for name, lo, lo_ok, hi in (("rms_norm_eps", 0.0, False, None),
+                                    ("rope_theta", 0.0, False, None),
+                                    ("router_aux_loss_coef", 0.0, True, None),
+                                    ("initializer_range", 0.0, False, None),
+                                    ("attention_dropout", 0.0, True, 1.0)):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) \
+                    or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            if (value < lo if lo_ok else value <= lo) or (hi is not None and value >= hi):
+                rng = (f"in [{lo:g}, {hi:g})" if hi is not None
+                       else (">= 0" if lo_ok else "positive"))
+                raise ValueError(f"{name} must be {rng}, got {value!r}")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ValueError(f"tie_word_embeddings must be true or false, got "
+                             f"{self.tie_word_embeddings!r}")
         if self.rope_scaling is not None:
             self._validate_rope_scaling()
 
@@ -215,6 +225,27 @@ class MiniLLMConfig:
         if orig is None:
             orig = int(self.max_position_embeddings / float(self.rope_scaling["factor"]))
         return int(orig)
+
+    def parameter_count(self) -> int:
+        """Parameters the model of this config has, computed from the fields alone (before
+        anything is allocated; equals ``MiniLLM(config).num_parameters()``).
+
+        Embedding V·D (+ V·D untied LM head, + P·D learned positions); per layer two RMSNorm
+        weights 2·D, attention D·H·Dh + 2·D·Hkv·Dh + H·Dh·D, and either a router D·E plus E
+        SwiGLU experts of 3·D·I or one SwiGLU MLP 3·D·I; the final norm D.
+        """
+        d, v, h, kv, hd = (self.hidden_size, self.vocab_size, self.num_attention_heads,
+                           self.num_key_value_heads, self.hidden_size // self.num_attention_heads)
+        i = self.intermediate_size
+        mlp = (d * self.num_local_experts + self.num_local_experts * 3 * d * i
+               if self.num_local_experts else 3 * d * i)
+        layer = 2 * d + d * h * hd + 2 * d * kv * hd + h * hd * d + mlp
+        total = v * d + self.num_hidden_layers * layer + d
+        if not self.tie_word_embeddings:
+            total += v * d
+        if self.position_embedding == "learned":
+            total += self.max_position_embeddings * d
+        return total
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:

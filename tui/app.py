@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from textual import work
 from textual.app import App
 
 from tui import messages
@@ -60,6 +59,9 @@ class MdbApp(App[int]):
             exit_after_paint = os.environ.get("MDB_EXIT_AFTER_PAINT") == "1"
         self.exit_after_paint = exit_after_paint
         self.error: str | None = None
+        #: True while the loader runs in its thread (it cannot be interrupted: a user's forward
+        #: may sleep or spin; the CLI does not wait for it after the app quits)
+        self.loading = False
         self._paint_log = os.environ.get("MDB_PAINT_LOG")
 
     def log_paint(self, label: str) -> None:
@@ -90,17 +92,26 @@ class MdbApp(App[int]):
         else:
             self.push_screen(screen)
 
-    @work(thread=True, exclusive=True, exit_on_error=False, group="load",
-          description="capture the step")
     def _load(self) -> None:
+        """Run the loader in a daemon thread (not a Textual worker: the app waits for its
+        workers when it quits, and a user's forward may sleep or spin for minutes; the CLI
+        leaves without waiting for it). ``post_message`` is thread-safe."""
+        import threading
+
+        self.loading = True
+        threading.Thread(target=self._run_loader, name="mdb-capture", daemon=True).start()
+
+    def _run_loader(self) -> None:
         try:
             trace = self.loader()
         except MdbError as exc:
-            self.post_message(messages.LoadFailed(str(exc), 2))
+            self.post_message(messages.LoadFailed(str(exc), exc.exit_code))
         except Exception as exc:  # the user's model may raise anything: one line, no traceback
             self.post_message(messages.LoadFailed(f"{type(exc).__name__}: {exc}", 1))
         else:
             self.post_message(messages.TraceReady(trace))
+        finally:
+            self.loading = False
 
     def on_trace_ready(self, message: messages.TraceReady) -> None:
         self._open(message.trace)

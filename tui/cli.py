@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._run(args) or 0)
     except MdbError as exc:
         print(f"mdb: error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     except KeyboardInterrupt:
         print("mdb: interrupted", file=sys.stderr)
         return 130

@@ -1,4 +1,4 @@
-"""The one exception type the CLI turns into a single line on stderr and exit code 2."""
+"""The exceptions the CLI turns into a single line on stderr, never a traceback."""
 
 
 class MdbError(Exception):
@@ -7,3 +7,13 @@ class MdbError(Exception):
     Raise it with a message that names what is wrong and how to fix it; the CLI prints no
     traceback for it.
     """
+
+    exit_code = 2
+
+
+class ModelError(MdbError):
+    """The user's model (or its factory) raised: one line naming the exception, the module
+    being called and the user's ``file:line`` (:func:`hooks.errors.describe_error`), exit
+    code 1."""
+
+    exit_code = 1

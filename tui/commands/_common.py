@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tui.errors import MdbError
+from tui.errors import MdbError, ModelError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -88,7 +88,8 @@ def add_model_arguments(
         default=batch_size,
         help=f"sequences per batch (default {batch_size})",
     )
-    g.add_argument("--seed", type=int, default=0, help="torch seed for weights (default 0)")
+    g.add_argument("--seed", type=seed_int, default=0,
+                   help="torch seed for weights (default 0)")
 
 
 def _number(text: str, kind: type, ok, requirement: str):
@@ -102,14 +103,25 @@ def _number(text: str, kind: type, ok, requirement: str):
     return value
 
 
+#: Largest count any integer option takes (steps, sizes, intervals): 2**31 - 1.
+MAX_COUNT = 2**31 - 1
+
+
 def positive_int(text: str) -> int:
-    """argparse type: an integer > 0."""
-    return _number(text, int, lambda v: v > 0, "a positive integer")
+    """argparse type: an integer in [1, :data:`MAX_COUNT`]."""
+    return _number(text, int, lambda v: 0 < v <= MAX_COUNT,
+                   f"a positive integer up to {MAX_COUNT:,}")
 
 
 def nonneg_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    return _number(text, int, lambda v: v >= 0, "0 or a positive integer")
+    """argparse type: an integer in [0, :data:`MAX_COUNT`]."""
+    return _number(text, int, lambda v: 0 <= v <= MAX_COUNT,
+                   f"0 or a positive integer up to {MAX_COUNT:,}")
+
+
+def seed_int(text: str) -> int:
+    """argparse type: a seed ``torch.manual_seed`` takes, in [0, 2**63)."""
+    return _number(text, int, lambda v: 0 <= v < 2**63, "an integer in [0, 2**63)")
 
 
 def positive_float(text: str) -> float:
@@ -159,15 +171,35 @@ class Workload:
         return self.batch.token_labels(self.model)
 
 
+#: Largest ``--text`` file read (bytes); a batch needs far less.
+MAX_TEXT_BYTES = 64 << 20
+
+
 def read_text(path: str | os.PathLike) -> str:
-    """The UTF-8 text of ``path``; missing, unreadable, empty or non-UTF-8 -> MdbError."""
+    """The UTF-8 text of ``path``; missing, unreadable, empty, non-UTF-8, not a regular file
+    (a FIFO or ``/dev/zero`` would hang or never end) or larger than :data:`MAX_TEXT_BYTES`
+    -> MdbError."""
+    import stat
+
     p = Path(path)
     if not p.exists():
         raise MdbError(f"--text {p}: no such file")
     if p.is_dir():
         raise MdbError(f"--text {p}: is a directory, not a text file")
     try:
-        text = p.read_bytes().decode("utf-8")
+        st = p.stat()
+    except OSError as exc:
+        raise MdbError(f"--text {p}: cannot read ({exc.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise MdbError(f"--text {p}: not a regular file (a device, FIFO or socket); give a "
+                       "text file")
+    if st.st_size > MAX_TEXT_BYTES:
+        raise MdbError(f"--text {p}: {human_bytes(st.st_size)} is more text than a batch "
+                       f"needs (at most {human_bytes(MAX_TEXT_BYTES)}); cut a part of it")
+    try:
+        with open(p, "rb") as f:
+            data = f.read(MAX_TEXT_BYTES + 1)
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise MdbError(f"--text {p}: not UTF-8 text (bad byte at offset {exc.start})") from None
     except OSError as exc:
@@ -185,14 +217,85 @@ def load_config(args: argparse.Namespace):
         path = Path(args.config)
         if not path.exists():
             raise MdbError(f"--config {path}: no such file")
+        if not path.is_file():
+            raise MdbError(f"--config {path}: not a file (give a .toml file, see samples/presets)")
         try:
             return MiniLLMConfig.from_toml(path)
         except (ValueError, TypeError) as exc:
             raise MdbError(f"--config {path}: {exc}") from None
+        except OSError as exc:
+            raise MdbError(f"--config {path}: cannot read ({exc.strerror or exc})") from None
     try:
         return load_preset(getattr(args, "preset", None) or "default")
     except ValueError as exc:
         raise MdbError(str(exc)) from None
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (``MemAvailable`` of /proc/meminfo, else
+    the free physical pages), or None when the system does not say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def human_bytes(n: float) -> str:
+    """``4.1 TB``, ``23.1 GB``, ``512 MB`` (powers of 1000, like disk sizes)."""
+    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000:
+            return f"{n:.3g} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:,.3g} EB" if n < 1000 else f"{n:,.0f} EB"
+
+
+def human_count(n: int) -> str:
+    """``19.8M``, ``113k``, ``950`` — a parameter count in three significant digits."""
+    for unit, size in (("B", 10**9), ("M", 10**6), ("k", 10**3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
+
+
+def step_memory(config, batch_size: int, seq_len: int) -> tuple[int, int]:
+    """A lower bound of the bytes one captured fp32 forward+backward of a minillm needs:
+    ``(parameters and their gradients, activations)``. Activations count per token the
+    residual-stream tensors of each layer (~16·D), the k routed SwiGLU widths (3·k·I or 3·I),
+    the attention scores (2·H·T) and the logits with their gradient (3·V); the RoPE cos/sin
+    tables (2·P·Dh) count with the parameters."""
+    params = config.parameter_count()
+    rope = 2 * config.max_position_embeddings * config.head_dim * 4 \
+        if config.position_embedding == "rope" else 0
+    k = config.num_experts_per_tok if config.num_local_experts else 1
+    d, i = config.hidden_size, config.intermediate_size
+    per_token = config.num_hidden_layers * (16 * d + 3 * k * i
+                                            + 2 * config.num_attention_heads * seq_len)
+    per_token += 3 * config.vocab_size
+    return 8 * params + rope, 4 * per_token * batch_size * seq_len
+
+
+def check_memory(config, batch_size: int, seq_len: int) -> None:
+    """Refuse, before allocating anything, a model and batch that cannot fit in memory.
+
+    Raises:
+        MdbError: ``needs 4.1 TB (parameters and gradients 4.1 TB, activations 2.1 GB) for one
+            step; this machine has 23.1 GB available``.
+    """
+    params, acts = step_memory(config, batch_size, seq_len)
+    free = available_memory()
+    if free is not None and params + acts > free:
+        raise MdbError(
+            f"this model and batch need at least {human_bytes(params + acts)} (parameters, "
+            f"gradients and tables {human_bytes(params)}, activations {human_bytes(acts)}) for one step; "
+            f"this machine has {human_bytes(free)} available: choose a smaller config, "
+            f"--batch-size or --seq-len")
 
 
 def tokenizer_for(text: str, vocab_size: int):
@@ -240,6 +343,7 @@ def build_workload(args: argparse.Namespace, *, default_text: Path | None = None
             f"--seq-len {args.seq_len} is longer than the model allows "
             f"(max_position_embeddings = {config.max_position_embeddings})"
         )
+    check_memory(config, args.batch_size, args.seq_len)
     text_path = Path(args.text) if args.text else (default_text or default_text_path())
     text = read_text(text_path)
     tokenizer = tokenizer_for(text, config.vocab_size)
@@ -255,7 +359,7 @@ def build_workload(args: argparse.Namespace, *, default_text: Path | None = None
         batch=batch,
         config=config.to_dict(),
         description=(
-            f"minillm {name} · {model.num_parameters():,} params · batch "
+            f"minillm {name} · {human_count(model.num_parameters())} params · "
             f"{args.batch_size}×{args.seq_len} of {text_path.name}"
         ),
         tokenizer=tokenizer,
@@ -293,9 +397,10 @@ def load_user_workload(spec: str) -> Workload:
     try:
         result = func()
     except Exception as exc:
-        raise MdbError(
-            f"--model {spec}: {func_name}() raised {type(exc).__name__}: {exc}"
-        ) from None
+        from hooks.errors import describe_error
+
+        raise ModelError(f"--model {spec}: {func_name}() raised "
+                         f"{describe_error(exc)}") from None
     from hooks.batch import BatchError, from_factory
 
     try:
@@ -308,7 +413,8 @@ def load_user_workload(spec: str) -> Workload:
         batch=batch,
         loss_fn=loss_fn,
         config=None,
-        description=f"{type(model).__name__} from {spec} · {n_params:,} params",
+        description=f"{type(model).__name__} from {Path(module_name).name}:{func_name} · "
+                    f"{human_count(n_params)} params",
         tokenizer=batch.tokenizer,
     )
 
@@ -351,14 +457,24 @@ def capture_step(workload: Workload, *, attention: bool = True, keep_bytes: int 
     }
     from hooks.batch import BatchError, select_loss
 
+    from hooks.errors import describe_error
+
     batch = workload.batch
     with hooks.capture(model, attention=attention, keep_bytes=keep_bytes, meta=meta) as trace:
-        output = batch.call(model)
+        try:
+            output = batch.call(model)
+        except Exception as exc:  # the user's model: one line with the module and its line
+            raise ModelError(describe_error(exc, model, "the forward pass")) from None
         try:
             choice = select_loss(output, workload.loss_fn, batch)
         except BatchError as exc:
             raise MdbError(str(exc)) from None
-        choice.loss.backward()
+        except Exception as exc:  # the user's loss_fn raised
+            raise ModelError(describe_error(exc, model, "loss_fn")) from None
+        try:
+            choice.loss.backward()
+        except Exception as exc:
+            raise ModelError(describe_error(exc, model, "the backward pass")) from None
     meta["loss_source"] = choice.source
     meta["loss_fallback"] = choice.fallback
     for name in ("loss", "ce_loss", "aux_loss"):

@@ -35,9 +35,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from tui.commands._common import build_workload, capture_step
 
+    if not args.out.strip():
+        raise MdbError("--out: give the trace directory to write, e.g. --out step.mdbtrace")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise MdbError(f"--out {out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / "trace.json").exists():
+        raise MdbError(f"--out {out}: a directory that is not a trace; name a new directory")
     set_threads(args)
     trace = capture_step(build_workload(args), attention=not args.no_attention,
                          keep_bytes=args.keep_bytes, ops=args.ops)

@@ -11,6 +11,7 @@ model during the step ends the app with exit code 1 and one line on stderr.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from tui.commands._common import add_model_arguments, require_terminal
@@ -130,6 +131,13 @@ def run(args: argparse.Namespace) -> int:
     require_terminal("mdb step", "`mdb summary` for a table, or `mdb capture --out FILE` to "
                      "save a trace and open it later with `mdb step --trace FILE`")
     code = app.run()
+    if getattr(app, "loading", False):
+        # quit while the user's forward still runs in the loader thread: a Python thread cannot
+        # be stopped, and waiting for it would keep the process alive after the UI closed
+        print("mdb: quit during the capture; the model's step was abandoned", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130 if app.return_code is None else int(app.return_code or 0))
     if app.error:
         print(f"mdb: error: {app.error}", file=sys.stderr)
         return app.return_code or 2

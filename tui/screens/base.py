@@ -3,6 +3,8 @@
 * Below 80×24 the view is replaced by one centred line, "terminal too small (WxH), need 80×24",
   and comes back as soon as the terminal is large enough again (checked on mount, on resize and
   when the screen becomes current again).
+* While the view is too small every key but quitting is ignored (:meth:`MdbScreen.check_action`):
+  a key that acted on an invisible view would change what the user sees when it comes back.
 * A one-line ``#hint`` area above the footer for messages such as "already at the last call"
   (instead of toasts, which would cover the view at 80×24).
 """
@@ -28,8 +30,18 @@ def key_label(key: str) -> str:
     return names.get(key, key)
 
 
+#: Actions that still work while the terminal is too small (leaving must always be possible).
+ALWAYS_ALLOWED = frozenset({"quit", "quit_view", "app.quit"})
+
+
 class MdbScreen(Screen):
     """Base of mdb's full-screen views (too-small guard and hint line)."""
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Disable every action but quitting while the too-small message is shown."""
+        if self.has_class("-too-small") and action not in ALWAYS_ALLOWED:
+            return False
+        return True
 
     def on_mount(self) -> None:
         self.mount(Static("", id="too-small"))

@@ -14,6 +14,7 @@ from textual.containers import Horizontal
 from textual.widgets import DataTable, Footer, Static
 
 from tui.screens.base import MdbScreen
+from tui.widgets import fmt
 from tui.widgets.call_details import CallDetails
 from tui.widgets.diff_rows import rows, summary_line
 
@@ -29,8 +30,9 @@ def _left_cut(text: str, width: int) -> str:
 
 def _shape(d) -> str:
     """``2×16×64→2×16×256`` when the shape changed, else ``2×16×64`` (cut to fit)."""
-    a = "×".join(map(str, d.shape_self))
-    text = a if not d.shape_changed else f"{a}→{'×'.join(map(str, d.shape_other))}"
+    text = fmt.dims(d.shape_self)
+    if d.shape_changed:
+        text += "→" + fmt.dims(d.shape_other)
     return _left_cut(text, SHAPE_WIDTH)
 
 

@@ -54,6 +54,10 @@ class StepScreen(MdbScreen):
                 tooltip="backward start (autograd order); again: back to the forward call"),
         Binding("t,home", "first", "first call of this pass", show=False, id="step.first",
                 tooltip="first record of this pass"),
+        Binding("J,shift+down", "scroll_details(3)", "details down", show=False,
+                id="step.details_down", tooltip="scroll the details pane down (parameters)"),
+        Binding("K,shift+up", "scroll_details(-3)", "details up", show=False,
+                id="step.details_up", tooltip="scroll the details pane up"),
         Binding("f", "first_nonfinite", "NaN", id="step.first_nonfinite",
                 tooltip="first NaN/Inf (forward, else backward)"),
         Binding("i", "step_into", "into", id="step.into",
@@ -95,9 +99,12 @@ class StepScreen(MdbScreen):
     def compose(self):
         meta = self.trace.meta or {}
         step = f"step {meta['step']}" if meta.get("step") is not None else None  # a run's step
-        title = " · ".join(x for x in (step, meta.get("description") or self.trace.model_type,
-                                       loss_line(meta)) if x)
-        yield Static(title, id="title", markup=False)
+        title = " · ".join(x for x in (step, meta.get("description") or self.trace.model_type)
+                           if x)
+        with Horizontal(id="title-bar"):
+            # the description may be cut; what was differentiated never is
+            yield Static(title, id="title", markup=False)
+            yield Static(loss_line(meta), id="title-loss", markup=False)
         yield Static("", id="status", markup=False)
         with Horizontal(id="step-main"):
             yield ModuleTree(self.trace, id="tree")
@@ -265,6 +272,9 @@ class StepScreen(MdbScreen):
 
     def _unit(self) -> str:
         return "call" if self.stepper.direction == "forward" else "gradient"
+
+    def action_scroll_details(self, lines: int) -> None:
+        self.query_one("#details", CallDetails).scroll_relative(y=lines, animate=False)
 
     def action_step_into(self) -> None:
         """Open the ops of the current forward call (in the backward pass: of the call whose

@@ -2,8 +2,9 @@
 
 Sections, top to bottom: the call (module, class, call number); its input and output tensors
 (shape, dtype); the statistics of its outputs (in the backward pass, beside the gradient of the
-same output); a histogram of the values; the module's own parameters with their gradient norms,
-``‖g‖/‖w‖`` ratios and verdicts; notes on what could not be captured.
+same output); the module's own parameters with their gradient norms, ``‖g‖/‖w‖`` ratios and
+verdicts (when it has any); a histogram of the values; notes on what could not be captured.
+``J``/``K`` in the step view scroll the pane.
 """
 
 from __future__ import annotations
@@ -100,16 +101,19 @@ def params_table(params) -> Text:
 
 
 def io_table(call) -> Text:
-    """``in``/``out`` rows: tensor path, shape, dtype."""
+    """``in``/``out`` rows: tensor path (``kwargs.`` dropped: the keyword is the name), shape,
+    dtype; the path column as wide as the longest path, up to 26 cells."""
     out = Text()
     rows = [("in", t) for t in call.inputs] + [("out", t) for t in call.outputs]
     if not rows:
         return Text("no tensors", style="dim")
-    for i, (kind, t) in enumerate(rows):
+    paths = [t.path.removeprefix("kwargs.") for _, t in rows]
+    width = min(max(cell_len(p) for p in paths), 26)
+    for i, ((kind, t), path) in enumerate(zip(rows, paths, strict=True)):
         if i:
             out.append("\n")
         out.append(_pad(kind, 4), style="dim")
-        out.append(_pad(t.path, 19) + " " + _pad(fmt.shape(t.shape), 14) + " ")
+        out.append(_pad(path, width) + " " + _pad(fmt.dims(t.shape), 12) + " ")
         out.append(t.dtype, style="dim")
     return out
 
@@ -136,19 +140,19 @@ class CallDetails(VerticalScroll):
             return Text("nothing recorded", style="dim")
         parts: list = []
         title = Text(call.module or "<root>", style="bold")
-        title.append(f"  {call.module_type} · call {call.call_index}", style="dim")
+        title.append(f"  {call.module_type} #{call.call_index}", style="dim")
         parts.append(title)
 
         parts.append(io_table(call))
 
         grads = stepper.grads_of(call)
+        hist = None
         if stepper.direction == "backward":
             g = stepper.current
             out = call.output(g.output)
             parts.append(section(f"statistics · {g.output} and its gradient"))
             parts.append(stats_table([("value", out.stats if out else None), ("∇ grad", g.stats)]))
-            parts.append(histogram_block(f"∇ gradient of {g.output} {fmt.shape(g.shape)}",
-                                         g.stats))
+            hist = histogram_block(f"∇ gradient of {g.output} {fmt.shape(g.shape)}", g.stats)
         else:
             shown = [t for t in call.outputs if t.stats is not None][:MAX_STAT_COLUMNS]
             parts.append(section("statistics of the outputs"))
@@ -158,8 +162,8 @@ class CallDetails(VerticalScroll):
                 if extra > 0:
                     parts.append(Text(f"… {extra} more output(s)", style="dim"))
                 main = shown[0]
-                parts.append(histogram_block(f"values of {main.path} {fmt.shape(main.shape)}",
-                                             main.stats))
+                hist = histogram_block(f"values of {main.path} {fmt.shape(main.shape)}",
+                                       main.stats)
             else:
                 parts.append(Text("no tensor outputs", style="dim"))
             if grads:
@@ -168,12 +172,13 @@ class CallDetails(VerticalScroll):
             else:
                 parts.append(Text("no gradient recorded for this call", style="dim"))
 
+        # the parameters before the histogram: a 24-line terminal shows them without scrolling
         params = stepper.params_of(call.module)
-        parts.append(section("parameters"))
         if params:
+            parts.append(section("parameters"))
             parts.append(params_table(params))
-        else:
-            parts.append(Text("no parameters of its own", style="dim"))
+        if hist is not None:
+            parts.append(hist)
         if call.notes:
             parts.append(section("notes"))
             parts.extend(Text(f"• {n}", style="yellow") for n in call.notes)

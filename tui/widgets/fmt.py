@@ -75,6 +75,11 @@ def shape(dims: Sequence[int]) -> str:
     return "(" + ", ".join(str(d) for d in dims) + ")"
 
 
+def dims(d: Sequence[int]) -> str:
+    """``2×64×256`` — a shape in the fewest characters (``()`` for a scalar)."""
+    return "×".join(str(int(x)) for x in d) if len(d) else "()"
+
+
 def count(n: int) -> str:
     """A parameter count: ``19.8M``, ``113.1K``, ``512``."""
     if n >= 1_000_000_000:

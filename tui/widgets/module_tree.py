@@ -15,7 +15,10 @@ def _parent_name(name: str) -> str:
 
 class ModuleTree(Tree[str]):
     """Every module of a trace (``trace.modules``), one node each, labelled
-    ``leaf ×calls (output shape)``; each node's ``data`` is the qualified module name.
+    ``leaf ×calls 2×64×256`` (the count only when called more than once, the first call's output
+    shape); a container that is never called itself (a ``ModuleList`` of layers, an
+    ``experts`` list) reads ``layers [4]`` (its children), an uncalled leaf ``… not called``.
+    Each node's ``data`` is the qualified module name.
 
     The children of MoE ``experts`` containers start collapsed (a layer has E of them);
     :meth:`show_module` expands whatever is needed to reveal a node. Selecting a node (Enter)
@@ -32,11 +35,17 @@ class ModuleTree(Tree[str]):
         self.current: str | None = None
         first_out: dict[str, list[int] | None] = {}
         calls: dict[str, int] = {}
+        children: dict[str, int] = {}
+        for info in trace.modules:
+            if info.name:
+                parent = _parent_name(info.name)
+                children[parent] = children.get(parent, 0) + 1
         for rec in trace.forward:
             calls[rec.module] = calls.get(rec.module, 0) + 1
             if rec.module not in first_out:
                 first_out[rec.module] = rec.outputs[0].shape if rec.outputs else None
-        self.labels[""] = self._label(root_type or "model", calls.get("", 0), first_out.get(""))
+        self.labels[""] = self._label(root_type or "model", calls.get("", 0), first_out.get(""),
+                                      children.get("", 0))
         self.root.set_label(self.labels[""])
         self.root.expand()
         for info in trace.modules:
@@ -45,7 +54,8 @@ class ModuleTree(Tree[str]):
             parent = self.nodes_by_name.get(_parent_name(info.name), self.root)
             leaf = info.name.rsplit(".", 1)[-1]
             self.labels[info.name] = self._label(leaf, calls.get(info.name, 0),
-                                                 first_out.get(info.name))
+                                                 first_out.get(info.name),
+                                                 children.get(info.name, 0))
             node = parent.add(
                 self.labels[info.name],
                 data=info.name,
@@ -58,11 +68,16 @@ class ModuleTree(Tree[str]):
                 node.allow_expand = False
 
     @staticmethod
-    def _label(leaf: str, n_calls: int, out_shape: list[int] | None) -> Text:
-        text = Text(leaf, style="bold" if n_calls else "dim")
-        text.append(f" ×{n_calls}", style="dim" if n_calls <= 1 else "cyan")
+    def _label(leaf: str, n_calls: int, out_shape: list[int] | None, n_children: int = 0) -> Text:
+        if not n_calls:
+            text = Text(leaf, style="dim")
+            text.append(f" [{n_children}]" if n_children else " not called", style="dim")
+            return text
+        text = Text(leaf, style="bold")
+        if n_calls > 1:
+            text.append(f" ×{n_calls}", style="cyan")
         if out_shape is not None:
-            text.append(" " + fmt.shape(out_shape))
+            text.append(" " + fmt.dims(out_shape))
         return text
 
     def show_module(self, name: str) -> None:
