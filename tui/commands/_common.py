@@ -293,8 +293,8 @@ def check_memory(config, batch_size: int, seq_len: int) -> None:
     if free is not None and params + acts > free:
         raise MdbError(
             f"this model and batch need at least {human_bytes(params + acts)} (parameters, "
-            f"gradients and tables {human_bytes(params)}, activations {human_bytes(acts)}) for one step; "
-            f"this machine has {human_bytes(free)} available: choose a smaller config, "
+            f"gradients and tables {human_bytes(params)}, activations {human_bytes(acts)}) for "
+            f"one step; this machine has {human_bytes(free)} available: choose a smaller config, "
             f"--batch-size or --seq-len")
 
 
@@ -456,7 +456,6 @@ def capture_step(workload: Workload, *, attention: bool = True, keep_bytes: int 
         "input_shape": list(workload.input_ids.shape) if workload.input_ids is not None else None,
     }
     from hooks.batch import BatchError, select_loss
-
     from hooks.errors import describe_error
 
     batch = workload.batch
