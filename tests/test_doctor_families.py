@@ -184,6 +184,15 @@ def test_t5_init_loss_is_hf_own_loss_on_the_same_random_batch():
     assert r.data["alignment"] == "decoder logits vs their labels"
 
 
+def test_t5_without_labels_says_what_the_batch_needs():
+    model, batch, _ = built("t5")
+    res = {r.key: r for r in run_checks(model, {"input_ids": batch.kwargs["input_ids"]},
+                                        only="init-loss,causality")}
+    for key in ("init-loss", "causality"):
+        assert res[key].status == "skip", res[key].evidence
+        assert "return a dict batch with labels" in res[key].evidence
+
+
 def test_t5_causality_measures_the_decoder():
     r = results("t5")["causality"]
     assert r.status == "pass" and r.data["leak"] == 0.0 and r.data["past_influence"] > 0.1

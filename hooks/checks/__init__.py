@@ -15,10 +15,12 @@ UI-free: never imports textual, rich or tui.
  id   key         what is measured
 ====  ==========  =============================================================================
  1    init-loss   CE on uniformly random tokens vs ln V (too-wide init / logit scale)
- 2    causality   outputs at ≤ c unchanged when tokens > c change (missing/inverted mask)
- 3    rope        layer-0 scores depend on i-j only over all positions; table covers
-                  max_position_embeddings; a longer input is refused
+ 2    causality   outputs at ≤ c unchanged when tokens > c change (decoders; the decoder of
+                  an encoder-decoder; n/a for bidirectional encoders)
+ 3    rope        layer-0 scores depend on i-j only over every position up to
+                  max_position_embeddings (the table covers them)
  4    gqa         perturbing K/V of KV head g changes exactly query heads h // n_rep == g
+                  (after a k_norm; fused q|k|v too; n/a for MHA)
  5    grad-flow   every trainable tensor gets a finite non-zero gradient; routers get one
                   from the aux loss alone
  6    routing     per-expert load, largest share, dead experts, router entropy (few batches)

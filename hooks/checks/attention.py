@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 import hooks
-from hooks.checks.blame import model_fault
+from hooks.checks.blame import model_fault, one_line
 from hooks.checks.registry import DoctorOptions, check
 from hooks.checks.result import Outcome
 from hooks.checks.target import AttentionInfo, NotApplicable, SkipCheck, Target, fmt
@@ -20,11 +20,6 @@ from hooks.checks.target import AttentionInfo, NotApplicable, SkipCheck, Target,
 ROPE_FULL_LIMIT = 1024
 #: Offsets d (key = query - d) compared by the relative-position test.
 ROPE_OFFSETS = 16
-
-
-def _one_line(exc: BaseException) -> str:
-    msg = " ".join(f"{type(exc).__name__}: {exc}".split())
-    return msg if len(msg) <= 160 else msg[:157] + "..."
 
 
 def _layer0_probs(t: Target, attn: AttentionInfo, ids: torch.Tensor) -> torch.Tensor | None:
@@ -117,10 +112,10 @@ def rope(t: Target, o: DoctorOptions) -> Outcome:
         if fault.module is not None and not (fault.module.startswith(rot[0])
                                              or t.attention_of(fault.module)):
             raise  # raised elsewhere in the model: the runner reports it as a skip
-        data["error"] = _one_line(exc)
+        data["error"] = one_line(exc, 160)
         return Outcome.fail(
             f"an input of {full} positions (max_position_embeddings = {maxpos}) raised "
-            f"{_one_line(exc)}",
+            f"{one_line(exc, 160)}",
             "the RoPE cos/sin table is shorter than max_position_embeddings: build it for "
             "every position the config allows", rot[0], **data)
     if maxpos is None:

@@ -246,8 +246,11 @@ class Target:
         return torch.device("cpu")
 
     def accepts(self, name: str) -> bool:
-        """Whether ``model.forward`` takes a keyword ``name`` (explicitly or via ``**kwargs``)."""
-        return name in self._params or self._var_kw
+        """Whether ``model.forward`` takes a keyword ``name``: by name, or through
+        ``**kwargs`` of an HF model (whose forwards pass them on to what understands them; a
+        user's ``**kwargs`` may not)."""
+        return name in self._params or (
+            self._var_kw and type(self.model).__module__.startswith("transformers."))
 
     def need_ids(self) -> torch.Tensor:
         """The batch's (B, T) ids; :class:`NotApplicable` for a model without token ids."""
