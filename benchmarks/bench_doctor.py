@@ -2,9 +2,12 @@
 
 Both sides are timed interleaved in one process (``torch.set_num_threads`` switched per call)
 on the same model and batch, so machine load lands on both alike. Prints per-side medians and
-the ratio, plus the per-check seconds of the last 1-thread run.
+the ratio, plus the per-check seconds of the last 1-thread run. ``--zoo`` times instead the
+checks on each correct model of ``tests/families.py`` (1 thread, median of the repeats), the
+per-model cost of ``tests/test_doctor_families.py``.
 
     python benchmarks/bench_doctor.py [--preset default] [--repeats 5]
+    python benchmarks/bench_doctor.py --zoo [--repeats 3]
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="default")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--zoo", action="store_true", help="time each model of tests/families.py")
     a = ap.parse_args()
+    if a.zoo:
+        return zoo(a.repeats)
     ns = argparse.Namespace(preset=a.preset, config=None, model=None, text=None, seq_len=64,
                             batch_size=2, seed=0)
     work = build_workload(ns)
@@ -43,6 +49,33 @@ def main() -> None:
     report(times, "1 thread")
     print("per check (last 1-thread run):",
           ", ".join(f"{r.key} {r.seconds:.2f}s" for r in last[1]))
+
+
+def zoo(repeats: int) -> None:
+    import statistics
+    import time
+    from types import SimpleNamespace
+
+    import hooks
+    from tests.families import FAMILIES
+
+    torch.set_num_threads(1)
+    rows = []
+    for name, fam in FAMILIES.items():
+        model, batch, loss_fn = hooks.from_factory(fam.build())
+        work = SimpleNamespace(model=model, batch=batch, loss_fn=loss_fn)
+        run_checks(work)  # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run_checks(work)
+            times.append(time.perf_counter() - t0)
+        rows.append((name, statistics.median(times)))
+        print(f"{name:>20}: {rows[-1][1] * 1e3:7.1f} ms", flush=True)
+    total = sum(t for _, t in rows)
+    slowest = max(rows, key=lambda r: r[1])[0]
+    print(f"{'all ' + str(len(rows)):>20}: {total:.2f} s (median per model "
+          f"{statistics.median(t for _, t in rows) * 1e3:.0f} ms, slowest {slowest})")
 
 
 if __name__ == "__main__":

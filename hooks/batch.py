@@ -20,6 +20,13 @@ binds the arguments to ``model.forward``'s signature and gives each a role by it
 4. only when nothing else exists, the mean of the output (the logits), which makes every
    gradient flow but is not a loss: :attr:`LossChoice.fallback` says so and every view shows it.
 
+**Other batches of the same kind** (:meth:`Batch.resized`): the doctor runs a model on random
+tokens of another length or batch size, or on edited ids. :meth:`Batch.target_layout` tells how
+the targets relate to the ids (:class:`TargetLayout`: HF-aligned ``labels == input_ids``,
+nanoGPT's next-token ``targets``, masked-LM labels, seq2seq labels, class labels), and
+:meth:`Batch.resized` rewrites ids, targets, decoder inputs, masks and position ids so that they
+stay consistent, or drops the targets when the forward does not need them.
+
 Never imports textual, rich or tui.
 """
 
@@ -46,6 +53,9 @@ ROLE_NAMES: dict[str, tuple[str, ...]] = {
 _ROLE_OF = {n: role for role, names in ROLE_NAMES.items() for n in names}
 
 LossFn = Callable[[Any, "Batch"], torch.Tensor]
+
+#: Mask names whose "keep" value is 1/True (HF); other mask names mark padding with True.
+_KEEP_MASKS = ("attention_mask", "decoder_attention_mask")
 
 
 class BatchError(ValueError):
@@ -213,6 +223,227 @@ class Batch:
                 pass
         return [str(i) for i in flat]
 
+    # -- other batches of the same kind --------------------------------------------------------
+    def targets_tensor(self, model: nn.Module | None = None) -> tuple[Any, Slot | None]:
+        """The targets and their slot: the argument with the ``targets`` role, else
+        :attr:`targets` (what a ``loss_fn`` reads; slot None); ``(None, None)`` without any."""
+        s = self.slot("targets", model)
+        if s is not None:
+            return self.get(s.where), s
+        return self.targets, None
+
+    def target_layout(self, model: nn.Module | None = None) -> TargetLayout:
+        """How the targets relate to the token ids, measured on their values.
+
+        ``aligned``: equal to the ids where not ignored (HF ``labels=input_ids``; the model
+        shifts inside). ``shifted``: ``targets[:, t] == ids[:, t + 1]`` (nanoGPT's ``(idx,
+        targets)``). ``masked``: an ignore value (e.g. -100) on most positions and the ids on
+        the rest (masked LM). ``seq2seq``: labels of an encoder-decoder model (its decoder's
+        targets, any length). ``class``: one target per row, (B,) or (B, C). ``tokens``: (B, T)
+        targets with another relation (tagging). ``other``: anything else. ``none``: no targets.
+        """
+        tgt, slot = self.targets_tensor(model)
+        ids = self.ids(model)
+        where = None if slot is None else slot.where
+        if not isinstance(tgt, torch.Tensor):
+            return TargetLayout("none", where=where)
+        if ids is not None and is_encoder_decoder(model):
+            return TargetLayout("seq2seq", where=where)
+        if ids is None or tgt.dim() == 0:
+            return TargetLayout("class" if tgt.dim() <= 2 else "other", where=where)
+        b, t = ids.shape
+        if tgt.shape[0] == b and (tgt.dim() == 1 or (tgt.dim() == 2 and tgt.shape[1] != t)):
+            return TargetLayout("class", where=where)
+        if tuple(tgt.shape) != (b, t) or tgt.is_floating_point():
+            return TargetLayout("tokens" if tuple(tgt.shape[:2]) == (b, t) else "other",
+                                where=where)
+        tgt = tgt.to(ids.device)
+        negative = torch.unique(tgt[tgt < 0])
+        ignore = int(negative[0]) if negative.numel() == 1 else None
+        valid = tgt >= 0
+        if negative.numel() > 1 or not bool(valid.any()):
+            return TargetLayout("tokens", ignore, where)
+        if bool((tgt == ids)[valid].all()):
+            if bool(valid.all()):
+                return TargetLayout("aligned", ignore, where)
+            mask = self._keep_mask(model)
+            if mask is not None and bool((valid == mask).all()):
+                return TargetLayout("aligned", ignore, where)  # only padding is ignored
+            return TargetLayout("masked", ignore, where)
+        if t > 1 and bool((tgt[:, :-1] == ids[:, 1:])[valid[:, :-1]].all()):
+            return TargetLayout("shifted", ignore, where)
+        return TargetLayout("tokens", ignore, where)
+
+    def _keep_mask(self, model: nn.Module | None) -> torch.Tensor | None:
+        for s in self.slots(model):
+            if s.role == "mask" and s.name == "attention_mask":
+                return self.get(s.where).bool()
+        return None
+
+    def resized(self, model: nn.Module, *, ids: torch.Tensor | None = None,
+                batch_size: int | None = None, seq_len: int | None = None,
+                vocab_size: int | None = None, seed: int = 0, targets: str = "rewrite",
+                decoder_ids: torch.Tensor | None = None) -> Batch:
+        """The same kind of batch on other token ids, every argument rewritten to match.
+
+        Args:
+            model: the model whose ``forward`` the arguments bind to.
+            ids: (B', T') integer ids to use; or None for uniformly random ids in
+                [0, ``vocab_size``) of shape (``batch_size`` or B, ``seq_len`` or T).
+            vocab_size: V, needed for random ids and random targets.
+            seed: seed of a private generator (the global RNG is untouched).
+            targets: ``"rewrite"`` keeps targets consistent with the new ids by their
+                :meth:`target_layout` (aligned: the ids; shifted: the next ids, the last one
+                drawn at random; masked: the ids at the same share of positions, the ignore
+                value elsewhere; seq2seq: random labels; class and other: the old targets
+                repeated to the new batch size); ``"drop"`` leaves them out where the forward
+                has a default for them (rewritten where it does not).
+            decoder_ids: (B', T_dec) decoder input ids of an encoder-decoder model
+                (``decoder_input_ids``); without them an encoder-decoder batch whose labels are
+                dropped gets decoder ids derived from rewritten labels.
+
+        Returns:
+            Batch: new arguments; :attr:`targets` (a ``loss_fn``'s) rewritten alike;
+            ``token_text`` dropped (the views fall back to ids). Masks become "keep every
+            position" (1/True for ``attention_mask``, False for padding masks); position ids
+            that count 0..T-1 count 0..T'-1; other tensors whose leading dimensions are (B, T)
+            or (B,) are repeated or cut to (B', T') / (B',).
+
+        Raises:
+            BatchError: the batch has no token ids, random ids without ``vocab_size``, or
+                ``targets`` is neither ``"rewrite"`` nor ``"drop"``.
+        """
+        if targets not in ("rewrite", "drop"):
+            raise BatchError(f"targets must be 'rewrite' or 'drop', got {targets!r}")
+        old = self.ids(model)
+        if old is None:
+            raise BatchError("the batch has no (B, T) integer token ids; return them as the "
+                             "first positional argument or as input_ids")
+        b0, t0 = old.shape
+        layout = self.target_layout(model)
+        gen = torch.Generator().manual_seed(seed)
+
+        def rand(shape: tuple[int, ...]) -> torch.Tensor:
+            if vocab_size is None:
+                raise BatchError("random token ids need the vocabulary size")
+            return torch.randint(0, vocab_size, shape, generator=gen).to(old.device, old.dtype)
+
+        if ids is None:
+            ids = rand((batch_size or b0, seq_len or t0))
+        ids = ids.to(old.device, old.dtype)
+        b, t = ids.shape
+        enc_dec = is_encoder_decoder(model)
+        params = _forward_params(model)
+
+        def optional(name: str) -> bool:
+            p = params.get(name)
+            if p is None:
+                return any(q.kind is q.VAR_KEYWORD for q in params.values())
+            return p.default is not inspect.Parameter.empty
+
+        def new_targets(old_t: Any) -> Any:
+            if not isinstance(old_t, torch.Tensor):
+                return old_t
+            kind = layout.kind
+            if kind == "aligned":
+                return ids.clone().to(old_t.dtype)
+            if kind == "shifted":
+                nxt = torch.cat([ids[:, 1:], rand((b, 1))], dim=1)
+                return nxt.to(old_t.device, old_t.dtype)
+            if kind == "masked":
+                keep = _fit(old_t != layout.ignore, b, t)
+                return torch.where(keep, ids.to(old_t.dtype),
+                                   torch.full_like(keep, layout.ignore, dtype=old_t.dtype))
+            if kind == "seq2seq":
+                td = old_t.shape[1] if old_t.dim() == 2 and t == t0 else t
+                return rand((b, td)).to(old_t.dtype)
+            if kind == "class":
+                return _fit(old_t, b)
+            if old_t.dim() >= 2 and tuple(old_t.shape[:2]) == (b0, t0):
+                return _fit(old_t, b, t)
+            if old_t.dim() >= 1 and old_t.shape[0] == b0:
+                return _fit(old_t, b)
+            return old_t
+
+        args: list[Any] = list(self.args)
+        kwargs: dict[str, Any] = dict(self.kwargs)
+        drop_args: set[int] = set()
+        tgt_new: Any = None
+        dec_len = None
+        for s in self.slots(model):
+            v = self.get(s.where)
+            if s.role == "ids":
+                nv: Any = ids
+            elif s.role == "targets":
+                if targets == "drop" and optional(s.name):
+                    if isinstance(s.where, int):
+                        drop_args.add(s.where)
+                    else:
+                        kwargs.pop(s.where)
+                    continue
+                nv = tgt_new = new_targets(v)
+            elif s.role == "decoder_ids":
+                if decoder_ids is not None:
+                    nv = decoder_ids.to(v.device, v.dtype)
+                else:
+                    td = v.shape[1] if t == t0 else t
+                    nv = torch.cat([_fit(v[:, :1], b), rand((b, td - 1)).to(v.dtype)], dim=1)
+                dec_len = nv.shape[1]
+            elif s.role == "mask":
+                length = t
+                if s.name.startswith("decoder_"):
+                    length = None  # filled in below, once the decoder length is known
+                nv = _keep_all(s.name, v, b, length) if length is not None else v
+            elif s.role == "positions":
+                nv = _positions(v, b0, t0, b, t)
+                if nv is None:
+                    if not optional(s.name):
+                        nv = _fit(v, b, t)
+                    elif isinstance(s.where, int):
+                        drop_args.add(s.where)
+                        continue
+                    else:
+                        kwargs.pop(s.where)
+                        continue
+            elif v.dim() >= 2 and tuple(v.shape[:2]) == (b0, t0):
+                nv = _fit(v, b, t)
+            elif v.dim() >= 1 and v.shape[0] == b0 and v.dim() <= 2:
+                nv = _fit(v, b)
+            else:
+                nv = v
+            if isinstance(s.where, int):
+                args[s.where] = nv
+            else:
+                kwargs[s.where] = nv
+        # trailing positional arguments that were dropped: cut; inner ones: None
+        for i in sorted(drop_args, reverse=True):
+            if i == len(args) - 1:
+                args.pop()
+            else:
+                args[i] = None
+        if enc_dec:
+            if decoder_ids is not None:
+                if "decoder_input_ids" in params or optional("decoder_input_ids"):
+                    kwargs["decoder_input_ids"] = decoder_ids.to(old.device, old.dtype)
+                dec_len = decoder_ids.shape[1]
+            has_labels = tgt_new is not None and layout.where is not None
+            has_dec = "decoder_input_ids" in kwargs or self.slot("decoder_ids", model) is not None
+            if not has_labels and not has_dec:
+                labels = new_targets(self.targets_tensor(model)[0])
+                if not isinstance(labels, torch.Tensor):
+                    labels = rand((b, t))
+                kwargs["decoder_input_ids"] = decoder_inputs_from_labels(model, labels)
+                dec_len = labels.shape[1]
+        if dec_len is None and tgt_new is not None and layout.kind == "seq2seq":
+            dec_len = tgt_new.shape[1]
+        for k, v in list(kwargs.items()):
+            if k.startswith("decoder_") and k in _KEEP_MASKS and isinstance(v, torch.Tensor):
+                kwargs[k] = _keep_all(k, v, b, dec_len or t)
+        out = self.replace(args, kwargs, token_text=None)
+        if self.targets is not None and layout.where is None:
+            out.targets = new_targets(self.targets)
+        return out
+
     def describe(self, model: nn.Module | None = None) -> str:
         """``idx (2, 16) int64, targets (2, 16) int64`` — the tensor arguments by name."""
         parts = []
@@ -222,6 +453,114 @@ class Batch:
         if isinstance(self.targets, torch.Tensor):
             parts.append(f"targets (loss_fn) {tuple(self.targets.shape)}")
         return ", ".join(parts) or "no tensor arguments"
+
+
+@dataclass(frozen=True)
+class TargetLayout:
+    """How a batch's targets relate to its token ids (:meth:`Batch.target_layout`).
+
+    Attributes:
+        kind: ``aligned``, ``shifted``, ``masked``, ``seq2seq``, ``class``, ``tokens``,
+            ``other`` or ``none``.
+        ignore: the one negative value the targets hold (HF's -100, nanoGPT's -1), or None.
+        where: the targets' positional index or keyword, None for :attr:`Batch.targets`.
+    """
+
+    kind: str
+    ignore: int | None = None
+    where: int | str | None = None
+
+    def describe(self) -> str:
+        """One phrase, e.g. ``labels equal the input ids (the model shifts them)``."""
+        return {
+            "aligned": "labels equal the input ids (the model shifts them inside, HF style)",
+            "shifted": "targets are the input ids shifted by one (next-token targets)",
+            "masked": f"labels hold {self.ignore} except where they equal the ids (masked LM)",
+            "seq2seq": "labels are the decoder's targets (encoder-decoder)",
+            "class": "one target per sequence (classification)",
+            "tokens": "one target per token, not the ids themselves",
+            "other": "targets of another shape",
+            "none": "no targets",
+        }[self.kind]
+
+
+def is_encoder_decoder(model: nn.Module | None) -> bool:
+    """Whether ``model`` is an encoder-decoder: ``config.is_encoder_decoder`` (HF), or a
+    forward that takes ``decoder_input_ids``."""
+    if model is None:
+        return False
+    cfg = getattr(model, "config", None)
+    flag = getattr(cfg, "is_encoder_decoder", None)
+    if isinstance(flag, bool):
+        return flag
+    return "decoder_input_ids" in _forward_params(model)
+
+
+def decoder_inputs_from_labels(model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+    """(B, T_dec) decoder input ids from (B, T_dec) labels the way the model derives them: HF's
+    ``prepare_decoder_input_ids_from_labels`` when present, else labels shifted right behind
+    ``config.decoder_start_token_id`` (-100 replaced by ``pad_token_id``).
+
+    Raises:
+        BatchError: neither the method nor a decoder start token id exists.
+    """
+    prep = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+    if callable(prep):
+        return prep(labels=labels)
+    cfg = getattr(model, "config", None)
+    start = getattr(cfg, "decoder_start_token_id", None)
+    if not isinstance(start, int):
+        raise BatchError("cannot make decoder inputs for this encoder-decoder model; return a "
+                         "dict batch with decoder_input_ids")
+    pad = getattr(cfg, "pad_token_id", None)
+    out = torch.full_like(labels, start)
+    out[:, 1:] = labels[:, :-1]
+    if isinstance(pad, int):
+        out = out.masked_fill(out == -100, pad)
+    return out
+
+
+def _forward_params(model: nn.Module | None) -> dict[str, inspect.Parameter]:
+    forward = getattr(model, "forward", None)
+    if forward is None:
+        return {}
+    try:
+        return dict(inspect.signature(forward).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
+def _fit(x: torch.Tensor, b: int, t: int | None = None) -> torch.Tensor:
+    """``x`` repeated and cut along dim 0 to ``b`` rows (and along dim 1 to ``t``)."""
+    reps = [1] * x.dim()
+    reps[0] = -(-b // x.shape[0])
+    if t is not None:
+        reps[1] = -(-t // x.shape[1])
+    out = x.repeat(*reps)[:b]
+    return out[:, :t] if t is not None else out
+
+
+def _keep_all(name: str, mask: torch.Tensor, b: int, t: int) -> torch.Tensor:
+    """A mask that keeps every position: ones (True) for HF masks, zeros (False) for padding
+    masks; (B, T) only, other shapes are repeated/cut."""
+    if mask.dim() != 2:
+        return _fit(mask, b)
+    keep = name in _KEEP_MASKS
+    return torch.full((b, t), 1 if keep else 0, dtype=mask.dtype, device=mask.device)
+
+
+def _positions(v: torch.Tensor, b0: int, t0: int, b: int, t: int) -> torch.Tensor | None:
+    """Position ids 0..T'-1 when ``v`` counted 0..T-1 (per row or 1-D), the repeated pattern for
+    token type ids and other (B, T) tensors, or None when ``v`` cannot be rewritten."""
+    ar = torch.arange(t0, device=v.device)
+    if v.dim() == 1 and v.shape[0] == t0 and bool((v == ar).all()):
+        return torch.arange(t, device=v.device, dtype=v.dtype)
+    if v.dim() == 2 and tuple(v.shape) == (b0, t0):
+        if bool((v == ar).all()):
+            return torch.arange(t, device=v.device, dtype=v.dtype).expand(b, t).contiguous()
+        if bool((v == v[:, :1]).all()):  # constant per row: token type ids, segment ids
+            return _fit(v, b, t)
+    return None
 
 
 @dataclass

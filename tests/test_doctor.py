@@ -154,20 +154,21 @@ def test_overfit_passes_for_minillm_and_fails_when_the_body_is_frozen():
 
 
 # -- other models ------------------------------------------------------------------------------
-@pytest.mark.parametrize("changes,skipped", [
+@pytest.mark.parametrize("changes,not_applicable", [
     (dict(num_local_experts=0), {"routing"}),                     # dense
     (dict(position_embedding="learned"), {"rope"}),               # no RoPE
-    (dict(num_key_value_heads=4), set()),                         # MHA
+    (dict(num_key_value_heads=4), {"gqa"}),                       # MHA: no grouping to test
     (dict(num_key_value_heads=1), set()),                         # MQA
     (dict(tie_word_embeddings=False), set()),
     (dict(attn_implementation="eager"), set()),
 ])
-def test_minillm_variants_pass_or_skip(changes, skipped):
+def test_minillm_variants_pass_or_say_why_not(changes, not_applicable):
     model = zoo.tiny(**changes)
     results = run_checks(model, zoo.batch_for(model))
     got = {r.key: r.status for r in results if r.key != "overfit"}
-    assert {k for k, s in got.items() if s == "skip"} == skipped, got
-    assert all(s in ("pass", "skip") for s in got.values()), got
+    assert {k for k, s in got.items() if s == "n/a"} == not_applicable, got
+    assert all(s in ("pass", "n/a") for s in got.values()), got
+    assert all(r.evidence for r in results if r.status == "n/a")
 
 
 transformers = pytest.importorskip("transformers")
@@ -194,9 +195,13 @@ def test_hf_models_have_no_failure(kind, tie):
     assert not any(r.failed for r in results.values()), {
         k: r.evidence for k, r in results.items() if r.failed}
     assert results["gqa"].status == "pass" and results["causality"].status == "pass"
-    assert results["routing"].status == ("pass" if kind == "mixtral" else "skip")
-    # HF computes RoPE on the fly and accepts inputs past max_position_embeddings: a warning
-    assert results["rope"].status == "warn" and "65 tokens was accepted" in results["rope"].evidence
+    assert results["routing"].status == ("pass" if kind == "mixtral" else "n/a")
+    # HF computes RoPE on the fly and accepts inputs past max_position_embeddings by design:
+    # nothing to warn about; relative positions measured over all 64 positions
+    assert results["rope"].status == "pass" and results["rope"].data["tested_length"] == 64
+    assert "accepted" not in results["rope"].evidence
+    assert not any(r.status == "warn" for r in results.values()), {
+        k: r.evidence for k, r in results.items() if r.status == "warn"}
     assert results["tied"].data["same_parameter"] is tie
     if kind == "mixtral":
         assert "aux_loss reaches all 2 router" in results["grad-flow"].evidence
@@ -230,6 +235,40 @@ def test_a_crashing_check_is_reported_and_the_others_run(monkeypatch):
     assert results["init-loss"].status == "pass" and results["tied"].status == "pass"
 
 
+class _Refuses(torch.nn.Module):
+    """Raises inside its forward for batches of more than 2 rows (a user's limit)."""
+
+    def forward(self, x):
+        if x.shape[0] > 2:
+            raise ValueError(f"a batch of {x.shape[0]} rows is too large")
+        return x
+
+
+def test_an_exception_raised_by_the_model_is_a_skip_naming_the_module():
+    model, batch = zoo.correct()
+    mlp = model.model.layers[1].mlp
+    mlp.add_module("limit", _Refuses())
+    inner = mlp.forward
+    mlp.forward = lambda x, *a, **k: inner(mlp.limit(x), *a, **k)
+    results = by_key(run_checks(model, batch, only="init-loss,tied"))
+    r = results["init-loss"]  # runs 4 rows of random tokens
+    assert r.status == "skip", r.evidence
+    assert "the model raised ValueError: a batch of 4 rows is too large" in r.evidence
+    assert "inside model.layers.1.mlp.limit (_Refuses)" in r.evidence
+    assert results["tied"].status == "pass"
+
+
+def test_an_exception_in_mdb_code_is_an_error(monkeypatch):
+    from hooks.checks.target import fmt
+
+    monkeypatch.setattr(Target, "vocab_size", property(lambda self: fmt("not a number")))
+    model, batch = zoo.correct()
+    r = by_key(run_checks(model, batch, only="causality"))["causality"]
+    assert r.status == "error", r.evidence
+    assert r.evidence.startswith("ValueError: could not convert string to float")
+    assert "a bug in mdb" in r.hint
+
+
 def test_run_checks_leaves_weights_grads_and_modes_as_they_were():
     model, batch = zoo.correct()
     model.train()
@@ -259,19 +298,21 @@ def test_results_are_strict_json_and_round_trip():
         CheckResult(1, "x", "x", "maybe", "")
 
 
-def test_a_model_without_token_ids_skips_token_checks():
+def test_a_model_without_token_ids_is_not_a_sequence_model():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     results = by_key(run_checks(model, torch.randn(3, 4)))
-    for key in ("init-loss", "causality", "routing"):
-        assert results[key].status == "skip", key
+    for key in ("init-loss", "causality", "rope", "gqa", "routing", "tied", "numerics"):
+        assert results[key].status == "n/a", key
+    assert "not a sequence model" in results["causality"].evidence
     assert results["grad-flow"].status == "pass"   # the output's mean is differentiated
+    assert "the model returned no loss" in results["grad-flow"].evidence  # and it says so
     assert results["nonfinite"].status == "pass"
     assert not any(r.status == "error" for r in results.values()), {
         k: r.evidence for k, r in results.items() if r.status == "error"}
 
 
-def test_target_substitutes_ids_mask_and_labels():
+def test_target_runs_other_ids_with_mask_positions_and_labels_rewritten():
     seen = {}
 
     class Model(torch.nn.Module):
@@ -289,12 +330,14 @@ def test_target_substitutes_ids_mask_and_labels():
     t = Target.from_any(Model(), {"input_ids": ids, "attention_mask": mask,
                                   "position_ids": torch.arange(5).expand(2, 5), "labels": ids})
     new = torch.ones(1, 3, dtype=torch.long)
-    t.call(new)
-    assert seen["ids"] is new and seen["labels"] is new and seen["pos"] is None
+    t.run(t.batch_with(ids=new))
+    assert torch.equal(seen["ids"], new) and torch.equal(seen["labels"], new)
+    assert torch.equal(seen["pos"], torch.arange(3).expand(1, 3))
     assert torch.equal(seen["mask"], torch.ones(1, 3, dtype=torch.long))
-    t.call(new, labels=False)
+    t.run(t.batch_with(ids=new, targets="drop"))
     assert seen["labels"] is None
     assert t.vocab_size == 11  # no config: the logits' last dimension
+    assert t.kind.kind == "decoder" and t.kind.source == "targets"
 
 
 # -- helpers vs independent references ---------------------------------------------------------
@@ -352,4 +395,5 @@ def test_a_wrapped_model_without_config_is_checked_without_false_failures():
     assert not any(r.failed or r.status == "warn" for r in results.values()), {
         k: r.evidence for k, r in results.items() if r.status != "pass"}
     assert "no max_position_embeddings" in results["rope"].evidence
+    assert results["causality"].data["kind"] == "decoder"  # labels == input_ids say so
     assert results["gqa"].module == "inner.model.layers.0.self_attn"

@@ -33,6 +33,39 @@ def test_json_for_tiny_minillm(capsys):
                                       "module", "data", "seconds"}
 
 
+def test_json_stdout_holds_only_the_document_when_user_code_prints(capsys, tmp_path):
+    factory = tmp_path / "chatty.py"
+    factory.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "from tests.families import NanoGPT, nanogpt_batch\n"
+        "class Chatty(NanoGPT):\n"
+        "    def forward(self, idx, targets=None):\n"
+        "        print('forward called')\n"
+        "        return super().forward(idx, targets)\n"
+        "def build():\n"
+        "    print('number of parameters: 0.11M')\n"
+        "    return Chatty(), nanogpt_batch()\n")
+    rc = main(["doctor", "--model", f"{factory}:build", "--json"])
+    cap = capsys.readouterr()
+    doc = json.loads(cap.out)  # the whole of stdout is the document
+    assert rc == 0
+    assert "number of parameters: 0.11M" in cap.err and "forward called" in cap.err
+    assert doc["kind"]["kind"] == "decoder" and doc["kind"]["source"] == "targets"
+    assert doc["summary"]["failed"] == []
+
+
+def test_the_table_says_na_and_the_kind_of_model(capsys):
+    pytest.importorskip("transformers")
+    rc = main(["doctor", "--model", f"{REPO / 'tests' / 'families.py'}:hf_bert", "--only",
+               "causality,gqa"])
+    out = capsys.readouterr().out
+    assert rc == 0  # n/a does not change the exit code
+    assert "kind: bidirectional encoder (HF BertForMaskedLM is a masked LM)" in out
+    assert out.count("N/A") == 2 and "2 checks · 2 n/a" in out
+    assert "bidirectional encoder by design" in out
+
+
 def test_table_on_stdout(capsys):
     rc = main(["doctor", "--preset", "tiny", "--only", "1,tied"])
     out = capsys.readouterr().out

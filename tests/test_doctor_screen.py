@@ -37,6 +37,31 @@ class Host(App):
         self.jumps.append(message)
 
 
+def test_na_rows_are_listed_dim_and_counted():
+    rows = [r.to_dict() for r in RESULTS] + [
+        CheckResult(2, "causality", "Causality", "n/a", "a bidirectional encoder by design")
+        .to_dict()]
+    assert summary_line(rows) == "5 checks · 1 pass · 1 n/a · 1 skip · 1 warn · 1 fail"
+    from tui.screens.doctor import JUMPABLE, STATUS_STYLE
+
+    assert STATUS_STYLE["n/a"] == "dim" and "n/a" not in JUMPABLE
+
+
+async def test_an_na_row_shows_its_reason_and_does_not_jump():
+    rows = [CheckResult(2, "causality", "Causality (no look-ahead)", "n/a",
+                        "a bidirectional encoder by design (HF BertForMaskedLM)")]
+    app = Host(rows)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.pause()
+        table = app.screen.query_one("#doctor-table", DataTable)
+        assert str(table.get_row_at(0)[2]) == "n/a"
+        detail = str(app.screen.query_one("#doctor-detail", Static).render())
+        assert "n/a" in detail and "bidirectional encoder by design" in detail
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(app.screen, DoctorScreen) and app.jumps == []
+
+
 def test_summary_line_counts_statuses():
     expect = "4 checks · 1 pass · 1 skip · 1 warn · 1 fail"
     assert summary_line([r.to_dict() for r in RESULTS]) == expect

@@ -7,9 +7,13 @@ submodule, or by a state-dict round trip. Every builder returns ``(model, batch)
 Hkv=2, 4 experts top-2, 128 positions) with a (2, 64) batch.
 
 :data:`EXPECTED` says which checks each variant must fail, and which co-failures are inherent.
+:data:`EXPECTED_OTHER` holds broken variants of models that are not minillm (a nanoGPT, HF
+Llama, HF Mixtral; the HF ones need ``transformers``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -98,10 +102,12 @@ class InvertedMaskAttention(_EagerAttention):
 
 
 class HalfSoftmaxAttention(_EagerAttention):
-    """Softmax in the scores' dtype (bf16 under autocast) instead of fp32."""
+    """Softmax asked for in the scores' dtype (``dtype=scores.dtype``: bf16 under autocast,
+    which no autocast rule changes) instead of fp32. (A plain ``softmax(scores)`` is nanoGPT's
+    eager path: CUDA autocast runs it in fp32, so it is not a mistake.)"""
 
     def _softmax(self, scores):
-        return torch.softmax(scores, dim=-1)
+        return torch.softmax(scores, dim=-1, dtype=scores.dtype)
 
 
 class QOnlyRopeAttention(_EagerAttention):
@@ -329,3 +335,78 @@ BUILDERS = {
     "frozen_body": frozen_body,
 }
 
+
+
+# -- broken models that are not minillm ------------------------------------------------------
+def nanogpt_no_mask():
+    """A nanoGPT-style model (``(idx, targets)``, ``(logits, loss)``) whose attention calls
+    SDPA with ``is_causal=False``: every position sees the whole sequence."""
+    from tests.families import nanogpt
+
+    return nanogpt(causal=False)
+
+
+def _tiled_llama_attention():
+    from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
+
+    class TiledRepeatLlamaAttention(LlamaAttention):
+        """HF ``LlamaAttention`` with ``repeat_kv`` replaced by seed 003's tiled
+        ``k.repeat(1, n_rep, 1, 1)``: query head h reads KV head h % Hkv."""
+
+        def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
+                    **kwargs):
+            shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+            q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+            k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+            v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+            n = self.num_key_value_groups
+            k, v = k.repeat(1, n, 1, 1), v.repeat(1, n, 1, 1)  # the bug: tiles the KV heads
+            mask = attention_mask[..., : k.shape[-2]] if attention_mask is not None else None
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
+                                                 is_causal=mask is None and q.shape[2] > 1)
+            out = out.transpose(1, 2).reshape(*hidden_states.shape[:-1], -1)
+            return self.o_proj(out), None
+
+    return TiledRepeatLlamaAttention
+
+
+def llama_tiled_repeat_kv():
+    """HF Llama (H=4, Hkv=2) whose attention expands KV heads with a tiled repeat."""
+    from tests.families import hf_llama
+
+    model, batch = hf_llama()
+    cls = _tiled_llama_attention()
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = cls
+    return model, batch
+
+
+def mixtral_detached_router():
+    """HF Mixtral whose router returns detached logits: the top-k weights and the aux loss are
+    computed from them, so no loss reaches the router's weight."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+
+    from tests.families import hf_mixtral
+
+    class DetachedRouter(MixtralTopKRouter):
+        def forward(self, hidden_states):
+            hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+            logits = F.linear(hidden_states, self.weight).detach()  # the bug
+            probs = torch.softmax(logits.float(), dim=-1)
+            top, idx = torch.topk(probs, self.top_k, dim=-1)
+            return logits, top / top.sum(dim=-1, keepdim=True), idx
+
+    model, batch = hf_mixtral()
+    for layer in model.model.layers:
+        layer.mlp.gate.__class__ = DetachedRouter
+    return model, batch
+
+
+#: broken non-minillm variant -> (builder, checks that must fail, module to name, needs HF)
+EXPECTED_OTHER: dict[str, tuple[Any, set[str], str | None, bool]] = {
+    "nanogpt_no_mask": (nanogpt_no_mask, {"causality"}, "transformer.h.0.attn", False),
+    "llama_tiled_repeat_kv": (llama_tiled_repeat_kv, {"gqa"}, "model.layers.0.self_attn", True),
+    "mixtral_detached_router": (mixtral_detached_router, {"grad-flow"},
+                                "model.layers.0.mlp.gate", True),
+}

@@ -11,9 +11,10 @@ from typing import Any
 import torch
 
 import hooks
+from hooks.checks.blame import model_fault, one_line
 from hooks.checks.registry import DoctorOptions, check
 from hooks.checks.result import Outcome
-from hooks.checks.target import AttentionInfo, SkipCheck, Target, fmt
+from hooks.checks.target import AttentionInfo, NotApplicable, SkipCheck, Target, fmt
 
 #: Longest input the RoPE check runs in full (longer configs are tested up to this length).
 ROPE_FULL_LIMIT = 1024
@@ -21,17 +22,14 @@ ROPE_FULL_LIMIT = 1024
 ROPE_OFFSETS = 16
 
 
-def _one_line(exc: BaseException) -> str:
-    msg = " ".join(f"{type(exc).__name__}: {exc}".split())
-    return msg if len(msg) <= 160 else msg[:157] + "..."
-
-
 def _layer0_probs(t: Target, attn: AttentionInfo, ids: torch.Tensor) -> torch.Tensor | None:
-    """(H, T, T) attention probabilities of ``attn`` on ``ids`` (batch row 0)."""
+    """(H, T, T) attention probabilities of ``attn`` on ``ids`` (batch row 0), as
+    :func:`hooks.capture` records them, or None when it records none for this module."""
+    batch = t.batch_with(ids=ids, targets="drop")
     with t.mode(False), torch.no_grad(), hooks.capture(
         t.model, include=[], inputs=False, grads=False, params=False, attention=[attn.name]
     ) as tr:
-        t.call(ids, labels=False, use_cache=False)
+        t.run(batch, use_cache=False)
     recs = [a for a in tr.attention if a.module == attn.name]
     return recs[0].probs[0].float() if recs else None
 
@@ -78,23 +76,24 @@ def relative_position_violation(probs_HTT: torch.Tensor,
 
 @check(3, "rope", "RoPE positions")
 def rope(t: Target, o: DoctorOptions) -> Outcome:
-    """RoPE: relative-position scores, a table covering ``max_position_embeddings``, and
-    refusal of a longer input.
+    """RoPE: relative-position scores over every position ``max_position_embeddings`` allows.
 
     Runs the model on one token repeated ``max_position_embeddings`` times (up to
-    :data:`ROPE_FULL_LIMIT`), reads the first attention layer's probabilities and tests that
-    scores depend on i - j only over every position (a wrapped or clamped table breaks it; a
-    table that is too short raises); then feeds ``max_position_embeddings + 1`` tokens, which
-    the model should refuse.
+    :data:`ROPE_FULL_LIMIT`), reads the first attention layer's probabilities as
+    :func:`hooks.capture` records them and tests that scores depend on i - j only over every
+    position (a wrapped or clamped table breaks it; a table that is too short raises). Inputs
+    longer than ``max_position_embeddings`` are not judged: HF models compute RoPE on the fly
+    and accept them by design.
     """
+    ids = t.need_ids()
     rot = t.rotary_module()
     if rot is None:
-        raise SkipCheck("no rotary embedding module (learned or no position embeddings)")
-    attns = t.attention_modules()
+        raise NotApplicable("no rotary embedding (no module named *rotary_emb or of a Rotary "
+                            "class): positions are learned, relative biases or absent")
+    attns = t.attention_layers()
     if not attns:
-        raise SkipCheck("no attention module with q_proj/k_proj/v_proj/o_proj found")
+        raise NotApplicable("no attention module found")
     attn = attns[0]
-    ids = t.need_ids()
     maxpos = t.max_positions
     token = int(ids[0, 0])
     # without a configured limit only the batch's own length is known to be valid
@@ -104,79 +103,62 @@ def rope(t: Target, o: DoctorOptions) -> Outcome:
     rep = torch.full((1, full), token, dtype=ids.dtype, device=ids.device)
     try:
         probs = _layer0_probs(t, attn, rep)
+    except (SkipCheck, NotApplicable):
+        raise
     except Exception as exc:
-        data["error"] = _one_line(exc)
+        fault = model_fault(exc, __file__, t.module_names())
+        if fault is None:
+            raise
+        if fault.module is not None and not (fault.module.startswith(rot[0])
+                                             or t.attention_of(fault.module)):
+            raise  # raised elsewhere in the model: the runner reports it as a skip
+        data["error"] = one_line(exc, 160)
         return Outcome.fail(
             f"an input of {full} positions (max_position_embeddings = {maxpos}) raised "
-            f"{_one_line(exc)}",
+            f"{one_line(exc, 160)}",
             "the RoPE cos/sin table is shorter than max_position_embeddings: build it for "
             "every position the config allows", rot[0], **data)
-    problems: list[str] = []
-    warns: list[str] = []
-    module = None
-    if probs is None:
-        warns.append("no attention probabilities recorded: relative positions not tested")
-    else:
-        viol, signal, compared = relative_position_violation(probs, ROPE_OFFSETS)
-        data.update(violation=viol, signal=signal, compared=compared)
-        if not (math.isfinite(viol) and math.isfinite(signal)):
-            raise SkipCheck("attention probabilities are not finite (see the non-finite check)")
-        if compared == 0:
-            warns.append(f"relative positions not measurable: {attn.name} gives every earlier "
-                         f"key zero weight (see the causality check)")
-            module = attn.name
-        elif signal < 1e-7:
-            problems.append(f"layer-0 scores do not depend on the key's position at all "
-                            f"(offset effect {fmt(signal)})")
-            module = attn.name
-        elif viol > 1e-3 * signal + 1e-6:
-            problems.append(
-                f"scores depend on absolute position: log-prob differences at a fixed offset "
-                f"vary by {fmt(viol)} across positions (offset effect {fmt(signal)})")
-            module = rot[0]
-    longer = None
-    if maxpos and maxpos <= ROPE_FULL_LIMIT:
-        too_long = torch.full((1, maxpos + 1), token, dtype=ids.dtype, device=ids.device)
-        try:
-            with t.mode(False), torch.no_grad():
-                t.call(too_long, labels=False, use_cache=False)
-        except Exception as exc:
-            longer = _one_line(exc)
-        data["longer_input"] = longer or "accepted"
-        if longer is None:
-            warns.append(f"an input of {maxpos + 1} tokens was accepted (positions past "
-                         f"max_position_embeddings are extrapolated silently)")
-    parts = []
-    if probs is not None and not problems and data.get("compared"):
-        parts.append(f"repeated token over {full} positions: scores depend on i-j only "
-                     f"(spread {fmt(data.get('violation'))} vs offset effect "
-                     f"{fmt(data.get('signal'))})")
-    if longer:
-        parts.append(f"{maxpos + 1} tokens refused ({longer.split(':')[0]})")
-    elif not maxpos:
-        parts.append("no max_position_embeddings in the config: table length and refusal of "
-                     "longer inputs not tested")
+    if maxpos is None:
+        limit = (f"no max_position_embeddings in the config: tested the batch's own "
+                 f"{full} positions")
     elif maxpos > ROPE_FULL_LIMIT:
-        parts.append(f"tested {full} of {maxpos} positions; refusal of longer inputs not "
-                     f"tested (too long to run)")
-    ev = "; ".join(parts)
-    if problems:
-        return Outcome.fail("; ".join(problems + warns + parts),
-                            "RoPE must rotate both q and k by their own positions with one "
-                            "table; a wrapped/clamped table or rotating only q breaks this (or "
-                            "q/k projections are all zero)",
-                            module or attn.name, **data)
-    if warns:
-        return Outcome.warn("; ".join(warns + parts),
-                            "check the rotary embedding and the input-length validation",
-                            module or rot[0], **data)
-    return Outcome.ok(ev, rot[0], **data)
+        limit = f"tested {full} of {maxpos} positions"
+    else:
+        limit = f"{full} positions (all max_position_embeddings) ran"
+    if probs is None:
+        raise SkipCheck(f"relative positions not measured: hooks.capture records no attention "
+                        f"probabilities for {attn.name} ({type(attn.module).__name__}); {limit}")
+    viol, signal, compared = relative_position_violation(probs, ROPE_OFFSETS)
+    data.update(violation=viol, signal=signal, compared=compared)
+    if not (math.isfinite(viol) and math.isfinite(signal)):
+        raise SkipCheck("attention probabilities are not finite (see the non-finite check)")
+    if compared == 0:
+        return Outcome.warn(f"relative positions not measurable: {attn.name} gives every earlier "
+                            f"key zero weight on a repeated token; {limit}",
+                            "see the causality check: the mask may hide every earlier position",
+                            attn.name, **data)
+    if signal < 1e-7:
+        return Outcome.fail(
+            f"{attn.name}: layer-0 scores on a repeated token do not depend on the key's "
+            f"position at all (offset effect {fmt(signal)}); {limit}",
+            "RoPE must rotate both q and k by their own positions; rotating only q (or "
+            "all-zero q/k projections) removes the position signal", attn.name, **data)
+    if viol > 1e-3 * signal + 1e-6:
+        return Outcome.fail(
+            f"{attn.name}: scores depend on absolute position: log-prob differences at a fixed "
+            f"offset vary by {fmt(viol)} across positions (offset effect {fmt(signal)}); "
+            f"{limit}",
+            "a wrapped or clamped cos/sin table, or q and k rotated by different positions; "
+            "look at the rotary embedding's table and position ids", rot[0], **data)
+    return Outcome.ok(f"repeated token over {full} positions: {attn.name}'s scores depend on "
+                      f"i-j only (spread {fmt(viol)} vs offset effect {fmt(signal)}); {limit}",
+                      rot[0], **data)
 
 
 # ---------------------------------------------------------------------------------------------
-def _attention_inputs(t: Target, ids: torch.Tensor,
+def _attention_inputs(t: Target, batch: Any,
                       attns: list[AttentionInfo]) -> dict[str, tuple[tuple, dict]]:
-    """The (args, kwargs) each attention module was called with in one forward on ``ids``."""
+    """The (args, kwargs) each attention module was called with in one forward on ``batch``."""
     got: dict[str, tuple[tuple, dict]] = {}
     handles = []
     for a in attns:
@@ -185,21 +167,40 @@ def _attention_inputs(t: Target, ids: torch.Tensor,
         handles.append(a.module.register_forward_pre_hook(pre, with_kwargs=True))
     try:
         with t.mode(False), torch.no_grad():
-            t.call(ids, labels=False, use_cache=False)
+            t.run(batch, use_cache=False)
     finally:
         for h in handles:
             h.remove()
     return got
 
 
-def head_mapping(a: AttentionInfo, args: tuple, kwargs: dict, proj: str,
+def _bump_head(out: torch.Tensor, g: int, a: AttentionInfo, offset: int,
+               gen: torch.Generator) -> torch.Tensor:
+    """``out`` with noise on KV head g: columns ``offset + [g·Dh, (g+1)·Dh)`` of the last
+    dimension, or ``out[..., g, :]`` when the output is laid out (..., Hkv, Dh)."""
+    out = out.clone()
+    dh = a.head_dim
+    if out.dim() >= 2 and out.shape[-1] == dh and out.shape[-2] == a.num_kv_heads and offset == 0:
+        sl = out[..., g, :]
+        noise = torch.randn(sl.shape, generator=gen).to(sl)
+        out[..., g, :] = sl + noise * (1.0 + float(sl.float().std()))
+        return out
+    lo = offset + g * dh
+    sl = out[..., lo:lo + dh]
+    noise = torch.randn(sl.shape, generator=gen).to(sl)
+    out[..., lo:lo + dh] = sl + noise * (1.0 + float(sl.float().std()))
+    return out
+
+
+def head_mapping(a: AttentionInfo, args: tuple, kwargs: dict, which: str,
                  seed: int = 0) -> tuple[list[list[int]], list[float]]:
     """Which query heads read each KV head, measured.
 
-    For each KV head g, adds noise to the output columns ``[g·Dh, (g+1)·Dh)`` of ``proj``
-    (``k_proj`` or ``v_proj``) with a forward hook, re-runs the attention module on the same
-    inputs and lists the query heads whose slice of the ``o_proj`` input (the per-head
-    attention outputs, (B, T, H·Dh)) changed.
+    For each KV head g, adds noise to the keys (``which="k"``) or values (``"v"``) of head g
+    where :class:`AttentionInfo` says they are (a ``k_proj``/``v_proj`` output, a ``k_norm``
+    output, the k or v part of a fused q|k|v projection) with a forward hook, re-runs the
+    attention module on the same inputs and lists the query heads whose slice of the per-head
+    attention output (the input of the output projection, (B, T, H·Dh)) changed.
 
     Returns:
         (heads, deltas): ``heads[g]`` the changed query heads for KV head g; ``deltas`` the
@@ -207,27 +208,22 @@ def head_mapping(a: AttentionInfo, args: tuple, kwargs: dict, proj: str,
     """
     mod = a.module
     dh, h = a.head_dim, a.num_heads
+    site, offset = a.k_site if which == "k" else a.v_site
     seen: list[torch.Tensor] = []
 
     def grab(m, args):
         seen.append(args[0].detach().clone())
 
     gen = torch.Generator().manual_seed(seed)
-    hk = mod.o_proj.register_forward_pre_hook(grab)
+    hk = a.out_site.register_forward_pre_hook(grab)
     try:
         with torch.no_grad():
             mod(*args, **kwargs)
             base = seen.pop()
             heads, deltas = [], []
             for g in range(a.num_kv_heads):
-                def bump(m, inp, out, g=g):
-                    out = out.clone()
-                    sl = out[..., g * dh:(g + 1) * dh]
-                    noise = torch.randn(sl.shape, generator=gen).to(sl)
-                    out[..., g * dh:(g + 1) * dh] = sl + noise * (1.0 + float(sl.float().std()))
-                    return out
-
-                hb = getattr(mod, proj).register_forward_hook(bump)
+                hb = site.register_forward_hook(
+                    lambda m, inp, out, g=g: _bump_head(out, g, a, offset, gen))
                 try:
                     mod(*args, **kwargs)
                 finally:
@@ -242,30 +238,51 @@ def head_mapping(a: AttentionInfo, args: tuple, kwargs: dict, proj: str,
     return heads, deltas
 
 
+def _site_name(t: Target, a: AttentionInfo, which: str) -> str:
+    site, _ = a.k_site if which == "k" else a.v_site
+    rel = t.module_names().get(id(site), "?")
+    return rel[len(a.name) + 1:] if rel.startswith(a.name + ".") else rel
+
+
 @check(4, "gqa", "GQA head grouping")
 def gqa(t: Target, o: DoctorOptions) -> Outcome:
     """Query head h must read KV head h // n_rep (``repeat_interleave``, HF ``repeat_kv``).
 
-    Measured per attention layer with :func:`head_mapping` on the keys and on the values.
+    Measured per attention layer with :func:`head_mapping` on the keys and on the values:
+    after ``k_norm`` when the keys are normalised (OLMoE's spans every KV head), in the k/v part
+    of a fused q|k|v projection (Phi-3). n/a when every attention has as many key/value heads
+    as query heads (MHA: no grouping to test) or no per-KV-head projection to perturb (MLA).
     """
-    attns = t.attention_modules()
+    t.need_ids()
+    layers = t.attention_layers()
+    if not layers:
+        raise NotApplicable("no attention module found")
+    attns = [a for a in layers if a.layout in ("separate", "fused")]
+    others = [a for a in layers if a not in attns]
     if not attns:
-        raise SkipCheck("no attention module with q_proj/k_proj/v_proj/o_proj found")
+        first = others[0]
+        if all(a.layout == "mha" for a in others):
+            raise NotApplicable(f"multi-head attention, no grouping to test: {first.why} "
+                                f"({len(others)} attention module(s))")
+        raise NotApplicable(f"no KV-head projections to perturb: {first.why}")
     ids = t.need_ids()[:1, : min(t.need_ids().shape[1], 16)]
     if ids.shape[1] < 2:
         raise SkipCheck("need at least 2 positions")
-    inputs = _attention_inputs(t, ids, attns)
-    data: dict[str, Any] = {"layers": {}}
+    inputs = _attention_inputs(t, t.batch_with(ids=ids, targets="drop"), attns)
+    data: dict[str, Any] = {"layers": {},
+                            "not_tested": {a.name: a.why for a in others}}
     for a in attns:
         if a.name not in inputs:
             continue
         args, kwargs = inputs[a.name]
         expected = [[h for h in range(a.num_heads) if h // a.n_rep == g]
                     for g in range(a.num_kv_heads)]
-        layer = {"heads": a.num_heads, "kv_heads": a.num_kv_heads, "expected": expected}
-        for proj in ("k_proj", "v_proj"):
-            got, deltas = head_mapping(a, args, kwargs, proj, seed=o.seed + 4)
-            layer[proj] = got
+        layer = {"heads": a.num_heads, "kv_heads": a.num_kv_heads, "expected": expected,
+                 "layout": a.layout, "k_site": _site_name(t, a, "k"),
+                 "v_site": _site_name(t, a, "v")}
+        for which in ("k", "v"):
+            got, deltas = head_mapping(a, args, kwargs, which, seed=o.seed + 4)
+            layer[f"{which}_proj"] = got
             if not all(math.isfinite(d) for d in deltas):
                 raise SkipCheck(f"{a.name}: attention outputs are not finite "
                                 "(see the non-finite check)")
@@ -273,20 +290,28 @@ def gqa(t: Target, o: DoctorOptions) -> Outcome:
                 data["layers"][a.name] = layer
                 modulo = [[h for h in range(a.num_heads) if h % a.num_kv_heads == g]
                           for g in range(a.num_kv_heads)]
-                what = ("h % Hkv: `repeat` used where `repeat_interleave` belongs"
+                what = ("h % Hkv: `repeat` (tiling) used where `repeat_interleave` belongs"
                         if got == modulo else "neither h // n_rep nor h % Hkv")
                 g = next(i for i in range(a.num_kv_heads) if got[i] != expected[i])
                 return Outcome.fail(
-                    f"{a.name}: perturbing {proj[0]} of KV head {g} changed query heads "
-                    f"{got[g]}, expected {expected[g]} (h // n_rep, n_rep = {a.n_rep}); the "
-                    f"mapping is {what}",
+                    f"{a.name}: perturbing {which} of KV head {g} (at {layer[f'{which}_site']}) "
+                    f"changed query heads {got[g]}, expected {expected[g]} (h // n_rep, "
+                    f"n_rep = {a.n_rep}); the mapping is {what}",
                     "expand KV heads with repeat_interleave(n_rep, dim=head) (HF repeat_kv), "
                     "so pretrained checkpoints and SDPA enable_gqa agree", a.name, **data)
         data["layers"][a.name] = layer
     if not data["layers"]:
         raise SkipCheck("no attention module ran in the forward pass")
     a = attns[0]
+    k_at, v_at = _site_name(t, a, "k"), _site_name(t, a, "v")
+    norm = a.k_site[0] if a.k_site else None
+    w = getattr(norm, "weight", None)
+    if k_at.endswith("k_norm") and isinstance(w, torch.Tensor) and a.num_kv_heads > 1 \
+            and w.numel() == a.num_kv_heads * a.head_dim:
+        k_at = f"after {k_at}, which normalises every KV head jointly"
+    elif a.layout == "fused":
+        k_at, v_at = f"k part of {k_at}", f"v part of {v_at}"
     return Outcome.ok(
-        f"{len(data['layers'])} attention layer(s): perturbing K or V of KV head g changed "
-        f"exactly query heads h with h // {a.n_rep} == g (H={a.num_heads}, "
+        f"{len(data['layers'])} attention layer(s): perturbing K ({k_at}) or V ({v_at}) of KV "
+        f"head g changed exactly query heads h with h // {a.n_rep} == g (H={a.num_heads}, "
         f"Hkv={a.num_kv_heads})", a.name, **data)

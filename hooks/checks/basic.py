@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from hooks.checks.registry import DoctorOptions, check
 from hooks.checks.result import Outcome
-from hooks.checks.target import SkipCheck, Target, fmt
+from hooks.checks.target import NotApplicable, SkipCheck, Target, fmt
 
 
 def _tolerance(t: torch.Tensor) -> float:
@@ -23,45 +23,87 @@ def _tolerance(t: torch.Tensor) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
+def _aligned_ce(t: Target, logits: torch.Tensor, batch, ids: torch.Tensor) -> tuple[float, str]:
+    """Cross-entropy of ``logits`` against the tokens they predict for this kind of model, and
+    the alignment in words."""
+    v = logits.shape[-1]
+    kind = t.kind.kind
+    if kind == "encoder-decoder":
+        labels, _ = batch.targets_tensor(t.model)
+        if not isinstance(labels, torch.Tensor) or labels.shape[:2] != logits.shape[:2]:
+            raise SkipCheck("the decoder's targets are unknown: return a dict batch with labels")
+        return (float(F.cross_entropy(logits.reshape(-1, v), labels.reshape(-1))),
+                "decoder logits vs their labels")
+    if kind == "encoder":
+        return (float(F.cross_entropy(logits.reshape(-1, v), ids.reshape(-1))),
+                "each position vs its own token, as a masked LM predicts")
+    what = "next-token targets" if kind == "decoder" else (
+        "next-token targets assumed: nothing says what the model predicts")
+    return (float(F.cross_entropy(logits[:, :-1].reshape(-1, v), ids[:, 1:].reshape(-1))),
+            what)
+
+
+#: Nats above ln V that warn. Logits of std σ on uniform targets score ≈ ln V + σ²/2, so an
+#: excess (not a ratio, which grows as V shrinks) measures the logit scale: 1 nat is σ ≈ 1.4.
+EXCESS_WARN = 1.0
+
+
 @check(1, "init-loss", "Initial loss vs ln(V)")
 def init_loss(t: Target, o: DoctorOptions) -> Outcome:
-    """Cross-entropy of next-token prediction on uniformly random tokens, against ln V.
+    """Cross-entropy on uniformly random tokens, against ln V.
 
     Random tokens cannot be predicted, so a model whose logits start small predicts near
     uniformly and scores ln V; a much larger loss means logits that are too large (too wide an
-    init, e.g. ``nn.Embedding``'s N(0, 1) with a tied head: logits std ≈ √D).
+    init, e.g. ``nn.Embedding``'s N(0, 1) with a tied head: logits std ≈ √D). The logits are
+    compared with the tokens they predict for the model's kind (next token for a decoder, the
+    same position for a masked LM, the labels for an encoder-decoder); a model that returns no
+    logits is judged by its own loss on targets rewritten for the random tokens. Fails above
+    1.5·ln V; warns more than :data:`EXCESS_WARN` nats above ln V or below 0.9·ln V.
     """
     ids = t.need_ids()
     b, seq = ids.shape
-    seq = max(seq, 32)
-    if t.max_positions:
-        seq = min(seq, t.max_positions)
+    if t.max_positions:  # without a known limit only the batch's own length is known to fit
+        seq = min(max(seq, 32), t.max_positions)
     shape = (max(b, 4), seq)
-    rnd = t.random_ids(shape, seed=o.seed + 1)
+    enc_dec = t.kind.kind == "encoder-decoder"
+    batch = t.batch_with(shape=shape, seed=o.seed + 1, targets="rewrite" if enc_dec else "drop")
     with t.mode(False), torch.no_grad():
-        out = t.call(rnd, labels=False)
-    logits = t.need_logits(out).float()
-    v = logits.shape[-1]
-    ce = float(F.cross_entropy(logits[:, :-1].reshape(-1, v), rnd[:, 1:].reshape(-1)))
+        out = t.run(batch, use_cache=False)
+        logits = t.logits(out)
+        rnd = batch.ids(t.model)
+        if logits is not None:
+            logits = logits.float()
+            ce, align = _aligned_ce(t, logits, batch, rnd)
+            std = float(logits.std())
+            v = logits.shape[-1]
+        else:  # the model's own loss on rewritten targets
+            batch = t.batch_with(shape=shape, seed=o.seed + 1, targets="rewrite")
+            choice = t.loss(t.run(batch, use_cache=False), batch)
+            if choice.fallback:
+                raise SkipCheck("the model returns neither (B, T, V) logits nor a loss: return "
+                                "logits (or a loss with targets in the batch)")
+            ce, align, std, v = float(choice.loss), f"the model's own loss ({choice.source})", \
+                math.nan, t.vocab_size
     ln_v = math.log(v)
-    std = float(logits.std())
-    data = dict(loss=ce, ln_v=ln_v, logits_std=std, tokens=shape[0] * (shape[1] - 1),
-                vocab_size=v)
+    data = dict(loss=ce, ln_v=ln_v, logits_std=std, tokens=shape[0] * shape[1], vocab_size=v,
+                alignment=align, kind=t.kind.kind)
     if not math.isfinite(ce):
         raise SkipCheck(f"the loss on random tokens is {ce} (see the non-finite check)")
     ratio = ce / ln_v
     data["ratio"] = ratio
     emb, head = t.embeddings()
     module = head[0] if head else (emb[0] if emb else None)
-    ev = (f"loss {ce:.3f} on {shape[0]}×{shape[1]} random tokens vs ln(V) = {ln_v:.3f} "
-          f"(×{ratio:.2f}); logits std {fmt(std)}")
+    std_txt = f"; logits std {fmt(std)}" if math.isfinite(std) else ""
+    ev = (f"loss {ce:.3f} on {shape[0]}×{shape[1]} random tokens ({align}) vs ln(V) = "
+          f"{ln_v:.3f} (×{ratio:.2f}){std_txt}")
     hint = ("logits too large at init: embedding/LM head initialised too wide (nn.Embedding's "
             "default N(0,1) with a tied head gives logits std ≈ √D); use N(0, 0.02²)")
     if ratio > 1.5:
         return Outcome.fail(ev, hint, module, **data)
-    if ratio > 1.1:
-        return Outcome.warn(ev, hint + " (expected only for a freshly initialised model)",
-                            module, **data)
+    if ce - ln_v > EXCESS_WARN:
+        return Outcome.warn(ev, "logits larger than a small init gives: fine if the model is "
+                            "meant to start there (or is trained already), else initialise the "
+                            "embedding/LM head narrower, N(0, 0.02²)", module, **data)
     if ratio < 0.9:
         return Outcome.warn(ev, "loss below ln(V) on unpredictable tokens: the model may see "
                             "the targets (check causality and label shifting)", module, **data)
@@ -101,30 +143,46 @@ def causality(t: Target, o: DoctorOptions) -> Outcome:
     A causal model's outputs at positions ≤ c cannot change (up to float rounding); the first
     module (in finishing order) whose output at those positions changed is where the future
     leaked in. Also changes the tokens ≤ c to confirm later outputs do depend on the past.
+    Applies to decoders and to an encoder-decoder's decoder (its encoder is bidirectional by
+    design); n/a for a bidirectional encoder. A model that declares no kind is measured: if its
+    outputs see later tokens, it is reported as bidirectional (warn), not as broken.
     """
-    ids = t.need_ids()[:2]
-    b, seq = ids.shape
+    ids = t.need_ids()
+    kind = t.kind
+    if kind.kind == "encoder":
+        raise NotApplicable(f"a bidirectional encoder by design ({kind.reason}): every position "
+                            "attends to every other, there is no causal mask to test")
+    enc_dec = kind.kind == "encoder-decoder"
+    enc_ids = ids[:2]
+    seq_ids = t.decoder_ids()[:2] if enc_dec else enc_ids
+    b, seq = seq_ids.shape
     if seq < 4:
         raise SkipCheck(f"the batch has only {seq} positions; need at least 4")
     cut = seq // 2  # positions [0, cut) keep their tokens
     v = t.vocab_size
     g = torch.Generator().manual_seed(o.seed + 2)
-    shift = torch.randint(1, v, ids.shape, generator=g).to(ids.device)
-    future = ids.clone()
-    future[:, cut:] = (ids[:, cut:] + shift[:, cut:]) % v
-    past = ids.clone()
-    past[:, :cut] = (ids[:, :cut] + shift[:, :cut]) % v
+    shift = torch.randint(1, v, seq_ids.shape, generator=g).to(seq_ids.device)
+    future = seq_ids.clone()
+    future[:, cut:] = (seq_ids[:, cut:] + shift[:, cut:]) % v
+    past = seq_ids.clone()
+    past[:, :cut] = (seq_ids[:, :cut] + shift[:, :cut]) % v
+
+    def batch_of(x):
+        if enc_dec:
+            return t.batch_with(ids=enc_ids, targets="drop", decoder_ids=x)
+        return t.batch_with(ids=x, targets="drop")
 
     runs = []
     with t.mode(False), torch.no_grad():
-        for x in (ids, future):
+        for x in (seq_ids, future):
+            bx = batch_of(x)
             rec = _Recorder(t.model, (b, seq), cut)
             try:
-                logits = t.need_logits(t.call(x, labels=False))
+                logits = t.need_logits(t.run(bx, use_cache=False))
             finally:
                 rec.close()
             runs.append((logits, rec.calls))
-        past_logits = t.need_logits(t.call(past, labels=False))
+        past_logits = t.need_logits(t.run(batch_of(past), use_cache=False))
     (base, base_calls), (fut, fut_calls) = runs
     if not (torch.isfinite(base).all() and torch.isfinite(fut).all()):
         raise SkipCheck("the logits are not finite (see the non-finite check)")
@@ -132,7 +190,9 @@ def causality(t: Target, o: DoctorOptions) -> Outcome:
     diff_T = (fut[:, :cut] - base[:, :cut]).abs().amax(dim=(0, 2))  # (cut,)
     leak = float(diff_T.max())
     influence = float((past_logits[:, cut:] - base[:, cut:]).abs().max())
-    data = dict(cut=cut, seq_len=seq, leak=leak, tolerance=tol, past_influence=influence)
+    what = "decoder tokens" if enc_dec else "tokens"
+    data = dict(cut=cut, seq_len=seq, leak=leak, tolerance=tol, past_influence=influence,
+                kind=kind.kind, kind_reason=kind.reason)
     if leak > tol:
         first_pos = int((diff_T > tol).nonzero()[0, 0])
         culprit = None
@@ -143,21 +203,27 @@ def causality(t: Target, o: DoctorOptions) -> Outcome:
                 if float((a.float() - c.float()).abs().max()) > _tolerance(a):
                     culprit = name
                     break
-        if culprit is not None:  # name the attention module, not its o_proj
-            for a in t.attention_modules():
-                if culprit.startswith(a.name + ".") or culprit == a.name:
-                    culprit = a.name
-                    break
+        culprit = t.attention_of(culprit) or culprit  # the attention module, not its o_proj
         data.update(first_leaking_position=first_pos, first_changed_module=culprit)
         where = f"; first changed inside {culprit}" if culprit else ""
+        ev = (f"changing {what} ≥ {cut} changed logits at positions < {cut} by up to "
+              f"{fmt(leak)} (tolerance {fmt(tol)}), already at position {first_pos}{where}")
+        if kind.kind == "unknown":
+            return Outcome.warn(
+                f"{ev}: the model is bidirectional (measured); nothing declares it causal "
+                f"({kind.reason})",
+                "fine for an encoder; if it predicts the next token, its causal mask is "
+                "missing (pass next-token targets or labels = input_ids so mdb knows)",
+                culprit, **data)
         return Outcome.fail(
-            f"changing tokens ≥ {cut} changed logits at positions < {cut} by up to {fmt(leak)} "
-            f"(tolerance {fmt(tol)}), already at position {first_pos}{where}",
+            f"{ev}; a {kind.label} model must not see later tokens ({kind.reason})",
             "attention sees future tokens: the causal mask is missing, inverted or not applied "
             "(is_causal / masked_fill on the wrong side of the diagonal)",
             culprit, **data)
-    ev = (f"changing tokens ≥ {cut} of {seq} left logits < {cut} unchanged (max |Δ| "
-          f"{fmt(leak)} ≤ {fmt(tol)}); changing tokens < {cut} moved later logits by "
+    label = "the decoder of an encoder-decoder" if enc_dec else kind.label
+    measured = " (measured)" if kind.kind == "unknown" else ""
+    ev = (f"{label}{measured}: changing {what} ≥ {cut} of {seq} left logits < {cut} unchanged "
+          f"(max |Δ| {fmt(leak)} ≤ {fmt(tol)}); changing {what} < {cut} moved later logits by "
           f"{fmt(influence)}")
     if influence <= tol:
         return Outcome.warn(ev, "outputs do not depend on earlier tokens at all: attention "
@@ -189,13 +255,16 @@ def tied_weights(t: Target, o: DoctorOptions) -> Outcome:
             "tie by assigning the same Parameter (lm_head.weight = embed_tokens.weight), not "
             "by sharing .data", names[0].rpartition(".")[0] or None, **data)
     if emb is None or head is None:
-        raise SkipCheck("no token embedding and LM head found "
-                        f"(embedding: {emb[0] if emb else 'none'}, head: "
-                        f"{head[0] if head else 'none'})")
+        raise NotApplicable("no token embedding and LM head pair to tie "
+                            f"(embedding: {emb[0] if emb else 'none'}, head: "
+                            f"{head[0] if head else 'none'})")
     (ename, em), (hname, hm) = emb, head
     ew, hw = getattr(em, "weight", None), getattr(hm, "weight", None)
     if not (isinstance(ew, torch.Tensor) and isinstance(hw, torch.Tensor)):
-        raise SkipCheck("the embedding or the LM head has no weight tensor")
+        raise NotApplicable("the embedding or the LM head has no weight tensor")
+    if ew.shape != hw.shape:
+        raise NotApplicable(f"{hname}.weight {tuple(hw.shape)} and {ename}.weight "
+                            f"{tuple(ew.shape)} differ in shape: they cannot be tied")
     same = ew is hw
     same_storage = ew.data_ptr() == hw.data_ptr()
     equal = ew.shape == hw.shape and bool(torch.equal(ew.detach(), hw.detach()))

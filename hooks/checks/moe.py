@@ -13,7 +13,7 @@ import torch
 import hooks
 from hooks.checks.registry import DoctorOptions, check
 from hooks.checks.result import Outcome
-from hooks.checks.target import SkipCheck, Target
+from hooks.checks.target import NotApplicable, SkipCheck, Target
 
 #: Warn when the busiest expert gets this many times its balanced share 1/E.
 MAX_LOAD_RATIO = 3.0
@@ -63,20 +63,26 @@ def routing(t: Target, o: DoctorOptions) -> Outcome:
     ids = t.need_ids()
     b, seq = ids.shape
     rows = max(b, -(-MIN_TOKENS // seq))  # random batches hold at least MIN_TOKENS tokens
-    batches = [None] + [t.random_ids((rows, seq), seed=o.seed + 60 + i)
-                        for i in range(max(0, o.routing_batches - 1))]
     records = []
+
+    def record(batch) -> None:
+        with hooks.capture(t.model, include=[], inputs=False, grads=False, params=False) as tr:
+            t.run(batch, use_cache=False)
+        records.extend(tr.routing)
+
     with t.mode(False), torch.no_grad():
-        for x in batches:
-            with hooks.capture(t.model, include=[], inputs=False, grads=False,
-                               params=False) as tr:
-                t.call(x, labels=False)
-            records.extend(tr.routing)
-    if not records:
-        if blocks:
-            raise SkipCheck(f"{len(blocks)} MoE block(s) found but no routing was recorded "
-                            f"(no probe for {type(blocks[0].router).__name__})")
-        raise SkipCheck("no MoE layers (dense model)")
+        record(t.batch)
+        if not records:
+            if blocks:
+                raise SkipCheck(
+                    f"{len(blocks)} MoE block(s) found ({blocks[0].name}) but hooks.capture "
+                    f"recorded no routing for its router {type(blocks[0].router).__name__}: no "
+                    "probe reads it yet")
+            raise NotApplicable("a dense model: no MoE block (a module with experts and a "
+                                "gate/router) and no routing recorded")
+        for i in range(max(0, o.routing_batches - 1)):
+            record(t.batch_with(shape=(rows, seq), seed=o.seed + 60 + i, targets="drop"))
+    n_batches = max(1, o.routing_batches)
     stats = {k: v for k, v in routing_stats(records).items() if v["tokens"] > 0}
     if not stats:
         raise SkipCheck("router probabilities are not finite (see the non-finite check)")
@@ -100,14 +106,14 @@ def routing(t: Target, o: DoctorOptions) -> Outcome:
             min_ent = (s["entropy"], block)
     first = next(iter(stats.values()))
     e = len(first["counts"])
-    data = dict(batches=len(batches), layers=layers)
-    ev = (f"{len(stats)} MoE layer(s), {len(batches)} batches ({first['tokens']} tokens): "
+    data = dict(batches=n_batches, layers=layers)
+    ev = (f"{len(stats)} MoE layer(s), {n_batches} batches ({first['tokens']} tokens): "
           f"busiest expert ×{worst_ratio[0]:.2f} its balanced share 1/{e}"
           f" ({worst_ratio[1]}), router entropy ≥ {min_ent[0]:.2f}·ln E")
     if worst_dead:
         block, dead = worst_dead
         return Outcome.fail(
-            f"{block}: expert(s) {dead} received no tokens in {len(batches)} batches "
+            f"{block}: expert(s) {dead} received no tokens in {n_batches} batches "
             f"(counts {layers[block]['counts']}); {ev}",
             "a dead expert: its router logit never wins (collapsed or masked router, a bias "
             "pushing it down, or an aux loss that does not reach the router)",

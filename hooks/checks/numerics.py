@@ -1,4 +1,11 @@
-"""Check 9: numerics under bf16 — normalisation statistics and softmax must run in fp32.
+"""Check 9: numerics under bf16 — normalisation statistics in fp32, attention softmax in fp32.
+
+Which autocast rules apply (``torch.amp`` op reference; CPU and CUDA lists differ): CUDA
+autocast runs ``softmax``, ``log_softmax``, ``pow``, ``rsqrt``, ``sum``, ``layer_norm`` and the
+losses in fp32; CPU autocast runs only the losses (``cross_entropy``/``nll_loss``...) and a few
+others in fp32 and keeps ``softmax``, ``pow``, ``rsqrt``, ``mean`` in their input's dtype; an
+op called with an explicit ``dtype=`` is never autocast. So a softmax that relies on autocast
+to upcast it runs in fp32 on CUDA and in bf16 on CPU.
 
 Measured, not read from source: a ``TorchFunctionMode`` records the dtype every reduction
 (``mean``, ``sum``, ``var``, ``rsqrt``...) and every softmax actually produced, attributed to
@@ -14,9 +21,10 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from hooks.checks.blame import one_line, raised_by_model
 from hooks.checks.registry import DoctorOptions, check
 from hooks.checks.result import Outcome
-from hooks.checks.target import SkipCheck, Target, fmt
+from hooks.checks.target import NotApplicable, SkipCheck, Target, fmt
 
 #: Functions that compute normalisation statistics when they run inside a norm module.
 STAT_OPS = frozenset({"mean", "sum", "var", "var_mean", "std", "std_mean", "rsqrt", "sqrt",
@@ -50,7 +58,7 @@ class OpDtypeRecorder(TorchFunctionMode):
     def __init__(self, model: torch.nn.Module, watch: frozenset[str]) -> None:
         super().__init__()
         self.watch = watch
-        self.events: list[tuple[str, str, str, str]] = []
+        self.events: list[tuple[str, str, str, str, str]] = []
         self._stack: list[str] = []
         self._handles = []
         for name, m in model.named_modules():
@@ -72,8 +80,10 @@ class OpDtypeRecorder(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in self.watch:
             t_in = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            asked = (kwargs or {}).get("dtype")
             self.events.append((self._stack[-1] if self._stack else "", name, _dtype(t_in),
-                                _dtype(out)))
+                                _dtype(out), str(asked).removeprefix("torch.")
+                                if isinstance(asked, torch.dtype) else ""))
         return out
 
 
@@ -121,25 +131,31 @@ def norm_under_bf16(name: str, norm: torch.nn.Module, seed: int) -> dict[str, An
     finite = bool(torch.isfinite(y).all())
     denom = float(ref.abs().max()) or 1.0
     err = float((y - ref).abs().max()) / denom if finite else float("inf")
-    half = sorted({op for _, op, _, out in rec.events if op in STAT_OPS and _is_half(out)})
+    half = sorted({op for _, op, _, out, _ in rec.events if op in STAT_OPS and _is_half(out)})
     return dict(half_stats=half, rel_error=err, finite=finite, out_dtype=str(y.dtype))
 
 
 @check(9, "numerics", "bf16 numerics")
 def numerics(t: Target, o: DoctorOptions) -> Outcome:
-    """Normalisation statistics and softmax in fp32 when activations are bf16.
+    """Normalisation statistics and attention softmax under bf16.
 
-    1. Every norm module on a bf16 large-activation input: statistics ops must run in fp32,
-       the output must be finite and within :data:`NORM_REL_TOL` of the fp32 result.
-    2. The model under ``torch.autocast(bfloat16)`` on the batch's first row (up to
-       :data:`AUTOCAST_TOKENS` tokens): every softmax must produce
-       fp32 (or run in a fused fp32-accumulating kernel), norms keep fp32 statistics, the logits
-       stay finite; the loss is compared with the fp32 loss.
+    1. Every norm module on a bf16 large-activation input (the activations of a bf16 model):
+       statistics ops must run in fp32, the output must be finite and within
+       :data:`NORM_REL_TOL` of the fp32 result. Statistics in bf16 fail.
+    2. The model under ``torch.autocast(bfloat16)`` on its device, on the batch's first row (up
+       to :data:`AUTOCAST_TOKENS` tokens): norms keep fp32 statistics (bf16 fails); each
+       softmax inside an attention module is fp32, a fused kernel (SDPA accumulates in fp32),
+       or left to autocast (its scores' dtype: CUDA autocast runs softmax in fp32, CPU
+       autocast keeps bf16; said in the evidence, not a failure). A softmax asked for in bf16
+       (``dtype=``, which no autocast rule changes) fails. Softmax calls elsewhere (a router,
+       HF's aux loss at the root, the loss) are not judged. The loss is compared with the fp32
+       loss.
     """
     norms = t.norm_modules()
+    attn_names = {a.name for a in t.attention_layers()}
     data: dict[str, Any] = {"norms": {}}
     fails: list[tuple[str, str | None]] = []
-    warns: list[tuple[str, str | None]] = []
+    warns: list[tuple[str, str | None, str]] = []
     worst_err = 0.0
     for i, (name, m) in enumerate(norms):
         r = norm_under_bf16(name, m, o.seed + 90 + i)
@@ -152,89 +168,143 @@ def numerics(t: Target, o: DoctorOptions) -> Outcome:
             fails.append((f"{name} overflows on a bf16 input with |x| ≤ {30 * LARGE:g}", name))
         elif r["rel_error"] > NORM_REL_TOL:
             warns.append((f"{name} differs from its fp32 result by {fmt(r['rel_error'])} "
-                          f"(relative) on a bf16 input", name))
+                          f"(relative) on a bf16 input", name, "compute in fp32 and cast back"))
 
-    model_ev = _autocast_run(t, {n for n, _ in norms}, fails, warns, data)
+    model_ev, crashed = _autocast_run(t, {n for n, _ in norms}, attn_names, fails, warns, data)
     data["worst_norm_rel_error"] = worst_err
-    ev = (f"{len(norms)} norm(s) keep fp32 statistics on a bf16 input with |x| ≤ "
-          f"{30 * LARGE:g} (worst rel. error {fmt(worst_err, 2)}); {model_ev}")
+    norm_ev = (f"{len(norms)} norm(s) keep fp32 statistics on a bf16 input with |x| ≤ "
+               f"{30 * LARGE:g} (worst rel. error {fmt(worst_err, 2)})" if norms
+               else "no RMSNorm/LayerNorm modules to test")
+    ev = f"{norm_ev}; {model_ev}"
     if fails:
         msg, mod = fails[0]
         more = f" (+{len(fails) - 1} more)" if len(fails) > 1 else ""
-        return Outcome.fail(msg + more,
-                            "upcast before statistics and softmax: x.float() for mean(x²)/rsqrt "
-                            "and softmax(scores.float()), then cast back (HF LlamaRMSNorm does)",
-                            mod, **data)
+        hint = ("compute the softmax in fp32: softmax(scores, dim=-1, dtype=torch.float32)"
+                ".to(v.dtype), as HF Llama's eager attention does" if mod in attn_names else
+                "upcast before the statistics: x.float() for mean(x²)/rsqrt, then cast back "
+                "(HF LlamaRMSNorm does)")
+        return Outcome.fail(f"{msg}{more}; {ev}", hint, mod, **data)
+    if crashed:
+        raise SkipCheck(f"{model_ev}; {norm_ev}")
     if warns:
-        msg, mod = warns[0]
-        return Outcome.warn(f"{msg}; {ev}", "compute in fp32 and cast back", mod, **data)
-    if not norms and not data.get("softmax_fp32_modules") and not data.get("fused_kernels"):
-        return Outcome.warn(ev, "no norm module and no softmax recorded: nothing was measured",
-                            **data)
+        msg, mod, hint = warns[0]
+        more = f" (+{len(warns) - 1} more)" if len(warns) > 1 else ""
+        return Outcome.warn(f"{msg}{more}; {ev}", hint, mod, **data)
+    if not norms and not attn_names:
+        raise NotApplicable(f"no attention and no RMSNorm/LayerNorm modules: nothing whose "
+                            f"precision this check judges ({model_ev})")
     return Outcome.ok(ev, **data)
 
 
-def _autocast_run(t: Target, norm_names: set[str], fails: list, warns: list,
-                  data: dict[str, Any]) -> str:
+def _autocast_run(t: Target, norm_names: set[str], attn_names: set[str], fails: list,
+                  warns: list, data: dict[str, Any]) -> tuple[str, bool]:
     """Part 2 of :func:`numerics`: the batch under bf16 autocast vs fp32. Appends findings to
-    ``fails``/``warns`` and measurements to ``data``; returns the evidence text."""
+    ``fails``/``warns`` and measurements to ``data``; returns the evidence text and whether the
+    autocast run raised inside the model or PyTorch."""
     dev = t.device.type
     if dev not in ("cpu", "cuda"):
-        return f"autocast not tested on device {dev}"
-    if t.input_ids is None and not t.args and not t.kwargs:
-        return "autocast not tested (no batch)"
-    labels = True if t.accepts("labels") and t.input_ids is not None else None
-    ids = t.input_ids[:1, :AUTOCAST_TOKENS] if t.input_ids is not None else None
+        return f"autocast not tested on device {dev}", False
+    rules = dev.upper()
+    ids = t.input_ids
+    if ids is not None:
+        batch = t.batch_with(ids=ids[:1, :AUTOCAST_TOKENS], targets="rewrite")
+    elif t.args or t.kwargs:
+        batch = t.batch
+    else:
+        return "autocast not tested (no batch)", False
     with t.mode(False), torch.no_grad():
-        ref_out = t.call(ids, labels=labels)
+        ref_out = t.run(batch)
         ref_logits = t.logits(ref_out)
-        if ref_logits is None:
-            return "autocast not tested (the output has no logits)"
-        ref_logits = ref_logits.float()
-        if not bool(torch.isfinite(ref_logits).all()):
-            return "autocast not tested: the fp32 logits are already not finite"
+        if ref_logits is not None and not bool(torch.isfinite(ref_logits).all()):
+            return "autocast not tested: the fp32 logits are already not finite", False
         rec = OpDtypeRecorder(t.model, STAT_OPS | SOFTMAX_OPS | FUSED_OPS)
         try:
             with rec, torch.autocast(dev, dtype=torch.bfloat16):
-                out = t.call(ids, labels=labels)
+                out = t.run(batch)
+        except Exception as exc:
+            where = raised_by_model(exc, __file__, t.module_names())
+            if where is None:
+                raise
+            data["autocast_error"] = one_line(exc)
+            return (f"under {rules} bf16 autocast the model raised {one_line(exc, 120)} "
+                    f"({where}): an op PyTorch's {rules} autocast does not support, not a "
+                    "mistake in the model"), True
         finally:
             rec.remove()
-        logits = t.need_logits(out).float()
-    soft_fp32 = set()
+    soft_fp32: set[str] = set()
+    implicit: set[str] = set()
+    forced: set[str] = set()
+    sdpa: set[str] = set()
+    elsewhere: dict[str, int] = {}
     fused = 0
-    for mod, op, _din, dout in rec.events:
+    for mod, op, _din, dout, asked in rec.events:
+        attn = _under(mod, attn_names)
+        norm = _under(mod, norm_names)
         if op in FUSED_OPS:
             fused += 1
-        elif op in SOFTMAX_OPS:
-            if _is_half(dout):
-                msg = f"{op.lstrip('_')} in {dout} inside {mod or '<root>'} under bf16 autocast"
-                if op in ("_log_softmax", "log_softmax", "cross_entropy") and not mod:
-                    warns.append((msg + " (cross-entropy on 16-bit logits)", mod or None))
-                else:
-                    fails.append((msg, mod or None))
+            if attn and op == "scaled_dot_product_attention":
+                sdpa.add(attn)
+            continue
+        if op in SOFTMAX_OPS:
+            if not _is_half(dout):
+                if attn or norm:
+                    soft_fp32.add(attn or norm)
+                continue
+            if not (attn or norm):
+                elsewhere[mod or "<root>"] = elsewhere.get(mod or "<root>", 0) + 1
+                continue
+            owner = attn or norm
+            name = op.lstrip("_")
+            if asked or dev != "cpu":
+                how = (f"{name}(..., dtype={asked}) asked for explicitly" if asked
+                       else f"{name} in {dout} under CUDA bf16 autocast")
+                fails.append((f"{owner}: {how}: {dout} attention probabilities under CPU and "
+                              "CUDA autocast alike (an explicit dtype is never autocast)", owner))
+                forced.add(owner)
             else:
-                soft_fp32.add(mod)
-        elif op in STAT_OPS and _is_half(dout):
-            owner = _under(mod, norm_names)
-            if owner is not None:
-                fails.append((f"{owner} computes {op} in {dout} under bf16 autocast", owner))
-    finite = bool(torch.isfinite(logits).all())
-    ref_loss = Target.ce_loss(ref_out)
-    loss = Target.ce_loss(out)
+                implicit.add(owner)  # CPU autocast keeps it in bf16, CUDA's runs it in fp32
+        elif op in STAT_OPS and _is_half(dout) and norm is not None:
+            fails.append((f"{norm} computes {op} in {dout} under {rules} bf16 autocast ("
+                          f"{rules} autocast keeps {op} in its input's dtype)", norm))
+    logits = t.logits(out)
+    finite = logits is None or bool(torch.isfinite(logits.float()).all())
     rel = None
-    if ref_loss is not None and loss is not None:
-        a, b = float(ref_loss), float(loss)
+    try:
+        ref_loss, loss = t.loss(ref_out, batch), t.loss(out, batch)
+    except SkipCheck:
+        ref_loss = loss = None
+    if ref_loss is not None and loss is not None and not ref_loss.fallback:
+        a, b = float(ref_loss.loss), float(loss.loss)
         rel = abs(b - a) / max(abs(a), 1e-12)
-        data.update(loss_fp32=a, loss_bf16=b, loss_rel_diff=rel)
-    data.update(logits_max_diff=float((logits - ref_logits).abs().max()),
-                logits_std=float(ref_logits.std()), softmax_fp32_modules=sorted(soft_fp32),
-                fused_kernels=fused)
+        data.update(loss_fp32=a, loss_bf16=b, loss_rel_diff=rel, loss_source=ref_loss.source)
+    if logits is not None and ref_logits is not None:
+        data.update(logits_max_diff=float((logits.float() - ref_logits.float()).abs().max()),
+                    logits_std=float(ref_logits.float().std()))
+    data.update(softmax_fp32_modules=sorted(soft_fp32), sdpa_modules=sorted(sdpa),
+                softmax_autocast_dtype=sorted(implicit),
+                fused_kernels=fused, softmax_elsewhere=elsewhere, autocast_rules=rules)
     if not finite:
         fails.append(("logits are not finite under bf16 autocast (finite in fp32)", None))
     elif rel is not None and (not math.isfinite(rel) or rel > 0.05):
-        warns.append((f"bf16 loss differs from fp32 by {100 * rel:.1f}%", None))
-    ev = (f"under bf16 autocast {len(soft_fp32)} module(s) run softmax in fp32, {fused} fused "
-          f"SDPA/norm kernel call(s)")
+        warns.append((f"bf16 loss differs from fp32 by {100 * rel:.1f}%", None,
+                      "look for ops that lose precision in bf16"))
+    ran = [f"{len(sdpa)} fused SDPA (fp32 accumulation)"] if sdpa else []
+    if soft_fp32:
+        ran.append(f"{len(soft_fp32)} softmax in fp32")
+    if forced:
+        ran.append(f"{len(forced)} softmax in bf16")
+    if implicit:
+        names = ", ".join(sorted(implicit)[:2]) + (", ..." if len(implicit) > 2 else "")
+        ran.append(f"{len(implicit)} softmax in the scores' dtype ({names}): fp32 under CUDA "
+                   "autocast (softmax is on its fp32 list), bf16 under CPU autocast (it is not)")
+    if attn_names:
+        ev = (f"under {rules} bf16 autocast, {len(attn_names)} attention module(s): "
+              + ("; ".join(ran) or "no softmax seen"))
+    else:
+        ev = f"under {rules} bf16 autocast the model ran"
+    if elsewhere:
+        ev += (f"; {sum(elsewhere.values())} bf16 softmax call(s) outside attention and norms "
+               f"(in {', '.join(sorted(elsewhere)[:2])}: a router or a loss) not judged")
     if rel is not None:
-        ev += f"; CE {data['loss_bf16']:.4f} vs {data['loss_fp32']:.4f} fp32 ({100 * rel:.2f}%)"
-    return ev
+        ev += f"; loss {data['loss_bf16']:.4f} vs {data['loss_fp32']:.4f} fp32 ({100 * rel:.2f}%)"
+    return ev, False

@@ -6,9 +6,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-#: The statuses a check can report, from best to worst. ``error`` means the check itself
-#: crashed (the exception is in ``evidence``); it counts as a failure for the exit code.
-STATUSES = ("pass", "skip", "warn", "fail", "error")
+#: The statuses a check can report, from best to worst.
+#:
+#: ``pass``: measured, nothing wrong. ``n/a``: the check does not apply to this kind of model
+#: (causality on a bidirectional encoder, RoPE without rotary embeddings, routing on a dense
+#: model); ``evidence`` says why. ``skip``: it applies but could not be measured (the model or
+#: PyTorch raised, e.g. an op CPU autocast does not support, or the batch lacks what it needs);
+#: ``evidence`` says why and what would let it run. ``warn``: a finding worth a look. ``fail``:
+#: a measured mistake. ``error``: mdb's own fault, the check crashed in mdb's code (the
+#: exception is in ``evidence``); it counts as a failure for the exit code.
+STATUSES = ("pass", "n/a", "skip", "warn", "fail", "error")
 
 #: Statuses that make ``mdb doctor`` exit with code 1.
 FAILING = frozenset({"fail", "error"})
@@ -121,3 +128,8 @@ class Outcome:
     @classmethod
     def skip(cls, reason: str, **data: Any) -> Outcome:
         return cls("skip", reason, "", None, **data)
+
+    @classmethod
+    def na(cls, reason: str, **data: Any) -> Outcome:
+        """The check does not apply to this model; ``reason`` says why."""
+        return cls("n/a", reason, "", None, **data)

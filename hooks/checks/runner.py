@@ -1,14 +1,22 @@
-"""``run_checks``: run the selected checks, each isolated, and collect their results."""
+"""``run_checks``: run the selected checks, each isolated, and collect their results.
+
+A check that raises is told apart by where the exception was raised
+(:func:`hooks.checks.blame.raised_by_model`): inside the user's model or PyTorch it is ``skip``
+with the exception and the module it came from; in mdb's own code it is ``error``.
+"""
 
 from __future__ import annotations
 
+import inspect
+import os
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from hooks.checks.blame import one_line, raised_by_model
 from hooks.checks.registry import CHECKS, DoctorOptions, resolve_only
-from hooks.checks.result import CheckResult
-from hooks.checks.target import SkipCheck, Target
+from hooks.checks.result import STATUSES, CheckResult
+from hooks.checks.target import NotApplicable, SkipCheck, Target
 
 
 def run_checks(
@@ -23,19 +31,23 @@ def run_checks(
     """Run the doctor's checks on ``model`` and return one result per check, in id order.
 
     Args:
-        model: an ``nn.Module``, or a workload object with ``model``, ``args`` and ``kwargs``
-            attributes (then ``batch`` is omitted).
+        model: an ``nn.Module``; a :class:`Target`; or a workload object with ``model``,
+            ``batch`` (a :class:`hooks.Batch`) and ``loss_fn`` attributes (then ``batch`` is
+            omitted).
         batch: the model's input: a (B, T) int64 tensor of token ids, a tuple of positional
-            arguments or a dict of keyword arguments (``input_ids``, ``labels``...).
+            arguments, a dict of keyword arguments (``input_ids``, ``labels``...) or a
+            :class:`hooks.Batch`.
         overfit: also run the slow overfit check (otherwise it is reported as ``skip``).
         only: check ids or keys to run (e.g. ``[1, "gqa"]`` or ``"1,gqa"``); None runs all.
         options: :class:`DoctorOptions`.
         on_result: called with each result as soon as it is ready (progress display).
 
     Returns:
-        list[CheckResult]: the selected checks in id order. A check that raises is reported
-        with status ``error`` and the exception on one line; the others still run. The model's
-        weights, ``.grad`` fields and train/eval flags are as before when this returns.
+        list[CheckResult]: the selected checks in id order. A check that does not apply to the
+        model's kind is ``n/a`` with the reason. A check that raises inside the model or
+        PyTorch is ``skip`` with the exception and where it was raised; one that raises in
+        mdb's own code is ``error``; the others still run. The model's weights, ``.grad``
+        fields and train/eval flags are as before when this returns.
 
     Raises:
         ValueError: ``only`` names an unknown check.
@@ -46,6 +58,7 @@ def run_checks(
     opts = options or DoctorOptions()
     selected = resolve_only(only)
     target = Target.from_any(model, batch)
+    names = target.module_names()
     results: list[CheckResult] = []
     for chk in CHECKS:
         if selected is not None and chk.id not in selected:
@@ -60,14 +73,25 @@ def run_checks(
                     out = chk.func(target, opts)
                 res = CheckResult(chk.id, chk.key, chk.name, out.status, out.evidence, out.hint,
                                   out.module, out.data)
+            except NotApplicable as exc:
+                res = CheckResult(chk.id, chk.key, chk.name, "n/a", str(exc))
             except SkipCheck as exc:
                 res = CheckResult(chk.id, chk.key, chk.name, "skip", str(exc))
             except Exception as exc:  # one crashing check must not stop the others
-                msg = " ".join(f"{type(exc).__name__}: {exc}".split())
-                if len(msg) > 300:
-                    msg = msg[:297] + "..."
-                res = CheckResult(chk.id, chk.key, chk.name, "error", msg,
-                                  "the check itself crashed on this model; the message says where")
+                try:
+                    check_file = os.path.abspath(inspect.getfile(chk.func))
+                except TypeError:  # pragma: no cover - a builtin as a check
+                    check_file = None
+                where = raised_by_model(exc, check_file, names)
+                if where is not None:
+                    res = CheckResult(chk.id, chk.key, chk.name, "skip",
+                                      f"the model raised {one_line(exc, 220)} ({where}); "
+                                      "this check cannot run on it",
+                                      data={"exception": one_line(exc), "where": where})
+                else:
+                    res = CheckResult(chk.id, chk.key, chk.name, "error", one_line(exc),
+                                      "mdb's check itself crashed on this model (a bug in "
+                                      "mdb: please report it with this message)")
         res.seconds = time.perf_counter() - t0
         results.append(res)
         if on_result is not None:
@@ -77,8 +101,6 @@ def run_checks(
 
 def worst_status(results: Iterable[CheckResult]) -> str:
     """The most severe status among ``results`` (order of :data:`STATUSES`)."""
-    from hooks.checks.result import STATUSES
-
     worst = "pass"
     for r in results:
         if STATUSES.index(r.status) > STATUSES.index(worst):

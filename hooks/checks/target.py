@@ -1,6 +1,12 @@
-"""``Target``: the model under examination and its batch, plus what the checks need to find in
-it (token ids, logits, loss, attention/rotary/MoE/norm modules) by duck typing, so the same
-checks run on minillm, HF ``LlamaForCausalLM``/``MixtralForCausalLM`` and users' models.
+"""``Target``: the model under examination, its batch and loss convention, what kind of model it
+is, and what the checks need to find in it (attention, rotary, MoE and norm modules, the
+embedding and the LM head) by structure, so that the same checks run on minillm, HF models of
+many families and users' own models.
+
+Every check runs the model through one batch adapter (:meth:`hooks.Batch.resized`): random
+batches of another size and edited token ids keep targets, decoder inputs, masks and position
+ids consistent, and the loss is chosen by :func:`hooks.select_loss` (a given ``loss_fn``,
+``out.loss``, the scalar of a ``(logits, loss)`` tuple).
 
 Dimension legend: B batch, T sequence, V vocabulary, D hidden size, H query heads,
 Hkv key/value heads, Dh head dim, E experts.
@@ -18,21 +24,48 @@ from typing import Any
 import torch
 from torch import nn
 
+from hooks.batch import Batch, BatchError, LossChoice, LossFn, select_loss
+from hooks.checks.kind import ModelKind, detect_kind
+
 
 class SkipCheck(Exception):
-    """Raised inside a check when it cannot apply to this model; the message is the reason."""
+    """Raised inside a check that applies but cannot be measured on this model or batch; the
+    message is the reason (and, where it helps, what to return instead)."""
+
+
+class NotApplicable(Exception):
+    """Raised inside a check that does not apply to this kind of model (e.g. causality on a
+    bidirectional encoder); the message says why. Reported as ``n/a``."""
+
+
+#: Child names of the query, key, value and output projections of an attention module.
+Q_NAMES = ("q_proj", "query", "q", "wq", "to_q")
+K_NAMES = ("k_proj", "key", "k", "wk", "to_k")
+V_NAMES = ("v_proj", "value", "v", "wv", "to_v")
+O_NAMES = ("o_proj", "out_proj", "o", "wo", "c_proj", "proj", "dense", "to_out")
+#: Child names of fused q/k/v projections (GPT-2 ``c_attn``, Phi-3 ``qkv_proj``, ...).
+FUSED_NAMES = ("qkv_proj", "c_attn", "qkv", "Wqkv", "query_key_value", "in_proj")
 
 
 @dataclass
 class AttentionInfo:
-    """An attention module with HF-style projections.
+    """An attention module and how its keys and values map to heads.
 
     Attributes:
         name: qualified module name.
-        module: the module (has ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``).
-        num_heads: H, query heads (``q_proj.out_features // head_dim``).
-        num_kv_heads: Hkv (``k_proj.out_features // head_dim``).
-        head_dim: Dh.
+        module: the module.
+        num_heads: H, query heads (0 when unknown).
+        num_kv_heads: Hkv (0 when unknown).
+        head_dim: Dh (0 when unknown).
+        layout: ``separate`` (k_proj / v_proj of Hkv·Dh outputs each), ``fused`` (one q|k|v
+            projection of (H + 2·Hkv)·Dh outputs, q first, as Phi-3's ``qkv_proj``), ``mha``
+            (keys and values have as many heads as queries: no grouping), or ``unsupported``.
+        k_site: (module, offset): where the keys of KV head g are the output columns
+            ``offset + [g·Dh, (g+1)·Dh)`` (a ``k_norm`` when the keys are normalised, so that a
+            perturbation is not spread over every head by a joint norm).
+        v_site: the same for the values.
+        out_site: the module whose input is the per-head attention output (B, T, H·Dh).
+        why: for ``mha`` and ``unsupported``: what was found, in words.
     """
 
     name: str
@@ -40,11 +73,16 @@ class AttentionInfo:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    layout: str
+    k_site: tuple[nn.Module, int] | None = None
+    v_site: tuple[nn.Module, int] | None = None
+    out_site: nn.Module | None = None
+    why: str = ""
 
     @property
     def n_rep(self) -> int:
         """Query heads per KV head."""
-        return self.num_heads // self.num_kv_heads
+        return self.num_heads // self.num_kv_heads if self.num_kv_heads else 0
 
 
 @dataclass
@@ -64,41 +102,83 @@ class MoEInfo:
     num_experts: int
 
 
+def _out_features(m: Any) -> int | None:
+    """Output width of a linear-like module (``nn.Linear``, HF's ``Conv1D`` with ``nf``)."""
+    if not isinstance(m, nn.Module):
+        return None
+    v = getattr(m, "out_features", None)
+    if v is None:
+        v = getattr(m, "nf", None)
+    return v if isinstance(v, int) else None
+
+
+def _in_features(m: Any) -> int | None:
+    v = getattr(m, "in_features", None)
+    if isinstance(v, int):
+        return v
+    w = getattr(m, "weight", None)
+    if getattr(m, "nf", None) is not None and isinstance(w, torch.Tensor) and w.dim() == 2:
+        return int(w.shape[0])  # HF Conv1D stores (in, out)
+    return None
+
+
 def _linear_like(m: Any) -> bool:
-    return isinstance(m, nn.Module) and hasattr(m, "out_features") and hasattr(m, "in_features")
+    return _out_features(m) is not None and _in_features(m) is not None
+
+
+def _child(m: nn.Module, names: tuple[str, ...]) -> tuple[str, nn.Module] | None:
+    for n in names:
+        c = getattr(m, n, None)
+        if isinstance(c, nn.Module) and _linear_like(c):
+            return n, c
+    return None
+
+
+def _is_norm(m: Any) -> bool:
+    cls = type(m).__name__
+    return isinstance(m, (nn.LayerNorm, nn.RMSNorm)) or cls.endswith(
+        ("RMSNorm", "LayerNorm", "RmsNorm"))
+
+
+def _attention_named(m: nn.Module) -> bool:
+    cls = type(m).__name__
+    return isinstance(m, nn.MultiheadAttention) or "Attention" in cls or "Attn" in cls
+
+
+def _int_attr(objs: tuple[Any, ...], names: tuple[str, ...]) -> int | None:
+    for o in objs:
+        if o is None:
+            continue
+        for n in names:
+            v = o.get(n) if isinstance(o, dict) else getattr(o, n, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+    return None
 
 
 class Target:
-    """A model, the batch it runs on, and helpers to run it on other token ids.
+    """A model, the batch it runs on and its loss convention, with helpers to run it on other
+    batches of the same kind.
 
     Args:
         model: any ``nn.Module``.
-        args: positional forward arguments of the batch.
-        kwargs: keyword forward arguments of the batch.
+        batch: a :class:`hooks.Batch`, or what a factory may return as a batch (a tensor of
+            ids, a tuple of positional arguments, a dict of keyword arguments); None for none.
+        loss_fn: ``loss_fn(output, batch) -> 0-dim tensor`` when the user gave one.
 
-    The token ids (B, T) int64 are ``kwargs["input_ids"]`` or the first positional argument.
-    :meth:`call` substitutes other ids: ``labels`` are set to the new ids when the batch had
-    labels or when asked; a (B, T) ``attention_mask`` becomes all ones; other (B, T) tensors in
-    ``kwargs`` (e.g. ``position_ids``) are dropped so the model uses its defaults.
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` or ``batch`` is of an unsupported type.
     """
 
-    def __init__(self, model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = None):
+    def __init__(self, model: nn.Module, batch: Any = None, loss_fn: LossFn | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
+        try:
+            self.batch = Batch.of(batch) if batch is not None else Batch()
+        except BatchError as exc:
+            raise TypeError(str(exc)) from None
         self.model = model
-        self.args = tuple(args)
-        self.kwargs = dict(kwargs or {})
-        self.ids_slot: tuple[str, Any] | None = None
-        ids = self.kwargs.get("input_ids")
-        if isinstance(ids, torch.Tensor):
-            self.ids_slot = ("kwarg", "input_ids")
-        elif self.args and isinstance(self.args[0], torch.Tensor):
-            ids = self.args[0]
-            self.ids_slot = ("arg", 0)
-        if not (isinstance(ids, torch.Tensor) and ids.dim() == 2
-                and ids.dtype in (torch.int64, torch.int32)):
-            ids, self.ids_slot = None, None
-        self.input_ids: torch.Tensor | None = ids
+        self.loss_fn = loss_fn
         try:
             params = inspect.signature(model.forward).parameters
         except (TypeError, ValueError):  # pragma: no cover - exotic forwards
@@ -106,30 +186,38 @@ class Target:
         self._params = params
         self._var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
         self._vocab: int | None = None
+        self._kind: ModelKind | None = None
+        self._attn: list[AttentionInfo] | None = None
 
     @classmethod
     def from_any(cls, model: Any, batch: Any = None) -> Target:
-        """Build from ``(model, batch)`` or from a workload with ``model``/``args``/``kwargs``.
-
-        ``batch`` is a tensor of ids, a tuple/list of positional arguments or a dict of keyword
-        arguments.
-        """
+        """A Target from ``(model, batch)``, a Target, or a workload with ``model``, ``batch``
+        (a :class:`hooks.Batch`) and ``loss_fn`` attributes (then ``batch`` is omitted)."""
+        if isinstance(model, Target):
+            return model
         if batch is None and not isinstance(model, nn.Module) and hasattr(model, "model"):
-            return cls(model.model, tuple(getattr(model, "args", ())),
-                       dict(getattr(model, "kwargs", {})))
-        if batch is None:
-            return cls(model)
-        if isinstance(batch, torch.Tensor):
-            return cls(model, (batch,))
-        if isinstance(batch, dict):
-            return cls(model, (), batch)
-        if isinstance(batch, (tuple, list)):
-            return cls(model, tuple(batch))
-        raise TypeError(
-            f"batch must be a tensor, a tuple of arguments or a dict, got {type(batch).__name__}"
-        )
+            b = getattr(model, "batch", None)
+            if b is None:
+                b = Batch(tuple(getattr(model, "args", ())), dict(getattr(model, "kwargs", {})))
+            return cls(model.model, b, getattr(model, "loss_fn", None))
+        return cls(model, batch)
 
     # -- facts ----------------------------------------------------------------------------------
+    @property
+    def args(self) -> tuple:
+        """Positional arguments of the batch."""
+        return self.batch.args
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of the batch."""
+        return self.batch.kwargs
+
+    @property
+    def input_ids(self) -> torch.Tensor | None:
+        """The batch's (B, T) integer token ids, or None."""
+        return self.batch.ids(self.model)
+
     @property
     def config(self) -> Any:
         """``model.config`` (minillm or HF), or None."""
@@ -145,90 +233,104 @@ class Target:
         return getattr(c, name, default)
 
     @property
+    def kind(self) -> ModelKind:
+        """What kind of model this is and why (:func:`hooks.checks.kind.detect_kind`)."""
+        if self._kind is None:
+            self._kind = detect_kind(self.model, self.batch)
+        return self._kind
+
+    @property
     def device(self) -> torch.device:
         for p in self.model.parameters():
             return p.device
         return torch.device("cpu")
 
     def accepts(self, name: str) -> bool:
-        """Whether ``model.forward`` takes a keyword ``name`` (explicitly)."""
-        return name in self._params
+        """Whether ``model.forward`` takes a keyword ``name``: by name, or through
+        ``**kwargs`` of an HF model (whose forwards pass them on to what understands them; a
+        user's ``**kwargs`` may not)."""
+        return name in self._params or (
+            self._var_kw and type(self.model).__module__.startswith("transformers."))
 
     def need_ids(self) -> torch.Tensor:
-        """The batch's (B, T) ids, or :class:`SkipCheck`."""
-        if self.input_ids is None:
-            raise SkipCheck("the batch has no (B, T) integer input_ids")
-        return self.input_ids
+        """The batch's (B, T) ids; :class:`NotApplicable` for a model without token ids."""
+        ids = self.input_ids
+        if ids is None:
+            raise NotApplicable(f"not a sequence model: {self.kind.reason}")
+        return ids
 
     @property
     def vocab_size(self) -> int:
-        """V: ``config.vocab_size``, else the last dimension of the logits of one short call."""
+        """V: ``config.vocab_size``, else the last dimension of the logits of a short call,
+        else the rows of the token embedding."""
         if self._vocab is None:
             v = self.cfg("vocab_size")
             if not isinstance(v, int):
-                ids = self.need_ids()[:1, :2]
-                with torch.no_grad():
-                    logits = self.logits(self.call(ids))
-                if logits is None:
-                    raise SkipCheck("the model's output has no (B, T, V) logits")
-                v = int(logits.shape[-1])
+                ids = self.need_ids()
+                emb, _ = self.embeddings()
+                rows = getattr(emb[1], "num_embeddings", None) if emb else None
+                try:  # a short call; a random target it may need is drawn below the ids' max
+                    short = self.batch.resized(self.model, ids=ids[:1, : min(ids.shape[1], 4)],
+                                               vocab_size=int(ids.max()) + 1, targets="drop")
+                except BatchError as exc:
+                    raise SkipCheck(str(exc)) from None
+                with self.mode(False), torch.no_grad():
+                    logits = self.logits(self.run(short))
+                v = int(logits.shape[-1]) if logits is not None else rows
+                if not isinstance(v, int):
+                    raise SkipCheck("cannot tell the vocabulary size: the output has no "
+                                    "(B, T, V) logits and there is no token embedding")
             self._vocab = v
         return self._vocab
 
     @property
     def max_positions(self) -> int | None:
-        """``config.max_position_embeddings`` when known."""
-        v = self.cfg("max_position_embeddings")
+        """``config.max_position_embeddings`` (``n_positions``) when known."""
+        v = self.cfg("max_position_embeddings", self.cfg("n_positions"))
         return int(v) if isinstance(v, int) else None
 
     # -- running --------------------------------------------------------------------------------
-    def call(self, ids: torch.Tensor | None = None, *, labels: bool | None = None,
-             **extra: Any) -> Any:
-        """Run the model on ``ids`` (default: the batch's) with the batch's other arguments.
+    def batch_with(self, *, ids: torch.Tensor | None = None, shape: tuple[int, int] | None = None,
+                   seed: int = 0, targets: str = "rewrite",
+                   decoder_ids: torch.Tensor | None = None) -> Batch:
+        """The batch on other ids (``ids``, or uniformly random ids of ``shape``), every
+        argument kept consistent (:meth:`hooks.Batch.resized`).
 
-        Args:
-            ids: (B', T') int64 ids to substitute for the batch's.
-            labels: True to pass ``labels=ids`` (only if the model accepts ``labels``), False to
-                drop labels, None to keep the batch's own choice.
-            extra: more keyword arguments (only those the forward accepts are passed).
-
-        Returns:
-            The model's output.
+        Raises:
+            SkipCheck: the adapter cannot build it (the message says what the batch needs).
+            NotApplicable: the batch has no token ids.
         """
-        args, kwargs = list(self.args), dict(self.kwargs)
-        if ids is not None:
-            if self.ids_slot is None:
-                raise SkipCheck("the batch has no (B, T) integer input_ids")
-            old = self.input_ids
-            ids = ids.to(old.device)
-            kind, where = self.ids_slot
-            if kind == "arg":
-                args[where] = ids
-            else:
-                kwargs[where] = ids
-            for k, v in list(kwargs.items()):
-                if k == "input_ids" or not isinstance(v, torch.Tensor):
-                    continue
-                if v.dim() >= 2 and tuple(v.shape[:2]) == tuple(old.shape):
-                    if k == "attention_mask":
-                        kwargs[k] = torch.ones(ids.shape[:2], dtype=v.dtype, device=v.device)
-                    elif k == "labels":
-                        kwargs[k] = ids
-                    else:
-                        del kwargs[k]
-        if labels is False:
-            kwargs.pop("labels", None)
-        elif labels:
-            if not (self.accepts("labels") or self._var_kw):
-                raise SkipCheck("the model's forward takes no labels")
-            if ids is not None:
-                kwargs["labels"] = ids
-            else:
-                kwargs.setdefault("labels", self.input_ids)
+        self.need_ids()
+        b, t = shape if shape is not None else (None, None)
+        try:
+            vocab = self.vocab_size if ids is None or self.batch.target_layout(
+                self.model).kind in ("shifted", "seq2seq") else self._vocab
+            return self.batch.resized(self.model, ids=ids, batch_size=b, seq_len=t,
+                                      vocab_size=vocab, seed=seed, targets=targets,
+                                      decoder_ids=decoder_ids)
+        except BatchError as exc:
+            raise SkipCheck(str(exc)) from None
+
+    def run(self, batch: Batch | None = None, **extra: Any) -> Any:
+        """``model(*batch.args, **batch.kwargs, **extra)``; ``extra`` keywords only where the
+        forward takes them (``use_cache=False``, ``output_router_logits=True``)."""
+        b = self.batch if batch is None else batch
+        kwargs = dict(b.kwargs)
         for k, v in extra.items():
-            if self.accepts(k) or self._var_kw:
+            if self.accepts(k):
                 kwargs[k] = v
-        return self.model(*args, **kwargs)
+        return self.model(*b.args, **kwargs)
+
+    def loss(self, output: Any, batch: Batch | None = None) -> LossChoice:
+        """The loss of ``output`` by :func:`hooks.select_loss` with the user's ``loss_fn``.
+
+        Raises:
+            SkipCheck: no loss can be chosen (the message says what to return).
+        """
+        try:
+            return select_loss(output, self.loss_fn, self.batch if batch is None else batch)
+        except BatchError as exc:
+            raise SkipCheck(str(exc)) from None
 
     @staticmethod
     def logits(output: Any) -> torch.Tensor | None:
@@ -248,38 +350,34 @@ class Target:
     def need_logits(self, output: Any) -> torch.Tensor:
         lg = self.logits(output)
         if lg is None:
-            raise SkipCheck("the model's output has no (B, T, V) logits")
+            raise SkipCheck("the model's output has no (B, T, V) logits: return them "
+                            "(out.logits, out['logits'] or the first element of a tuple)")
         return lg
 
     @staticmethod
-    def loss(output: Any) -> tuple[torch.Tensor | None, str]:
-        """The scalar loss of ``output`` (``.loss`` / ``["loss"]``), or the mean of the logits
-        (so a backward still reaches every parameter), and where it came from."""
-        loss = getattr(output, "loss", None)
-        if loss is None and isinstance(output, dict):
-            loss = output.get("loss")
-        if isinstance(loss, torch.Tensor) and loss.dim() == 0:
-            return loss, "loss"
-        t = Target.logits(output)
-        if t is None:
-            t = output[0] if isinstance(output, (tuple, list)) and output else output
-        if isinstance(t, torch.Tensor) and t.is_floating_point():
-            return (t if t.dim() == 0 else t.float().mean()), "mean of the output"
-        return None, "none"
-
-    @staticmethod
     def ce_loss(output: Any) -> torch.Tensor | None:
-        """Cross-entropy alone when the output separates it (``ce_loss``), else ``loss``."""
+        """Cross-entropy alone when the output separates it (minillm's ``ce_loss``), else
+        None."""
         ce = getattr(output, "ce_loss", None)
-        if isinstance(ce, torch.Tensor):
-            return ce
-        loss, src = Target.loss(output)
-        return loss if src == "loss" else None
+        return ce if isinstance(ce, torch.Tensor) and ce.dim() == 0 else None
 
-    def random_ids(self, shape: tuple[int, int], seed: int = 0) -> torch.Tensor:
-        """Uniform random (B, T) ids in [0, V) from a private generator (global RNG untouched)."""
-        g = torch.Generator().manual_seed(seed)
-        return torch.randint(0, self.vocab_size, shape, generator=g).to(self.device)
+    def decoder_ids(self) -> torch.Tensor:
+        """(B, T_dec) decoder input ids of an encoder-decoder batch: the batch's own, else
+        derived from its labels the way the model does (HF's
+        ``prepare_decoder_input_ids_from_labels``)."""
+        s = self.batch.slot("decoder_ids", self.model)
+        if s is not None:
+            return self.batch.get(s.where)
+        labels, _ = self.batch.targets_tensor(self.model)
+        if not isinstance(labels, torch.Tensor):
+            raise SkipCheck("an encoder-decoder batch needs labels or decoder_input_ids: "
+                            "return a dict batch with labels")
+        from hooks.batch import decoder_inputs_from_labels
+
+        try:
+            return decoder_inputs_from_labels(self.model, labels)
+        except BatchError as exc:
+            raise SkipCheck(str(exc)) from None
 
     @contextlib.contextmanager
     def mode(self, training: bool) -> Iterator[None]:
@@ -305,24 +403,104 @@ class Target:
                 p.grad = g
 
     # -- structure ------------------------------------------------------------------------------
-    def attention_modules(self) -> list[AttentionInfo]:
-        """Modules with ``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj`` linear children."""
-        out = []
+    def attention_layers(self) -> list[AttentionInfo]:
+        """Every attention module, innermost (a wrapper like HF's ``BertAttention`` around
+        ``BertSelfAttention`` is left out), with its head layout (:class:`AttentionInfo`)."""
+        if self._attn is not None:
+            return self._attn
+        found: list[tuple[str, nn.Module]] = []
         for name, m in self.model.named_modules():
-            projs = [getattr(m, p, None) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
-            if not all(_linear_like(p) for p in projs):
-                continue
-            q, k, _, o = projs
-            hd = getattr(m, "head_dim", None)
-            if not isinstance(hd, int):
-                h = getattr(m, "num_heads", None) or self.cfg("num_attention_heads")
-                if not isinstance(h, int) or h <= 0:
-                    continue
-                hd = q.out_features // h
-            if hd <= 0 or q.out_features % hd or k.out_features % hd:
-                continue
-            out.append(AttentionInfo(name, m, q.out_features // hd, k.out_features // hd, hd))
+            q, k, v = _child(m, Q_NAMES), _child(m, K_NAMES), _child(m, V_NAMES)
+            fused = _child(m, FUSED_NAMES)
+            if (q and k and v) or (fused and _attention_named(m)) or _attention_named(m):
+                found.append((name, m))
+        names = [n for n, _ in found]
+        out = []
+        for name, m in found:
+            inner = any(o.startswith(name + ".") for o in names) if name else len(names) > 1
+            if inner and not isinstance(m, nn.MultiheadAttention) and not (
+                    _child(m, Q_NAMES) and _child(m, K_NAMES)):
+                continue  # a wrapper around the attention proper
+            out.append(self._attention_info(name, m))
+        self._attn = out
         return out
+
+    def attention_modules(self) -> list[AttentionInfo]:
+        """The attention modules whose KV head grouping can be measured (``separate`` and
+        ``fused`` layouts)."""
+        return [a for a in self.attention_layers() if a.layout in ("separate", "fused")]
+
+    def _attention_info(self, name: str, m: nn.Module) -> AttentionInfo:
+        cls = type(m).__name__
+        heads = _int_attr((m, self.config), ("num_heads", "num_attention_heads", "n_head",
+                                            "n_heads"))
+        kv_cfg = _int_attr((m, self.config), ("num_key_value_heads", "num_kv_heads",
+                                             "n_kv_heads"))
+        if isinstance(m, nn.MultiheadAttention):
+            return AttentionInfo(name, m, m.num_heads, m.num_heads, m.head_dim, "mha",
+                                 why=f"nn.MultiheadAttention: {m.num_heads} heads for queries, "
+                                     "keys and values alike")
+        q, k, v = _child(m, Q_NAMES), _child(m, K_NAMES), _child(m, V_NAMES)
+        o = _child(m, O_NAMES)
+        if q and k and v:
+            qo, ko, vo = (_out_features(x[1]) for x in (q, k, v))
+            if ko == qo and vo == qo:
+                hd = getattr(m, "head_dim", None)
+                h = heads or (qo // hd if isinstance(hd, int) and hd else 0)
+                return AttentionInfo(name, m, h, h, qo // h if h else 0, "mha",
+                                     why=f"{cls}: {q[0]}, {k[0]} and {v[0]} are all {qo} wide "
+                                         "(as many key/value heads as query heads)")
+            hd = getattr(m, "head_dim", None)
+            if not isinstance(hd, int) or hd <= 0:
+                hd = qo // heads if heads else 0
+            if hd <= 0 or qo % hd or ko % hd or vo != ko or (qo // hd) % (ko // hd):
+                return AttentionInfo(name, m, 0, 0, 0, "unsupported",
+                                     why=f"{cls}: cannot tell the head size from {q[0]} "
+                                         f"({qo}), {k[0]} ({ko}) and {v[0]} ({vo})")
+            if o is None:
+                return AttentionInfo(name, m, qo // hd, ko // hd, hd, "unsupported",
+                                     why=f"{cls} has no output projection "
+                                         f"({'/'.join(O_NAMES)}) to read per-head outputs from")
+            k_site: tuple[nn.Module, int] = (k[1], 0)
+            norm = getattr(m, "k_norm", None)
+            if _is_norm(norm):
+                k_site = (norm, 0)  # perturb after the norm (OLMoE's k_norm spans every head)
+            return AttentionInfo(name, m, qo // hd, ko // hd, hd, "separate", k_site,
+                                 (v[1], 0), o[1])
+        fused = _child(m, FUSED_NAMES)
+        if fused is not None:
+            fo, fi = _out_features(fused[1]), _in_features(fused[1])
+            hd = getattr(m, "head_dim", None)
+            if heads and not (isinstance(hd, int) and hd > 0):
+                hd = fi // heads if fi else None
+            kv = kv_cfg
+            if fo == 3 * (fi or 0) and (kv is None or kv == heads):
+                return AttentionInfo(name, m, heads or 0, heads or 0,
+                                     (fi // heads) if heads and fi else 0, "mha",
+                                     why=f"{cls}: one fused {fused[0]} of 3×{fi} outputs "
+                                         "(as many key/value heads as query heads)")
+            if heads and kv and isinstance(hd, int) and fo == (heads + 2 * kv) * hd and o:
+                if kv == heads:
+                    return AttentionInfo(name, m, heads, kv, hd, "mha",
+                                         why=f"{cls}: H = Hkv = {heads}")
+                return AttentionInfo(name, m, heads, kv, hd, "fused", (fused[1], heads * hd),
+                                     (fused[1], (heads + kv) * hd), o[1])
+            return AttentionInfo(name, m, heads or 0, kv or 0, hd or 0, "unsupported",
+                                 why=f"{cls}: fused {fused[0]} of {fo} outputs does not split "
+                                     f"into q|k|v with H={heads}, Hkv={kv}")
+        kids = ", ".join(n for n, _ in m.named_children()) or "none"
+        return AttentionInfo(name, m, heads or 0, kv_cfg or 0, 0, "unsupported",
+                             why=f"{cls} has no separate or fused q/k/v projections mdb "
+                                 f"recognises (children: {kids})")
+
+    def attention_of(self, module: str | None) -> str | None:
+        """The attention module that ``module`` is or sits inside, or None."""
+        if module is None:
+            return None
+        for a in self.attention_layers():
+            if module == a.name or module.startswith(a.name + "."):
+                return a.name
+        return None
 
     def rotary_module(self) -> tuple[str, nn.Module] | None:
         """The first module named ``*rotary_emb`` or whose class name contains ``Rotary``."""
@@ -356,19 +534,15 @@ class Target:
     def norm_modules(self) -> list[tuple[str, nn.Module]]:
         """Normalisation modules: class name ending in ``RMSNorm``/``LayerNorm`` or
         ``nn.LayerNorm``/``nn.RMSNorm`` instances."""
-        out = []
-        for name, m in self.model.named_modules():
-            cls = type(m).__name__
-            if cls.endswith(("RMSNorm", "LayerNorm", "RmsNorm")) or isinstance(m, nn.LayerNorm):
-                out.append((name, m))
-        return out
+        return [(n, m) for n, m in self.model.named_modules() if _is_norm(m)]
 
     def embeddings(self) -> tuple[tuple[str, nn.Module] | None, tuple[str, nn.Module] | None]:
         """The token embedding and the LM head as ``(name, module)`` pairs (None if absent).
 
         Uses HF's ``get_input_embeddings``/``get_output_embeddings`` when present, else the
-        first ``nn.Embedding`` with V rows and a module named ``lm_head`` (or the last linear
-        layer with V outputs).
+        first ``nn.Embedding`` with V rows (any, without a config) and a module named
+        ``lm_head``, else the last linear layer with as many outputs as the embedding has rows
+        and as many inputs as it has columns.
         """
         names = {id(m): n for n, m in self.model.named_modules()}
         emb = head = None
@@ -390,9 +564,12 @@ class Target:
             for n, m in self.model.named_modules():
                 if n.endswith("lm_head") and _linear_like(m):
                     head = (n, m)
-            if head is None and isinstance(v, int):
+            rows = v if isinstance(v, int) else (emb[1].num_embeddings if emb else None)
+            width = emb[1].embedding_dim if emb and isinstance(emb[1], nn.Embedding) else None
+            if head is None and isinstance(rows, int):
                 for n, m in self.model.named_modules():
-                    if _linear_like(m) and m.out_features == v:
+                    if _linear_like(m) and _out_features(m) == rows and (
+                            width is None or _in_features(m) == width):
                         head = (n, m)
         return emb, head
 
@@ -405,6 +582,10 @@ class Target:
                 if mname not in owners[id(p)]:
                     owners[id(p)].append(mname)
         return owners
+
+    def module_names(self) -> dict[int, str]:
+        """``id(module)`` -> qualified name."""
+        return {id(m): n for n, m in self.model.named_modules()}
 
 
 def fmt(x: float, digits: int = 3) -> str:

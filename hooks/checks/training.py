@@ -12,7 +12,7 @@ import torch
 import hooks
 from hooks.checks.registry import DoctorOptions, check
 from hooks.checks.result import Outcome
-from hooks.checks.target import SkipCheck, Target, fmt
+from hooks.checks.target import MoEInfo, SkipCheck, Target, fmt
 
 
 def _aux_loss(out: Any) -> torch.Tensor | None:
@@ -23,16 +23,18 @@ def _aux_loss(out: Any) -> torch.Tensor | None:
 
 
 def _grad_kwargs(t: Target) -> dict[str, Any]:
-    """Labels when the model takes them; HF MoE models need ``output_router_logits``."""
-    kw: dict[str, Any] = {}
-    if t.accepts("output_router_logits"):
-        kw["output_router_logits"] = True
-    return kw
+    """HF MoE models return their aux loss only with ``output_router_logits=True``."""
+    return {"output_router_logits": True} if "output_router_logits" in t._params else {}
 
 
-def _call_for_loss(t: Target, **extra: Any) -> Any:
-    labels = True if t.accepts("labels") and t.input_ids is not None else None
-    return t.call(labels=labels, **extra)
+def _aux_free(moe: list[MoEInfo]) -> str | None:
+    """The router of an aux-loss-free MoE (DeepSeek-V3: a score-correction bias balances the
+    load, outside the gradient), or None."""
+    for b in moe:
+        for n, _ in list(b.router.named_parameters()) + list(b.router.named_buffers()):
+            if "correction_bias" in n:
+                return f"{b.router_name}.{n}"
+    return None
 
 
 @check(5, "grad-flow", "Gradient flow")
@@ -49,14 +51,17 @@ def grad_flow(t: Target, o: DoctorOptions) -> Outcome:
                for n, m in model.named_modules()]
     try:
         with t.mode(True):
-            out = _call_for_loss(t, **_grad_kwargs(t))
+            out = t.run(t.batch, **_grad_kwargs(t))
     finally:
         for h in handles:
             h.remove()
-    loss, src = t.loss(out)
-    if loss is None or not loss.requires_grad:
-        raise SkipCheck("the model returned no differentiable loss or floating-point output")
-    data: dict[str, Any] = dict(loss=float(loss.detach()), loss_source=src)
+    choice = t.loss(out)
+    loss = choice.loss
+    src = choice.describe()
+    if not loss.requires_grad:
+        raise SkipCheck(f"the loss ({src}) does not require grad: nothing to back-propagate")
+    data: dict[str, Any] = dict(loss=float(loss.detach()), loss_source=choice.source,
+                                loss_fallback=choice.fallback)
 
     # the router's gradient from the aux loss alone
     router_msgs: list[str] = []
@@ -66,8 +71,12 @@ def grad_flow(t: Target, o: DoctorOptions) -> Outcome:
         aux = _aux_loss(out)
         rparams = [(f"{b.router_name}.{n}", p) for b in moe
                    for n, p in b.router.named_parameters() if p.requires_grad]
+        free = _aux_free(moe)
         if not rparams:
             router_msgs.append("routers are frozen: aux-loss gradient not checked")
+        elif aux is None and free:
+            router_msgs.append(f"no aux loss, by design: {free} balances the load without one "
+                               "(DeepSeek-V3's aux-loss-free routing); aux-loss gradient n/a")
         elif aux is None:
             router_msgs.append("no aux_loss in the output: routers get no load-balancing signal")
         elif not aux.requires_grad:
@@ -126,7 +135,7 @@ def grad_flow(t: Target, o: DoctorOptions) -> Outcome:
     total = n_ok + len(broken)
     data.update(trainable=total + len(idle), ok=n_ok, frozen=n_frozen, grad_norm=math.sqrt(sq),
                 broken=[{"param": n, "problem": w} for n, w, _ in broken], idle_experts=idle)
-    head = f"loss {fmt(data['loss'])} ({src}): {n_ok}/{total} trainable tensors got finite " \
+    head = f"{src} ({fmt(data['loss'])}): {n_ok}/{total} trainable tensors got finite " \
            f"non-zero gradients (global norm {fmt(math.sqrt(sq))})"
     if idle:
         experts = sorted({n.rsplit(".", 2)[0] for n in idle})
@@ -170,11 +179,12 @@ def nonfinite(t: Target, o: DoctorOptions) -> Outcome:
                             "the weights were already broken (a diverged step or a bad load)",
                             n.rpartition(".")[0] or None, weights=[b[0] for b in bad_w])
     with t.mode(False), hooks.capture(model, inputs=True, grads=True, params=False) as tr:
-        out = _call_for_loss(t)
-        loss, src = t.loss(out)
-        if loss is not None and loss.requires_grad:
+        out = t.run(t.batch)
+        choice = t.loss(out)
+        loss, src = choice.loss, choice.source
+        if loss.requires_grad:
             loss.backward()
-    lval = float(loss.detach()) if loss is not None else None
+    lval = float(loss.detach())
     fwd = tr.first_nonfinite("forward")
     bwd = tr.first_nonfinite("backward")
     data: dict[str, Any] = dict(calls=len(tr.forward), grads=len(tr.backward), loss=lval,
@@ -199,7 +209,7 @@ def nonfinite(t: Target, o: DoctorOptions) -> Outcome:
             "a backward-only overflow: an op whose derivative blows up (sqrt at 0, "
             "division by a tiny norm)", bwd.module or None, **data)
     return Outcome.ok(f"{len(tr.forward)} module outputs and {len(tr.backward)} gradients "
-                      f"finite; loss {fmt(lval)}", **data)
+                      f"finite; {choice.describe()} = {fmt(lval)}", **data)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,18 +218,22 @@ def overfit(t: Target, o: DoctorOptions) -> Outcome:
     """Train a copy of the model on the batch with AdamW until the cross-entropy falls by
     ``overfit_drop`` (90 %) or ``overfit_steps`` steps pass. The original model is untouched.
 
-    Cross-entropy is ``output.ce_loss`` when the model reports it (minillm), else ``loss``;
-    the optimizer minimises the full ``loss`` (aux loss included).
+    The optimizer minimises the loss :func:`hooks.select_loss` chooses (a ``loss_fn``,
+    ``out.loss`` with the aux loss included, the scalar of a ``(logits, loss)`` tuple); the
+    progress is measured on ``output.ce_loss`` when the model reports it (minillm), else on
+    that loss.
     """
-    if not t.accepts("labels"):
-        raise SkipCheck("the model's forward takes no labels: no language-model loss to overfit")
-    ids = t.need_ids()
+    with t.mode(False), torch.no_grad():
+        first_choice = t.loss(t.run(t.batch))
+    if first_choice.fallback:
+        raise SkipCheck(f"{first_choice.describe()}: nothing to overfit; return a loss (pass "
+                        "labels/targets in the batch) or (model, batch, loss_fn)")
     try:
         model = copy.deepcopy(t.model)
     except Exception as exc:
         raise SkipCheck(
             f"cannot copy the model to train it: {type(exc).__name__}: {exc}") from None
-    copy_t = Target(model, t.args, t.kwargs)
+    copy_t = Target(model, t.batch, t.loss_fn)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                             lr=o.overfit_lr, weight_decay=0.0)
     model.train()
@@ -227,12 +241,10 @@ def overfit(t: Target, o: DoctorOptions) -> Outcome:
     first = None
     reached = None
     for step in range(o.overfit_steps + 1):
-        out = copy_t.call(labels=True)
+        out = copy_t.run()
+        loss = copy_t.loss(out).loss
         ce = Target.ce_loss(out)
-        loss, _ = Target.loss(out)
-        if ce is None or loss is None:
-            raise SkipCheck("the model returned no loss with labels")
-        value = float(ce.detach())
+        value = float((ce if ce is not None else loss).detach())
         history.append(value)
         if first is None:
             first = value
@@ -250,19 +262,24 @@ def overfit(t: Target, o: DoctorOptions) -> Outcome:
     best = min(history)
     drop = 1 - best / first if first else 0.0
     stride = max(1, len(history) // 20)
+    shape = t.input_ids.shape if t.input_ids is not None else None
     data = dict(first=first, best=best, last=last, steps=len(history) - 1, reached_at=reached,
                 lr=o.overfit_lr, drop=drop, history=history[::stride],
-                batch=list(ids.shape))
-    setting = f"AdamW lr {o.overfit_lr:g}, batch {ids.shape[0]}×{ids.shape[1]}"
+                batch=list(shape) if shape is not None else None,
+                loss_source=first_choice.source)
+    what = ("cross-entropy" if Target.ce_loss(out) is not None
+            else f"the loss ({first_choice.source})")
+    batch = f", batch {shape[0]}×{shape[1]}" if shape is not None else ""
+    setting = f"AdamW lr {o.overfit_lr:g}{batch}"
     if reached is not None:
-        return Outcome.ok(f"cross-entropy fell from {first:.3f} to {history[-1]:.3f} "
+        return Outcome.ok(f"{what} fell from {first:.3f} to {history[-1]:.3f} "
                           f"(-{100 * drop:.0f}%) in {reached} steps ({setting})", **data)
     if not math.isfinite(last):
-        return Outcome.fail(f"cross-entropy became {last} after {len(history) - 1} steps "
+        return Outcome.fail(f"{what} became {last} after {len(history) - 1} steps "
                             f"({setting}); it started at {first:.3f}",
                             "training diverged: see the non-finite and numerics checks", **data)
     return Outcome.fail(
-        f"cross-entropy fell only {100 * drop:.0f}% ({first:.3f} -> best {best:.3f}) in "
+        f"{what} fell only {100 * drop:.0f}% ({first:.3f} -> best {best:.3f}) in "
         f"{o.overfit_steps} steps ({setting}); needed {100 * o.overfit_drop:.0f}%",
         "a model that cannot memorise one batch has a broken forward/backward (detached "
         "graph, frozen weights, a mask hiding the inputs) or a bad learning rate", **data)

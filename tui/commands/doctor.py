@@ -3,14 +3,18 @@
 The model is minillm with any preset/config, or a user's model via ``--model module:function``
 (the same options as ``mdb step``). Each check (see :mod:`hooks.checks`) measures something
 through the model's behaviour and reports a status, the evidence with numbers, and a one-line
-hint at the cause. Output: a Rich table on stdout (plain text when piped), ``--json`` for
-machines, ``--tui`` to browse the results in the step debugger's doctor view. Exit code 1 when
-a check fails (or crashes), 2 on bad input, else 0.
+hint at the cause; a check that does not apply to the kind of model (decoder-only,
+bidirectional encoder, encoder-decoder, not a sequence model) says ``n/a`` and why. Output: a
+Rich table on stdout (plain text when piped), ``--json`` for machines (stdout holds the JSON
+document only: whatever the user's factory or forward prints goes to stderr), ``--tui`` to
+browse the results in the step debugger's doctor view. Exit code 1 when a check fails (or
+crashes in mdb), 2 on bad input, else 0; ``n/a``, ``skip`` and ``warn`` do not change it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -33,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("doctor")
     out = g.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true",
-                     help="print the results as JSON (one object: model, results, summary)")
+                     help="print the results as JSON (one object: model, kind, results, "
+                          "summary) and nothing else on stdout")
     out.add_argument("--tui", action="store_true",
                      help="open the results in the step debugger's doctor view (Enter on a "
                           "finding jumps to its module)")
@@ -72,7 +77,7 @@ def build_table(results, title: str = ""):
     table.add_column("hint", ratio=2)
     for r in results:
         ev = Text(r.evidence)
-        if r.module is not None and r.status not in ("pass", "skip"):
+        if r.module is not None and r.status not in ("pass", "skip", "n/a"):
             ev.append(f"\n→ {r.module or '<root>'}", style="cyan")
         table.add_row(str(r.id), r.name, status_text(r.status), ev, Text(r.hint, style="dim"))
     return table
@@ -95,12 +100,12 @@ def run(args: argparse.Namespace) -> int:
         raise MdbError(f"--only: {exc}") from None
     from tui.commands._common import build_workload, require_terminal
 
-    workload = build_workload(args)
+    # stdout carries the table or the JSON document only: what the user's code prints (the
+    # factory, the forward) goes to stderr
+    with contextlib.redirect_stdout(sys.stderr):
+        workload = build_workload(args)
     if args.tui:  # after the input checks: bad input is reported as such either way
         require_terminal("mdb doctor --tui", "`mdb doctor` for the table or `--json`")
-    if workload.input_ids is None:
-        print("mdb doctor: the batch has no (B, T) int64 input_ids; checks that need token "
-              "ids will be skipped", file=sys.stderr)
     import torch
 
     threads = torch.get_num_threads()
@@ -112,9 +117,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_and_report(args: argparse.Namespace, workload, only) -> int:
-    from hooks.checks import DoctorOptions, run_checks
+    from hooks.checks import DoctorOptions, Target, run_checks
 
     opts = DoctorOptions(overfit_steps=args.overfit_steps, seed=args.seed)
+    target = Target.from_any(workload)
     status = None
     if sys.stderr.isatty() and not args.json:
         from rich.console import Console
@@ -128,25 +134,27 @@ def _check_and_report(args: argparse.Namespace, workload, only) -> int:
 
     t0 = time.perf_counter()
     try:
-        results = run_checks(workload, only=only, overfit=args.overfit, options=opts,
-                             on_result=progress)
+        with contextlib.redirect_stdout(sys.stderr):
+            kind = target.kind
+            results = run_checks(target, only=only, overfit=args.overfit, options=opts,
+                                 on_result=progress)
     finally:
         if status is not None:
             status.stop()
     total = time.perf_counter() - t0
     info = summary(results, total)
     if args.json:
-        doc = {"model": workload.description, "results": [r.to_dict() for r in results],
-               "summary": info}
+        doc = {"model": workload.description, "kind": kind.to_dict(),
+               "results": [r.to_dict() for r in results], "summary": info}
         print(json.dumps(doc, indent=2, allow_nan=False))
     elif args.tui:
         return _run_tui(workload, results, info)
     else:
-        _print_table(workload.description, results, info)
+        _print_table(workload.description, kind.describe(), results, info)
     return 1 if info["failed"] else 0
 
 
-def _print_table(description: str, results, info: dict) -> None:
+def _print_table(description: str, kind: str, results, info: dict) -> None:
     from rich.console import Console
 
     from tui.screens.doctor import summary_line
@@ -154,7 +162,7 @@ def _print_table(description: str, results, info: dict) -> None:
     tty = sys.stdout.isatty()
     console = Console(file=sys.stdout, width=None if tty else PIPE_WIDTH,
                       no_color=not tty or None, highlight=False)
-    console.print(build_table(results, title=f"mdb doctor · {description}"))
+    console.print(build_table(results, title=f"mdb doctor · {description}\nkind: {kind}"))
     line = summary_line([r.to_dict() for r in results]) + f" · {info['seconds']:.1f} s"
     console.print(line, markup=False)
 
@@ -184,7 +192,8 @@ def _run_tui(workload, results, info: dict) -> int:
     """Capture one step of the workload and open the step app with the doctor view on top."""
     from tui.commands._common import capture_step
 
-    trace = capture_step(workload, attention=True)
+    with contextlib.redirect_stdout(sys.stderr):
+        trace = capture_step(workload, attention=True)
     app = make_doctor_app(trace, results, title=f"mdb doctor · {workload.description}")
     app.run()
     if app.error:

@@ -4,6 +4,8 @@ Opened by the step view's ``d`` key (``tui.screens.doctor_slot``) with the resul
 :func:`hooks.checks.run_checks`, or by ``mdb doctor --tui``. One row per check (number, name,
 status, evidence); the panel below shows the highlighted row's full evidence, hint and module.
 
+Statuses: ``pass``, ``n/a`` (the check does not apply to this kind of model; the evidence says
+why), ``skip`` (it applies but could not run), ``warn``, ``fail``, ``error`` (mdb's own fault).
 Choosing a row (Enter) whose status is ``fail``, ``error`` or ``warn`` and that names a module
 dismisses the screen with that module name and posts :class:`DoctorScreen.JumpToModule`
 to the app (a subclass of :class:`tui.messages.JumpToModule`, so ``on_jump_to_module`` handlers
@@ -29,6 +31,7 @@ from tui import messages
 #: Rich style of each status in the table.
 STATUS_STYLE = {
     "pass": "green",
+    "n/a": "dim",
     "skip": "dim",
     "warn": "yellow",
     "fail": "bold red",
