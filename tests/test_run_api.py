@@ -590,7 +590,7 @@ async def test_watch_c_opens_the_stored_capture_of_an_api_run(db):
 def test_the_readme_sample_runs_and_reads_back(tmp_path, capsys):
     db = tmp_path / "mdb.sqlite"
     p = subprocess.run([sys.executable, str(SAMPLES / "own_loop.py"), "--db", str(db),
-                        "--steps", "120"], capture_output=True, text=True, env=ENV, timeout=600)
+                        "--steps", "120"], capture_output=True, text=True, env=ENV, timeout=900)
     assert p.returncode == 0, p.stderr
     last_loss = float(p.stdout.split("last loss")[1])
     assert main(["runs", "--json", "--db", str(db)]) == 0
@@ -608,3 +608,12 @@ def test_the_readme_sample_runs_and_reads_back(tmp_path, capsys):
     assert 0.0 <= float(table[99]["val_acc"]) <= 1.0
     assert main(["summary", "--run", "own-loop@100", "--db", str(db)]) == 0
     assert "MultiheadAttention" in capsys.readouterr().out
+
+
+def test_the_readme_shows_the_sample_complete():
+    """The README's "your own training loop" example is samples/own_loop.py, verbatim."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Your own training loop", 1)[1]
+    block = section.split("```python\n", 1)[1].split("\n```", 1)[0]
+    sample = (SAMPLES / "own_loop.py").read_text(encoding="utf-8")
+    assert block.strip() == sample.split('"""\n', 2)[2].strip()
