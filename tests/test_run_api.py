@@ -617,3 +617,23 @@ def test_the_readme_shows_the_sample_complete():
     block = section.split("```python\n", 1)[1].split("\n```", 1)[0]
     sample = (SAMPLES / "own_loop.py").read_text(encoding="utf-8")
     assert block.strip() == sample.split('"""\n', 2)[2].strip()
+
+
+def test_nested_runs_chain_their_handlers_and_a_finished_one_passes_signals_on(db):
+    outer = hooks.run("outer", db=db)
+    inner = hooks.run("inner", db=db)
+    assert signal.getsignal(signal.SIGINT) == inner._on_signal
+    outer.finish()  # first: the handler in place is the inner run's, so it stays
+    assert signal.getsignal(signal.SIGINT) == inner._on_signal
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)  # inner → outer (finished: passes on) → Python's
+        time.sleep(5)
+    inner.finish("interrupted", reason="SIGINT")
+    assert signal.getsignal(signal.SIGINT) == outer._on_signal  # the handler before inner's
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert _read(db, "outer")[0].status == "finished"
+    assert (_read(db, "inner")[0].status, _read(db, "inner")[0].reason) == ("interrupted",
+                                                                           "SIGINT")

@@ -216,6 +216,7 @@ class Run:
         self._final: tuple[str, str | None] | None = None
         self._closed = False
         self._finishing = False
+        self._done = False
         self._signal: str | None = None
         # watch
         self._model: Any = None
@@ -357,7 +358,7 @@ class Run:
                 or (traced and self._traces_in - self._traces_out >= self.MAX_PENDING_TRACES)
             ):
                 time.sleep(0.001)
-            if self._dead:
+            if self._dead or not self._thread.is_alive():
                 return
         if traced:
             self._traces_in += 1
@@ -497,6 +498,7 @@ class Run:
             self._say(f"run {self.name}: the writer did not finish within "
                       f"{self.FINISH_TIMEOUT:.0f} s; the last steps may not be recorded")
         self.status = self._final[0]
+        self._done = True
         self._restore_signals()
         if sys.excepthook == self._excepthook:
             sys.excepthook = self._prev_excepthook
@@ -541,22 +543,23 @@ class Run:
             with contextlib.suppress(ValueError, TypeError, OSError):
                 if signal.getsignal(sig) == self._on_signal:
                     signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
-        self._prev_handlers = {}
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         # Runs in the main thread between two bytecodes of the loop: it takes no lock the
         # loop may hold (log() only appends to a deque).
-        if self._finishing:
-            return  # the final commit is under way: a second Ctrl-C must not abandon it
-        name = signal.Signals(signum).name
-        if self._signal is None:
-            self._signal = name
         prev = self._prev_handlers.get(signum)
+        if not self._done:
+            if self._finishing:
+                return  # the final commit is under way: a second Ctrl-C must not abandon it
+            if self._signal is None:
+                self._signal = signal.Signals(signum).name
+        # (a finished run's handler still reached through a later run's chain passes it on)
         if callable(prev):
             prev(signum, frame)
             return
         # the default action (terminate): save the run, then terminate by the same signal
-        self.finish("interrupted", reason=name)
+        if not self._done:
+            self.finish("interrupted", reason=signal.Signals(signum).name)
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 
