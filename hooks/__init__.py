@@ -14,6 +14,14 @@ Everything the TUI shows comes from a :class:`Trace` recorded by :func:`capture`
     trace.save("step0.mdbtrace"); hooks.Trace.load("step0.mdbtrace")
     trace.diff(other_trace)
 
+Record your own training loop in the run store (``mdb watch``, ``mdb runs``, ``mdb export``)::
+
+    with hooks.run("exp1") as run:
+        run.watch(model, every=50)
+        for x, y in loader:
+            ...
+            run.log(loss=loss, lr=lr)
+
 Works on any ``torch.nn.Module``; never imports textual, rich or tui.
 """
 
@@ -67,6 +75,7 @@ __all__ = [
     "ProbeRecord",
     "QKAttentionProbe",
     "RoutingRecord",
+    "Run",
     "Selector",
     "StatsBatch",
     "TensorDiff",
@@ -81,7 +90,21 @@ __all__ = [
     "module_infos",
     "probes_for",
     "register_probe",
+    "run",
     "select_loss",
     "summarize_tensor",
     "unregister_probe",
 ]
+
+
+def __getattr__(name: str):
+    # ``hooks.run`` / ``hooks.Run`` (hooks.runs.run: the run store and its writer thread) load
+    # on first use, through importlib like the forwards of hooks._compat: modules that import
+    # this package for the engine (hooks.checks) do not depend on the runs layer.
+    if name in ("run", "Run"):
+        import importlib
+
+        value = getattr(importlib.import_module("hooks.runs.run"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hooks' has no attribute {name!r}")

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from hooks.runs.store import (
     APPLICATION_ID,
+    SCHEMA_VERSION,
     MetricRow,
     RunExistsError,
     RunNotFoundError,
@@ -25,6 +29,7 @@ from hooks.runs.store import (
     default_db_path,
     validate_run_name,
 )
+from tui.cli import main
 
 
 @pytest.fixture
@@ -325,3 +330,249 @@ def test_internals_json_accepts_tensor_like_values(db):
         assert data["x"] == [1.0, 2.0] and math.isnan(data["nan"])
         raw = store.connection.execute("SELECT data FROM internals").fetchone()[0]
         assert json.loads(raw)["x"] == [1.0, 2.0]
+
+
+# -- schema v1 → v2 ---------------------------------------------------------------------------
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def _sha(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+def _check_v1_content(store):
+    """The database written by mdb's schema-1 code (tests/data/runstore_v1.sqlite: an overfit
+    run, one that failed on NaN, one written by hand through RunWriter) reads back as that
+    code read it (tests/data/runstore_v1.expected.json, dumped by it)."""
+    expected = json.loads((DATA / "runstore_v1.expected.json").read_text())
+    runs = {r.name: r for r in store.runs()}
+    assert sorted(runs) == sorted(expected)
+    for name, exp in expected.items():
+        run = runs[name]
+        got = run.to_dict()
+        assert {k: got[k] for k in exp["run"]} == exp["run"]
+        rows = store.metrics(run.id)
+        assert [{k: v for k, v in r.to_dict().items() if k != "values"} for r in rows] == \
+            exp["metrics"]
+        assert [[s.step, s.prompt, s.text] for s in store.samples(run.id)] == exp["samples"]
+        steps = store.internals_steps(run.id)
+        assert steps == exp["internals_steps"]
+        for st in steps:
+            data = json.dumps(store.internals(run.id, st), sort_keys=True).encode()
+            assert _sha(data) == exp["internals_sha256"][str(st)]
+            assert _sha(store.internals_tensors(run.id, st) or b"") == \
+                exp["tensors_sha256"][str(st)]
+    ov, nan, hand = runs["ov"], runs["nan"], runs["hand"]
+    assert store.metric_names(ov.id) == ["ce", "aux", "total", "grad_norm", "lr", "step_time",
+                                         "tokens_per_s", "steps_per_s"]
+    assert set(store.metrics(ov.id)[0].values) == set(store.metric_names(ov.id))
+    # the hand-written run never filled aux or lr: those are not metrics of it; a NULL in a
+    # column it filled elsewhere was a NaN to schema 1 and stays one
+    assert store.metric_names(hand.id) == ["ce", "total", "grad_norm", "step_time",
+                                           "steps_per_s"]
+    h = store.metrics(hand.id)
+    assert h[0].values == {"ce": 2.5, "total": 2.5, "grad_norm": None}
+    assert h[1].values == {"ce": None, "total": math.inf, "grad_norm": -math.inf}
+    assert h[2].values == {"ce": 1.5, "total": 1.5, "grad_norm": None, "step_time": 0.02,
+                           "steps_per_s": 50.0}
+    assert nan.nonfinite == {"step": 4, "metric": "total",
+                             "module": "model.layers.0.self_attn.v_proj", "direction": "forward"}
+    assert ov.nonfinite is None and hand.nonfinite is None
+
+
+def test_a_schema_1_database_is_migrated_on_open_with_nothing_lost(tmp_path):
+    db = tmp_path / "v1.sqlite"
+    shutil.copyfile(DATA / "runstore_v1.sqlite", db)
+    conn = sqlite3.connect(db)
+    assert conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == ("1",)
+    conn.close()
+    with RunStore(db) as store:  # a reader migrates it
+        assert store.read_only is False and store.note is None
+        meta = dict(store.connection.execute("SELECT key, value FROM meta").fetchall())
+        assert meta["schema_version"] == str(SCHEMA_VERSION) == "2"
+        assert store.integrity_check() == "ok"
+        assert store.connection.execute("PRAGMA foreign_key_check").fetchall() == []
+        _check_v1_content(store)
+    with RunStore(db, create=True) as store:  # again: nothing to do; and it can be written
+        _check_v1_content(store)
+        w = store.resume_run("ov", total_steps=8)  # resumed from its checkpoint at step 6
+        ov = store.run("ov")
+        assert ov.last_loss == store.metrics(ov.id)[-1].total and ov.last_step == 6
+        w.log_step({"step": 7, "ce": 1.0, "total": 1.0, "val_loss": 2.0})
+        assert store.metric_names(ov.id)[-1] == "val_loss"
+        assert store.run("ov").last_loss == 1.0
+
+
+def test_resume_of_a_run_that_logged_loss_takes_last_loss_from_the_checkpoint_step(db):
+    with RunStore(db, create=True) as store:
+        w = store.create_run("r", {}, total_steps=10, kind="api")
+        for s in range(1, 6):
+            w.log_step({"step": s, "loss": 1.0 / s, "val_loss": 9.0})
+        w.set_checkpoint(3, "/tmp/x")
+        w.set_nonfinite({"step": 5, "metric": "loss", "module": None, "direction": None})
+        w.finish("interrupted")
+        store.resume_run("r")
+        run = store.run("r")
+        assert run.last_loss == pytest.approx(1 / 3) and run.last_step == 3
+        assert run.nonfinite is None  # found after the checkpoint: gone with those steps
+        with pytest.raises(ValueError, match="direction"):
+            w.set_nonfinite({"step": 1, "direction": "sideways"})
+
+
+# -- read-only databases ----------------------------------------------------------------------
+
+@pytest.fixture
+def ro_mount(tmp_path):
+    """A tmpfs at tmp_path/ro and a function that remounts it read-only (root only: a real
+    read-only mount, which permission bits cannot fake for root)."""
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        pytest.skip("needs root to mount a tmpfs read-only")
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+
+    def remount_ro():
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+
+    try:
+        yield mnt, remount_ro
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _three_steps(db, *, keep_open: bool = False):
+    store = RunStore(db, create=True)
+    store.connection.execute("PRAGMA wal_autocheckpoint = 0")  # steps stay in the -wal file
+    w = store.create_run("r", {}, total_steps=3)
+    for s in range(1, 4):
+        w.log_step(_metric(s, 1.0 / s))
+    if not keep_open:
+        w.finish("finished")
+        store.close()
+    return store
+
+
+def test_read_only_mount_clean_database_is_read(ro_mount, capsys):
+    mnt, remount_ro = ro_mount
+    db = mnt / "mdb.sqlite"
+    _three_steps(db)
+    assert not Path(str(db) + "-wal").exists()  # the last close checkpointed it
+    remount_ro()
+    with RunStore(db) as store:
+        assert store.read_only and "read-only (a read-only file system)" in store.note
+        assert [m.step for m in store.metrics(store.run("r").id)] == [1, 2, 3]
+    assert main(["runs", "--db", str(db)]) == 0
+    out = capsys.readouterr()
+    assert "finished" in out.out and "3/3" in out.out
+    assert "read-only" in out.err and "unable to open" not in out.err
+    from tui.commands.watch import open_run
+
+    store, run = open_run(str(db), None)
+    assert store.poll(run.id).metrics[-1].step == 3
+    store.close()
+    for create in (lambda: RunStore(db, create=True), lambda: hooks_run(db)):
+        with pytest.raises(RunStoreError, match="read-only") as info:
+            create()
+        assert "not an mdb run database" not in str(info.value)
+
+
+def hooks_run(db):
+    from hooks.runs.run import Run
+
+    return Run("x", db=db)
+
+
+def test_read_only_mount_with_wal_and_shm_sees_every_committed_step(ro_mount, tmp_path):
+    mnt, remount_ro = ro_mount
+    src = tmp_path / "src" / "mdb.sqlite"
+    store = _three_steps(src, keep_open=True)  # a writer that is still open (or crashed)
+    assert Path(str(src) + "-wal").stat().st_size > 0
+    for suffix in ("", "-wal", "-shm"):
+        shutil.copyfile(str(src) + suffix, str(mnt / "mdb.sqlite") + suffix)
+    store.close()
+    remount_ro()
+    with RunStore(mnt / "mdb.sqlite") as ro:
+        assert ro.read_only and "reading it without writing" in ro.note
+        run = ro.run("r")
+        assert run.last_step == 3 and [m.step for m in ro.metrics(run.id)] == [1, 2, 3]
+
+
+def test_read_only_mount_with_a_wal_but_no_shm_reads_a_private_copy(ro_mount, tmp_path):
+    mnt, remount_ro = ro_mount
+    src = tmp_path / "src" / "mdb.sqlite"
+    store = _three_steps(src, keep_open=True)
+    for suffix in ("", "-wal"):
+        shutil.copyfile(str(src) + suffix, str(mnt / "mdb.sqlite") + suffix)
+    store.close()
+    remount_ro()
+    with RunStore(mnt / "mdb.sqlite") as ro:
+        assert ro.read_only and "private copy" in ro.note
+        copy_dir = ro._copy_dir
+        assert [m.step for m in ro.metrics(ro.run("r").id)] == [1, 2, 3]
+    assert not os.path.exists(copy_dir)  # removed on close
+
+
+def test_read_only_schema_1_database_is_migrated_in_a_copy(ro_mount):
+    mnt, remount_ro = ro_mount
+    db = mnt / "v1.sqlite"
+    shutil.copyfile(DATA / "runstore_v1.sqlite", db)
+    before = _sha(db.read_bytes())
+    remount_ro()
+    with RunStore(db) as store:
+        assert store.read_only and "upgraded in a private copy" in store.note
+        _check_v1_content(store)
+    assert _sha(db.read_bytes()) == before
+
+
+# -- resume_run: two processes at once ---------------------------------------------------------
+
+_RESUMER = """
+import importlib.util, os, sys, time
+spec = importlib.util.spec_from_file_location("mdb_store", sys.argv[1])
+m = importlib.util.module_from_spec(spec)
+sys.modules["mdb_store"] = m
+spec.loader.exec_module(m)
+store = m.RunStore(sys.argv[2])
+print("ready", flush=True)
+while not os.path.exists(sys.argv[3]):
+    time.sleep(0.0005)
+try:
+    store.resume_run("r")
+    print("won", flush=True)
+except m.WriterBusyError:
+    print("busy", flush=True)
+sys.stdin.read()  # stay alive, a live writer, until the test has looked
+"""
+
+
+def test_resume_run_takes_a_run_over_in_one_process_only(db, tmp_path):
+    """resume_run checks the writer's liveness inside its write transaction: of processes
+    resuming at once, exactly one takes the run over (the check before the transaction let
+    two or more through in most trials)."""
+    import hooks.runs.store as store_module
+
+    with RunStore(db, create=True) as store:
+        w = store.create_run("r", {}, total_steps=100)
+        w.log_step(_metric(1, 1.0))
+        w.set_checkpoint(1, "/tmp/x")
+        w.finish("interrupted")
+    for trial in range(5):
+        go = tmp_path / f"go{trial}"
+        procs = [subprocess.Popen([sys.executable, "-c", _RESUMER, store_module.__file__,
+                                   str(db), str(go)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True) for _ in range(5)]
+        try:
+            assert all(p.stdout.readline().strip() == "ready" for p in procs)
+            go.touch()
+            results = sorted(p.stdout.readline().strip() for p in procs)
+        finally:
+            for p in procs:
+                p.stdin.close()
+                p.wait(60)
+        assert results == ["busy"] * 4 + ["won"], f"trial {trial}: {results}"
+        with RunStore(db) as store:
+            assert store.run("r").attempt == trial + 2
+            store.connection.execute("UPDATE runs SET status = 'interrupted' WHERE name = 'r'")

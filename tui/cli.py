@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "overfit": "overfit",
     "watch": "watch",
     "runs": "runs",
+    "export": "export",
     "doctor": "doctor",
     "diff": "diff",
 }

@@ -6,9 +6,9 @@ number of runs. One process writes a run (:class:`RunWriter`), any number of pro
 
 * the database is in WAL mode (``PRAGMA journal_mode=WAL``): readers see the last committed
   snapshot and never wait for the writer, the writer never waits for readers;
-* every step is written in one short transaction (its metrics row, its internals and sample if
-  any, and the run row's ``last_step`` / ``last_loss`` / ``heartbeat``), so a reader sees a step
-  completely or not at all;
+* a batch of steps is written in one short transaction (their metrics rows and scalars, their
+  internals and samples if any, and the run row's ``last_step`` / ``last_loss`` /
+  ``heartbeat``), so a reader sees a step completely or not at all;
 * ``synchronous=NORMAL``: a commit does not fsync; a crash of the *process* (``kill -9``) loses
   nothing that was committed, a power cut may lose the last few steps but never corrupts the file
   (SQLite's WAL guarantees);
@@ -21,20 +21,34 @@ a background thread (:meth:`RunWriter.start_heartbeat`), so a reader can tell a 
 still being written from one whose writer died without saying so (``kill -9``, a power cut):
 see :meth:`RunInfo.writer_state`.
 
+A database on a read-only mount (or a read-only file or directory) is opened read-only: with
+``mode=ro`` when its ``-wal``/``-shm`` files exist, as ``immutable=1`` when it has no
+write-ahead log to read, and otherwise from a private copy (the write-ahead log of a writer that
+did not close cannot be read in place without write access). :attr:`RunStore.read_only` and
+:attr:`RunStore.note` say which.
+
 Schema (version :data:`SCHEMA_VERSION`; ``meta`` identifies the file as an mdb run store, and
 ``PRAGMA application_id`` is :data:`APPLICATION_ID`)::
 
     meta(key TEXT PRIMARY KEY, value TEXT)
     runs(id, name UNIQUE, kind, config JSON, status, pid, host, started, ended, heartbeat,
          total_steps, last_step, last_loss, paused, reason, fail_step, fail_module,
-         checkpoint_step, checkpoint_path, attempt)
-    metrics(run_id, step, wall, ce, aux, total, grad_norm, lr, step_time, tokens_per_s,
-            steps_per_s, expert_load JSON (L, E))            PRIMARY KEY (run_id, step)
+         checkpoint_step, checkpoint_path, attempt, nonfinite JSON)
+    metrics(run_id, step, wall, expert_load JSON (L, E))      PRIMARY KEY (run_id, step)
+    metric_names(run_id, id, name)        PRIMARY KEY (run_id, id), UNIQUE (run_id, name)
+    scalars(run_id, step, metric, value)  PRIMARY KEY (run_id, step, metric)
     internals(run_id, step, captured, data JSON, tensors BLOB) PRIMARY KEY (run_id, step)
     samples(run_id, step, prompt, text)                      PRIMARY KEY (run_id, step)
 
-Times are Unix seconds (``time.time()``). SQLite stores a NaN ``REAL`` as ``NULL``: a metric
-read back as ``None`` was NaN (or was not measured); infinities round-trip.
+A step's metrics are any number of named scalars: ``scalars.metric`` is a
+``metric_names.id``, numbered per run in the order the names were first logged. SQLite stores
+a NaN ``REAL`` as ``NULL``, so a ``scalars`` row with a ``NULL`` value is a NaN, a missing row is
+a metric not logged at that step, and infinities round-trip. Times are Unix seconds
+(``time.time()``).
+
+Version 1 (mdb before the ``hooks.run`` API) kept a fixed set of metric columns in
+``metrics``; :class:`RunStore` migrates such a database to version 2 on open, in one
+transaction (see :func:`_migrate_v1`). A database of a newer version is refused.
 
 This module uses only the standard library; it never imports torch, textual or rich.
 """
@@ -45,8 +59,10 @@ import json
 import math
 import os
 import re
+import shutil
 import socket
 import sqlite3
+import tempfile
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -59,6 +75,7 @@ __all__ = [
     "DEFAULT_DB_ENV",
     "DEFAULT_DB_PATH",
     "DEFAULT_STALE_AFTER",
+    "FIXED_METRICS",
     "SCHEMA_VERSION",
     "STATUSES",
     "MetricRow",
@@ -73,12 +90,13 @@ __all__ = [
     "WriterBusyError",
     "checkpoint_dir",
     "default_db_path",
+    "loss_metric",
     "pid_alive",
     "validate_run_name",
 ]
 
 #: Version of the schema below; bumped on any incompatible change.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 #: ``PRAGMA application_id`` of an mdb run store: the bytes ``b"mdbR"`` as a big-endian int.
 APPLICATION_ID = int.from_bytes(b"mdbR", "big")
 #: Value of ``meta.format`` in an mdb run store.
@@ -93,15 +111,27 @@ DEFAULT_STALE_AFTER = 15.0
 STATUSES = ("running", "finished", "interrupted", "failed")
 #: Busy timeout of every connection, in milliseconds.
 BUSY_TIMEOUT_MS = 10_000
+#: The metrics ``mdb overfit`` logs every step, in the order it logs them; they are also
+#: :class:`MetricRow` attributes.
+FIXED_METRICS = (
+    "ce",
+    "aux",
+    "total",
+    "grad_norm",
+    "lr",
+    "step_time",
+    "tokens_per_s",
+    "steps_per_s",
+)
 
 _RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (
+_TABLES = {
+    "meta": """CREATE TABLE meta (
     key   TEXT PRIMARY KEY,
     value TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS runs (
+)""",
+    "runs": """CREATE TABLE runs (
     id              INTEGER PRIMARY KEY AUTOINCREMENT,
     name            TEXT NOT NULL UNIQUE,
     kind            TEXT NOT NULL DEFAULT 'overfit',
@@ -122,53 +152,46 @@ CREATE TABLE IF NOT EXISTS runs (
     fail_module     TEXT,
     checkpoint_step INTEGER,
     checkpoint_path TEXT,
-    attempt         INTEGER NOT NULL DEFAULT 1
-);
-CREATE TABLE IF NOT EXISTS metrics (
-    run_id       INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
-    step         INTEGER NOT NULL,
-    wall         REAL NOT NULL,
-    ce           REAL,
-    aux          REAL,
-    total        REAL,
-    grad_norm    REAL,
-    lr           REAL,
-    step_time    REAL,
-    tokens_per_s REAL,
-    steps_per_s  REAL,
-    expert_load  TEXT,
+    attempt         INTEGER NOT NULL DEFAULT 1,
+    nonfinite       TEXT
+)""",
+    "metrics": """CREATE TABLE metrics (
+    run_id      INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+    step        INTEGER NOT NULL,
+    wall        REAL NOT NULL,
+    expert_load TEXT,
     PRIMARY KEY (run_id, step)
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS internals (
+) WITHOUT ROWID""",
+    "metric_names": """CREATE TABLE metric_names (
+    run_id INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+    id     INTEGER NOT NULL,
+    name   TEXT NOT NULL,
+    PRIMARY KEY (run_id, id),
+    UNIQUE (run_id, name)
+) WITHOUT ROWID""",
+    "scalars": """CREATE TABLE scalars (
+    run_id INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+    step   INTEGER NOT NULL,
+    metric INTEGER NOT NULL,
+    value  REAL,
+    PRIMARY KEY (run_id, step, metric)
+) WITHOUT ROWID""",
+    "internals": """CREATE TABLE internals (
     run_id   INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
     step     INTEGER NOT NULL,
     captured REAL NOT NULL,
     data     TEXT NOT NULL,
     tensors  BLOB,
     PRIMARY KEY (run_id, step)
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS samples (
+) WITHOUT ROWID""",
+    "samples": """CREATE TABLE samples (
     run_id INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
     step   INTEGER NOT NULL,
     prompt TEXT NOT NULL,
     text   TEXT NOT NULL,
     PRIMARY KEY (run_id, step)
-) WITHOUT ROWID;
-"""
-
-_METRIC_COLUMNS = (
-    "step",
-    "wall",
-    "ce",
-    "aux",
-    "total",
-    "grad_norm",
-    "lr",
-    "step_time",
-    "tokens_per_s",
-    "steps_per_s",
-    "expert_load",
-)
+) WITHOUT ROWID""",
+}
 
 
 class RunStoreError(Exception):
@@ -247,11 +270,51 @@ def pid_alive(pid: int | None) -> bool:
     return True
 
 
-def _finite_or_none(x: Any) -> float | None:
-    if x is None:
+def loss_metric(names: Iterable[str]) -> str | None:
+    """The metric that stands for "the loss" among ``names``: ``total`` (``mdb overfit``'s
+    back-propagated loss), else ``loss``, else the first name containing ``loss``; ``None``
+    when none does. It feeds :attr:`RunInfo.last_loss`."""
+    names = list(names)
+    for key in ("total", "loss"):
+        if key in names:
+            return key
+    return next((n for n in names if "loss" in n), None)
+
+
+def _nan_to_none(x: float | None) -> float | None:
+    return None if x is None or math.isnan(x) else x
+
+
+def _nonfinite_from_failure(
+    status: str, reason: str | None, fail_step: int | None, fail_module: str | None
+) -> dict[str, Any] | None:
+    """The :attr:`RunInfo.nonfinite` finding of a run that :class:`hooks.runs.trainer.Trainer`
+    stopped as failed: its reason starts ``non-finite loss`` (the loss, ``total``, seen in the
+    forward pass) or ``non-finite gradient`` (``grad_norm``, backward)."""
+    if status != "failed" or fail_step is None or not reason:
         return None
-    x = float(x)
-    return None if math.isnan(x) else x
+    if reason.startswith("non-finite loss"):
+        return {"step": fail_step, "metric": "total", "module": fail_module,
+                "direction": "forward"}
+    if reason.startswith("non-finite gradient"):
+        return {"step": fail_step, "metric": "grad_norm", "module": fail_module,
+                "direction": "backward"}
+    return None
+
+
+_NONFINITE_KEYS = ("step", "metric", "module", "direction")
+
+
+def _nonfinite_from_json(text: str | None) -> dict[str, Any] | None:
+    if not text:
+        return None
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(d, dict) or not isinstance(d.get("step"), int):
+        return None
+    return {k: d.get(k) for k in _NONFINITE_KEYS}
 
 
 @dataclass(frozen=True)
@@ -261,7 +324,7 @@ class RunInfo:
     Attributes:
         id: Integer primary key, stable for the life of the database.
         name: Unique run name.
-        kind: What wrote it (``"overfit"``).
+        kind: What wrote it: ``"overfit"`` (``mdb overfit``) or ``"api"`` (``hooks.run``).
         config: The run's configuration (model config and training options), as a dict.
         status: Stored status: ``running``, ``finished``, ``interrupted`` or ``failed``.
             ``running`` only says the writer has not said otherwise; see :meth:`writer_state`.
@@ -272,7 +335,8 @@ class RunInfo:
         heartbeat: Last sign of life of the writer (Unix seconds).
         total_steps: Number of steps the run was asked to do.
         last_step: Last step written (0 before the first).
-        last_loss: Total loss of ``last_step`` (``None`` before the first, or NaN).
+        last_loss: The loss (see :func:`loss_metric`) of the last step that logged it (``None``
+            before the first, or NaN).
         paused: Whether the writer is paused (live screen).
         reason: Why the run ended (``"finished"``, ``"SIGTERM"``, ``"non-finite loss"`` ...).
         fail_step: Step at which a non-finite value appeared (failed runs).
@@ -281,6 +345,12 @@ class RunInfo:
         checkpoint_step: Step of the last checkpoint, ``None`` if none was written.
         checkpoint_path: Directory of the last checkpoint, relative to the database's directory.
         attempt: 1 for a fresh run, incremented by every resume.
+        nonfinite: ``None``, or where a logged value first turned NaN/Inf:
+            ``{"step": int, "metric": str | None, "module": str | None,
+            "direction": "forward" | "backward" | None}`` — the step, the metric, and the
+            first module whose output (forward) or output gradient (backward) was non-finite
+            in a capture of that step or the next (``None``: not located, e.g. no capture).
+            ``module`` is ``""`` for the model's own (root) forward.
     """
 
     id: int
@@ -303,6 +373,7 @@ class RunInfo:
     checkpoint_step: int | None
     checkpoint_path: str | None
     attempt: int
+    nonfinite: dict[str, Any] | None = field(default=None, hash=False)
 
     def writer_state(
         self, now: float | None = None, stale_after: float = DEFAULT_STALE_AFTER
@@ -367,6 +438,21 @@ class RunInfo:
             return f"failed{step}{where}" if (step or where) else f"failed ({self.reason})"
         return state
 
+    def nonfinite_line(self) -> str:
+        """The non-finite finding in words, ``""`` without one: ``non-finite loss at step 7,
+        first in model.fc2 (forward)``, ``non-finite loss at step 7 (module not located: no
+        capture of that step or the next)``."""
+        nf = self.nonfinite
+        if not nf:
+            return ""
+        what = f"non-finite {nf.get('metric') or 'value'} at step {nf['step']}"
+        module = nf.get("module")
+        if module is not None:
+            name = module or "the root module"
+            direction = nf.get("direction")
+            return f"{what}, first in {name}" + (f" ({direction})" if direction else "")
+        return f"{what} (module not located)"
+
     def to_dict(self) -> dict[str, Any]:
         """The run as a JSON-serialisable dict."""
         return asdict(self)
@@ -374,12 +460,15 @@ class RunInfo:
 
 @dataclass(frozen=True)
 class MetricRow:
-    """One training step's metrics (a row of ``metrics``).
+    """One training step's metrics: any number of named scalars (a row of ``metrics`` and its
+    ``scalars``).
 
     Attributes:
-        step: 1-based step number.
-        wall: When the step was written (Unix seconds).
-        ce: Cross-entropy of the step's forward pass, in nats per token (``None`` = NaN).
+        step: Step number (1-based for ``mdb overfit``; ``hooks.run`` counts from 1 too).
+        wall: When the step was logged (Unix seconds).
+        ce: Cross-entropy of the step's forward pass, in nats per token (``None`` = NaN or not
+            logged). This and the next attributes are ``values[name]`` for the
+            :data:`FIXED_METRICS` that ``mdb overfit`` logs.
         aux: Auxiliary (load-balancing) loss as added to the total (0 for dense models).
         total: ``ce + aux``, the loss that was back-propagated.
         grad_norm: Global L2 norm of all gradients before clipping.
@@ -389,6 +478,10 @@ class MetricRow:
         steps_per_s: ``1 / step_time``.
         expert_load: Per MoE layer, per expert, fraction of the routed slots (N*k) it received,
             shape (L_moe, E); rows sum to 1. ``None`` for dense models.
+        values: Every scalar logged at this step, by name, in first-logged order: a float
+            (infinities included) or ``None`` for NaN. A metric not logged at this step is
+            absent. Built from the fixed attributes above when not given (a NaN attribute
+            becomes ``None``, a ``None`` attribute stays absent).
     """
 
     step: int
@@ -402,6 +495,17 @@ class MetricRow:
     tokens_per_s: float | None = None
     steps_per_s: float | None = None
     expert_load: list[list[float]] | None = None
+    values: dict[str, float | None] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        values = dict(self.values)
+        for name in FIXED_METRICS:
+            attr = getattr(self, name)
+            if attr is not None and name not in values:
+                values[name] = _nan_to_none(float(attr))
+            elif attr is None and name in values:
+                object.__setattr__(self, name, values[name])
+        object.__setattr__(self, "values", values)
 
     def to_dict(self) -> dict[str, Any]:
         """The row as a JSON-serialisable dict."""
@@ -469,50 +573,22 @@ def _run_from_row(row: sqlite3.Row) -> RunInfo:
         checkpoint_step=row["checkpoint_step"],
         checkpoint_path=row["checkpoint_path"],
         attempt=row["attempt"],
+        nonfinite=_nonfinite_from_json(row["nonfinite"]),
     )
 
 
-def _metric_from_row(row: sqlite3.Row) -> MetricRow:
-    load = row["expert_load"]
-    return MetricRow(
-        step=row["step"],
-        wall=row["wall"],
-        ce=row["ce"],
-        aux=row["aux"],
-        total=row["total"],
-        grad_norm=row["grad_norm"],
-        lr=row["lr"],
-        step_time=row["step_time"],
-        tokens_per_s=row["tokens_per_s"],
-        steps_per_s=row["steps_per_s"],
-        expert_load=json.loads(load) if load else None,
-    )
+# ---------------------------------------------------------------------------------------------
+# Opening a database
+# ---------------------------------------------------------------------------------------------
 
 
-def _connect(path: Path, *, create: bool) -> sqlite3.Connection:
-    """Open ``path`` in autocommit mode with the store's pragmas; never creates unless asked."""
-    if create:
-        if path.is_dir():
-            raise RunStoreError(f"{path} is a directory, not a run database")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise RunStoreError(
-                f"cannot create the run database {path}: {exc.strerror or exc}"
-            ) from exc
-        uri = f"file:{_uri_path(path)}?mode=rwc"
-    else:
-        if not path.exists():
-            raise RunStoreError(
-                f"no run database at {path} (start a run with `mdb overfit`, or pass --db / "
-                f"set {DEFAULT_DB_ENV})"
-            )
-        if path.is_dir():
-            raise RunStoreError(f"{path} is a directory, not a run database")
-        if not os.access(path, os.R_OK):
-            raise RunStoreError(f"cannot read the run database {path}: permission denied")
-        mode = "rw" if os.access(path, os.W_OK) else "ro"
-        uri = f"file:{_uri_path(path)}?mode={mode}"
+def _uri_path(path: Path) -> str:
+    # Percent-encode the characters that are special in an SQLite URI.
+    s = str(path.resolve())
+    return s.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
+
+
+def _sqlite_connect(uri: str, path: Path) -> sqlite3.Connection:
     try:
         conn = sqlite3.connect(
             uri,
@@ -524,21 +600,259 @@ def _connect(path: Path, *, create: bool) -> sqlite3.Connection:
     except sqlite3.Error as exc:
         raise RunStoreError(f"cannot open the run database {path}: {exc}") from exc
     conn.row_factory = sqlite3.Row
-    try:
-        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-        conn.execute("PRAGMA foreign_keys = ON")
-        # WAL + NORMAL: a commit appends to the WAL without fsync (fsync at checkpoints only).
-        conn.execute("PRAGMA synchronous = NORMAL")
-    except sqlite3.DatabaseError as exc:
-        conn.close()
-        raise RunStoreError(f"{path} is not an mdb run database ({exc})") from exc
     return conn
 
 
-def _uri_path(path: Path) -> str:
-    # Percent-encode the characters that are special in an SQLite URI.
-    s = str(path.resolve())
-    return s.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
+def _configure(conn: sqlite3.Connection, path: Path, *, read_only: bool) -> None:
+    try:
+        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        conn.execute("PRAGMA foreign_keys = ON")
+        if not read_only:
+            # WAL + NORMAL: a commit appends to the WAL without fsync (fsync at checkpoints).
+            conn.execute("PRAGMA synchronous = NORMAL")
+        # The first read opens the file for real (and the -wal/-shm files in WAL mode): a
+        # file that is not a database, or cannot be opened, fails here.
+        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    except sqlite3.DatabaseError:
+        conn.close()
+        raise
+
+
+def _cannot_open(exc: sqlite3.Error) -> bool:
+    """Whether ``exc`` says the file (or its -wal/-shm) could not be opened or written, rather
+    than that it is not a database."""
+    text = str(exc).lower()
+    return any(
+        s in text
+        for s in ("unable to open", "readonly", "read-only", "disk i/o error", "locking protocol")
+    )
+
+
+def _is_writable(path: Path) -> bool:
+    """Whether this process may change ``path`` and create its ``-wal``/``-shm`` beside it
+    (``access(2)`` says no on a read-only mount, also to root)."""
+    return os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)
+
+
+def _wal_has_content(path: Path) -> bool:
+    wal = Path(str(path) + "-wal")
+    try:
+        return wal.stat().st_size > 0
+    except OSError:
+        return False
+
+
+class _Opened:
+    """What :func:`_open` found: the connection, whether it is read-only, a note for the
+    user, and the private copy's directory (deleted on close)."""
+
+    def __init__(
+        self,
+        conn: sqlite3.Connection,
+        read_only: bool,
+        note: str | None = None,
+        copy_dir: str | None = None,
+    ) -> None:
+        self.conn = conn
+        self.read_only = read_only
+        self.note = note
+        self.copy_dir = copy_dir
+
+
+def _open_read_only(path: Path, reason: str) -> _Opened:
+    """Open ``path`` without writing anything next to it (see the module docstring)."""
+    try:
+        conn = _sqlite_connect(f"file:{_uri_path(path)}?mode=ro", path)
+        _configure(conn, path, read_only=True)
+        return _Opened(conn, True, f"{path} is read-only ({reason}): reading it without writing")
+    except sqlite3.DatabaseError as exc:
+        if not _cannot_open(exc):
+            raise RunStoreError(f"{path} is not an mdb run database ({exc})") from exc
+    if not _wal_has_content(path):
+        # No write-ahead log to read: the main file holds every committed transaction, and
+        # immutable=1 reads it without the -shm file it cannot create.
+        try:
+            conn = _sqlite_connect(f"file:{_uri_path(path)}?mode=ro&immutable=1", path)
+            _configure(conn, path, read_only=True)
+        except sqlite3.DatabaseError as exc:
+            raise RunStoreError(f"{path} is not an mdb run database ({exc})") from exc
+        return _Opened(
+            conn, True,
+            f"{path} is read-only ({reason}): reading it as an unchanging file (a writer "
+            "elsewhere would not be seen)",
+        )  # fmt: skip
+    return _open_copy(
+        path,
+        f"{path} is read-only ({reason}) and has an unfinished write-ahead log: reading a "
+        f"private copy made at {time.strftime('%H:%M:%S')}",
+    )
+
+
+def _open_copy(path: Path, note: str) -> _Opened:
+    """Copy the database and its ``-wal`` into a private directory and open the copy (SQLite
+    replays the log into it), read-write so that it can be migrated."""
+    tmp = tempfile.mkdtemp(prefix="mdb-ro-")
+    try:
+        dest = Path(tmp) / path.name
+        shutil.copyfile(path, dest)
+        wal = Path(str(path) + "-wal")
+        if wal.exists():
+            shutil.copyfile(wal, Path(str(dest) + "-wal"))
+        conn = _sqlite_connect(f"file:{_uri_path(dest)}?mode=rw", path)
+        _configure(conn, path, read_only=False)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RunStoreError(
+            f"{path} is read-only and cannot be copied to read it: {exc.strerror or exc}"
+        ) from exc
+    except sqlite3.DatabaseError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RunStoreError(f"{path} is not an mdb run database ({exc})") from exc
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _Opened(conn, True, note, copy_dir=tmp)
+
+
+def _read_only_reason(path: Path) -> str:
+    probe = path if path.exists() else path.parent
+    try:
+        if os.statvfs(probe).f_flag & os.ST_RDONLY:
+            return "a read-only file system"
+    except (OSError, AttributeError):
+        pass
+    if not os.access(path, os.W_OK):
+        return "the file is not writable"
+    return "its directory is not writable"
+
+
+def _open(path: Path, *, create: bool) -> _Opened:
+    """Open ``path`` in autocommit mode with the store's pragmas; never creates unless asked."""
+    if path.is_dir():
+        raise RunStoreError(f"{path} is a directory, not a run database")
+    if create:
+        if path.exists() and not _is_writable(path):
+            raise RunStoreError(
+                f"cannot record a run in {path}: it is read-only ({_read_only_reason(path)}); "
+                f"`mdb runs` and `mdb watch` can still read it (pass another --db / set "
+                f"{DEFAULT_DB_ENV} to record)"
+            )
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RunStoreError(
+                f"cannot create the run database {path}: {exc.strerror or exc}"
+            ) from exc
+        conn = _sqlite_connect(f"file:{_uri_path(path)}?mode=rwc", path)
+        try:
+            _configure(conn, path, read_only=False)
+        except sqlite3.DatabaseError as exc:
+            if not _cannot_open(exc):
+                raise RunStoreError(f"{path} is not an mdb run database ({exc})") from exc
+            why = str(exc)
+            if not os.access(path.parent, os.W_OK):
+                why = f"it is read-only ({_read_only_reason(path)})"
+            raise RunStoreError(f"cannot create the run database {path}: {why}") from exc
+        return _Opened(conn, False)
+    if not path.exists():
+        raise RunStoreError(
+            f"no run database at {path} (start a run with `mdb overfit` or `hooks.run`, or "
+            f"pass --db / set {DEFAULT_DB_ENV})"
+        )
+    if not os.access(path, os.R_OK):
+        raise RunStoreError(f"cannot read the run database {path}: permission denied")
+    if path.stat().st_size == 0:
+        raise RunStoreError(f"{path} is an empty database with no runs in it")
+    if _is_writable(path):
+        conn = _sqlite_connect(f"file:{_uri_path(path)}?mode=rw", path)
+        try:
+            _configure(conn, path, read_only=False)
+            return _Opened(conn, False)
+        except sqlite3.DatabaseError as exc:
+            if not _cannot_open(exc):
+                raise RunStoreError(f"{path} is not an mdb run database ({exc})") from exc
+    return _open_read_only(path, _read_only_reason(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# Schema versions
+# ---------------------------------------------------------------------------------------------
+
+
+def _create_schema(conn: sqlite3.Connection) -> None:
+    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+    for sql in _TABLES.values():
+        conn.execute(sql)
+    conn.executemany(
+        "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+        [
+            ("format", FORMAT_NAME),
+            ("schema_version", str(SCHEMA_VERSION)),
+            ("created", str(time.time())),
+        ],
+    )
+
+
+#: Version 1's metric columns that a writer always filled (``NULL`` there was a NaN), and those
+#: that were ``NULL`` when not measured.
+_V1_NAN_WHEN_NULL = ("ce", "aux", "total", "grad_norm", "lr")
+_V1_ABSENT_WHEN_NULL = ("step_time", "tokens_per_s", "steps_per_s")
+
+
+def _migrate_v1(conn: sqlite3.Connection) -> None:
+    """Version 1 → 2, inside the caller's write transaction; nothing is lost.
+
+    Version 1's ``metrics`` table had one column per metric (:data:`FIXED_METRICS`). For each
+    run, each column becomes a metric name (in that order) if any of the run's rows has a
+    value in it; its values become ``scalars`` rows. In version 1 ``NULL`` meant NaN or "not
+    measured": in ``ce``/``aux``/``total``/``grad_norm``/``lr`` of a run that logged the
+    column it becomes a NaN (what version 1 showed), in ``step_time``/``tokens_per_s``/
+    ``steps_per_s`` (``None`` when a step's time was not measurable) the value is absent.
+    ``runs`` gains ``nonfinite``, filled for runs the trainer stopped on a non-finite value.
+    """
+    conn.execute("ALTER TABLE runs ADD COLUMN nonfinite TEXT")
+    conn.execute(_TABLES["metric_names"])
+    conn.execute(_TABLES["scalars"])
+    run_ids = [r[0] for r in conn.execute("SELECT DISTINCT run_id FROM metrics")]
+    for run_id in run_ids:
+        next_id = 1
+        for name in FIXED_METRICS:
+            (has,) = conn.execute(
+                f"SELECT EXISTS (SELECT 1 FROM metrics WHERE run_id = ? AND {name} IS NOT NULL)",
+                (run_id,),
+            ).fetchone()
+            if not has:
+                continue
+            conn.execute(
+                "INSERT INTO metric_names (run_id, id, name) VALUES (?, ?, ?)",
+                (run_id, next_id, name),
+            )
+            where = "" if name in _V1_NAN_WHEN_NULL else f" AND {name} IS NOT NULL"
+            conn.execute(
+                f"INSERT INTO scalars (run_id, step, metric, value) SELECT run_id, step, ?, "
+                f"{name} FROM metrics WHERE run_id = ?{where}",
+                (next_id, run_id),
+            )
+            next_id += 1
+    conn.execute(_TABLES["metrics"].replace("CREATE TABLE metrics", "CREATE TABLE metrics_v2"))
+    conn.execute(
+        "INSERT INTO metrics_v2 (run_id, step, wall, expert_load) "
+        "SELECT run_id, step, wall, expert_load FROM metrics"
+    )
+    conn.execute("DROP TABLE metrics")
+    conn.execute("ALTER TABLE metrics_v2 RENAME TO metrics")
+    rows = conn.execute(
+        "SELECT id, status, reason, fail_step, fail_module FROM runs WHERE status = 'failed'"
+    ).fetchall()
+    for r in rows:
+        nf = _nonfinite_from_failure(r[1], r[2], r[3], r[4])
+        if nf is not None:
+            conn.execute("UPDATE runs SET nonfinite = ? WHERE id = ?", (json.dumps(nf), r[0]))
+    conn.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
+
+
+#: Migrations by the version they start from.
+_MIGRATIONS = {1: _migrate_v1}
 
 
 class RunStore:
@@ -553,9 +867,16 @@ class RunStore:
         create: Create the file (and its directory) and the schema if missing — for writers.
             Readers leave it ``False``: a missing file raises :class:`RunStoreError`.
 
+    Attributes:
+        path: The database file.
+        read_only: The database could not be written (a read-only mount, file or directory):
+            this store reads it and refuses to write.
+        note: One line for the user about how a read-only database is read, else ``None``.
+
     Raises:
         RunStoreError: The file is missing (``create=False``), unreadable, not an SQLite
-            database, an SQLite database of something else, or of a newer schema version.
+            database, an SQLite database of something else, of a newer schema version, or
+            read-only (``create=True``).
 
     Example::
 
@@ -566,23 +887,32 @@ class RunStore:
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, create: bool = False):
         self.path = Path(path) if path is not None else default_db_path()
-        self._conn = _connect(self.path, create=create)
+        opened = _open(self.path, create=create)
+        self._conn: sqlite3.Connection | None = opened.conn
+        self.read_only = opened.read_only
+        self.note = opened.note
+        self._copy_dir = opened.copy_dir
+        self._names: dict[int, dict[int, str]] = {}
         try:
             self._check_or_init(create)
         except sqlite3.Error as exc:
-            self._conn.close()
+            self.close()
             raise RunStoreError(f"cannot use the run database {self.path}: {exc}") from exc
         except BaseException:
-            self._conn.close()
+            self.close()
             raise
 
     # -- lifecycle -------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Close the connection (idempotent)."""
+        """Close the connection (idempotent); a private copy of a read-only database is
+        deleted."""
         if self._conn is not None:
             self._conn.close()
-            self._conn = None  # type: ignore[assignment]
+            self._conn = None
+        if self._copy_dir is not None:
+            shutil.rmtree(self._copy_dir, ignore_errors=True)
+            self._copy_dir = None
 
     def __enter__(self) -> RunStore:
         return self
@@ -612,25 +942,54 @@ class RunStore:
                 raise RunStoreError(f"{self.path} is an empty database with no runs in it")
             self._init_schema()
             return
+        version = self._version(app_id, tables)
+        if version > SCHEMA_VERSION:
+            raise RunStoreError(
+                f"{self.path} was written by a newer mdb (schema {version}, this mdb reads "
+                f"up to {SCHEMA_VERSION}): upgrade mdb to read it"
+            )
+        if version < SCHEMA_VERSION:
+            self._migrate(version)
+
+    def _version(self, app_id: int, tables: set[str]) -> int:
         if app_id != APPLICATION_ID or "meta" not in tables:
             raise RunStoreError(
                 f"{self.path} is an SQLite database of something else, not an mdb run database"
             )
-        meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+        meta = dict(self.connection.execute("SELECT key, value FROM meta").fetchall())
         if meta.get("format") != FORMAT_NAME:
             raise RunStoreError(
                 f"{self.path} is an SQLite database of something else, not an mdb run database"
             )
-        version = int(meta.get("schema_version", "0"))
-        if version > SCHEMA_VERSION:
+        try:
+            return int(meta.get("schema_version", "0"))
+        except ValueError:
             raise RunStoreError(
-                f"{self.path} was written by a newer mdb (schema {version}, this mdb reads "
-                f"up to {SCHEMA_VERSION})"
-            )
-        if version < SCHEMA_VERSION:
+                f"{self.path} has an unreadable schema version {meta.get('schema_version')!r}"
+            ) from None
+
+    def _migrate(self, version: int) -> None:
+        """Bring an older database up to :data:`SCHEMA_VERSION` in one write transaction (a
+        read-only database is migrated in a private copy)."""
+        if version not in _MIGRATIONS:
             raise RunStoreError(
-                f"{self.path} has an old schema version {version}; start a new database"
+                f"{self.path} has schema version {version}, which this mdb cannot read"
             )
+        if self.read_only and self._copy_dir is None:
+            self.connection.close()
+            opened = _open_copy(self.path, (self.note or f"{self.path} is read-only") +
+                                f"; its schema {version} is upgraded in a private copy")
+            self._conn, self.note, self._copy_dir = opened.conn, opened.note, opened.copy_dir
+        conn = self.connection
+        with self._transaction():
+            # another process may have migrated it meanwhile: read the version again, locked
+            (current,) = conn.execute(
+                "SELECT value FROM meta WHERE key = 'schema_version'"
+            ).fetchone()
+            v = int(current)
+            while v < SCHEMA_VERSION:
+                _MIGRATIONS[v](conn)
+                v += 1
 
     def _init_schema(self) -> None:
         conn = self.connection
@@ -638,18 +997,7 @@ class RunStore:
         if str(mode).lower() != "wal":
             raise RunStoreError(f"cannot put {self.path} in WAL mode (got {mode!r})")
         with self._transaction():
-            conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-            for statement in _SCHEMA.split(";"):
-                if statement.strip():
-                    conn.execute(statement)
-            conn.executemany(
-                "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
-                [
-                    ("format", FORMAT_NAME),
-                    ("schema_version", str(SCHEMA_VERSION)),
-                    ("created", str(time.time())),
-                ],
-            )
+            _create_schema(conn)
 
     class _Txn:
         def __init__(self, conn: sqlite3.Connection, immediate: bool):
@@ -674,6 +1022,13 @@ class RunStore:
         the busy timeout applies at BEGIN rather than failing at COMMIT), ``BEGIN`` for a
         consistent multi-statement read."""
         return RunStore._Txn(self.connection, immediate)
+
+    def _require_writable(self) -> None:
+        if self.read_only:
+            raise RunStoreError(
+                f"cannot write to {self.path}: it is read-only (`mdb runs` and `mdb watch` "
+                "can still read it)"
+            )
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -709,10 +1064,25 @@ class RunStore:
         ).fetchone()
         return _run_from_row(row) if row is not None else None
 
+    def metric_names(self, run_id: int) -> list[str]:
+        """Names of every scalar the run has logged, in the order each was first logged."""
+        return list(self._metric_names(run_id, refresh=True).values())
+
+    def _metric_names(self, run_id: int, refresh: bool = False) -> dict[int, str]:
+        names = self._names.get(run_id)
+        if names is None or refresh:
+            rows = self.connection.execute(
+                "SELECT id, name FROM metric_names WHERE run_id = ? ORDER BY id", (run_id,)
+            )
+            names = {r[0]: r[1] for r in rows}
+            self._names[run_id] = names
+        return names
+
     def metrics(
         self, run_id: int, after_step: int = 0, limit: int | None = None
     ) -> list[MetricRow]:
-        """Metric rows of a run with ``step > after_step``, in step order.
+        """Metric rows of a run with ``step > after_step``, in step order, each with every
+        scalar logged at that step (:attr:`MetricRow.values`).
 
         Call it repeatedly with the last step seen to read each step exactly once.
 
@@ -721,19 +1091,52 @@ class RunStore:
             after_step: Return only steps after this one (0 = from the start).
             limit: At most this many rows (``None`` = all).
         """
-        sql = "SELECT * FROM metrics WHERE run_id = ? AND step > ? ORDER BY step"
+        with self._transaction(immediate=False):
+            return self._metrics(run_id, after_step, limit)
+
+    def _metrics(self, run_id: int, after_step: int, limit: int | None) -> list[MetricRow]:
+        conn = self.connection
+        sql = "SELECT step, wall, expert_load FROM metrics WHERE run_id = ? AND step > ? " \
+              "ORDER BY step"
         params: tuple[Any, ...] = (run_id, after_step)
         if limit is not None:
             sql += " LIMIT ?"
             params += (int(limit),)
-        return [_metric_from_row(r) for r in self.connection.execute(sql, params)]
+        rows = conn.execute(sql, params).fetchall()
+        if not rows:
+            return []
+        values: dict[int, dict[str, float | None]] = {r[0]: {} for r in rows}
+        names = self._metric_names(run_id)
+        scalars = conn.execute(
+            "SELECT step, metric, value FROM scalars WHERE run_id = ? AND step > ? AND step <= ?"
+            " ORDER BY step, metric",
+            (run_id, after_step, rows[-1][0]),
+        ).fetchall()
+        for step, metric, value in scalars:
+            name = names.get(metric)
+            if name is None:
+                names = self._metric_names(run_id, refresh=True)
+                name = names.get(metric, f"metric{metric}")
+            bucket = values.get(step)
+            if bucket is not None:
+                bucket[name] = value
+        out = []
+        for step, wall, load in rows:
+            out.append(MetricRow(step=step, wall=wall,
+                                 expert_load=json.loads(load) if load else None,
+                                 values=values[step]))
+        return out
 
     def last_metrics(self, run_id: int) -> MetricRow | None:
         """The metric row of the run's last written step, or ``None`` before the first."""
-        row = self.connection.execute(
-            "SELECT * FROM metrics WHERE run_id = ? ORDER BY step DESC LIMIT 1", (run_id,)
-        ).fetchone()
-        return _metric_from_row(row) if row is not None else None
+        with self._transaction(immediate=False):
+            row = self.connection.execute(
+                "SELECT step FROM metrics WHERE run_id = ? ORDER BY step DESC LIMIT 1", (run_id,)
+            ).fetchone()
+            if row is None:
+                return None
+            rows = self._metrics(run_id, row[0] - 1, 1)
+        return rows[0] if rows else None
 
     def samples(self, run_id: int, after_step: int = 0) -> list[SampleRow]:
         """Greedy continuations recorded during the run with ``step > after_step``."""
@@ -754,7 +1157,7 @@ class RunStore:
     def internals(self, run_id: int, step: int) -> dict[str, Any] | None:
         """The internals captured at ``step`` (a JSON dict, see the training loop), or ``None``.
 
-        For a step captured by :class:`hooks.runs.trainer.Trainer` this is
+        For a step captured by :class:`hooks.runs.trainer.Trainer` or by ``Run.watch`` this is
         ``hooks.Trace.to_dict()``; :func:`hooks.runs.trainer.load_trace` rebuilds the
         :class:`hooks.Trace` with its tensors.
         """
@@ -782,7 +1185,7 @@ class RunStore:
             run = _run_from_row(row)
             restarted = run.last_step < after_step
             cursor = (run.checkpoint_step or 0) if restarted else after_step
-            metrics = self.metrics(run_id, cursor)
+            metrics = self._metrics(run_id, cursor, None)
             samples = self.samples(run_id, cursor)
             steps = self.internals_steps(run_id, cursor)
         return RunUpdate(run, metrics, samples, steps, restarted)
@@ -804,11 +1207,18 @@ class RunStore:
     ) -> RunWriter:
         """Create a run in status ``running`` owned by this process and return its writer.
 
+        Args:
+            name: Unique run name (see :func:`validate_run_name`).
+            config: JSON-serialisable configuration (other values are stored as ``str``).
+            total_steps: The step target, if known.
+            kind: ``"overfit"`` (``mdb overfit``) or ``"api"`` (``hooks.run``).
+
         Raises:
-            RunStoreError: Invalid name.
+            RunStoreError: Invalid name, or the database is read-only.
             RunExistsError: A run of that name exists.
         """
         validate_run_name(name)
+        self._require_writable()
         now = time.time()
         try:
             with self._transaction() as conn:
@@ -843,10 +1253,12 @@ class RunStore:
     ) -> RunWriter:
         """Take over an ended run (or one whose writer is gone) from its last checkpoint.
 
-        In one transaction: rows after ``checkpoint_step`` (written after the last checkpoint
-        by a writer that died) are deleted, ``last_step`` is set back to ``checkpoint_step``,
-        the status becomes ``running`` with this process's pid and host, ``attempt`` is
-        incremented and the failure fields are cleared.
+        In one write transaction (``BEGIN IMMEDIATE``: the write lock is taken before the run
+        row is read, so of two processes resuming at once the second sees the first as a live
+        writer): the writer's liveness is checked, rows after ``checkpoint_step`` (written
+        after the last checkpoint by a writer that died) are deleted, ``last_step`` is set back
+        to ``checkpoint_step``, the status becomes ``running`` with this process's pid and
+        host, ``attempt`` is incremented and the failure fields are cleared.
 
         Args:
             name: The run to resume.
@@ -856,53 +1268,83 @@ class RunStore:
         Raises:
             RunNotFoundError: No such run.
             WriterBusyError: Its writer is still alive.
-            RunStoreError: It has no checkpoint, or it already finished all its steps.
+            RunStoreError: It has no checkpoint, it already finished all its steps, or the
+                database is read-only.
         """
-        run = self.run(name)
-        if run.writer_state(stale_after=stale_after) == "running":
-            raise WriterBusyError(
-                f"run {name!r} is still being written by pid {run.pid} on {run.host}"
-            )
-        if run.checkpoint_step is None:
-            raise RunStoreError(f"run {name!r} has no checkpoint to resume from")
-        target = total_steps if total_steps is not None else run.total_steps
-        if target is not None and run.checkpoint_step >= target:
-            raise RunStoreError(
-                f"run {name!r} already reached step {run.checkpoint_step} of {target} "
-                "(pass a larger --steps to continue it)"
-            )
-        ckpt = run.checkpoint_step
+        self._require_writable()
         with self._transaction() as conn:
-            for table in ("metrics", "internals", "samples"):
+            run = self.run(name)
+            if run.writer_state(stale_after=stale_after) == "running":
+                raise WriterBusyError(
+                    f"run {name!r} is still being written by pid {run.pid} on {run.host}"
+                )
+            if run.checkpoint_step is None:
+                raise RunStoreError(f"run {name!r} has no checkpoint to resume from")
+            target = total_steps if total_steps is not None else run.total_steps
+            if target is not None and run.checkpoint_step >= target:
+                raise RunStoreError(
+                    f"run {name!r} already reached step {run.checkpoint_step} of {target} "
+                    "(pass a larger --steps to continue it)"
+                )
+            ckpt = run.checkpoint_step
+            for table in ("metrics", "scalars", "internals", "samples"):
                 conn.execute(f"DELETE FROM {table} WHERE run_id = ? AND step > ?", (run.id, ckpt))
-            last = conn.execute(
-                "SELECT total FROM metrics WHERE run_id = ? AND step = ?", (run.id, ckpt)
-            ).fetchone()
+            names = self._metric_names(run.id, refresh=True)
+            last_loss = None
+            key = loss_metric(names.values())
+            if key is not None:
+                ids = [i for i, n in names.items() if n == key]
+                row = conn.execute(
+                    "SELECT value FROM scalars WHERE run_id = ? AND metric = ? AND step <= ?"
+                    " ORDER BY step DESC LIMIT 1",
+                    (run.id, ids[0], ckpt),
+                ).fetchone()
+                last_loss = row[0] if row is not None else None
+            nonfinite = run.nonfinite if run.nonfinite and run.nonfinite["step"] <= ckpt else None
             now = time.time()
             conn.execute(
                 "UPDATE runs SET status = 'running', pid = ?, host = ?, heartbeat = ?,"
                 " ended = NULL, reason = NULL, fail_step = NULL, fail_module = NULL, paused = 0,"
-                " last_step = ?, last_loss = ?, total_steps = ?, attempt = attempt + 1"
-                " WHERE id = ?",
+                " last_step = ?, last_loss = ?, total_steps = ?, attempt = attempt + 1,"
+                " nonfinite = ? WHERE id = ?",
                 (
                     os.getpid(),
                     socket.gethostname(),
                     now,
                     ckpt,
-                    last[0] if last is not None else None,
+                    last_loss,
                     target,
+                    json.dumps(nonfinite) if nonfinite else None,
                     run.id,
                 ),
             )
         return RunWriter(self, run.id, name)
 
 
+def _metric_mapping(metrics: MetricRow | Mapping[str, Any]) -> tuple[int, Any, Any, dict]:
+    """``(step, wall, expert_load, values)`` of a :class:`MetricRow` or a mapping of its field
+    names; other keys of a mapping are scalars too (a ``None`` value: not logged)."""
+    if isinstance(metrics, MetricRow):
+        return metrics.step, metrics.wall, metrics.expert_load, metrics.values
+    m = dict(metrics)
+    step = int(m.pop("step"))
+    wall = m.pop("wall", None)
+    load = m.pop("expert_load", None)
+    values: dict[str, Any] = {}
+    for name, v in dict(m.pop("values", None) or {}).items():
+        values[name] = v
+    for name, v in m.items():
+        if v is not None and name not in values:
+            values[name] = v
+    return step, wall, load, values
+
+
 class RunWriter:
     """Writes one run: its steps, heartbeat, checkpoint record and final status.
 
     Obtain it from :meth:`RunStore.create_run` or :meth:`RunStore.resume_run`. Use it from one
-    thread (the training thread); the heartbeat thread started by :meth:`start_heartbeat` uses
-    its own connection.
+    thread (the training thread, or ``hooks.run``'s writer thread); the heartbeat thread
+    started by :meth:`start_heartbeat` uses its own connection.
     """
 
     def __init__(self, store: RunStore, run_id: int, name: str):
@@ -912,6 +1354,7 @@ class RunWriter:
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._closed = False
+        self._ids: dict[str, int] | None = None
 
     @property
     def info(self) -> RunInfo:
@@ -926,11 +1369,13 @@ class RunWriter:
         sample: tuple[str, str] | None = None,
         tensors: bytes | None = None,
     ) -> None:
-        """Write one step atomically: metrics row, optional internals and sample, run row.
+        """Write one step atomically: metrics row and scalars, optional internals and sample,
+        run row.
 
         Args:
             metrics: A :class:`MetricRow` or a mapping with its field names (``step`` required;
-                ``wall`` defaults to now).
+                ``wall`` defaults to now; ``values`` and any other key are scalars by name; a
+                ``None`` value is not logged, a NaN is).
             internals: JSON-serialisable captured statistics of this step.
             sample: ``(prompt, continuation)`` generated at this step.
             tensors: Opaque bytes stored with the internals (safetensors of the capture's
@@ -938,11 +1383,22 @@ class RunWriter:
         """
         self.log_steps([(metrics, internals, sample, tensors)])
 
+    def _metric_ids(self, conn: sqlite3.Connection) -> dict[str, int]:
+        if self._ids is None:
+            rows = conn.execute(
+                "SELECT id, name FROM metric_names WHERE run_id = ?", (self.run_id,)
+            )
+            self._ids = {r[1]: r[0] for r in rows}
+        return self._ids
+
     def log_steps(
         self,
         steps: Iterable[tuple[Any, ...]],
     ) -> None:
         """Write several steps in one transaction.
+
+        A step logged again merges into the stored one: its scalars are added (a name logged
+        twice keeps the later value) and ``wall`` is updated.
 
         Args:
             steps: Tuples ``(metrics, internals, sample[, tensors])`` as the arguments of
@@ -955,14 +1411,9 @@ class RunWriter:
         for item in steps:
             metrics, internals, sample = item[:3]
             tensors = item[3] if len(item) > 3 else None
-            m = metrics.to_dict() if isinstance(metrics, MetricRow) else dict(metrics)
-            m.setdefault("wall", now)
-            load = m.get("expert_load")
-            m["expert_load"] = json.dumps(load) if load is not None else None
-            for key in ("ce", "aux", "total", "grad_norm", "lr"):
-                m[key] = _finite_or_none(m.get(key))
-            rows.append(tuple(m.get(c) for c in _METRIC_COLUMNS))
-            step = int(m["step"])
+            step, wall, load, values = _metric_mapping(metrics)
+            rows.append((step, now if wall is None else float(wall),
+                         json.dumps(load) if load is not None else None, values))
             if internals is not None:
                 data = json.dumps(internals, default=_jsonable)
                 blob = sqlite3.Binary(tensors) if tensors is not None else None
@@ -971,30 +1422,65 @@ class RunWriter:
                 extras_s.append((self.run_id, step, sample[0], sample[1]))
         if not rows:
             return
-        last_step = rows[-1][0]
-        last_loss = rows[-1][_METRIC_COLUMNS.index("total")]
-        cols = ", ".join(("run_id",) + _METRIC_COLUMNS)
-        marks = ", ".join("?" * (len(_METRIC_COLUMNS) + 1))
-        with self.store._transaction() as conn:
+        try:
+            with self.store._transaction() as conn:
+                self._write(conn, rows, extras_i, extras_s, now)
+        except BaseException:
+            self._ids = None  # names added in the rolled-back transaction are not stored
+            raise
+
+    def _write(self, conn, rows, extras_i, extras_s, now) -> None:
+        ids = self._metric_ids(conn)
+        scalars = []
+        for step, _wall, _load, values in rows:
+            for name, v in values.items():
+                mid = ids.get(name)
+                if mid is None:
+                    mid = len(ids) + 1
+                    conn.execute(
+                        "INSERT INTO metric_names (run_id, id, name) VALUES (?, ?, ?)",
+                        (self.run_id, mid, str(name)),
+                    )
+                    ids[name] = mid
+                scalars.append((self.run_id, step, mid, None if v is None else float(v)))
+        conn.executemany(
+            "INSERT INTO metrics (run_id, step, wall, expert_load) VALUES (?, ?, ?, ?)"
+            " ON CONFLICT (run_id, step) DO UPDATE SET wall = excluded.wall,"
+            " expert_load = COALESCE(excluded.expert_load, expert_load)",
+            [(self.run_id, s, w, load) for s, w, load, _ in rows],
+        )
+        conn.executemany(
+            "INSERT OR REPLACE INTO scalars (run_id, step, metric, value) VALUES (?, ?, ?, ?)",
+            scalars,
+        )
+        if extras_i:
             conn.executemany(
-                f"INSERT OR REPLACE INTO metrics ({cols}) VALUES ({marks})",
-                [(self.run_id, *r) for r in rows],
+                "INSERT OR REPLACE INTO internals (run_id, step, captured, data, tensors)"
+                " VALUES (?, ?, ?, ?, ?)",
+                extras_i,
             )
-            if extras_i:
-                conn.executemany(
-                    "INSERT OR REPLACE INTO internals (run_id, step, captured, data, tensors)"
-                    " VALUES (?, ?, ?, ?, ?)",
-                    extras_i,
-                )
-            if extras_s:
-                conn.executemany(
-                    "INSERT OR REPLACE INTO samples (run_id, step, prompt, text)"
-                    " VALUES (?, ?, ?, ?)",
-                    extras_s,
-                )
+        if extras_s:
+            conn.executemany(
+                "INSERT OR REPLACE INTO samples (run_id, step, prompt, text) VALUES (?, ?, ?, ?)",
+                extras_s,
+            )
+        last_step = max(r[0] for r in rows)
+        loss = None
+        key = loss_metric(ids)  # the run's loss metric, from every name it logged so far
+        for _step, _w, _l, values in rows:
+            if key is not None and key in values:
+                v = values[key]
+                loss = (None if v is None else float(v),)
+        if loss is None:
             conn.execute(
-                "UPDATE runs SET last_step = ?, last_loss = ?, heartbeat = ? WHERE id = ?",
-                (last_step, last_loss, now, self.run_id),
+                "UPDATE runs SET last_step = MAX(last_step, ?), heartbeat = ? WHERE id = ?",
+                (last_step, now, self.run_id),
+            )
+        else:
+            conn.execute(
+                "UPDATE runs SET last_step = MAX(last_step, ?), last_loss = ?, heartbeat = ?"
+                " WHERE id = ?",
+                (last_step, loss[0], now, self.run_id),
             )
 
     def heartbeat(self) -> None:
@@ -1030,6 +1516,28 @@ class RunWriter:
                 (int(step), rel, time.time(), self.run_id),
             )
 
+    def set_nonfinite(self, nonfinite: Mapping[str, Any] | None) -> None:
+        """Record where a logged value first turned NaN/Inf (:attr:`RunInfo.nonfinite`).
+
+        Args:
+            nonfinite: ``{"step": int, "metric": str | None, "module": str | None,
+                "direction": "forward" | "backward" | None}``, or ``None`` to clear it.
+
+        Raises:
+            ValueError: No integer ``step``, or an unknown ``direction``.
+        """
+        text = None
+        if nonfinite is not None:
+            nf = {k: nonfinite.get(k) for k in _NONFINITE_KEYS}
+            if not isinstance(nf["step"], int):
+                raise ValueError(f"nonfinite needs an integer step, got {nf['step']!r}")
+            if nf["direction"] not in (None, "forward", "backward"):
+                raise ValueError(f"direction must be forward/backward/None, not "
+                                 f"{nf['direction']!r}")
+            text = json.dumps(nf)
+        with self.store._transaction() as conn:
+            conn.execute("UPDATE runs SET nonfinite = ? WHERE id = ?", (text, self.run_id))
+
     def update_config(self, config: Mapping[str, Any]) -> None:
         """Replace the run's stored configuration."""
         with self.store._transaction() as conn:
@@ -1048,6 +1556,10 @@ class RunWriter:
     ) -> None:
         """Set the final status and stop the heartbeat.
 
+        A ``failed`` status whose reason is the trainer's ``non-finite loss ...`` or
+        ``non-finite gradient ...`` also records :attr:`RunInfo.nonfinite` (unless one is
+        recorded already).
+
         Args:
             status: ``finished``, ``interrupted`` or ``failed``.
             reason: Free text shown by readers (``"SIGTERM"``, ``"non-finite loss"`` ...).
@@ -1061,11 +1573,13 @@ class RunWriter:
             raise ValueError(f"final status must be finished/interrupted/failed, not {status!r}")
         self.stop_heartbeat()
         now = time.time()
+        nf = _nonfinite_from_failure(status, reason, fail_step, fail_module)
         with self.store._transaction() as conn:
             conn.execute(
                 "UPDATE runs SET status = ?, ended = ?, heartbeat = ?, reason = ?, fail_step = ?,"
-                " fail_module = ?, paused = 0 WHERE id = ?",
-                (status, now, now, reason, fail_step, fail_module, self.run_id),
+                " fail_module = ?, paused = 0, nonfinite = COALESCE(nonfinite, ?) WHERE id = ?",
+                (status, now, now, reason, fail_step, fail_module,
+                 json.dumps(nf) if nf else None, self.run_id),
             )
         self._closed = True
 
@@ -1084,7 +1598,7 @@ class RunWriter:
         run_id = self.run_id
 
         def beat() -> None:
-            conn = _connect(path, create=False)
+            conn = _open(path, create=False).conn
             try:
                 while not self._hb_stop.wait(interval):
                     try:

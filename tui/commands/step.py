@@ -2,10 +2,12 @@
 
 With no arguments: build the default model, cut a batch from the sample text, run one forward
 and backward pass on CPU under :func:`hooks.capture`, and open the step view. ``--trace FILE``
-opens a saved trace instead (``mdb capture --out FILE`` writes one). The model and batch are
-built before the app starts (so bad input is one line on stderr and exit code 2); the app then
-paints a loading screen and captures the step in a thread worker. An error raised by a user's
-model during the step ends the app with exit code 1 and one line on stderr.
+opens a saved trace instead (``mdb capture --out FILE`` writes one), ``--run NAME@STEP`` a
+capture stored in the run database (``run.watch`` of ``hooks.run``, ``mdb overfit --every``).
+The model and batch are built before the app starts (so bad input is one line on stderr and
+exit code 2); the app then paints a loading screen and captures the step in a thread worker. An
+error raised by a user's model during the step ends the app with exit code 1 and one line on
+stderr.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", metavar="FILE", default=None,
                         help="open a saved trace (a directory written by `mdb capture`) "
                              "instead of capturing a new step")
+    add_run_arguments(parser)
     add_model_arguments(parser)
     add_threads_argument(parser)
     parser.epilog = (
@@ -50,6 +53,72 @@ def set_threads(args: argparse.Namespace) -> None:
 
     if getattr(args, "threads", 0) and args.threads > 0:
         torch.set_num_threads(args.threads)
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--run NAME[@STEP]`` and ``--db``: a capture stored in the run database (shared by step
+    and summary)."""
+    parser.add_argument("--run", metavar="NAME[@STEP]", default=None,
+                        help="open the capture of step STEP of a recorded run (stored by "
+                             "run.watch(model, every=N) or `mdb overfit --every N`); without "
+                             "@STEP the latest one")
+    parser.add_argument("--db", metavar="PATH", default=None,
+                        help="run database of --run (default $MDB_DB, else ./runs/mdb.sqlite)")
+
+
+def _steps_text(steps: list[int]) -> str:
+    if len(steps) <= 8:
+        return ", ".join(map(str, steps))
+    return ", ".join(map(str, steps[:4])) + ", …, " + ", ".join(map(str, steps[-3:]))
+
+
+def load_run_trace(spec: str, db: str | None):
+    """The :class:`hooks.Trace` stored for ``NAME@STEP`` (or ``NAME``: its latest capture) in
+    the run database; every problem is one :class:`MdbError` line."""
+    from hooks import TraceFormatError
+    from hooks.runs.store import RunStore, RunStoreError, default_db_path
+    from hooks.runs.trainer import load_trace as load_stored_trace
+
+    name, at, step_text = spec.partition("@")
+    step = None
+    if at:
+        try:
+            step = int(step_text)
+        except ValueError:
+            raise MdbError(f"--run {spec}: STEP must be a step number, e.g. {name}@50") from None
+    try:
+        with RunStore(db if db else default_db_path()) as store:
+            info = store.run(name)
+            steps = store.internals_steps(info.id)
+            if not steps:
+                raise MdbError(
+                    f"--run {spec}: run {name} has no stored capture (record some with "
+                    "run.watch(model, every=N), or `mdb overfit --every N`)"
+                )
+            if step is None:
+                step = steps[-1]
+            elif step not in steps:
+                raise MdbError(f"--run {spec}: no stored capture at step {step} (captured "
+                               f"steps: {_steps_text(steps)})")
+            trace = load_stored_trace(store, info.id, step)
+    except RunStoreError as exc:
+        raise MdbError(str(exc)) from None
+    except TraceFormatError as exc:
+        raise MdbError(f"--run {spec}: the stored capture cannot be read: {exc}") from None
+    if trace is None:  # pragma: no cover - deleted between the two reads
+        raise MdbError(f"--run {spec}: no stored capture at step {step}")
+    return trace
+
+
+def check_run_options(args: argparse.Namespace) -> None:
+    """``--run`` excludes ``--trace`` and the model options; ``--db`` needs ``--run``."""
+    if getattr(args, "run", None):
+        given = [f"--{o.replace('_', '-')}" for o in ("trace", *_MODEL_OPTIONS)
+                 if getattr(args, o, None)]
+        if given:
+            raise MdbError(f"--run cannot be combined with {', '.join(given)}")
+    elif getattr(args, "db", None):
+        raise MdbError("--db is the database of --run NAME@STEP: give --run too")
 
 
 def load_trace(path: str):
@@ -110,7 +179,10 @@ def run(args: argparse.Namespace) -> int:
     from tui.app import make_loading_app, make_step_app
 
     precheck(args)
-    if args.trace:
+    check_run_options(args)
+    if args.run:
+        app = make_step_app(load_run_trace(args.run, args.db))
+    elif args.trace:
         given = [f"--{o.replace('_', '-')}" for o in _MODEL_OPTIONS if getattr(args, o, None)]
         if given:
             raise MdbError(f"--trace cannot be combined with {', '.join(given)}")

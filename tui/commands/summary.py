@@ -14,7 +14,7 @@ import math
 import sys
 
 from tui.commands._common import add_model_arguments
-from tui.commands.step import add_threads_argument, set_threads
+from tui.commands.step import add_run_arguments, add_threads_argument, set_threads
 from tui.widgets.fmt import loss_line
 
 HELP = "print a torchinfo-style table of the model (shapes, parameters, output stats, grad norms)"
@@ -30,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only modules at most N levels deep (the root is 0)")
     parser.add_argument("--trace", metavar="FILE", default=None,
                         help="summarise a saved trace instead of capturing a step")
+    add_run_arguments(parser)
 
 
 def grad_norms_by_module(trace) -> dict[str, float]:
@@ -111,7 +112,14 @@ def footer_lines(trace) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    if args.trace:
+    from tui.commands.step import check_run_options
+
+    check_run_options(args)
+    if args.run:
+        from tui.commands.step import load_run_trace
+
+        trace = load_run_trace(args.run, args.db)
+    elif args.trace:
         from tui.commands.step import load_trace
 
         trace = load_trace(args.trace)

@@ -1,0 +1,690 @@
+"""``hooks.run``: record your own training loop in the run store, to follow it with ``mdb watch``.
+
+::
+
+    import hooks
+
+    with hooks.run("exp1", db="runs/mdb.sqlite", config={"lr": 3e-3}) as run:
+        run.watch(model, every=50)      # the internals of every 50th step, in the run store
+        for x, y in loader:
+            loss = model(x, y)[1]; loss.backward(); opt.step(); opt.zero_grad()
+            run.log(loss=loss, lr=lr)   # any scalar names; the step counts itself
+
+Then, from any terminal: ``mdb runs``, ``mdb watch exp1`` (``c`` opens the latest stored
+capture), ``mdb step --run exp1@50``, ``mdb export exp1 > exp1.csv``.
+
+What it does, and what it costs the loop:
+
+* :meth:`Run.log` converts the values to floats (``.item()`` of a tensor, which waits for the
+  device like ``loss.item()`` does), checks them for NaN/Inf and appends them to a bounded
+  queue; a background thread writes the queue to SQLite and commits every
+  :attr:`Run.FLUSH_INTERVAL` seconds (0.1 s), so a watcher sees a step within half a second.
+  When the queue is full (the disk is slower than the loop) ``log`` waits for it.
+* :meth:`Run.watch` attaches :func:`hooks.capture` only for the steps it records: after the
+  ``log()`` of the step before a recorded one, removed again at the recorded step's ``log()``;
+  the other steps run with no hook at all. The capture covers everything the model runs
+  between those two ``log()`` calls. The trace is serialised on the writer thread.
+* The first logged value that is NaN or ±Inf records ``{"step", "metric", "module",
+  "direction"}`` in the run row (:attr:`hooks.runs.store.RunInfo.nonfinite`). With ``watch``,
+  the capture of that step — or, when that step was not captured, of the next step, captured
+  for this purpose — names the first module whose output (forward) or output gradient
+  (backward) was non-finite (:meth:`hooks.Trace.first_nonfinite`).
+* SIGINT, SIGTERM and SIGHUP mark the run ``interrupted``: the handlers this module installs
+  note the signal and call the handler that was there before (Python's ``KeyboardInterrupt``
+  for SIGINT, your own handler if you installed one first); where that was the default action
+  (terminate), the run is saved first and the process then terminates by the same signal. A
+  signal that was ignored (``SIG_IGN``, e.g. SIGHUP under ``nohup``) stays ignored. The
+  previous handlers are restored when the run finishes. (Handlers can only be installed from
+  the main thread; a run started in another thread leaves signals alone.)
+* An exception that leaves the ``with`` block marks the run ``failed`` with the exception's last
+  line, and propagates. A run left open when the interpreter exits is finished then (or marked
+  ``failed`` by an uncaught exception).
+* If the writer thread cannot write (disk full, database locked for longer than the busy
+  timeout) it says so once on stderr and marks the run ``failed`` with the reason; the loop goes
+  on unrecorded, and every step committed before stays in the database.
+
+This module never imports textual, rich or tui.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import math
+import operator
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from hooks.runs.store import (
+    RunExistsError,
+    RunStore,
+    RunWriter,
+    default_db_path,
+    loss_metric,
+    validate_run_name,
+)
+
+__all__ = ["Run", "run"]
+
+_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+
+
+def run(
+    name: str | None = None,
+    *,
+    db: str | os.PathLike[str] | None = None,
+    config: Mapping[str, Any] | None = None,
+    total_steps: int | None = None,
+) -> Run:
+    """Start recording a training run in the run store; see :class:`Run`.
+
+    Args:
+        name: Run name (1-100 characters from ``A-Z a-z 0-9 . _ -``). ``None``:
+            ``run-YYYYMMDD-HHMMSS``. A name already in the database gets a ``-2``, ``-3`` …
+            suffix (said on stderr).
+        db: The database file (created if missing). ``None``: ``$MDB_DB``, else
+            ``./runs/mdb.sqlite``.
+        config: Your run's configuration (hyper-parameters), stored as JSON (other values as
+            ``str``); ``mdb runs --json`` does not print it, the database keeps it.
+        total_steps: The number of steps you intend to run, if known (progress and ETA in
+            ``mdb watch``; a run that reaches it counts as finished even after a signal).
+
+    Returns:
+        The :class:`Run`, already recording (use it as a context manager, or call
+        :meth:`Run.finish`).
+
+    Raises:
+        hooks.runs.store.RunStoreError: Invalid name, or a database that cannot be written
+            (one line).
+        TypeError: ``config`` is not a mapping.
+    """
+    return Run(name, db=db, config=config, total_steps=total_steps)
+
+
+def _to_float(name: str, value: Any) -> float:
+    """A logged value as a Python float: a number, or a one-element tensor / numpy value."""
+    if type(value) is float:
+        return value
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"run.log({name}=...): expected a number or a one-element tensor, "
+                        f"got {type(value).__name__}")
+    item = getattr(value, "item", None)
+    if callable(item):
+        try:
+            x = item()
+        except (RuntimeError, ValueError) as exc:
+            shape = tuple(getattr(value, "shape", ()))
+            raise ValueError(
+                f"run.log({name}=...): expected a scalar, got a tensor of shape {shape}"
+            ) from exc
+        if isinstance(x, (int, float)):
+            return float(x)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"run.log({name}=...): expected a number or a one-element tensor, "
+                        f"got {type(value).__name__}") from None
+
+
+def _last_line(exc: BaseException) -> str:
+    """The line a traceback ends with: ``ValueError: boom`` (for a message of several lines,
+    or with notes, the line that names the exception)."""
+    lines = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()
+    names = (type(exc).__qualname__, f"{type(exc).__module__}.{type(exc).__qualname__}")
+    named = [line for line in lines if line.startswith(names)]
+    line = named[-1] if named else (lines[-1] if lines else type(exc).__name__)
+    return line[:500]
+
+
+class Run:
+    """One training run being recorded: :func:`run` returns it.
+
+    Use it as a context manager (the run finishes when the block ends) or call :meth:`finish`.
+    Call :meth:`log` and :meth:`watch` from the thread that trains.
+
+    Attributes:
+        name: The run's name in the database.
+        db: The database file.
+        id: The run's id in the database (:attr:`hooks.runs.store.RunInfo.id`).
+        step: The last step logged (0 before the first).
+        status: ``"running"`` until finished, then the final status.
+        nonfinite: ``None``, or where a logged value first turned NaN/Inf (see
+            :attr:`hooks.runs.store.RunInfo.nonfinite`).
+        error: ``None``, or the one line that said why recording stopped (the writer thread
+            could not write).
+    """
+
+    #: Seconds between the writer thread's commits.
+    FLUSH_INTERVAL = 0.1
+    #: Seconds between heartbeats while nothing is logged.
+    HEARTBEAT_INTERVAL = 1.0
+    #: Logged steps waiting for the writer at most; :meth:`log` waits beyond that.
+    MAX_PENDING = 10_000
+    #: Captured traces waiting for the writer at most.
+    MAX_PENDING_TRACES = 4
+    #: Seconds :meth:`finish` waits for the writer to commit what is queued.
+    FINISH_TIMEOUT = 60.0
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        db: str | os.PathLike[str] | None = None,
+        config: Mapping[str, Any] | None = None,
+        total_steps: int | None = None,
+    ) -> None:
+        if config is not None and not isinstance(config, Mapping):
+            raise TypeError(f"config must be a mapping (a dict), got {type(config).__name__}")
+        if total_steps is not None:
+            total_steps = operator.index(total_steps)
+        self.db = Path(db) if db is not None else default_db_path()
+        self.total_steps = total_steps
+        self.step = 0
+        self.status = "running"
+        self.nonfinite: dict[str, Any] | None = None
+        self.error: str | None = None
+        requested = name
+        with RunStore(self.db, create=True) as store:
+            writer = self._create(store, name, dict(config or {}))
+        self.name = writer.name
+        self.id = writer.run_id
+        if requested is not None and requested != self.name:
+            print(f"mdb: a run named {requested!r} exists in {self.db}: recording this one as "
+                  f"{self.name!r}", file=sys.stderr)
+        db_opt = "" if self.db == default_db_path() else f" --db {self.db}"
+        print(f"mdb: recording run {self.name} in {self.db} (follow it: mdb watch {self.name}"
+              f"{db_opt})", file=sys.stderr)
+
+        self._logged = False
+        self._queue: collections.deque = collections.deque()
+        self._traces_in = 0  # written by the caller's thread only
+        self._traces_out = 0  # written by the writer thread only
+        self._committed_step: int | None = None
+        self._wake = threading.Event()
+        self._stop = False
+        self._dead = False
+        self._final: tuple[str, str | None] | None = None
+        self._closed = False
+        self._finishing = False
+        self._done = False
+        self._signal: str | None = None
+        # watch
+        self._model: Any = None
+        self._every = 0
+        self._capture_options: dict[str, Any] = {}
+        self._capture: Any = None
+        self._capture_step: int | None = None
+        self._step_trace: Any = None  # the trace of the current step, if it was captured
+        self._locate_pending = False
+
+        self._thread = threading.Thread(
+            target=self._writer_main, name=f"mdb-run-writer-{self.id}", daemon=True
+        )
+        self._thread.start()
+        self._prev_handlers: dict[int, Any] = {}
+        self._install_signals()
+        self._prev_excepthook = sys.excepthook
+        sys.excepthook = self._excepthook
+        atexit.register(self._atexit)
+
+    def _create(self, store: RunStore, name: str | None, config: dict[str, Any]) -> RunWriter:
+        base = name if name is not None else time.strftime("run-%Y%m%d-%H%M%S")
+        validate_run_name(base)
+        for i in range(1, 1000):
+            candidate = base if i == 1 else f"{base[:95]}-{i}"
+            try:
+                return store.create_run(candidate, config, total_steps=self.total_steps,
+                                        kind="api")
+            except RunExistsError:
+                continue
+        raise RunExistsError(f"runs {base!r}, {base}-2 … {base}-999 all exist in {self.db}")
+
+    def __repr__(self) -> str:
+        return f"Run(name={self.name!r}, db={str(self.db)!r}, step={self.step}, " \
+               f"status={self.status!r})"
+
+    # -- context manager -------------------------------------------------------------------------
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self._finishing = True
+        if exc_type is None:
+            if self._signal is not None and not self._reached_total():
+                self.finish("interrupted", reason=self._signal)
+            else:
+                self.finish("finished")
+        elif issubclass(exc_type, KeyboardInterrupt):
+            self.finish("interrupted", reason=self._signal or "KeyboardInterrupt")
+        elif issubclass(exc_type, SystemExit):
+            code = getattr(exc, "code", None)
+            if self._signal is not None:
+                self.finish("interrupted", reason=self._signal)
+            elif code in (None, 0):
+                self.finish("finished")
+            else:
+                self.finish("failed", reason=f"SystemExit: {code}")
+        else:
+            self.finish("failed", reason=_last_line(exc))
+        return False
+
+    def _reached_total(self) -> bool:
+        return self.total_steps is not None and self.step >= self.total_steps
+
+    # -- logging ---------------------------------------------------------------------------------
+    def log(self, *, step: int | None = None, **scalars: Any) -> None:
+        """Record scalars of a training step: ``run.log(loss=loss, lr=lr, val_loss=v)``.
+
+        Args:
+            step: The step these values belong to. ``None``: the step after the last one logged
+                (1 for the first). The same step as the last one adds to it (e.g. a validation
+                loss computed after the training step was logged); an earlier step is refused.
+            **scalars: Any names; each value a Python number, a one-element tensor (0-dim,
+                e.g. a loss) or a numpy scalar. NaN and ±Inf are recorded as such.
+
+        Raises:
+            TypeError: A value that is not a number, or a ``step`` that is not an integer.
+            ValueError: A tensor with more than one element, or a step before the last one.
+            RuntimeError: The run is finished.
+        """
+        if self._closed:
+            raise RuntimeError(f"run {self.name} is finished: log() after finish()")
+        if step is None:
+            step = self.step + 1 if self._logged else 1
+        else:
+            try:
+                step = operator.index(step)
+            except TypeError:
+                raise TypeError(f"run.log(step=...): expected an integer, got "
+                                f"{type(step).__name__}") from None
+            if step < 0:
+                raise ValueError(f"run.log(step={step}): steps are counted from 0")
+            if self._logged and step < self.step:
+                raise ValueError(
+                    f"run.log(step={step}): step {step} is before the last step logged "
+                    f"({self.step}); steps must not go back"
+                )
+        values: dict[str, float] = {}
+        bad = None
+        for key, value in scalars.items():
+            x = _to_float(key, value)
+            values[key] = x
+            if bad is None and not math.isfinite(x):
+                bad = key
+        new = not self._logged or step != self.step
+        trace = None
+        if new:
+            self._step_trace = None
+            if self._capture is not None:
+                trace = self._end_capture(step, values)
+                self._step_trace = trace
+        self._logged = True
+        self.step = step
+        self._enqueue(("step", step, time.time(), values, trace))
+        if bad is not None and self.nonfinite is None:
+            self._found_nonfinite(step, bad)
+        elif self._locate_pending and trace is not None:
+            self._locate(trace)
+        if (
+            self._model is not None
+            and self._capture is None
+            and not self._dead
+            and not self._closed
+            and (self._locate_pending or (step + 1) % self._every == 0)
+        ):
+            self._start_capture(step + 1)
+
+    def _enqueue(self, item: tuple) -> None:
+        if self._dead:
+            return  # recording stopped: drop, so that nothing accumulates
+        q = self._queue
+        traced = item[0] == "step" and item[4] is not None
+        if len(q) >= self.MAX_PENDING or (
+            traced and self._traces_in - self._traces_out >= self.MAX_PENDING_TRACES
+        ):
+            self._wake.set()
+            while not self._dead and self._thread.is_alive() and (
+                len(q) >= self.MAX_PENDING
+                or (traced and self._traces_in - self._traces_out >= self.MAX_PENDING_TRACES)
+            ):
+                time.sleep(0.001)
+            if self._dead or not self._thread.is_alive():
+                return
+        if traced:
+            self._traces_in += 1
+        q.append(item)
+
+    # -- non-finite values -------------------------------------------------------------------------
+    def _found_nonfinite(self, step: int, metric: str) -> None:
+        self.nonfinite = {"step": step, "metric": metric, "module": None, "direction": None}
+        trace = self._step_trace
+        if trace is not None:
+            self._locate(trace)
+            return
+        self._enqueue(("nonfinite", dict(self.nonfinite)))
+        if self._model is not None:
+            self._locate_pending = True  # capture the next step to find the module
+
+    def _locate(self, trace: Any) -> None:
+        self._locate_pending = False
+        nf = self.nonfinite
+        if nf is None:
+            return
+        for direction in ("forward", "backward"):
+            try:
+                hit = trace.first_nonfinite(direction)
+            except Exception:  # a trace that cannot answer locates nothing
+                hit = None
+            if hit is not None:
+                nf["module"] = hit.module
+                nf["direction"] = direction
+                break
+        self._enqueue(("nonfinite", dict(nf)))
+
+    # -- watch -------------------------------------------------------------------------------------
+    def watch(self, model: Any, every: int = 50, **capture_options: Any) -> None:
+        """Record the internals of every ``every``-th step of ``model`` in the run store.
+
+        Steps ``every``, ``2·every``, … are run under :func:`hooks.capture` (statistics of
+        every module call's inputs and outputs, their gradients, parameter gradients, MoE
+        routing); the hooks are attached after the ``log()`` of the step before and removed at
+        the recorded step's ``log()``, so the other steps run with none. ``mdb watch`` opens the
+        latest stored capture with ``c``; ``mdb step --run NAME@STEP`` opens any.
+
+        Args:
+            model: The ``torch.nn.Module`` being trained.
+            every: Record every ``every``-th step (1 = every step).
+            **capture_options: Passed to :func:`hooks.capture` (``include``, ``exclude``,
+                ``attention=True`` …).
+
+        Raises:
+            TypeError: ``model`` is not an ``nn.Module``, or ``every`` is not an integer.
+            ValueError: ``every < 1``.
+        """
+        from torch import nn
+
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"watch expects a torch.nn.Module, got {type(model).__name__}")
+        every = operator.index(every)
+        if every < 1:
+            raise ValueError(f"watch(every={every}): must be 1 or more")
+        if self._capture is not None:  # watching another model, or again: start over
+            with contextlib.suppress(Exception):
+                self._capture.stop()
+            self._capture = None
+        self._model, self._every, self._capture_options = model, every, dict(capture_options)
+        nxt = self.step + 1 if self._logged else 1
+        if not self._closed and nxt % every == 0:
+            self._start_capture(nxt)
+
+    def _start_capture(self, step: int) -> None:
+        from hooks.capture import capture
+
+        model = self._model
+        meta = {
+            "run": self.name,
+            "step": step,
+            "description": f"run {self.name} · {type(model).__name__}",
+        }
+        try:
+            cap = capture(model, step=step, meta=meta, **self._capture_options)
+            cap.start()
+        except Exception as exc:
+            self._say(f"run {self.name}: watch stopped, the capture could not start: "
+                      f"{_last_line(exc)}")
+            self._model = None
+            self._capture = None
+            return
+        self._capture, self._capture_step = cap, step
+
+    def _end_capture(self, step: int, values: dict[str, float]) -> Any:
+        cap, self._capture = self._capture, None
+        try:
+            trace = cap.stop()
+        except Exception as exc:
+            self._say(f"run {self.name}: the capture of step {step} failed: {_last_line(exc)}")
+            return None
+        if not trace.forward:
+            return None  # nothing ran between the two log() calls: nothing to store
+        trace.step = step
+        meta = trace.meta
+        meta["step"] = step
+        meta["logged"] = {k: (v if math.isfinite(v) else str(v)) for k, v in values.items()}
+        key = loss_metric(values)
+        if key is not None:
+            v = values[key]
+            meta["loss"] = v if math.isfinite(v) else str(v)
+            meta["loss_source"] = f"run.log({key}=…)"
+        return trace
+
+    # -- finishing ---------------------------------------------------------------------------------
+    def finish(self, status: str = "finished", *, reason: str | None = None) -> None:
+        """End the run: commit everything logged, set its final status, restore the signal
+        handlers. Idempotent.
+
+        Args:
+            status: ``"finished"``, ``"interrupted"`` or ``"failed"``.
+            reason: Shown by ``mdb runs`` and ``mdb watch`` (``"SIGTERM"``, an error line …).
+
+        Raises:
+            ValueError: Unknown status.
+        """
+        if status not in ("finished", "interrupted", "failed"):
+            raise ValueError(f"status must be finished/interrupted/failed, not {status!r}")
+        if self._closed:
+            return
+        self._finishing = True
+        self._closed = True
+        cap, self._capture = self._capture, None
+        if cap is not None:  # attached for a step that was never logged: nothing to store
+            with contextlib.suppress(Exception):
+                cap.stop()
+        self._model = None
+        self._final = (status, reason)
+        self._stop = True
+        self._wake.set()
+        self._thread.join(self.FINISH_TIMEOUT)
+        if self._thread.is_alive():
+            self._say(f"run {self.name}: the writer did not finish within "
+                      f"{self.FINISH_TIMEOUT:.0f} s; the last steps may not be recorded")
+        self.status = self._final[0]
+        self._done = True
+        self._restore_signals()
+        if sys.excepthook == self._excepthook:
+            sys.excepthook = self._prev_excepthook
+        atexit.unregister(self._atexit)
+
+    def _atexit(self) -> None:
+        if not self._closed:
+            if self._signal is not None and not self._reached_total():
+                self.finish("interrupted", reason=self._signal)
+            else:
+                self.finish("finished")
+
+    def _excepthook(self, exc_type, exc, tb) -> None:
+        if not self._closed:
+            self._finishing = True
+            if issubclass(exc_type, KeyboardInterrupt):
+                self.finish("interrupted", reason=self._signal or "KeyboardInterrupt")
+            else:
+                self.finish("failed", reason=_last_line(exc))
+        hook = self._prev_excepthook if self._prev_excepthook is not self._excepthook else None
+        (hook or sys.__excepthook__)(exc_type, exc, tb)
+
+    # -- signals -----------------------------------------------------------------------------------
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for name in _SIGNALS:
+            sig = getattr(signal, name, None)
+            if sig is None:
+                continue
+            prev = signal.getsignal(sig)
+            if prev is signal.SIG_IGN:
+                continue  # ignored (nohup): stays ignored
+            try:
+                signal.signal(sig, self._on_signal)
+            except (ValueError, OSError):
+                continue
+            self._prev_handlers[sig] = prev
+
+    def _restore_signals(self) -> None:
+        for sig, prev in self._prev_handlers.items():
+            with contextlib.suppress(ValueError, TypeError, OSError):
+                if signal.getsignal(sig) == self._on_signal:
+                    signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        # Runs in the main thread between two bytecodes of the loop: it takes no lock the
+        # loop may hold (log() only appends to a deque).
+        prev = self._prev_handlers.get(signum)
+        if not self._done:
+            if self._finishing:
+                return  # the final commit is under way: a second Ctrl-C must not abandon it
+            if self._signal is None:
+                self._signal = signal.Signals(signum).name
+        # (a finished run's handler still reached through a later run's chain passes it on)
+        if callable(prev):
+            prev(signum, frame)
+            return
+        # the default action (terminate): save the run, then terminate by the same signal
+        if not self._done:
+            self.finish("interrupted", reason=signal.Signals(signum).name)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    # -- the writer thread -------------------------------------------------------------------------
+    def _say(self, line: str) -> None:
+        print(f"mdb: {line}", file=sys.stderr, flush=True)
+
+    def _writer_main(self) -> None:
+        store = None
+        try:
+            store = RunStore(self.db)
+            writer = RunWriter(store, self.id, self.name)
+            self._writer_loop(writer)
+        except Exception as exc:  # opening failed, or a bug: say it, never hang the loop
+            self._die(exc, None)
+        finally:
+            if store is not None:
+                with contextlib.suppress(Exception):
+                    store.close()
+
+    def _writer_loop(self, writer: RunWriter) -> None:
+        last_beat = time.monotonic()
+        while True:
+            stopping = self._stop
+            if self._queue and not self._dead:
+                try:
+                    self._write_pending(writer)
+                    last_beat = time.monotonic()
+                except Exception as exc:
+                    self._die(exc, writer)
+            elif not self._dead and time.monotonic() - last_beat >= self.HEARTBEAT_INTERVAL:
+                with contextlib.suppress(Exception):
+                    writer.heartbeat()
+                last_beat = time.monotonic()
+            if stopping and (not self._queue or self._dead):
+                break
+            self._wake.wait(self.FLUSH_INTERVAL)
+            self._wake.clear()
+        self._write_final(writer)
+
+    def _write_pending(self, writer: RunWriter) -> None:
+        q = self._queue
+        steps: list[tuple] = []
+        n_traces = 0
+        try:
+            while q and len(steps) < 5000:
+                item = q[0]
+                if item[0] == "nonfinite":
+                    if steps:
+                        break  # the steps before it first
+                    writer.set_nonfinite(item[1])
+                    q.popleft()
+                    continue
+                _, step, wall, values, trace = item
+                internals, tensors = self._serialise(trace, step) if trace is not None else (
+                    None, None)
+                if trace is not None:
+                    n_traces += 1
+                steps.append(({"step": step, "wall": wall, "values": values}, internals, None,
+                              tensors))
+                q.popleft()
+            if steps:
+                self._commit(writer, steps)
+        finally:
+            self._traces_out += n_traces
+
+    def _commit(self, writer: RunWriter, steps: list[tuple]) -> None:
+        """Commit ``steps``; when the disk is full, commit as many of them as still fit (in
+        halves) before giving up."""
+        import sqlite3
+
+        try:
+            writer.log_steps(steps)
+        except sqlite3.OperationalError as exc:
+            if len(steps) < 2 or "full" not in str(exc):
+                raise
+            half = len(steps) // 2
+            self._commit(writer, steps[:half])
+            self._commit(writer, steps[half:])
+            return
+        self._committed_step = steps[-1][0]["step"]
+
+    def _serialise(self, trace: Any, step: int) -> tuple[dict | None, bytes | None]:
+        try:
+            data = trace.to_dict()
+            tensors = {k: v.detach().to("cpu").contiguous()
+                       for k, v in trace.all_tensors().items()}
+            blob = None
+            if tensors:
+                from safetensors.torch import save
+
+                blob = save(tensors)
+            return data, blob
+        except Exception as exc:
+            self._say(f"run {self.name}: the capture of step {step} could not be stored: "
+                      f"{_last_line(exc)}")
+            return None, None
+
+    def _die(self, exc: BaseException, writer: RunWriter | None) -> None:
+        if self._dead:
+            return
+        self._dead = True
+        done = self._committed_step
+        after = f"after step {done}" if done is not None else "before the first step"
+        line = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        self.error = f"recording of run {self.name} stopped {after}: {line}"
+        self._say(f"{self.error} (training goes on unrecorded; the database keeps every step "
+                  "committed before)")
+        self._queue.clear()
+        if writer is not None:
+            with contextlib.suppress(Exception):
+                writer.finish("failed", reason=self.error)
+
+    def _write_final(self, writer: RunWriter) -> None:
+        final = self._final
+        if final is None:
+            return
+        status, reason = final
+        if self._dead:
+            status = "failed"
+            reason = f"{self.error}; the loop went on to step {self.step}"
+            self._final = (status, reason)
+        try:
+            writer.finish(status, reason=reason)
+        except Exception as exc:
+            if not self._dead:
+                self._say(f"run {self.name}: its final status could not be written: "
+                          f"{_last_line(exc)}")
