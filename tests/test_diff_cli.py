@@ -110,7 +110,7 @@ def test_run_at_step_reads_a_stored_capture(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "A = r1@2" in out and "tensor(s) changed" in out
     assert main(["diff", "r1@2", "r1@3", "--db", str(db)]) == 2
-    assert "no capture at step 3 (captured steps: 2, 4)" in capsys.readouterr().err
+    assert "r1@3: no stored capture at step 3 (captured steps: 2, 4)" in capsys.readouterr().err
 
 
 async def test_the_diff_screen_opens_a_call_of_a_beside_b(pair):

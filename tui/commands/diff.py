@@ -54,27 +54,9 @@ def resolve_trace(spec: str, db: str | None = None):
     name, sep, step = spec.rpartition("@")
     if not sep or not name or not step.isdigit():
         raise MdbError(f"{spec}: no such trace directory, and not RUN@STEP")
-    from hooks import TraceFormatError as _TFE
-    from hooks.runs.store import RunNotFoundError, RunStore, RunStoreError, default_db_path
-    from hooks.runs.trainer import load_trace
+    from tui.commands.step import load_run_trace
 
-    dbp = db or default_db_path()
-    try:
-        with RunStore(dbp) as store:
-            run = store.run(name)
-            trace = load_trace(store, run.id, int(step))
-            if trace is None:
-                steps = store.internals_steps(run.id)
-                have = ", ".join(map(str, steps[-8:])) if steps else "none"
-                raise MdbError(f"{spec}: run {name!r} has no capture at step {step} "
-                               f"(captured steps: {have})")
-            return trace
-    except RunNotFoundError:
-        raise MdbError(f"{spec}: no run {name!r} in {dbp}") from None
-    except RunStoreError as exc:
-        raise MdbError(f"{spec}: {exc}") from None
-    except _TFE as exc:
-        raise MdbError(f"{spec}: the stored capture is not readable: {exc}") from None
+    return load_run_trace(spec, db, label="")
 
 
 def print_table(diff, a: str, b: str, limit: int) -> None:

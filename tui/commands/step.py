@@ -72,41 +72,43 @@ def _steps_text(steps: list[int]) -> str:
     return ", ".join(map(str, steps[:4])) + ", …, " + ", ".join(map(str, steps[-3:]))
 
 
-def load_run_trace(spec: str, db: str | None):
+def load_run_trace(spec: str, db: str | None, label: str = "--run"):
     """The :class:`hooks.Trace` stored for ``NAME@STEP`` (or ``NAME``: its latest capture) in
-    the run database; every problem is one :class:`MdbError` line."""
+    the run database; every problem is one :class:`MdbError` line starting with
+    ``{label} {spec}:`` (``{spec}:`` without a label)."""
     from hooks import TraceFormatError
     from hooks.runs.store import RunStore, RunStoreError, default_db_path
     from hooks.runs.trainer import load_trace as load_stored_trace
 
+    where = f"{label} {spec}" if label else spec
     name, at, step_text = spec.partition("@")
     step = None
     if at:
         try:
             step = int(step_text)
         except ValueError:
-            raise MdbError(f"--run {spec}: STEP must be a step number, e.g. {name}@50") from None
+            raise MdbError(f"{where}: STEP must be a step number, e.g. {name}@50") from None
     try:
         with RunStore(db if db else default_db_path()) as store:
             info = store.run(name)
             steps = store.internals_steps(info.id)
             if not steps:
                 raise MdbError(
-                    f"--run {spec}: run {name} has no stored capture (record some with "
+                    f"{where}: run {name} has no stored capture (record some with "
                     "run.watch(model, every=N), or `mdb overfit --every N`)"
                 )
             if step is None:
                 step = steps[-1]
             elif step not in steps:
-                raise MdbError(f"--run {spec}: no stored capture at step {step} (captured "
+                raise MdbError(f"{where}: no stored capture at step {step} (captured "
                                f"steps: {_steps_text(steps)})")
             trace = load_stored_trace(store, info.id, step)
     except RunStoreError as exc:
-        raise MdbError(str(exc)) from None
+        raise MdbError(f"{where}: {exc}") from None
     except TraceFormatError as exc:
-        raise MdbError(f"--run {spec}: the stored capture cannot be read: {exc}") from None
+        raise MdbError(f"{where}: the stored capture cannot be read: {exc}") from None
     if trace is None:  # pragma: no cover - deleted between the two reads
-        raise MdbError(f"--run {spec}: no stored capture at step {step}")
+        raise MdbError(f"{where}: no stored capture at step {step}")
     return trace
 
 
