@@ -93,7 +93,7 @@ def sdpa_probs(
 
     Returns:
         (probs, keep): probs (..., H, T, S) fp32; keep the bool mask of keys that took part,
-        expanded to probs' shape (a view; None when every key took part).
+        in its own shape, broadcastable to probs (None when every key took part).
     """
     q = query.detach().float()
     k = key.detach().float()
@@ -119,8 +119,8 @@ def sdpa_probs(
     dead = torch.isneginf(scores).all(dim=-1, keepdim=True)
     if bool(dead.any()):
         probs = probs.masked_fill(dead, 0.0)
-    if keep is not None:
-        keep = None if bool(keep.all()) else keep.expand(probs.shape)
+    if keep is not None and bool(keep.all()):
+        keep = None
     return probs, keep
 
 
@@ -136,9 +136,12 @@ def _as_bhts(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, *t.shape[-3:])
 
 
-def _small_mask(keep: torch.Tensor) -> torch.Tensor:
-    """``keep`` as (B, H, T, S) bool with the head and batch dimensions collapsed to 1 where
-    they are constant (it broadcasts back to the probabilities)."""
+def _small_mask(keep: torch.Tensor, ndim: int = 4) -> torch.Tensor:
+    """``keep`` (broadcastable to probabilities of ``ndim`` dimensions) as (B, H, T, S) bool,
+    with the head and batch dimensions collapsed to 1 where they are constant (it broadcasts
+    back to the probabilities)."""
+    if keep.dim() < ndim:
+        keep = keep.reshape((1,) * (ndim - keep.dim()) + tuple(keep.shape))
     keep = _as_bhts(keep)
     if keep.shape[1] > 1 and bool((keep == keep[:, :1]).all()):
         keep = keep[:, :1]
@@ -407,12 +410,14 @@ class AttentionCapture:
             return None
         probs, keep = sdpa_probs(q, k, a["attn_mask"], bool(a["is_causal"]), a["scale"],
                                  bool(a["enable_gqa"]))
+        if keep is not None and probs.dim() > 4:
+            keep = keep.expand(probs.shape)
         h, hkv, how = kv_heads(q, k, bool(a["enable_gqa"]))
         note = "" if q.dim() == 4 else f"{q.dim()}-D call: shown as (B, H, T, S) = " \
             f"{tuple(_as_bhts(probs).shape)}"
         return AttentionRecord(
             name, ci, layer_of(name), "sdpa", _as_bhts(probs).cpu(),
-            mask=None if keep is None else _small_mask(keep).cpu(),
+            mask=None if keep is None else _small_mask(keep, probs.dim()).cpu(),
             num_heads=h, num_kv_heads=hkv, kv_detail=how,
             dropout=float(a["dropout_p"] or 0.0), note=note)
 

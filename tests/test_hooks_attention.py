@@ -213,7 +213,7 @@ def test_float_mask_fully_masked_rows_and_scale():
     out = F.scaled_dot_product_attention(q, k, torch.eye(5)[None, None].expand(2, 3, 5, 5),
                                          attn_mask=mask, scale=0.3)
     torch.testing.assert_close(out, probs)  # V = identity: the output is the probabilities
-    assert torch.equal(keep, (mask > -1e30).expand(2, 3, 4, 5))
+    assert torch.equal(keep.expand(2, 3, 4, 5), (mask > -1e30).expand(2, 3, 4, 5))
 
 
 def test_gqa_from_the_call_shapes_and_repeated_heads():
@@ -340,3 +340,32 @@ def test_user_gpt_nan_case_row_zero_of_layer_one_is_nan_and_fully_masked():
     assert not torch.isnan(a0.probs).any()
     torch.testing.assert_close(a0.probs.sum(-1), torch.ones(2, 4, 32))
     assert math.isclose(float(a1.probs[0, 0, 1, 1]), 1.0)  # query 1 sees only key 1
+
+
+def test_attention_round_trips_and_old_traces_load(tmp_path):
+    import json
+
+    model, batch, loss_fn = build("mistral")
+    tr, _ = captured(model, batch, loss_fn)
+    back = hooks.Trace.load(tr.save(tmp_path / "t.mdbtrace"))
+    for a, b in zip(tr.attention, back.attention, strict=True):
+        for f in ("module", "call_index", "source", "num_heads", "num_kv_heads", "kv_detail",
+                  "dropout", "note"):
+            assert getattr(a, f) == getattr(b, f), f
+        assert torch.equal(a.probs, b.probs) and torch.equal(a.mask, b.mask)
+    # a trace of an older mdb: no mask, no KV heads
+    d = tmp_path / "t.mdbtrace"
+    data = json.loads((d / "trace.json").read_text())
+    for a in data["attention"]:
+        for f in ("num_heads", "num_kv_heads", "kv_detail", "dropout", "note"):
+            del a[f]
+    (d / "trace.json").write_text(json.dumps(data))
+    from safetensors.torch import load_file, save_file
+
+    tensors = {k: v for k, v in load_file(str(d / "tensors.safetensors")).items()
+               if not k.endswith("/mask")}
+    save_file(tensors, str(d / "tensors.safetensors"))
+    old = hooks.Trace.load(d)
+    assert [a.mask for a in old.attention] == [None, None]
+    assert old.attention[0].num_kv_heads is None and old.attention[0].kv_detail == ""
+    torch.testing.assert_close(old.attention[0].probs, tr.attention[0].probs)

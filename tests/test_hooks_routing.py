@@ -158,6 +158,25 @@ class OddBlock(nn.Module):
         return self.experts(x, ids, torch.full(ids.shape, 0.5))
 
 
+class TupleGate(nn.Linear):
+    """A router returning ``(logits, top-2 ids)``: the block passes those very ids on."""
+
+    def forward(self, x):
+        logits = super().forward(x)
+        return logits, logits.topk(2, dim=-1).indices
+
+
+class OwnedOddBlock(OddBlock):
+    def __init__(self, e=4, d=8):
+        super().__init__(e, d)
+        self.gate = TupleGate(d, e, bias=False)
+
+    def forward(self, x):
+        x = x.reshape(-1, x.shape[-1])
+        logits, ids = self.gate(x)
+        return self.experts(x, ids, torch.full(ids.shape, 0.5))
+
+
 class OneHotBlock(OddBlock):
     """NLLB-style: the experts get a one-hot (N, E) mask and (N, E) probabilities."""
 
@@ -193,6 +212,13 @@ def test_unknown_rule_keeps_ids_and_weights_but_shows_no_probs_or_aux():
     assert torch.all(r.top_k_weights == 0.5)
     # the gate's (N, E) output reproduces nothing, so it is not claimed as the router's logits
     assert r.router == "" and r.router_logits is None and "not identified" in r.note
+    # a gate that returned the very ids the experts got is the router, rule or no rule
+    owned = OwnedOddBlock()
+    with hooks.capture(owned) as tr:
+        owned(x)
+    (r,) = tr.routing
+    assert r.router == "gate" and r.scoring == "unknown" and "no known rule" in r.note
+    torch.testing.assert_close(r.router_logits, owned.gate(x)[0], rtol=0, atol=0)
     assert r.aux_loss_reason() == "the router's rule is unknown"
 
 
