@@ -44,10 +44,9 @@ from hooks.records import AttentionRecord, Note, layer_of
 #: Default byte budget for attention probabilities (and masks) kept by one capture.
 DEFAULT_ATTENTION_BYTES = 64 << 20
 
-# the originals, taken at import (the capture swaps the public names while it runs)
-_ORIG_SDPA = F.scaled_dot_product_attention
-_ORIG_TORCH_SOFTMAX = torch.softmax
-_ORIG_TENSOR_SOFTMAX = torch._C.TensorBase.softmax
+# the builtins, for mdb's own computation (the capture swaps the public names while it runs)
+_ORIG_SDPA = torch._C._nn.scaled_dot_product_attention
+_ORIG_TORCH_SOFTMAX = torch._C._VariableFunctions.softmax
 
 
 class AttentionHost(Protocol):
@@ -196,52 +195,65 @@ def _dispatch(kind: str, payload: tuple) -> None:
             return
 
 
-def _sdpa_wrapper(*args, **kwargs):
-    out = _ORIG_SDPA(*args, **kwargs)
-    if _ACTIVE:
-        _dispatch("sdpa", (args, kwargs))
-    return out
+def _sdpa_wrapper(orig):
+    """``orig`` (an SDPA) that also hands each call to the active captures."""
+
+    def scaled_dot_product_attention(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        if _ACTIVE:
+            _dispatch("sdpa", (args, kwargs))
+        return out
+
+    scaled_dot_product_attention.__wrapped__ = orig
+    return scaled_dot_product_attention
 
 
-def _tensor_softmax_wrapper(self, *args, **kwargs):
-    out = _ORIG_TENSOR_SOFTMAX(self, *args, **kwargs)
-    if _ACTIVE and 3 <= out.dim() <= 4:
-        _dispatch("softmax", (self, out, args[0] if args else kwargs.get("dim")))
-    return out
+def _softmax_wrapper(orig):
+    """``orig`` (``torch.softmax`` or ``Tensor.softmax``: input first) that hands 3-D and 4-D
+    results to the active captures."""
 
+    def softmax(input, *args, **kwargs):  # noqa: A002 - torch's parameter name
+        out = orig(input, *args, **kwargs)
+        if _ACTIVE and isinstance(out, torch.Tensor) and 3 <= out.dim() <= 4:
+            _dispatch("softmax", (input, out, args[0] if args else kwargs.get("dim")))
+        return out
 
-def _torch_softmax_wrapper(input, *args, **kwargs):  # noqa: A002 - torch's parameter name
-    out = _ORIG_TORCH_SOFTMAX(input, *args, **kwargs)
-    if _ACTIVE and isinstance(out, torch.Tensor) and 3 <= out.dim() <= 4:
-        _dispatch("softmax", (input, out, args[0] if args else kwargs.get("dim")))
-    return out
-
-
-_WRAPPERS = {id(_ORIG_SDPA): _sdpa_wrapper, id(_ORIG_TORCH_SOFTMAX): _torch_softmax_wrapper}
-
-
-def _patch(owner: Any, name: str, wrapper: Any) -> None:
-    original = owner.__dict__.get(name, _MISSING) if isinstance(owner, type) else \
-        getattr(owner, name)
-    setattr(owner, name, wrapper)
-    _PATCHED.append((owner, name, original, wrapper))
+    softmax.__wrapped__ = orig
+    return softmax
 
 
 _MISSING = object()
 
 
+def _patch(owner: Any, name: str, make) -> None:
+    """Replace ``owner.name`` by ``make(current)`` (each site keeps calling what it called)."""
+    if any(o is owner and n == name for o, n, _, _ in _PATCHED):
+        return
+    if isinstance(owner, type):
+        original = owner.__dict__.get(name, _MISSING)
+        current = getattr(owner, name)
+    else:
+        original = current = getattr(owner, name)
+    wrapper = make(current)
+    setattr(owner, name, wrapper)
+    _PATCHED.append((owner, name, original, wrapper))
+
+
 def _install(module_names: set[str]) -> None:
+    """Swap SDPA and softmax on ``torch.nn.functional``, ``torch`` and ``torch.Tensor``, and
+    the names bound to the builtins in the modules ``module_names`` (the model's classes')."""
     _patch(F, "scaled_dot_product_attention", _sdpa_wrapper)
-    _patch(torch, "softmax", _torch_softmax_wrapper)
-    _patch(torch.Tensor, "softmax", _tensor_softmax_wrapper)
+    _patch(torch, "softmax", _softmax_wrapper)
+    _patch(torch.Tensor, "softmax", _softmax_wrapper)
     for modname in sorted(module_names):
         mod = sys.modules.get(modname)
         if mod is None or mod is F or mod is torch:
             continue
         for name, value in list(vars(mod).items()):
-            wrapper = _WRAPPERS.get(id(value))
-            if wrapper is not None and (value is _ORIG_SDPA or value is _ORIG_TORCH_SOFTMAX):
-                _patch(mod, name, wrapper)
+            if value is _ORIG_SDPA:
+                _patch(mod, name, _sdpa_wrapper)
+            elif value is _ORIG_TORCH_SOFTMAX:
+                _patch(mod, name, _softmax_wrapper)
 
 
 def _uninstall() -> None:
@@ -306,12 +318,12 @@ class AttentionCapture:
     def start(self) -> None:
         """Put the interceptors in place (shared by nested captures)."""
         with _LOCK:
-            if not _ACTIVE:
-                try:
-                    _install(self._module_names)
-                except BaseException:
+            try:
+                _install(self._module_names)  # a nested capture adds its model's modules
+            except BaseException:
+                if not _ACTIVE:
                     _uninstall()
-                    raise
+                raise
             _ACTIVE.append(self)
         self._started = True
 

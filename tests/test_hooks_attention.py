@@ -242,6 +242,22 @@ def test_nothing_left_installed_also_when_the_body_raises():
     assert tr.attention == [] and not [n for n in tr.notes if n.kind == "attention"]
 
 
+def test_a_function_patched_before_the_capture_still_runs(monkeypatch):
+    calls = []
+    theirs = F.scaled_dot_product_attention
+
+    def user_wrapper(*a, **k):
+        calls.append(1)
+        return theirs(*a, **k)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", user_wrapper)
+    model, (x, y) = nanogpt()
+    with hooks.capture(model, attention=True) as tr:
+        model(x, y)
+    assert len(calls) == 2 and len(tr.attention) == 2
+    assert F.scaled_dot_product_attention is user_wrapper
+
+
 def test_nested_captures_share_and_restore_the_interceptors():
     model, (x, y) = nanogpt()
     other, _ = nanogpt()
