@@ -101,23 +101,30 @@ def sdpa_probs(
         scale = 1.0 / math.sqrt(q.shape[-1])
     if enable_gqa and q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
-    keep = None
+    scores = torch.matmul(q * scale, k.transpose(-2, -1))  # ours: changed in place below
+    keep = None  # keys that took part
+    neg_inf = None  # keys whose score is -inf for sure (SDPA's all -inf rows give 0)
     if is_causal:
         keep = torch.ones(t, s, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
+        neg_inf = ~keep
+        scores.masked_fill_(neg_inf, float("-inf"))
     if attn_mask is not None:
         m = attn_mask.detach()
+        fits = torch.broadcast_shapes(scores.shape, m.shape) == scores.shape
         if m.dtype == torch.bool:
-            scores = scores.masked_fill(~m, float("-inf"))
-            keep = m if keep is None else keep & m
+            scores = scores.masked_fill_(~m, float("-inf")) if fits else \
+                scores.masked_fill(~m, float("-inf"))
+            excl, ninf = m, ~m
         else:
-            scores = scores + m.float()
-            keep = ~_masked_below(m) if keep is None else keep & ~_masked_below(m)
+            scores = scores.add_(m) if fits else scores + m.float()
+            excl, ninf = ~_masked_below(m), torch.isneginf(m)
+        keep = excl if keep is None else keep & excl
+        neg_inf = ninf if neg_inf is None else neg_inf | ninf
     probs = _ORIG_TORCH_SOFTMAX(scores, dim=-1)
-    dead = torch.isneginf(scores).all(dim=-1, keepdim=True)
-    if bool(dead.any()):
-        probs = probs.masked_fill(dead, 0.0)
+    if neg_inf is not None:
+        dead = neg_inf.all(dim=-1, keepdim=True)
+        if bool(dead.any()):
+            probs.masked_fill_(dead, 0.0)
     if keep is not None and bool(keep.all()):
         keep = None
     return probs, keep
