@@ -9,7 +9,8 @@ Everything the TUI shows comes from a :class:`Trace` recorded by :func:`capture`
     trace.forward        # one CallRecord per module call, in execution order
     trace.backward       # one GradRecord per output gradient, in autograd order
     trace.params         # ParamGradRecord by parameter name
-    trace.routing        # one RoutingRecord per MoE layer call
+    trace.routing        # one RoutingRecord per MoE layer call (ids/weights the experts got)
+    trace.attention      # with capture(model, attention=True): probabilities the model computed
     trace.first_nonfinite()
     trace.save("step0.mdbtrace"); hooks.Trace.load("step0.mdbtrace")
     trace.diff(other_trace)
@@ -33,7 +34,6 @@ from hooks.probes import (
     EagerAttentionProbe,
     Probe,
     ProbeContext,
-    QKAttentionProbe,
     TopKRouterProbe,
     probes_for,
     register_probe,
@@ -73,7 +73,6 @@ __all__ = [
     "Probe",
     "ProbeContext",
     "ProbeRecord",
-    "QKAttentionProbe",
     "RoutingRecord",
     "Run",
     "Selector",

@@ -33,9 +33,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from hooks.attention import DEFAULT_ATTENTION_BYTES, AttentionCapture
 from hooks.ops import Replay
 from hooks.probes import ProbeContext, probes_for
 from hooks.records import CallRecord, GradRecord, ModuleInfo, Note, ParamGradRecord, TensorInfo
+from hooks.routing import ExpertsRouting
 from hooks.stats import NUM_BINS, StatsBatch
 from hooks.trace import Trace
 from hooks.walk import dtype_name, find_tensors, named_modules, named_parameters
@@ -132,6 +134,7 @@ class Capture:
         grads: bool = True,
         params: bool = True,
         attention: bool | Iterable[str] = False,
+        attention_bytes: int = DEFAULT_ATTENTION_BYTES,
         probes: bool = True,
         step: int | None = None,
         every: int = 1,
@@ -144,6 +147,8 @@ class Capture:
             raise ValueError(f"every must be >= 1, got {every}")
         if keep_bytes < 0:
             raise ValueError(f"keep_bytes must be >= 0, got {keep_bytes}")
+        if attention_bytes < 0:
+            raise ValueError(f"attention_bytes must be >= 0, got {attention_bytes}")
         self.model = model
         self.keep_bytes = int(keep_bytes)
         self.include = list(include) if include is not None else None
@@ -152,6 +157,7 @@ class Capture:
         self.grads = grads
         self.params = params
         self.attention = attention
+        self.attention_bytes = int(attention_bytes)
         self.probes = probes
         self.step = step
         self.every = every
@@ -227,6 +233,14 @@ class Capture:
             if self.probes:
                 for probe in probes_for(m):
                     self._handles.extend(probe.attach(name, m, ctx))
+        # routing from each MoE block's experts call; attention from the model's own calls
+        self._routing = ExpertsRouting(ctx) if self.probes else None
+        if self._routing is not None:
+            self._handles.extend(self._routing.attach(self._modules))
+        self._attention = AttentionCapture(ctx, self.attention_bytes) if self.attention else None
+        if self._attention is not None:
+            ctx.attention = self._attention
+            self._handles.extend(self._attention.attach(self._modules))
         if self.params:
             for name, p in named_parameters(self._modules):
                 if p.requires_grad:
@@ -234,6 +248,8 @@ class Capture:
                         p.register_post_accumulate_grad_hook(partial(self._on_param, name))
                     )
         self.active = True
+        if self._attention is not None:
+            self._attention.start()  # last: nothing is left installed if start() raised
         return tr
 
     def stop(self) -> Trace:
@@ -242,6 +258,10 @@ class Capture:
         if not self._started or not tr.captured or not self.active:
             return tr
         self.active = False
+        if self._attention is not None:
+            self._attention.stop()  # restores scaled_dot_product_attention and softmax
+        if self._routing is not None:
+            self._routing.finish()
         for h in self._handles:
             h.remove()
         for h in self._tensor_handles:
@@ -570,6 +590,7 @@ def capture(
     grads: bool = True,
     params: bool = True,
     attention: bool | Iterable[str] = False,
+    attention_bytes: int = DEFAULT_ATTENTION_BYTES,
     probes: bool = True,
     step: int | None = None,
     every: int = 1,
@@ -602,8 +623,12 @@ def capture(
             :meth:`Trace.first_nonfinite` to tell where NaN/Inf started).
         grads: record gradients of module outputs (tensor hooks).
         params: record per-parameter gradient statistics after backward.
-        attention: attention probabilities (B, H, T, T) for attention modules: True for all,
-            or ``fnmatch`` patterns of module names; False (default) adds no cost.
+        attention: attention probabilities (B, H, T, S) the model computed (its
+            ``scaled_dot_product_attention`` calls, recomputed from their q, k, mask and scale,
+            and its softmax over keys; see :mod:`hooks.attention`): True for all, or
+            ``fnmatch`` patterns of module names; False (default) adds no cost.
+        attention_bytes: budget in bytes for those probabilities (and masks); calls past it
+            are not kept and are named in a note. Default 64 MiB.
         probes: run the registered probes (MoE routing, attention); see
             :func:`hooks.register_probe`.
         step: training step number; with ``every``, only steps where ``step % every == 0`` are
@@ -618,7 +643,7 @@ def capture(
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
-        ValueError: ``every < 1`` or ``keep_bytes < 0``.
+        ValueError: ``every < 1``, ``keep_bytes < 0`` or ``attention_bytes < 0``.
     """
     return Capture(
         model,
@@ -629,6 +654,7 @@ def capture(
         grads=grads,
         params=params,
         attention=attention,
+        attention_bytes=attention_bytes,
         probes=probes,
         step=step,
         every=every,

@@ -270,25 +270,51 @@ class ParamGradRecord:
         )
 
 
+#: ``RoutingRecord.scoring`` values and what they mean.
+SCORINGS = {
+    "softmax": "softmax over all E",
+    "sigmoid": "sigmoid per expert",
+    "unknown": "rule unknown",
+}
+
+
 @dataclass(slots=True)
 class RoutingRecord:
     """What one MoE layer's router decided in one call (N = B*T tokens, E experts, k = top-k).
 
     Attributes:
         module: qualified name of the MoE block (e.g. ``model.layers.0.mlp``).
-        router: qualified name of the router module (e.g. ``model.layers.0.mlp.gate``).
+        router: qualified name of the router module whose logits are recorded (e.g.
+            ``model.layers.0.mlp.gate``); ``""`` when no logits were identified.
         call_index: call index of the MoE block.
         layer: decoder layer index parsed from the name, or None.
         num_experts: E.
         top_k: k.
-        top_k_ids: (N, k) int64 expert ids, best first.
+        top_k_ids: (N, k) int64 expert ids, in the order the block passed them.
         top_k_weights: (N, k) fp32 routing weights as the block applies them.
-        router_probs: (N, E) fp32 softmax of the router logits.
+        router_probs: (N, E) fp32 softmax over all E of the router logits: only when that is
+            the model's own rule (``scoring == "softmax"``), else None.
         tokens_per_expert: (E,) int64 number of (token, slot) assignments per expert; sums to N*k.
         aux_loss: this layer's Switch load-balancing loss without coefficient,
             ``E * sum_e f_e * P_e`` with ``f_e = tokens_per_expert[e] / (N*k)`` and ``P_e`` the
             mean router probability of expert e (``minillm.moe.load_balancing_loss``); 1.0 when
-            perfectly balanced.
+            perfectly balanced. None where it is not defined (the rule is not a softmax over
+            all E).
+        source: ``"experts"`` (ids and weights read from the call of the block's experts
+            module: what the model used), ``"router"`` (what a router returned, read by a
+            registered :class:`hooks.TopKRouterProbe`) or ``"recomputed"`` (from the router
+            logits with the block's own rule: minillm, HF v4 blocks returning
+            ``(y, router_logits)``).
+        scoring: a key of :data:`SCORINGS`, verified against the ids and weights used.
+        normalized: the top-k weights were renormalised to sum 1 (None: unknown).
+        scale: constant factor on the weights (``routed_scaling_factor``); None for 1.
+        score_bias: the choice ranked scores plus a bias (``e_score_correction_bias``); the
+            weights use the scores without it.
+        groups: ``[G, kept]`` for group-limited top-k (``n_group``, ``topk_group``), else None.
+        group_score: how groups were ranked: ``"top2_sum"`` (DeepSeek-V3) or ``"max"``.
+        router_logits: (N, E) fp32 logits as the router returned them, or None.
+        router_scores: (N, E) fp32 sigmoid scores (``scoring == "sigmoid"``), else None.
+        note: why something is missing (no logits, rule unknown), or ``""``.
     """
 
     module: str
@@ -299,15 +325,62 @@ class RoutingRecord:
     top_k: int
     top_k_ids: torch.Tensor
     top_k_weights: torch.Tensor
-    router_probs: torch.Tensor
+    router_probs: torch.Tensor | None
     tokens_per_expert: torch.Tensor
-    aux_loss: float
+    aux_loss: float | None
+    source: str = "experts"
+    scoring: str = "softmax"
+    normalized: bool | None = None
+    scale: float | None = None
+    score_bias: bool = False
+    groups: list[int] | None = None
+    group_score: str | None = None
+    router_logits: torch.Tensor | None = None
+    router_scores: torch.Tensor | None = None
+    note: str = ""
 
-    _TENSORS = ("top_k_ids", "top_k_weights", "router_probs", "tokens_per_expert")
+    _TENSORS = ("top_k_ids", "top_k_weights", "router_probs", "tokens_per_expert",
+                "router_logits", "router_scores")
+    _REQUIRED = ("top_k_ids", "top_k_weights", "tokens_per_expert")
+
+    def rule_text(self) -> str:
+        """The rule in words, e.g. ``sigmoid per expert + bias on the choice, group-limited
+        top-2 (2 of 4 groups), renormalised, ×2.5``."""
+        if self.scoring == "unknown":
+            return "rule unknown"
+        parts = [SCORINGS.get(self.scoring, self.scoring)]
+        if self.score_bias:
+            parts[0] += " + bias on the choice"
+        top = f"top-{self.top_k}"
+        if self.groups:
+            top = f"group-limited {top} ({self.groups[1]} of {self.groups[0]} groups)"
+        parts.append(top)
+        if self.normalized is True:
+            parts.append("renormalised (= softmax over the k chosen logits)"
+                         if self.scoring == "softmax" else "renormalised")
+        elif self.normalized is False:
+            parts.append("not renormalised")
+        if self.scale is not None:
+            parts.append(f"×{self.scale:.4g}")
+        return ", ".join(parts)
+
+    def aux_loss_reason(self) -> str:
+        """Why :attr:`aux_loss` is None (``""`` when it is given)."""
+        if self.aux_loss is not None:
+            return ""
+        if self.scoring == "unknown":
+            return "the router's rule is unknown"
+        return (f"the router scores with {SCORINGS.get(self.scoring, self.scoring)}; the Switch "
+                "loss E·Σ f·P needs a softmax over all E")
 
     def tensor_items(self, prefix: str) -> dict[str, torch.Tensor]:
-        """The record's tensors keyed ``f"{prefix}/{field}"`` for safetensors."""
-        return {f"{prefix}/{n}": getattr(self, n) for n in self._TENSORS}
+        """The record's tensors keyed ``f"{prefix}/{field}"`` for safetensors (None left out)."""
+        out = {}
+        for n in self._TENSORS:
+            t = getattr(self, n)
+            if t is not None:
+                out[f"{prefix}/{n}"] = t
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -319,10 +392,21 @@ class RoutingRecord:
             "top_k": self.top_k,
             "aux_loss": encode_float(self.aux_loss),
             "tokens_per_expert_list": self.tokens_per_expert.tolist(),
+            "source": self.source,
+            "scoring": self.scoring,
+            "normalized": self.normalized,
+            "scale": encode_float(self.scale),
+            "score_bias": self.score_bias,
+            "groups": self.groups,
+            "group_score": self.group_score,
+            "note": self.note,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], tensors: dict[str, torch.Tensor], prefix: str):
+        """Inverse of :meth:`to_dict` + :meth:`tensor_items`. Traces written before the rule
+        was recorded read as softmax over E, renormalised, recomputed (their only probes)."""
+        old = "scoring" not in d
         return cls(
             module=d["module"],
             router=d["router"],
@@ -330,9 +414,28 @@ class RoutingRecord:
             layer=d.get("layer"),
             num_experts=int(d["num_experts"]),
             top_k=int(d["top_k"]),
-            aux_loss=decode_float(d["aux_loss"]),  # type: ignore[arg-type]
-            **{n: tensors[f"{prefix}/{n}"] for n in cls._TENSORS},
+            aux_loss=decode_float(d.get("aux_loss")),
+            source=d.get("source", "recomputed" if old else "experts"),
+            scoring=d.get("scoring", "softmax"),
+            normalized=d.get("normalized", True if old else None),
+            scale=decode_float(d.get("scale")),
+            score_bias=bool(d.get("score_bias", False)),
+            groups=d.get("groups"),
+            group_score=d.get("group_score"),
+            note=d.get("note", ""),
+            **{n: (tensors[f"{prefix}/{n}"] if n in cls._REQUIRED else
+                   tensors.get(f"{prefix}/{n}")) for n in cls._TENSORS},
         )
+
+
+#: ``AttentionRecord.source`` values and what they mean.
+ATTENTION_SOURCES = {
+    "sdpa": "recomputed from the q, k, mask and scale of the model's scaled_dot_product_attention "
+            "call",
+    "softmax": "the output of the model's own softmax over the keys",
+    "eager": "the weights the attention module returned",
+    "recomputed": "recomputed from q_proj/k_proj outputs (traces of older mdb)",
+}
 
 
 @dataclass(slots=True)
@@ -340,12 +443,23 @@ class AttentionRecord:
     """Attention probabilities of one attention call.
 
     Attributes:
-        module: qualified name of the attention module.
-        call_index: its call index.
+        module: qualified name of the module that made the call (the innermost module running).
+        call_index: that module's call index.
         layer: decoder layer index parsed from the name, or None.
-        source: ``"eager"`` (returned by the module itself) or ``"recomputed"`` (from the
-            captured q/k projections, rotary embedding and causal mask).
-        probs: (B, H, T_q, T_k) fp32 softmax probabilities; each row sums to 1.
+        source: a key of :data:`ATTENTION_SOURCES`.
+        probs: (B, H, T_q, T_k) fp32 probabilities; each row sums to 1, except rows whose keys
+            are all masked (0 under SDPA, NaN from a hand-written softmax) and rows of a softmax
+            that also covered non-key columns (attention sinks: see ``note``).
+        mask: bool, broadcastable to ``probs``: True where the key took part (SDPA's
+            ``attn_mask`` convention); None when not recorded.
+        num_heads: H, query heads at the call (None: unknown).
+        num_kv_heads: distinct key/value heads at the call: ``k``'s heads under
+            ``enable_gqa``, fewer when K/V were repeated to H heads before the call (found by
+            comparing the heads), None when the keys were not seen.
+        kv_detail: how the KV heads were read: ``"enable_gqa"``, ``"repeated"`` (identical
+            consecutive heads in ``k``), ``"heads"`` (as many KV heads as query heads) or ``""``.
+        dropout: dropout probability the call applied after these probabilities.
+        note: anything else a reader must know, or ``""``.
     """
 
     module: str
@@ -353,9 +467,25 @@ class AttentionRecord:
     layer: int | None
     source: str
     probs: torch.Tensor
+    mask: torch.Tensor | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    kv_detail: str = ""
+    dropout: float = 0.0
+    note: str = ""
+
+    def nbytes(self) -> int:
+        """Bytes held by the record's tensors."""
+        n = self.probs.numel() * self.probs.element_size()
+        if self.mask is not None:
+            n += self.mask.numel() * self.mask.element_size()
+        return n
 
     def tensor_items(self, prefix: str) -> dict[str, torch.Tensor]:
-        return {f"{prefix}/probs": self.probs}
+        out = {f"{prefix}/probs": self.probs}
+        if self.mask is not None:
+            out[f"{prefix}/mask"] = self.mask
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -364,6 +494,11 @@ class AttentionRecord:
             "layer": self.layer,
             "source": self.source,
             "shape": list(self.probs.shape),
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "kv_detail": self.kv_detail,
+            "dropout": self.dropout,
+            "note": self.note,
         }
 
     @classmethod
@@ -374,6 +509,12 @@ class AttentionRecord:
             layer=d.get("layer"),
             source=d["source"],
             probs=tensors[f"{prefix}/probs"],
+            mask=tensors.get(f"{prefix}/mask"),
+            num_heads=d.get("num_heads"),
+            num_kv_heads=d.get("num_kv_heads"),
+            kv_detail=d.get("kv_detail", ""),
+            dropout=float(d.get("dropout", 0.0)),
+            note=d.get("note", ""),
         )
 
 
@@ -462,7 +603,8 @@ class Note:
 
     Attributes:
         kind: ``non_tensor_output``, ``no_grad``, ``compiled``, ``budget``, ``probe``,
-            ``no_backward``, ``hook_error`` or ``unsupported``.
+            ``no_backward``, ``hook_error``, ``unsupported``, ``routing`` (an MoE block whose
+            routing was not recorded) or ``attention`` (attention not recorded or cut).
         module: qualified module name, or None for the whole capture.
         call_index: the call it is about, or None.
         message: one line for a person.

@@ -107,7 +107,7 @@ def test_mixtral_router_probe_equals_hf_router_and_aux_loss():
 
 @pytest.mark.parametrize("factory", [llama, mixtral], ids=["llama", "mixtral"])
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
-def test_recomputed_attention_probs_equal_hf_eager_weights(factory, impl):
+def test_attention_probs_equal_hf_eager_weights(factory, impl):
     model = factory(impl)
     with hooks.capture(model, attention=True) as tr:
         out_captured = model(IDS)
@@ -116,13 +116,14 @@ def test_recomputed_attention_probs_equal_hf_eager_weights(factory, impl):
     ref = reference(IDS, output_attentions=True).attentions
     assert [a.module for a in tr.attention] == [f"model.layers.{i}.self_attn" for i in range(2)]
     for a, w in zip(tr.attention, ref, strict=True):
-        assert a.source == "recomputed" and a.probs.shape == (2, 4, 10, 10)
+        assert a.source == ("softmax" if impl == "eager" else "sdpa")
+        assert a.probs.shape == (2, 4, 10, 10)
         torch.testing.assert_close(a.probs, w.detach().float(), rtol=1e-5, atol=1e-6)
-    # the probe did not change the model's computation
+    # the capture did not change the model's computation
     torch.testing.assert_close(out_captured.logits, model(IDS).logits, rtol=0, atol=0)
 
 
-def test_recomputed_attention_with_padding_mask():
+def test_attention_with_padding_mask():
     model = llama("eager")
     mask = torch.ones(2, 10, dtype=torch.long)
     mask[1, :3] = 0  # left padding in the second sequence
@@ -144,10 +145,17 @@ def test_attention_not_requested_adds_no_hooks():
     assert n_q_hooks == 1  # only the capture's own record hook
 
 
-def test_kv_cache_step_is_skipped_with_a_note():
-    model = llama("eager")
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_kv_cache_step_attends_to_every_cached_key(impl):
+    model = llama(impl)
     out = model(IDS, use_cache=True)
+    reference = llama("eager")
+    reference.load_state_dict(model.state_dict())
+    ref_out = reference(IDS, use_cache=True)
+    ref = reference(IDS[:, -1:], cache=ref_out.cache, use_cache=True,
+                    output_attentions=True).attentions
     with hooks.capture(model, attention=True) as tr:
         model(IDS[:, -1:], cache=out.cache, use_cache=True)
-    assert tr.attention == []
-    assert any(n.kind == "probe" and "cached" in n.message for n in tr.notes)
+    assert [a.probs.shape for a in tr.attention] == [(2, 4, 1, 11)] * 2
+    for a, w in zip(tr.attention, ref, strict=True):
+        torch.testing.assert_close(a.probs, w.detach().float(), rtol=1e-5, atol=1e-6)

@@ -152,8 +152,11 @@ def test_dense_model_has_no_routing():
     assert any(r.module_type == "MiniLLMMLP" for r in tr.forward)
 
 
-def test_attention_probs_from_eager_path_only_when_requested(tiny):
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_attention_probs_only_when_requested_and_path_unchanged(tiny, impl):
     cfg, model, ids = tiny
+    for layer in model.model.layers:
+        layer.self_attn.attn_implementation = impl
     with hooks.capture(model) as tr:
         ref_logits = model(ids).logits
     assert tr.attention == []
@@ -162,10 +165,11 @@ def test_attention_probs_from_eager_path_only_when_requested(tiny):
         logits = model(ids).logits
     assert [a.module for a in tr.attention] == ["model.layers.1.self_attn"]
     assert all(not layer.self_attn.return_attn_weights for layer in model.model.layers)
-    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)  # the model's own path ran
     (a,) = tr.attention
     b, t = ids.shape
-    assert a.probs.shape == (b, cfg.num_attention_heads, t, t) and a.source == "eager"
+    assert a.probs.shape == (b, cfg.num_attention_heads, t, t)
+    assert a.source == {"sdpa": "sdpa", "eager": "softmax"}[impl]
     torch.testing.assert_close(a.probs.sum(-1), torch.ones(b, cfg.num_attention_heads, t))
     assert torch.all(a.probs.triu(diagonal=1) == 0)  # causal
     # independent reference: the model's own output_attentions

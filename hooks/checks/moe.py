@@ -31,26 +31,36 @@ def routing_stats(records: list[Any]) -> dict[str, dict[str, Any]]:
 
     Returns:
         ``{block: {"counts": [E ints], "tokens": N, "top_k": k, "entropy": mean over tokens of
-        -Σ p log p / ln E, "nonfinite": tokens left out}}``; counts are top-k assignments per
-        expert, summing to N·k. Tokens whose router probabilities are not finite are left out.
+        -Σ p log p / ln E, or None, "nonfinite": tokens left out}}``; counts are top-k
+        assignments per expert, summing to N·k. Tokens whose router probabilities are not
+        finite are left out. A router that does not score with a softmax over all E
+        (DeepSeek-V3's sigmoid) has no probabilities: its counts come from the ids alone and
+        its entropy is None.
     """
     out: dict[str, dict[str, Any]] = {}
     for r in records:
         s = out.setdefault(r.module, {"counts": torch.zeros(r.num_experts, dtype=torch.long),
                                       "tokens": 0, "top_k": r.top_k, "ent_sum": 0.0,
-                                      "nonfinite": 0})
-        p = r.router_probs.double()
-        ok = torch.isfinite(p).all(dim=-1)  # a NaN row is the non-finite check's business
+                                      "ent_tokens": 0, "nonfinite": 0})
+        ids = r.top_k_ids
+        if r.router_probs is not None:
+            p = r.router_probs.double()
+            ok = torch.isfinite(p).all(dim=-1)  # a NaN row is the non-finite check's business
+            p = p[ok]
+            ent = -(p * p.clamp_min(1e-300).log()).sum(dim=-1)
+            s["ent_sum"] += float(ent.sum())
+            s["ent_tokens"] += p.shape[0]
+        else:
+            w = r.top_k_weights.double()
+            ok = torch.isfinite(w).all(dim=-1)
         s["nonfinite"] += int((~ok).sum())
-        p = p[ok]
-        s["counts"] += torch.bincount(r.top_k_ids[ok].reshape(-1).long(),
-                                      minlength=r.num_experts)
-        ent = -(p * p.clamp_min(1e-300).log()).sum(dim=-1)
-        s["ent_sum"] += float(ent.sum())
-        s["tokens"] += p.shape[0]
+        s["counts"] += torch.bincount(ids[ok].reshape(-1).long(), minlength=r.num_experts)
+        s["tokens"] += int(ok.sum())
     for s in out.values():
         e = s["counts"].numel()
-        s["entropy"] = s.pop("ent_sum") / max(s["tokens"], 1) / math.log(e) if e > 1 else 1.0
+        n_ent = s.pop("ent_tokens")
+        ent_sum = s.pop("ent_sum")
+        s["entropy"] = (None if not n_ent else ent_sum / n_ent / math.log(e) if e > 1 else 1.0)
         s["counts"] = [int(c) for c in s["counts"]]
     return out
 
@@ -102,14 +112,16 @@ def routing(t: Target, o: DoctorOptions) -> Outcome:
             worst_dead = (block, dead)
         if ratio > worst_ratio[0]:
             worst_ratio = (ratio, block)
-        if s["entropy"] < min_ent[0]:
+        if s["entropy"] is not None and s["entropy"] < min_ent[0]:
             min_ent = (s["entropy"], block)
     first = next(iter(stats.values()))
     e = len(first["counts"])
     data = dict(batches=n_batches, layers=layers)
+    entropy = (f"router entropy ≥ {min_ent[0]:.2f}·ln E" if min_ent[1] or min_ent[0] <= 1.0
+               else "no router entropy (the router scores without a softmax over all E)")
     ev = (f"{len(stats)} MoE layer(s), {n_batches} batches ({first['tokens']} tokens): "
           f"busiest expert ×{worst_ratio[0]:.2f} its balanced share 1/{e}"
-          f" ({worst_ratio[1]}), router entropy ≥ {min_ent[0]:.2f}·ln E")
+          f" ({worst_ratio[1]}), {entropy}")
     if worst_dead:
         block, dead = worst_dead
         return Outcome.fail(

@@ -1,13 +1,22 @@
-"""``AttentionScreen``: one head's attention probabilities as a shaded T×T grid.
+"""``AttentionScreen``: one head's attention probabilities as a shaded T×S grid.
 
-Rows are query positions, columns key positions, both labelled with their tokens; each cell is
-a shade for its probability (`` `` 0, ``·`` < 5 %, ``░`` < 20 %, ``▒`` < 40 %, ``▓`` < 60 %,
-``█`` ≥ 60 %), so the picture reads without colour. Each row is a softmax, so it sums to 1.
-The title says which KV head the query head reads (grouped-query attention: query head h uses
-KV head ``h // (H / H_kv)``) and which other heads share it.
+Rows are query positions, columns key positions, labelled with their tokens where the call's
+positions are the input's tokens. Each cell is a shade for its probability (``·`` < 5 %,
+``░`` < 20 %, ``▒`` < 40 %, ``▓`` < 60 %, ``█`` ≥ 60 %); a key the call masked out is blank
+(distinct from a tiny probability), a NaN is ``!``, so the picture reads without colour. A row
+is a softmax and sums to 1, unless every key is masked (SDPA gives 0, a hand-written softmax
+NaN: said at the row's end) or the model's softmax also covered non-key columns (sinks).
+
+The second line says where the numbers come from (:data:`hooks.records.ATTENTION_SOURCES`) and
+which KV head the query head reads, from the call's own shapes (``H`` query heads against the
+keys' heads under ``enable_gqa``, or identical consecutive key heads when K/V were repeated
+before the call): query head h uses KV head ``h // (H / H_kv)``.
 """
 
 from __future__ import annotations
+
+import math
+import textwrap
 
 from textual.binding import Binding
 from textual.containers import ScrollableContainer
@@ -17,6 +26,14 @@ from tui.screens.view import VIEW_BINDINGS, LayerViewScreen
 from tui.widgets import fmt
 
 LEGEND = "shade: ' ' 0 · '·' <5% · '░' <20% · '▒' <40% · '▓' <60% · '█' ≥60%"
+LEGEND_MASKED = "' ' masked · '·' <5% · '░' <20% · '▒' <40% · '▓' <60% · '█' ≥60% · '!' NaN"
+#: Where the probabilities come from, in a few words (keys of ``AttentionRecord.source``).
+SOURCE_SHORT = {
+    "sdpa": "SDPA call",
+    "softmax": "model's softmax",
+    "eager": "module's weights",
+    "recomputed": "q_proj/k_proj (old trace)",
+}
 
 
 def kv_groups(num_heads: int, num_kv_heads: int | None) -> list[int] | None:
@@ -27,20 +44,95 @@ def kv_groups(num_heads: int, num_kv_heads: int | None) -> list[int] | None:
     return [h // group for h in range(num_heads)]
 
 
-def grid_text(matrix: list[list[float]], labels: list[str]) -> str:
+def kv_line(record, head: int, config: dict | None = None) -> str:
+    """Where the probabilities come from and which KV head ``head`` reads.
+
+    The KV heads are the record's (the call's shapes); a trace of an older mdb without them
+    falls back to the config's ``num_key_value_heads`` and says so.
+    """
+    n_heads = int(record.probs.shape[1])
+    source = SOURCE_SHORT.get(record.source, record.source)
+    hkv = getattr(record, "num_kv_heads", None)
+    how = getattr(record, "kv_detail", "") or ""
+    if hkv is None and (config or {}).get("num_key_value_heads") and record.source in (
+            "eager", "recomputed"):
+        hkv, how = config["num_key_value_heads"], "config"
+    groups = kv_groups(n_heads, hkv)
+    if groups is None:
+        why = ("the softmax sees no keys" if record.source == "softmax"
+               else "the keys were not seen")
+        return f"{source} · {n_heads} heads · KV sharing unknown ({why})"
+    mine = groups[head]
+    sharers = [h for h, g in enumerate(groups) if g == mine]
+    n_kv = len(set(groups))
+    if n_kv == n_heads:
+        return f"{source} · MHA: {n_heads} query heads, each with its own KV head"
+    kind = "MQA" if n_kv == 1 else "GQA"
+    detail = {"enable_gqa": " (enable_gqa)", "repeated": " (K/V repeated)",
+              "config": " (config)"}.get(how, "")
+    return (f"{source} · {kind}: query head {head} reads KV head {mine} of {n_kv}{detail}, "
+            f"heads {' '.join(map(str, sharers))}")
+
+
+def _cell(p: float, kept: bool) -> str:
+    if math.isnan(p):
+        return "!"
+    if not kept:
+        return " "
+    return fmt.shade(p) if p > 0.0 else fmt.SHADES[1]
+
+
+def grid_text(matrix: list[list[float]], labels: list[str], key_labels: list[str] | None = None,
+              mask: list[list[bool]] | None = None) -> str:
     """The shaded grid: a header of key labels, then one row per query position.
 
     Args:
         matrix: (T_q, T_k) probabilities.
-        labels: a token label per position (the first character is used in the header).
+        labels: a token label per query position (``[]`` when the positions are not tokens).
+        key_labels: a label per key position (default: ``labels``).
+        mask: (T_q, T_k) True where the key took part; None draws ``' '`` for 0.
+
+    Single-character labels (a character tokenizer) head each column; longer ones (ids,
+    subwords) are listed with separators above a ruler of key positions.
     """
     tk = len(matrix[0]) if matrix else 0
-    lab = [(labels[i] if i < len(labels) else "?") for i in range(max(len(matrix), tk))]
-    head = " " * 9 + "".join((lab[j][:1] or " ") for j in range(tk))
-    lines = [head]
+    keys = labels if key_labels is None else key_labels
+    keys = [(keys[j] if j < len(keys) else "") for j in range(tk)]
+    rows = [(labels[i] if i < len(labels) else "") for i in range(len(matrix))]
+    single = all(len(k) <= 1 for k in keys + rows)
+    width = 4 if single else max(4, min(6, max((len(r) for r in rows), default=0)))
+    pad = " " * (width + 5)
+    lines = []
+    if single:
+        lines.append(pad + "".join((k[:1] or " ") for k in keys))
+    else:
+        if any(keys):
+            lines.append("keys " + " ".join(k or "?" for k in keys))
+        lines.append(pad + "".join(str(j % 10) for j in range(tk)))
     for i, row in enumerate(matrix):
-        lines.append(f"{i:>3} {lab[i][:4]:<4}│" + "".join(fmt.shade(p) for p in row) + "│")
+        kept = mask[i] if mask is not None else [True] * tk
+        cells = "".join(_cell(p, k) if mask is not None else
+                        ("!" if math.isnan(p) else fmt.shade(p)) for p, k in zip(row, kept,
+                                                                                  strict=True))
+        end = ""
+        if mask is not None and not any(kept):
+            end = " NaN: no key to attend to" if any(math.isnan(p) for p in row) \
+                else " no key (all masked)"
+        elif any(math.isnan(p) for p in row):
+            end = " NaN"
+        lines.append(f"{i:>3} {rows[i][:width]:<{width}}│{cells}│{end}")
     return "\n".join(lines)
+
+
+def empty_reason(trace) -> list[str]:
+    """Why a trace holds no attention probabilities: the capture's notes, or that attention was
+    not requested."""
+    notes = [(f"{n.module}: " if n.module else "") + n.message
+             for n in trace.notes if n.kind == "attention"]
+    if notes:
+        return notes
+    return ["this trace was captured without attention probabilities "
+            "(hooks.capture(model, attention=True); mdb capture without --no-attention)"]
 
 
 class AttentionScreen(LayerViewScreen):
@@ -83,8 +175,10 @@ class AttentionScreen(LayerViewScreen):
     def on_mount(self) -> None:
         if not self.records:
             self.query_one("#title", Static).update(
-                "attention · no attention probabilities were recorded "
-                "(capture with attention=True; mdb step does)")
+                "attention · no attention probabilities were recorded")
+            text = "\n\n".join(textwrap.fill(r, 76) for r in empty_reason(self.trace))
+            self.query_one("#grid", Static).update(text)
+            self.query_one("#legend", Static).update("")
             return
         self.show()
         self.query_one("#grid-scroll").focus()
@@ -110,29 +204,42 @@ class AttentionScreen(LayerViewScreen):
         grid = self.query_one("#grid-scroll", ScrollableContainer)
         grid.scroll_relative(y=delta * 3, animate=False)
 
+    def _labels(self, rec, t_q: int, t_k: int) -> tuple[list[str], list[str]]:
+        """Token labels of the queries and keys, where the call's positions are the input's."""
+        tokens = self.trace.meta.get("tokens") or []
+        shape = self.trace.meta.get("input_shape") or []
+        seq = int(shape[-1]) if shape else (len(tokens) // max(rec.probs.shape[0], 1))
+        names = {m.name for m in self.trace.modules}
+        if {"encoder", "decoder"} <= names and not rec.module.startswith("encoder."):
+            return [], []  # decoder positions are the labels', not the input's
+        row = tokens[self.batch * seq:(self.batch + 1) * seq] if seq else []
+        q = row if t_q == seq else []
+        k = row if t_k == seq else []
+        return q, k
+
     def show(self) -> None:
         """Draw the grid of the current layer, head and sequence."""
         rec = self.record
-        b_count, n_heads, t_q, _ = rec.probs.shape
+        b_count, n_heads, t_q, t_k = rec.probs.shape
         self.batch = min(self.batch, b_count - 1)
         self.matrix = rec.probs[self.batch, self.head].float().tolist()
         layer = "?" if rec.layer is None else rec.layer
+        call = f" #{rec.call_index}" if rec.call_index else ""
         self.query_one("#title", Static).update(
             f"attention · layer {layer} ({self.position + 1}/{len(self.records)}) · "
-            f"head {self.head}/{n_heads} · seq {self.batch}/{b_count} · {rec.module}"
+            f"head {self.head}/{n_heads} · seq {self.batch}/{b_count} · {rec.module}{call}"
         )
-        config = self.trace.meta.get("config") or {}
-        groups = kv_groups(n_heads, config.get("num_key_value_heads"))
-        if groups is None:
-            kv = "KV sharing unknown (no minillm config in this trace)"
-        else:
-            mine = groups[self.head]
-            sharers = [h for h, g in enumerate(groups) if g == mine]
-            kind = "MHA" if len(set(groups)) == n_heads else (
-                "MQA" if len(set(groups)) == 1 else "GQA")
-            kv = (f"{kind}: query head {self.head} reads KV head {mine} of "
-                  f"{len(set(groups))}, shared by heads {' '.join(map(str, sharers))}")
-        self.query_one("#kv", Static).update(kv)
-        tokens = self.trace.meta.get("tokens") or []
-        labels = tokens[self.batch * t_q:(self.batch + 1) * t_q]
-        self.query_one("#grid", Static).update(grid_text(self.matrix, labels))
+        self.query_one("#kv", Static).update(
+            kv_line(rec, self.head, self.trace.meta.get("config")))
+        mask = None
+        if rec.mask is not None:
+            m = rec.mask.expand(rec.probs.shape)
+            mask = m[self.batch, self.head].tolist()
+        q_labels, k_labels = self._labels(rec, t_q, t_k)
+        notes = [rec.note] if rec.note else []
+        if rec.dropout:
+            notes.append(f"dropout p={rec.dropout:g} was applied after these probabilities")
+        head = "".join(textwrap.fill(n, 76) + "\n" for n in notes)
+        self.query_one("#grid", Static).update(
+            head + grid_text(self.matrix, q_labels, k_labels, mask))
+        self.query_one("#legend", Static).update(LEGEND if mask is None else LEGEND_MASKED)

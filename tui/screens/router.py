@@ -6,8 +6,14 @@ For the chosen layer (one :class:`hooks.RoutingRecord`, N = B·T tokens, E exper
 * per expert: the (token, slot) assignments it received, its share of the N·k assignments
   against the uniform share 1/E, and a flag when it takes far more than its share (at least
   :data:`HOT_VS_UNIFORM` times 1/E; for E=8, top-2 that is half of the tokens) or gets none;
-* the layer's load-balancing loss ``E·Σ f_e P_e`` (1.0 = balanced) and the model's total
-  ``aux_loss = coef · Σ_layers``.
+* the rule that produced them, as verified against the ids and weights the experts received
+  (softmax over E or sigmoid; bias, group-limited top-k, renormalisation, scale), and where the
+  ids and weights were read;
+* the layer's load-balancing loss ``E·Σ f_e P_e`` (1.0 = balanced) where it is defined (a
+  softmax over all E, Switch/Mixtral), else why not, and the model's total ``aux_loss``.
+
+Where the model has MoE blocks but nothing was recorded, the view names them and says why
+(the capture's ``routing`` notes).
 """
 
 from __future__ import annotations
@@ -45,6 +51,15 @@ def expert_rows(record) -> list[dict]:
     return rows
 
 
+def source_line(rec) -> str:
+    """Where the record's ids and weights were read."""
+    if rec.source == "experts":
+        return f"ids, weights: what {rec.module or '<root>'}.experts received"
+    if rec.source == "router":
+        return f"ids, weights: as {rec.router} returned them"
+    return f"ids, weights: recomputed from {rec.router or 'the router'}'s logits (block's rule)"
+
+
 class RouterScreen(LayerViewScreen):
     """Per-layer routing table, tokens per expert and the load-balancing losses."""
 
@@ -76,8 +91,15 @@ class RouterScreen(LayerViewScreen):
 
     def on_mount(self) -> None:
         if not self.records:
-            self.query_one("#title", Static).update(
-                "router · this model has no MoE layer (no routing was recorded)")
+            notes = [n for n in self.trace.notes if n.kind == "routing"]
+            if notes:
+                self.query_one("#title", Static).update(
+                    f"router · {len(notes)} MoE block(s), no routing recorded")
+                self.query_one("#router-summary", Static).update(
+                    "\n".join(f"{n.module}: {n.message}" for n in notes))
+            else:
+                self.query_one("#title", Static).update(
+                    "router · this model has no MoE layer (no module with an experts child)")
             return
         self.show()
         self.query_one("#tokens", DataTable).focus()
@@ -133,13 +155,21 @@ class RouterScreen(LayerViewScreen):
     def _fill_summary(self, rec, rows: list[dict]) -> None:
         meta = self.trace.meta
         lines = [f"uniform share 1/E = {fmt.pct(1 / rec.num_experts)}",
-                 f"layer aux loss {rec.aux_loss:.4f} (1.0 = balanced)"]
+                 f"rule: {rec.rule_text()}", source_line(rec)]
+        if rec.note:
+            lines.append(rec.note)
+        if rec.aux_loss is not None:
+            lines.append(f"layer aux loss {rec.aux_loss:.4f} (1.0 = balanced)")
+        else:
+            lines.append(f"aux loss not shown: {rec.aux_loss_reason()}")
         total = meta.get("aux_loss")
         if total is not None:
             coef = (meta.get("config") or {}).get("router_aux_loss_coef")
-            layer_sum = sum(r.aux_loss for r in self.records)
-            extra = f" = {coef} × Σ {layer_sum:.3f}" if coef is not None else ""
-            lines.append(f"total aux_loss {fmt.sci(total)}{extra}")
+            if coef is not None and all(r.aux_loss is not None for r in self.records):
+                layer_sum = sum(r.aux_loss for r in self.records)
+                lines.append(f"total aux_loss {fmt.sci(total)} = {coef} × Σ {layer_sum:.3f}")
+            else:
+                lines.append(f"model's aux_loss {fmt.sci(total)} (its own definition)")
         hot = [r for r in rows if r["flag"] == "hot"]
         dead = [r for r in rows if r["flag"] == "dead"]
         for r in hot:
