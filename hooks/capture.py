@@ -464,7 +464,7 @@ class Capture:
             rec.time_ms = (t_end - self._t0.pop()) * 1e3
             rec.end_order = self._end
             self._end += 1
-            if isinstance(output, torch.Tensor):
+            if isinstance(output, torch.Tensor) and not output.is_nested:
                 tensors = [("out", output)]
                 others: list[tuple[str, str]] = []
             else:
@@ -472,7 +472,12 @@ class Capture:
                 others = []
                 find_tensors(output, "out", tensors, others)
             if not tensors:
-                rec.notes.append(f"non-tensor output ({type(output).__name__}): nothing to record")
+                if others and others[0][1] == "nested tensor":
+                    rec.notes.append("output is a nested tensor (no single shape): not recorded")
+                else:
+                    rec.notes.append(
+                        f"non-tensor output ({type(output).__name__}): nothing to record"
+                    )
             elif others:
                 rec.notes.append(
                     "non-tensor output parts not recorded: "
