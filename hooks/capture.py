@@ -685,9 +685,8 @@ class Capture:
             Note(
                 "recomputed",
                 f"activation checkpointing re-ran {self._reruns} call(s) of {mods} module(s) "
-                "during backward; each re-run is kept with the forward call it repeats "
-                "(CallRecord.recomputed), not recorded as a new call, and the gradients it "
-                "produced are recorded for that call",
+                "during backward: kept with the calls they repeat (CallRecord.recomputed), with "
+                "the gradients they produced, not recorded as new calls",
             )
         )
         if differs:
