@@ -113,10 +113,12 @@ def _force_eager() -> Any:
         return None
 
 
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+
 def _in_backward() -> bool:
     """True while autograd runs a backward pass on this thread (checkpoint recomputation)."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
+    return _graph_task_id is not None and _graph_task_id() != -1
 
 
 def module_infos(
@@ -846,13 +848,10 @@ class _Recomputed:
 
 def _signature(tensors: list[tuple[str, torch.Tensor]]) -> tuple:
     """Where a call's input tensors live (their storage), to tell calls of one module apart."""
-    out = []
-    for _, t in tensors:
-        try:
-            out.append(t.data_ptr())
-        except Exception:  # tensors without storage (sparse, some subclasses)
-            out.append(id(t))
-    return tuple(out)
+    try:
+        return tuple([t.data_ptr() for _, t in tensors])
+    except Exception:  # tensors without storage (sparse, some subclasses)
+        return tuple(id(t) for _, t in tensors)
 
 
 def _same_values(a: TensorStats, b: TensorStats, rtol: float = 1e-5) -> bool:

@@ -290,11 +290,16 @@ def hf(family: str, reentrant: bool | None):
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_hf_llama_gradient_checkpointing_equals_plain(reentrant):
     model, batch = hf("llama", None)
-    tr_plain = run(model, batch)
+    tr_plain = run(model, batch, attention=True)
     model, batch = hf("llama", reentrant)
-    tr = run(model, batch)
+    tr = run(model, batch, attention=True)
     assert len(tr.forward) == len(tr_plain.forward) == 32
     assert_same_capture(tr_plain, tr, model)
+    # one attention record per layer (the attention view read "layer 0 (1/4)" for 2 layers)
+    assert [(a.module, a.call_index) for a in tr.attention] == [
+        ("model.layers.0.self_attn", 0), ("model.layers.1.self_attn", 0)]
+    for a, b in zip(tr_plain.attention, tr.attention, strict=True):
+        torch.testing.assert_close(a.probs, b.probs, atol=1e-6, rtol=0)
     assert sum(r.recomputed for r in tr.forward) == 24  # 2 layers x 12 modules below the layer
     assert all(r.recomputed == 0 for r in tr.forward if r.module.count(".") <= 2)
 
