@@ -110,11 +110,11 @@ def test_expected_cases_do_take_the_fast_path(kernel_calls):
 def test_encoder_stack_with_padding_runs_nested_and_is_said(kernel_calls):
     torch.manual_seed(0)
     enc = nn.TransformerEncoder(make_layer(), 2, enable_nested_tensor=True).eval()
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "nested tensors are in prototype stage"
         ref = enc(X, src_key_padding_mask=PAD)
         assert kernel_calls["layer"] == 2
-        with warnings.catch_warnings(), hooks.capture(enc) as tr:
-            warnings.simplefilter("ignore")  # "nested tensors are in prototype stage"
+        with hooks.capture(enc) as tr:
             out = enc(X, src_key_padding_mask=PAD)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert sorted(n.module for n in tr.notes if n.kind == "fast_path") == ["layers.0", "layers.1"]
