@@ -8,6 +8,11 @@ statistic back separately measured 1.7x). All sides are timed in one run, interl
 naive hook is included as the reference point. On a shared machine, compare the "wall min"
 ratio (the least-disturbed run of each side) as well as the medians. Also prints the trace's
 size and checks that capturing does not change the gradients.
+
+``--breakdown`` also replays the tensors one capture summarised through the statistics alone,
+interleaved with the two-pass alternative the issue suggested (``torch.aminmax`` +
+``torch.var_mean``, which would replace ``sum`` and ``dot``), so the share of the statistics
+in the overhead, and what fewer passes would give, are measured rather than guessed.
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-naive", action="store_true", help="skip the naive-hook reference")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time the statistics alone, and aminmax + var_mean instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -135,6 +142,57 @@ def main() -> None:
         f"{sum(t.numel() * t.element_size() for t in trace.all_tensors().values()) / 1e6:.2f} MB"
     )
     print(f"gradients identical with and without capture: {same}")
+    if args.breakdown:
+        breakdown(model, ids, med[cap] - med[base], args.repeats)
+
+
+def breakdown(model, ids, overhead_s: float, repeats: int) -> None:
+    """Time the statistics of one capture's tensors alone: as computed (aminmax, sum, dot), and
+    with two passes (aminmax, var_mean) instead of three."""
+    import hooks
+    import hooks.stats as stats
+
+    seen: list[torch.Tensor] = []
+    add = stats.StatsBatch.add
+
+    def grab(self, t):
+        seen.append(t.detach().clone())
+        return add(self, t)
+
+    stats.StatsBatch.add = grab
+    try:
+        model.zero_grad(set_to_none=True)
+        with hooks.capture(model):
+            model(ids, labels=ids).loss.backward()
+    finally:
+        stats.StatsBatch.add = add
+    floats = [t.reshape(-1).float() for t in seen if t.numel()]
+
+    def as_computed() -> None:
+        batch = stats.StatsBatch()
+        for t in seen:
+            batch.add(t)
+        batch.finalize()
+
+    def two_passes() -> None:  # the moments only (no histogram, no zeros): a lower bound
+        for x in floats:
+            lo, hi = torch.aminmax(x)
+            var, mean = torch.var_mean(x, correction=0)
+            torch.stack((lo, hi, var, mean)).tolist()
+
+    def three_passes() -> None:  # the same moments as the capture takes them
+        for x in floats:
+            lo, hi = torch.aminmax(x)
+            torch.stack((lo, hi, x.sum(), torch.dot(x, x))).tolist()
+
+    n = sum(x.numel() for x in floats)
+    print(f"statistics of one capture: {len(seen)} tensors, {n / 1e6:.1f} M elements")
+    times = interleaved({"StatsBatch (as captured)": as_computed,
+                         "aminmax+sum+dot only": three_passes,
+                         "aminmax+var_mean only": two_passes}, repeats=max(5, repeats // 3))
+    med = report(times, baseline="aminmax+sum+dot only")
+    print(f"statistics: {med['StatsBatch (as captured)'] * 1e3:.1f} ms of the capture's "
+          f"{overhead_s * 1e3:.1f} ms overhead per step")
 
 
 if __name__ == "__main__":

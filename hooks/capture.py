@@ -38,7 +38,7 @@ from hooks.ops import Replay
 from hooks.probes import ProbeContext, probes_for
 from hooks.records import CallRecord, GradRecord, ModuleInfo, Note, ParamGradRecord, TensorInfo
 from hooks.routing import ExpertsRouting
-from hooks.stats import NUM_BINS, StatsBatch
+from hooks.stats import NUM_BINS, StatsBatch, TensorStats
 from hooks.trace import Trace
 from hooks.walk import dtype_name, find_tensors, named_modules, named_parameters
 
@@ -59,23 +59,69 @@ def _matches(name: str, module: nn.Module, selectors: Sequence[Selector]) -> boo
     return False
 
 
-def _is_compiled(modules: list[tuple[str, nn.Module]]) -> bool:
-    # Nothing can be compiled before torch._dynamo was imported; importing it here would cost
-    # seconds, so only look it up.
-    dynamo = sys.modules.get("torch._dynamo.eval_frame")
-    if dynamo is None:
-        return False
-    OptimizedModule = getattr(dynamo, "OptimizedModule", ())
-    for _, m in modules:
-        if isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None:
-            return True
-    return False
+# -- torch.compile ------------------------------------------------------------------------------
+# Nothing can be compiled before torch._dynamo was imported, and importing it costs seconds: the
+# helpers below only look it up in sys.modules.
+
+
+def _dynamo_eval_frame() -> Any:
+    return sys.modules.get("torch._dynamo.eval_frame")
+
+
+def unwrap_compiled(model: nn.Module) -> nn.Module:
+    """The module that ``torch.compile(module)`` wrapped (``OptimizedModule._orig_mod``, also
+    through several wrappers); ``model`` itself when it is not such a wrapper."""
+    ef = _dynamo_eval_frame()
+    wrapper = getattr(ef, "OptimizedModule", None) if ef is not None else None
+    while wrapper is not None and isinstance(model, wrapper):
+        model = model._orig_mod
+    return model
+
+
+def _compiled_parts(modules: list[tuple[str, nn.Module]]) -> list[str]:
+    """Names of the modules that are compiled: ``torch.compile(m)`` wrappers and modules
+    compiled in place with ``m.compile()``."""
+    ef = _dynamo_eval_frame()
+    if ef is None:
+        return []
+    wrapper = getattr(ef, "OptimizedModule", ())
+    return [
+        name or "<root>"
+        for name, m in modules
+        if isinstance(m, wrapper) or getattr(m, "_compiled_call_impl", None) is not None
+    ]
+
+
+def _in_compiled_wrapper() -> bool:
+    """True while a ``torch.compile(module)`` wrapper (``OptimizedModule``) runs its module."""
+    ef = _dynamo_eval_frame()
+    check = getattr(ef, "_is_in_optimized_module", None) if ef is not None else None
+    return bool(check is not None and check())
+
+
+def _force_eager() -> Any:
+    """Enter ``torch.compiler.set_stance("force_eager")`` when dynamo is loaded: compiled code
+    (``torch.compile``'d modules and functions) runs its original Python eagerly until the
+    returned context is exited, so module hooks fire and dynamo traces none of them. Returns
+    None when dynamo is not loaded (nothing can be compiled) or torch has no ``set_stance``
+    (torch < 2.6)."""
+    if "torch._dynamo" not in sys.modules:
+        return None
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is None:
+        return None
+    try:
+        return set_stance("force_eager")  # takes effect now; __exit__ restores the previous one
+    except Exception:  # e.g. called inside a compiled region
+        return None
+
+
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 
 
 def _in_backward() -> bool:
     """True while autograd runs a backward pass on this thread (checkpoint recomputation)."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
+    return _graph_task_id is not None and _graph_task_id() != -1
 
 
 def module_infos(
@@ -163,7 +209,7 @@ class Capture:
         self.every = every
         self.bins = bins
         self.trace = Trace(meta=dict(meta or {}), step=step)
-        self.active = False
+        self._active = False
         self._started = False
 
     # -- public lifecycle -----------------------------------------------------------------------
@@ -171,6 +217,27 @@ class Capture:
     def sampled(self) -> bool:
         """Whether this step is captured (``step % every == 0``, or no step given)."""
         return self.step is None or self.step % self.every == 0
+
+    @property
+    def recording(self) -> bool:
+        """True from ``start()`` to ``stop()`` of a sampled step (also during backward)."""
+        return self._active
+
+    @property
+    def recomputing(self) -> bool:
+        """True while autograd runs a backward pass during the capture: a forward call made now
+        is activation checkpointing re-running an earlier call (``torch.utils.checkpoint``,
+        reentrant or not; HF ``gradient_checkpointing_enable``), not a new call. The capture
+        keeps such calls with the call they repeat (``CallRecord.recomputed``); probes must not
+        record them again."""
+        return self._active and _in_backward()
+
+    @property
+    def active(self) -> bool:
+        """True while forward hooks should record: ``recording`` and not ``recomputing``.
+        Probes' forward hooks check it (through ``ProbeContext.active``), so a call re-run by
+        activation checkpointing adds no second routing or attention record."""
+        return self._active and not _in_backward()
 
     def __enter__(self) -> Trace:
         return self.start()
@@ -185,7 +252,7 @@ class Capture:
             raise RuntimeError("a Capture can be started only once; build a new one per step")
         self._started = True
         tr = self.trace
-        tr.model_type = type(self.model).__name__
+        tr.model_type = type(unwrap_compiled(self.model)).__name__
         tr.captured = self.sampled
         if not tr.captured:
             return tr
@@ -204,21 +271,16 @@ class Capture:
         self._kept = 0
         self._dropped = 0
         self._errors: dict[str, str] = {}
-        self._call_count = 0
+        self._init_recompute()
 
-        self._modules = named_modules(self.model)
-        tr.modules = module_infos(self.model, self._modules)
-        if _is_compiled(self._modules):
-            tr.notes.append(
-                Note(
-                    "compiled",
-                    "model (or a submodule) is torch.compile'd: hooks added after compilation "
-                    "may not fire or may force recompiles; capture the uncompiled module "
-                    "(e.g. model._orig_mod) for reliable records",
-                )
-            )
+        root = unwrap_compiled(self.model)
+        tr.model_type = type(root).__name__
+        self._modules = named_modules(root)
+        tr.modules = module_infos(root, self._modules)
+        self._start_eager(root)
+        fast_path = _fast_path_layers(self._modules)
         # what re-runs this forward for Trace.ops (the root's first call and the RNG state)
-        self._handles.append(self.model.register_forward_pre_hook(
+        self._handles.append(root.register_forward_pre_hook(
             self._remember_call, with_kwargs=True, prepend=True))
         ctx = ProbeContext(self)
         for name, m in self._modules:
@@ -247,7 +309,8 @@ class Capture:
                     self._handles.append(
                         p.register_post_accumulate_grad_hook(partial(self._on_param, name))
                     )
-        self.active = True
+        self._watch_fast_path(fast_path)
+        self._active = True
         if self._attention is not None:
             self._attention.start()  # last: nothing is left installed if start() raised
         return tr
@@ -255,13 +318,14 @@ class Capture:
     def stop(self) -> Trace:
         """Remove every hook, convert the statistics and return the finished trace."""
         tr = self.trace
-        if not self._started or not tr.captured or not self.active:
+        if not self._started or not tr.captured or not self._active:
             return tr
-        self.active = False
+        self._active = False
         if self._attention is not None:
             self._attention.stop()  # restores scaled_dot_product_attention and softmax
         if self._routing is not None:
             self._routing.finish()
+        self._stop_eager()
         for h in self._handles:
             h.remove()
         for h in self._tensor_handles:
@@ -272,10 +336,13 @@ class Capture:
         for rec in self._stack:
             rec.notes.append("call did not finish (an exception unwound it)")
         self._stack.clear()
+        self._rstack.clear()
         results = self._batch.finalize()
         for obj, slot in self._pending:
             obj.stats = results[slot]
         self._pending.clear()
+        self._finish_recompute(results)
+        self._finish_fast_path()
         if self.params and (tr.backward or self._touched):
             tr.params = self._param_records()
         elif self.params and self.grads:
@@ -300,8 +367,7 @@ class Capture:
             )
         for name, msg in self._errors.items():
             tr.notes.append(Note("hook_error", msg, module=name))
-        if self._call_count == 0 and tr.notes and tr.notes[0].kind == "compiled":
-            tr.notes.append(Note("compiled", "no forward call was recorded (compiled model)"))
+        self._finish_eager()
         tr.kept_bytes = self._kept
         return tr
 
@@ -371,22 +437,29 @@ class Capture:
         return None
 
     def _pre(self, name: str, tname: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not self.active:
+        if not self._active:
             return None
         try:
+            in_backward = _in_backward()
+            if in_backward:
+                if self._pre_recomputed(name, args, kwargs):
+                    return None
+            elif self._rstack:  # left open by a recomputation that stopped early
+                self._rstack.clear()
+            stack = self._stack
+            if not stack and self._watch_wrapper and _in_compiled_wrapper():
+                self._via_wrapper = True
             ci = self._counts.get(name, 0)
             self._counts[name] = ci + 1
-            self._call_count += 1
-            stack = self._stack
             fwd = self.trace.forward
             rec = CallRecord(
                 len(fwd), name, tname, ci, len(stack), stack[-1].index if stack else None
             )
             fwd.append(rec)
-            if _in_backward():
+            if in_backward:
                 rec.notes.append(
-                    "recomputed during backward (activation checkpointing): a repeat of an "
-                    "earlier forward call"
+                    "called while autograd ran a backward pass, and no earlier forward call of "
+                    "this module matches it: recorded as a new call"
                 )
             if self.inputs:
                 tensors: list[tuple[str, torch.Tensor]] = []
@@ -396,6 +469,7 @@ class Capture:
                 if kwargs:
                     find_tensors(kwargs, "kwargs", tensors, others)
                 rec.inputs = [self._info(p, t) for p, t in tensors]
+                self._sigs[rec.index] = _signature(tensors)
             stack.append(rec)
             self._t0.append(time.perf_counter())
         except Exception as exc:  # never break the user's forward
@@ -405,10 +479,12 @@ class Capture:
     def _post(
         self, name: str, tname: str, module: nn.Module, args: tuple, kwargs: dict, output: Any
     ) -> None:
-        if not self.active:
+        if not self._active:
             return None
         t_end = time.perf_counter()
         try:
+            if self._rstack and _in_backward() and self._post_recomputed(name, output):
+                return None
             stack = self._stack
             while stack and stack[-1].module != name:  # a child raised and was not closed
                 stack.pop().notes.append("call did not finish (an exception unwound it)")
@@ -419,7 +495,7 @@ class Capture:
             rec.time_ms = (t_end - self._t0.pop()) * 1e3
             rec.end_order = self._end
             self._end += 1
-            if isinstance(output, torch.Tensor):
+            if isinstance(output, torch.Tensor) and not output.is_nested:
                 tensors = [("out", output)]
                 others: list[tuple[str, str]] = []
             else:
@@ -427,7 +503,12 @@ class Capture:
                 others = []
                 find_tensors(output, "out", tensors, others)
             if not tensors:
-                rec.notes.append(f"non-tensor output ({type(output).__name__}): nothing to record")
+                if others and others[0][1] == "nested tensor":
+                    rec.notes.append("output is a nested tensor (no single shape): not recorded")
+                else:
+                    rec.notes.append(
+                        f"non-tensor output ({type(output).__name__}): nothing to record"
+                    )
             elif others:
                 rec.notes.append(
                     "non-tensor output parts not recorded: "
@@ -453,7 +534,7 @@ class Capture:
         return None
 
     def _on_grad(self, rec: CallRecord, path: str, grad: torch.Tensor) -> None:
-        if not self.active or grad is None:
+        if not self._active or grad is None:
             return None
         try:
             bwd = self.trace.backward
@@ -480,7 +561,7 @@ class Capture:
     def _on_param(self, name: str, param: torch.Tensor) -> None:
         # Runs right after autograd accumulated .grad, while the gradient (and usually the
         # weight) is still in cache: far cheaper than reading every gradient again at exit.
-        if not self.active:
+        if not self._active:
             return
         try:
             # detached reads build no graph (even under create_graph): no no_grad() needed,
@@ -503,6 +584,239 @@ class Capture:
             self._touched[name] = (torch.dot(gf, gf), lo, hi, torch.dot(wf, wf))
         except Exception as exc:
             self._error(name, exc)
+
+    # -- activation checkpointing: calls re-run during backward ---------------------------------
+    # torch.utils.checkpoint (and HF's gradient checkpointing, built on it) runs a region's
+    # forward again during backward. Such a re-run is matched to the forward call it repeats and
+    # kept there (CallRecord.recomputed), never appended to trace.forward: a re-run's children are
+    # matched to the original's children (same module, same order), a region's outermost calls
+    # by module and by the storage of their inputs (checkpoint hands the region the tensors it
+    # saved), else to the latest call of that module not matched yet. Non-reentrant
+    # checkpointing back-propagates through the original graph, so gradients arrive on the
+    # original outputs; reentrant checkpointing ran the region under no_grad and
+    # back-propagates through the re-run, whose outputs then get the tensor hooks, attributed
+    # to the original call. A re-run's output statistics are compared with the original's.
+    def _init_recompute(self) -> None:
+        self._rstack: list[_Recomputed] = []  # open re-runs, innermost last
+        self._sigs: dict[int, tuple] = {}  # trace.forward index -> its inputs' storage
+        self._by_module: dict[str, list[CallRecord]] = {}
+        self._kids: dict[int, dict[str, list[CallRecord]]] = {}
+        self._indexed = 0  # trace.forward records indexed in _by_module / _kids
+        self._claimed: set[int] = set()
+        self._regrad: set[int] = set()  # originals whose gradients come from a re-run
+        self._recheck: list[tuple[CallRecord, TensorInfo, int]] = []
+        self._reruns = 0
+
+    def _index_forward(self) -> None:
+        fwd = self.trace.forward
+        for rec in fwd[self._indexed :]:
+            self._by_module.setdefault(rec.module, []).append(rec)
+            if rec.parent is not None:
+                self._kids.setdefault(rec.parent, {}).setdefault(rec.module, []).append(rec)
+        self._indexed = len(fwd)
+
+    def _pre_recomputed(self, name: str, args: tuple, kwargs: dict) -> bool:
+        """Open a re-run of an earlier call of ``name``; False when none matches."""
+        self._index_forward()
+        rs = self._rstack
+        # entries that cannot contain this call were left open by a re-run that stopped early
+        # (non-reentrant checkpointing stops once it has recomputed what backward needs)
+        while rs and name not in self._kids.get(rs[-1].original.index, ()):
+            rs.pop()
+        orig = None
+        if rs:
+            parent = rs[-1]
+            kids = self._kids[parent.original.index][name]
+            k = parent.children.get(name, 0)
+            parent.children[name] = k + 1
+            if k < len(kids):
+                orig = kids[k]
+        if orig is None:
+            orig = self._match_outermost(name, args, kwargs)
+            if orig is None:
+                return False
+        self._claimed.add(orig.index)
+        orig.recomputed += 1
+        if orig.recomputed == 1:
+            orig.notes.append(
+                "recomputed during backward (activation checkpointing): the re-run is kept "
+                "with this call, not recorded as a new one; its gradients are recorded here"
+            )
+        self._reruns += 1
+        rs.append(_Recomputed(name, orig))
+        return True
+
+    def _match_outermost(self, name: str, args: tuple, kwargs: dict) -> CallRecord | None:
+        cands = self._by_module.get(name)
+        if not cands:
+            return None
+        if len(cands) == 1:
+            return cands[0]
+        pool = cands
+        if self.inputs:
+            tensors: list[tuple[str, torch.Tensor]] = []
+            find_tensors(args, "args", tensors, [])
+            find_tensors(kwargs, "kwargs", tensors, [])
+            sig = _signature(tensors)
+            pool = [c for c in cands if self._sigs.get(c.index) == sig] or cands
+        for c in reversed(pool):  # backward re-runs regions from the last one
+            if c.index not in self._claimed:
+                return c
+        return pool[-1]
+
+    def _post_recomputed(self, name: str, output: Any) -> bool:
+        """Close the re-run of ``name``; False when no re-run of it is open."""
+        rs = self._rstack
+        for i in range(len(rs) - 1, -1, -1):
+            if rs[i].module == name:
+                break
+        else:
+            return False
+        orig = rs[i].original
+        del rs[i:]
+        tensors: list[tuple[str, torch.Tensor]] = []
+        find_tensors(output, "out", tensors, [])
+        for path, t in tensors:
+            info = orig.output(path)
+            if self.grads and t.requires_grad and not (info is not None and info.requires_grad):
+                # reentrant checkpointing: the original ran under no_grad, backward runs here
+                self._tensor_handles.append(t.register_hook(partial(self._on_grad, orig, path)))
+                if info is not None:
+                    info.requires_grad = True
+                if orig.index not in self._regrad:
+                    self._regrad.add(orig.index)
+                    n = self._no_grad.get(orig.module, 0) - 1
+                    if n > 0:
+                        self._no_grad[orig.module] = n
+                    else:
+                        self._no_grad.pop(orig.module, None)
+            if info is not None and info.shape == list(t.shape):
+                slot = self._slot(t)
+                if slot is not None:
+                    self._recheck.append((orig, info, slot))
+        return True
+
+    def _finish_recompute(self, results: list[TensorStats]) -> None:
+        if not self._reruns:
+            return
+        tr = self.trace
+        differs: list[tuple[CallRecord, TensorInfo, TensorStats]] = []
+        for orig, info, slot in self._recheck:
+            again = results[slot]
+            if info.stats is not None and not _same_values(info.stats, again):
+                differs.append((orig, info, again))
+                orig.notes.append(
+                    f"recomputed {info.path} differs from this call's: mean "
+                    f"{again.mean:.6g} vs {info.stats.mean:.6g}, std {again.std:.6g} vs "
+                    f"{info.stats.std:.6g}; its gradients are those of the recomputed values"
+                )
+        self._recheck.clear()
+        mods = len({r.module for r in tr.forward if r.recomputed})
+        tr.notes.append(
+            Note(
+                "recomputed",
+                f"activation checkpointing re-ran {self._reruns} call(s) of {mods} module(s) "
+                "during backward: kept with the calls they repeat (CallRecord.recomputed), with "
+                "the gradients they produced, not recorded as new calls",
+            )
+        )
+        if differs:
+            orig, info, again = differs[0]
+            tr.notes.append(
+                Note(
+                    "recompute_differs",
+                    f"{len(differs)} recomputed output(s) differ from the forward call they "
+                    f"repeat (first: {orig.module or '<root>'} call {orig.call_index} "
+                    f"{info.path}): the recomputation is not deterministic (dropout or other "
+                    "randomness without checkpoint's preserve_rng_state?), so the gradients "
+                    "belong to other values than the forward recorded",
+                    module=orig.module,
+                    call_index=orig.call_index,
+                )
+            )
+
+    # -- torch.compile: the captured step runs eagerly -------------------------------------------
+    def _start_eager(self, root: nn.Module) -> None:
+        self._compiled = _compiled_parts(self._modules)
+        self._unwrapped = root is not self.model
+        self._stance = _force_eager()
+        # a module compiled elsewhere (torch.compile(model) called, model captured) is seen
+        # when its first call arrives through the wrapper
+        self._watch_wrapper = self._stance is not None
+        self._via_wrapper = False
+        if self._compiled and self._stance is None and "torch._dynamo" in sys.modules:
+            self.trace.notes.append(
+                Note(
+                    "compiled",
+                    f"{', '.join(self._compiled[:3])} torch.compile'd, and this torch has no "
+                    "torch.compiler.set_stance (torch < 2.6) to run the step eagerly: hooks "
+                    "added after compilation may not fire; capture the uncompiled module",
+                )
+            )
+
+    def _stop_eager(self) -> None:
+        if self._stance is not None:
+            self._stance.__exit__(None, None, None)
+            self._stance = None
+
+    def _finish_eager(self) -> None:
+        if not (self._unwrapped or self._via_wrapper or self._compiled):
+            return
+        if self._unwrapped:
+            what = "the model is a torch.compile wrapper (OptimizedModule): recorded under its "
+            what += "original module's names (_orig_mod)"
+        elif self._compiled:
+            what = f"{', '.join(self._compiled[:3])} torch.compile'd"
+        else:
+            what = "the model ran inside its torch.compile wrapper (OptimizedModule)"
+        if self._watch_wrapper:  # the stance was set
+            self.trace.notes.append(
+                Note(
+                    "compiled",
+                    f"{what}; the captured step ran eagerly (torch.compiler.set_stance("
+                    "'force_eager')) so that every module call is recorded and dynamo traces "
+                    "none of the hooks: values are eager PyTorch's, which can differ from the "
+                    "compiled kernels' by float rounding",
+                )
+            )
+
+    # -- PyTorch fast paths the hooks turn off ----------------------------------------------------
+    def _watch_fast_path(self, layers: list[tuple[str, nn.Module, bool]]) -> None:
+        """``nn.TransformerEncoderLayer`` runs one fused kernel in inference only while no
+        module of it has forward hooks; where the capture's hooks are the first ones there,
+        a pre-hook notes each call that would have taken that path without them."""
+        self._fast_path: dict[str, int] = {}
+        for name, layer, had_hooks in layers:
+            if not had_hooks and _has_forward_hooks(layer):
+                self._handles.append(
+                    layer.register_forward_pre_hook(
+                        partial(self._on_fast_path_layer, name), with_kwargs=True
+                    )
+                )
+
+    def _on_fast_path_layer(self, name: str, layer: nn.Module, args: tuple, kwargs: dict):
+        if not self._active:
+            return None
+        try:
+            if not encoder_layer_fast_path_blocker(layer, args, kwargs):
+                self._fast_path[name] = self._fast_path.get(name, 0) + 1
+        except Exception as exc:
+            self._error(name, exc)
+        return None
+
+    def _finish_fast_path(self) -> None:
+        for name, n in self._fast_path.items():
+            self.trace.notes.append(
+                Note(
+                    "fast_path",
+                    f"{n} call(s) would have run PyTorch's fused inference kernel "
+                    "(torch._transformer_encoder_layer_fwd, the TransformerEncoderLayer fast "
+                    "path); the capture's forward hooks turn it off, so they ran the layer's "
+                    "standard path (its submodules, one by one): the same function, other "
+                    "kernels, outputs equal up to float rounding",
+                    module=name,
+                )
+            )
 
     # -- parameters -----------------------------------------------------------------------------
     def _param_records(self) -> dict[str, ParamGradRecord]:
@@ -547,6 +861,107 @@ class Capture:
                     rec.ratio = rec.grad_norm / rec.weight_norm
                 out[name] = rec
         return out
+
+
+# -- helpers of the blocks above ----------------------------------------------------------------
+class _Recomputed:
+    """An open re-run (by activation checkpointing) of the forward call ``original``."""
+
+    __slots__ = ("module", "original", "children")
+
+    def __init__(self, module: str, original: CallRecord) -> None:
+        self.module = module
+        self.original = original
+        self.children: dict[str, int] = {}  # module -> re-run children of that name so far
+
+
+def _signature(tensors: list[tuple[str, torch.Tensor]]) -> tuple:
+    """Where a call's input tensors live (their storage), to tell calls of one module apart."""
+    try:
+        return tuple([t.data_ptr() for _, t in tensors])
+    except Exception:  # tensors without storage (sparse, some subclasses)
+        return tuple(id(t) for _, t in tensors)
+
+
+def _same_values(a: TensorStats, b: TensorStats, rtol: float = 1e-5) -> bool:
+    """Whether two summaries describe the same values up to float rounding."""
+    if (a.numel, a.nan_count, a.inf_count) != (b.numel, b.nan_count, b.inf_count):
+        return False
+    scale = max(abs(a.abs_max or 0.0), abs(b.abs_max or 0.0))
+    for x, y in ((a.mean, b.mean), (a.std, b.std), (a.min, b.min), (a.max, b.max)):
+        if x is None or y is None:
+            if x is not y:
+                return False
+        elif abs(x - y) > rtol * scale:
+            return False
+    return True
+
+
+def _has_forward_hooks(module: nn.Module) -> bool:
+    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
+
+
+def _fast_path_layers(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module, bool]]:
+    """``(name, layer, had forward hooks before the capture)`` of every
+    ``nn.TransformerEncoderLayer``."""
+    return [
+        (name, m, _has_forward_hooks(m))
+        for name, m in modules
+        if isinstance(m, nn.TransformerEncoderLayer)
+    ]
+
+
+def encoder_layer_fast_path_blocker(layer: nn.Module, args: tuple, kwargs: dict) -> str:
+    """Why ``nn.TransformerEncoderLayer.forward`` would *not* take its fast path
+    (``torch._transformer_encoder_layer_fwd``) for this call if the module had no forward
+    hooks; ``""`` when it would. The conditions are PyTorch's own (``TransformerEncoderLayer
+    .forward``, torch 2.x), checked in its order, leaving out only "forward pre-/hooks are
+    attached to the module"; a test holds them to what PyTorch actually runs."""
+    names = ("src", "src_mask", "src_key_padding_mask", "is_causal")
+    bound = dict(zip(names, args, strict=False))
+    bound.update(kwargs)
+    src = bound.get("src")
+    if not isinstance(src, torch.Tensor):
+        return "no tensor src"
+    attn = getattr(layer, "self_attn", None)
+    norm1, norm2 = getattr(layer, "norm1", None), getattr(layer, "norm2", None)
+    if attn is None or norm1 is None or norm2 is None:
+        return "not a standard TransformerEncoderLayer"
+    masks = bound.get("src_mask") is not None or bound.get("src_key_padding_mask") is not None
+    if not torch.backends.mha.get_fastpath_enabled():
+        return "torch.backends.mha.get_fastpath_enabled() was not True"
+    if src.dim() != 3:
+        return "input not batched"
+    if layer.training:
+        return "training is enabled"
+    if not attn.batch_first:
+        return "self_attn.batch_first was not True"
+    if attn.in_proj_bias is None:
+        return "self_attn was passed bias=False"
+    if not attn._qkv_same_embed_dim:
+        return "self_attn._qkv_same_embed_dim was not True"
+    if not getattr(layer, "activation_relu_or_gelu", False):
+        return "activation_relu_or_gelu was not True"
+    if norm1.eps != norm2.eps:
+        return "norm1.eps is not equal to norm2.eps"
+    if src.is_nested and masks:
+        return "masks are not supported with NestedTensor input"
+    if attn.num_heads % 2 == 1:
+        return "num_head is odd"
+    if torch.is_autocast_enabled():
+        return "autocast is enabled"
+    tensor_args = (src, attn.in_proj_weight, attn.in_proj_bias, attn.out_proj.weight,
+                   attn.out_proj.bias, norm1.weight, norm1.bias, norm2.weight, norm2.bias,
+                   layer.linear1.weight, layer.linear1.bias, layer.linear2.weight,
+                   layer.linear2.bias)  # fmt: skip
+    if torch.overrides.has_torch_function(tensor_args):
+        return "some Tensor argument has_torch_function"
+    supported = ("cpu", "cuda", "xpu", torch.utils.backend_registration._privateuse1_backend_name)
+    if not all(x.device.type in supported for x in tensor_args):
+        return "some Tensor argument's device is not supported"
+    if torch.is_grad_enabled() and any(x.requires_grad for x in tensor_args):
+        return "grad is enabled and a weight or the input requires grad"
+    return ""
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:

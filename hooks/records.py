@@ -87,6 +87,10 @@ class CallRecord:
             ``ModelOutput``s).
         time_ms: wall time of the call in milliseconds, children included.
         notes: what could not be captured for this call, in words.
+        recomputed: how many times activation checkpointing re-ran this call during backward
+            (``torch.utils.checkpoint``, HF ``gradient_checkpointing_enable``). A re-run is not
+            a new call: it is kept here, and the gradients it produced are recorded for this
+            call.
     """
 
     index: int
@@ -100,6 +104,7 @@ class CallRecord:
     outputs: list[TensorInfo] = field(default_factory=list)
     time_ms: float = 0.0
     notes: list[str] = field(default_factory=list)
+    recomputed: int = 0
 
     @property
     def key(self) -> tuple[str, int]:
@@ -126,6 +131,7 @@ class CallRecord:
             "outputs": [t.to_dict() for t in self.outputs],
             "time_ms": self.time_ms,
             "notes": list(self.notes),
+            "recomputed": self.recomputed,
         }
 
     @classmethod
@@ -142,6 +148,7 @@ class CallRecord:
             outputs=[TensorInfo.from_dict(t) for t in d.get("outputs", [])],
             time_ms=float(d.get("time_ms", 0.0)),
             notes=list(d.get("notes", [])),
+            recomputed=int(d.get("recomputed", 0)),
         )
 
 
@@ -604,7 +611,10 @@ class Note:
     Attributes:
         kind: ``non_tensor_output``, ``no_grad``, ``compiled``, ``budget``, ``probe``,
             ``no_backward``, ``hook_error``, ``unsupported``, ``routing`` (an MoE block whose
-            routing was not recorded) or ``attention`` (attention not recorded or cut).
+            routing was not recorded), ``attention`` (attention not recorded or cut),
+            ``recomputed`` (activation checkpointing re-ran calls during backward),
+            ``recompute_differs`` (a re-run gave other values than the forward call) or
+            ``fast_path`` (the hooks turned off a PyTorch fast path).
         module: qualified module name, or None for the whole capture.
         call_index: the call it is about, or None.
         message: one line for a person.

@@ -36,11 +36,15 @@ def find_tensors(
         tensors: receives ``(path, tensor)`` pairs in traversal order (a tensor object seen
             twice is listed once).
         others: receives ``(path, type name)`` for leaves that are neither tensors, containers
-            nor plain scalars (e.g. an HF ``DynamicCache``), so the caller can say what it
-            could not record.
+            nor plain scalars (e.g. an HF ``DynamicCache``), and for nested tensors (no single
+            shape to record: ``nn.TransformerEncoder``'s padding fast path makes them), so the
+            caller can say what it could not record.
         depth: current depth (callers pass nothing).
     """
     if isinstance(obj, torch.Tensor):
+        if obj.is_nested:
+            others.append((path, "nested tensor"))
+            return
         for _, t in tensors:
             if t is obj:
                 return

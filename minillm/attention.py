@@ -24,6 +24,34 @@ def causal_mask(t: int, s: int, device: torch.device) -> torch.Tensor:
     return k_pos <= q_pos
 
 
+def padding_attention_mask(attention_mask_BS: torch.Tensor, t: int) -> torch.Tensor:
+    """The boolean (B, 1, T, S) "may attend" mask of a padded batch, for the last T queries.
+
+    Query i (absolute position S-T+i) of row b may see key j when j ≤ S-T+i (causal) and key j
+    is a real token (``attention_mask_BS[b, j] != 0``). Every query also sees itself: a pad
+    query whose earlier keys are all pads (left padding, or a row of pads only) would otherwise
+    have no key at all, and its softmax would be 0/0 = NaN, in the forward and in the gradients.
+    What pad positions compute is never read by a real token (their keys are masked out).
+
+    Args:
+        attention_mask_BS: (B, S) padding mask over past + current positions, 1 (or True) for
+            real tokens and 0 for pads, as HF's ``attention_mask``.
+        t: T, the number of current (query) positions, ``T ≤ S``.
+
+    Returns:
+        (B, 1, T, S) bool, True where attention is allowed (``F.scaled_dot_product_attention``'s
+        convention for a boolean ``attn_mask``).
+    """
+    b, s = attention_mask_BS.shape
+    device = attention_mask_BS.device
+    q_pos = torch.arange(s - t, s, device=device)[:, None]
+    k_pos = torch.arange(s, device=device)[None, :]
+    allowed_BTS = ((k_pos <= q_pos)[None] & attention_mask_BS.bool()[:, None, :]) | (
+        k_pos == q_pos
+    )[None]
+    return allowed_BTS[:, None]
+
+
 class MiniLLMAttention(nn.Module):
     """Causal multi-head attention with H query heads sharing Hkv key/value heads (GQA).
 
@@ -38,9 +66,14 @@ class MiniLLMAttention(nn.Module):
       return the attention probabilities. Used when ``config.attn_implementation == "eager"``
       or while ``return_attn_weights`` is set (the debugger's attention probe sets it).
 
+    A padded batch passes ``attention_mask``, the boolean (B, 1, T, S) mask of
+    :func:`padding_attention_mask` (causality included); both paths then apply it instead of
+    the plain causal mask (SDPA receives it as its ``attn_mask``).
+
     Shape:
         hidden_states (B, T, D), position_embeddings (cos, sin) each (B, T, Dh) or None
-        (learned positions), past_key_value a :data:`KVCache` or None
+        (learned positions), past_key_value a :data:`KVCache` or None, attention_mask
+        (B, 1, T, S) bool or None
         -> (attn_output (B, T, D), attn_weights (B, H, T, S) or None, present KVCache or None).
     """
 
@@ -72,6 +105,7 @@ class MiniLLMAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         past_key_value: KVCache | None = None,
         use_cache: bool = False,
+        attention_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, KVCache | None]:
         b, t, _ = hidden_states.shape
         q_BHTd = (
@@ -102,13 +136,18 @@ class MiniLLMAttention(nn.Module):
             k_rep = repeat_kv(k_BKTd, self.num_key_value_groups)
             v_rep = repeat_kv(v_BKTd, self.num_key_value_groups)
             scores_BHTS = torch.matmul(q_BHTd, k_rep.transpose(2, 3)).float() * self.scaling
-            mask_TS = causal_mask(t, s, hidden_states.device)
-            scores_BHTS = scores_BHTS.masked_fill(~mask_TS, float("-inf"))
+            if attention_mask is not None:
+                allowed = attention_mask  # (B, 1, T, S)
+            else:
+                allowed = causal_mask(t, s, hidden_states.device)
+            scores_BHTS = scores_BHTS.masked_fill(~allowed, float("-inf"))
             attn_weights = torch.softmax(scores_BHTS, dim=-1).to(q_BHTd.dtype)
             probs = F.dropout(attn_weights, p=dropout, training=self.training)
             out_BHTd = torch.matmul(probs, v_rep)
         else:
-            if t == s:
+            if attention_mask is not None:
+                mask, causal = attention_mask, False
+            elif t == s:
                 mask, causal = None, True
             elif t == 1:  # one new token attends to every cached position
                 mask, causal = None, False

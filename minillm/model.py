@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minillm.attention import KVCache, MiniLLMAttention
+from minillm.attention import KVCache, MiniLLMAttention, padding_attention_mask
 from minillm.config import MiniLLMConfig
 from minillm.convert import config_from_hf, state_dict_from_hf
 from minillm.layers import MiniLLMRMSNorm, MiniLLMRotaryEmbedding
@@ -51,8 +51,9 @@ class MiniLLMDecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
 
     Shape:
-        hidden_states (B, T, D) -> (hidden_states (B, T, D), router_logits (N, E) or None,
-        attn_weights or None, present KVCache or None).
+        hidden_states (B, T, D), attention_mask (B, 1, T, S) bool or None (see
+        :func:`minillm.attention.padding_attention_mask`) -> (hidden_states (B, T, D),
+        router_logits (N, E) or None, attn_weights or None, present KVCache or None).
     """
 
     def __init__(self, config: MiniLLMConfig, layer_idx: int) -> None:
@@ -72,12 +73,17 @@ class MiniLLMDecoderLayer(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         past_key_value: KVCache | None = None,
         use_cache: bool = False,
+        attention_mask: torch.Tensor | None = None,
     ):
+        # the mask is passed only when there is one, so attention modules written before it
+        # existed (and subclasses that override forward) keep working on unpadded batches
+        masked = {} if attention_mask is None else {"attention_mask": attention_mask}
         attn_out, attn_weights, present = self.self_attn(
             self.input_layernorm(hidden_states),
             position_embeddings=position_embeddings,
             past_key_value=past_key_value,
             use_cache=use_cache,
+            **masked,
         )
         hidden_states = hidden_states + attn_out
         mlp_out = self.mlp(self.post_attention_layernorm(hidden_states))
@@ -91,8 +97,8 @@ class MiniLLMModel(nn.Module):
     """Embedding, position information, the decoder layers and the final norm (no LM head).
 
     Shape:
-        input_ids (B, T) int64 -> hidden states (B, T, D), plus per-layer extras (see
-        :meth:`MiniLLM.forward`).
+        input_ids (B, T) int64, attention_mask (B, S) or None (S = past + T) -> hidden states
+        (B, T, D), plus per-layer extras (see :meth:`MiniLLM.forward`).
     """
 
     def __init__(self, config: MiniLLMConfig) -> None:
@@ -113,6 +119,7 @@ class MiniLLMModel(nn.Module):
         input_ids: torch.Tensor,
         past_key_values: tuple[KVCache, ...] | None = None,
         use_cache: bool = False,
+        attention_mask: torch.Tensor | None = None,
     ):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
@@ -125,8 +132,14 @@ class MiniLLMModel(nn.Module):
                 f"({limit}); use a shorter input or a config with a larger "
                 f"max_position_embeddings"
             )
-        position_ids = torch.arange(past_len, past_len + t, device=input_ids.device)
-        position_ids = position_ids.unsqueeze(0).expand(b, t)
+        mask_4d = None
+        if attention_mask is None:
+            position_ids = torch.arange(past_len, past_len + t, device=input_ids.device)
+            position_ids = position_ids.unsqueeze(0).expand(b, t)
+        else:
+            check_attention_mask(attention_mask, b, past_len + t)
+            position_ids = positions_from_mask(attention_mask)[:, past_len:]
+            mask_4d = padding_attention_mask(attention_mask, t)
         hidden_states = self.embed_tokens(input_ids)
         position_embeddings = None
         if self.config.position_embedding == "learned":
@@ -141,12 +154,35 @@ class MiniLLMModel(nn.Module):
                 position_embeddings=position_embeddings,
                 past_key_value=past_key_values[i] if past_key_values else None,
                 use_cache=use_cache,
+                **({} if mask_4d is None else {"attention_mask": mask_4d}),
             )
             if r_logits is not None:
                 router_logits.append(r_logits)
             attentions.append(attn_w)
             presents.append(present)
         return self.norm(hidden_states), router_logits, attentions, presents
+
+
+def check_attention_mask(attention_mask: torch.Tensor, b: int, s: int) -> None:
+    """Raise ``ValueError`` unless ``attention_mask`` is a (B, S) mask of 0/1 (or bool) values."""
+    if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (b, s):
+        shape = tuple(getattr(attention_mask, "shape", ()))
+        raise ValueError(
+            f"attention_mask must be (B, past + T) = ({b}, {s}) with 1 for real tokens and 0 "
+            f"for padding, got shape {shape}"
+        )
+    if attention_mask.dtype != torch.bool and bool(
+        ((attention_mask != 0) & (attention_mask != 1)).any()
+    ):
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (real tokens)")
+
+
+def positions_from_mask(attention_mask_BS: torch.Tensor) -> torch.Tensor:
+    """Position ids (B, S) int64 of a padded batch: each real token's index among the real
+    tokens of its row, ``cumsum(mask) - 1`` (HF's ``generate``), so a left-padded row's first
+    real token is at position 0 like the same row unpadded. Pads get the position of the last
+    real token before them (0 before the first); nothing reads it."""
+    return (attention_mask_BS.long().cumsum(-1) - 1).clamp_min(0)
 
 
 class MiniLLM(nn.Module):
@@ -252,6 +288,7 @@ class MiniLLM(nn.Module):
         past_key_values: tuple[KVCache, ...] | None = None,
         use_cache: bool = False,
         output_attentions: bool = False,
+        attention_mask: torch.Tensor | None = None,
     ) -> MiniLLMOutput:
         """Run the model.
 
@@ -259,9 +296,16 @@ class MiniLLM(nn.Module):
             input_ids: (B, T) int64 token ids in [0, V).
             labels: optional (B, T) int64, aligned with ``input_ids`` like HF: the logits at
                 position t are scored against ``labels[:, t+1]`` (the shift happens here);
-                ``-100`` entries are ignored.
+                ``-100`` entries are ignored. With ``attention_mask``, a target counts only
+                where it and the position predicting it are both real tokens (labels at pads
+                are ignored, and nothing is predicted from a pad).
             past_key_values: the ``past_key_values`` of an earlier call (KV cache); new
                 positions continue after the cached ones.
+            attention_mask: optional (B, S) padding mask, 1 for real tokens and 0 for pads,
+                over the cached and the new positions (S = past + T), left or right padding
+                (HF's convention). Pads are masked out as keys; positions count real tokens
+                only (:func:`positions_from_mask`), so every real token's logits equal those of
+                its row run unpadded; the aux loss counts real tokens only.
             use_cache: return ``past_key_values`` for incremental decoding.
             output_attentions: compute attention through the eager path and return the
                 probabilities (B, H, T, S) per layer.
@@ -270,7 +314,8 @@ class MiniLLM(nn.Module):
             A :class:`MiniLLMOutput`.
 
         Raises:
-            ValueError: input_ids not 2-D, or more positions than ``max_position_embeddings``.
+            ValueError: input_ids not 2-D, more positions than ``max_position_embeddings``, or
+                an ``attention_mask`` that is not (B, past + T) of 0/1.
         """
         attn_modules = []
         if output_attentions:
@@ -280,7 +325,10 @@ class MiniLLM(nn.Module):
                     attn_modules.append(layer.self_attn)
         try:
             hidden, router_logits, attentions, presents = self.model(
-                input_ids, past_key_values=past_key_values, use_cache=use_cache
+                input_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                **({} if attention_mask is None else {"attention_mask": attention_mask}),
             )
         finally:
             for m in attn_modules:
@@ -288,10 +336,18 @@ class MiniLLM(nn.Module):
         logits = self.lm_head(hidden)
 
         cfg = self.config
+        real_BT = None
+        if attention_mask is not None:
+            real_BT = attention_mask[:, attention_mask.shape[1] - input_ids.shape[1] :].bool()
         if router_logits:
+            real_N = None if real_BT is None else real_BT.reshape(-1)
             aux_losses = torch.stack(
                 [
-                    load_balancing_loss(r, cfg.num_local_experts, cfg.num_experts_per_tok)
+                    load_balancing_loss(
+                        r if real_N is None else r[real_N],
+                        cfg.num_local_experts,
+                        cfg.num_experts_per_tok,
+                    )
                     for r in router_logits
                 ]
             )
@@ -302,9 +358,12 @@ class MiniLLM(nn.Module):
 
         ce_loss = loss = None
         if labels is not None:
+            targets = labels[:, 1:]
+            if real_BT is not None:
+                targets = targets.masked_fill(~(real_BT[:, 1:] & real_BT[:, :-1]), -100)
             ce_loss = F.cross_entropy(
                 logits[:, :-1, :].reshape(-1, logits.shape[-1]).float(),
-                labels[:, 1:].reshape(-1),
+                targets.reshape(-1),
                 ignore_index=-100,
             )
             loss = ce_loss + aux_loss
@@ -329,6 +388,7 @@ class MiniLLM(nn.Module):
         top_k: int | None = None,
         use_cache: bool = True,
         generator: torch.Generator | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Extend ``input_ids`` by ``max_new_tokens`` tokens.
 
@@ -345,13 +405,16 @@ class MiniLLM(nn.Module):
             top_k: keep only the k largest logits before sampling.
             use_cache: reuse keys/values of earlier positions.
             generator: a ``torch.Generator`` for reproducible sampling.
+            attention_mask: optional (B, T0) padding mask of a padded batch of prompts (1 real,
+                0 pad; left padding is usual, right padding works too): each row continues
+                from its last real token, as if it were generated alone.
 
         Returns:
-            (B, T0 + max_new_tokens) int64 ids.
+            (B, T0 + max_new_tokens) int64 ids (pads stay where they were).
 
         Raises:
-            ValueError: the total length exceeds ``max_position_embeddings``, or a negative
-                temperature.
+            ValueError: the total length exceeds ``max_position_embeddings``, a negative
+                temperature, or an ``attention_mask`` that is not (B, T0) of 0/1.
         """
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -361,6 +424,9 @@ class MiniLLM(nn.Module):
                 f"prompt + max_new_tokens = {total} exceeds max_position_embeddings "
                 f"({self.config.max_position_embeddings})"
             )
+        mask = attention_mask
+        if mask is not None:
+            check_attention_mask(mask, *input_ids.shape)
         was_training = self.training
         self.eval()
         try:
@@ -368,8 +434,18 @@ class MiniLLM(nn.Module):
             past = None
             step_input = ids
             for _ in range(max_new_tokens):
-                out = self(step_input, past_key_values=past, use_cache=use_cache)
-                next_logits = out.logits[:, -1, :].float()
+                if mask is None:
+                    out = self(step_input, past_key_values=past, use_cache=use_cache)
+                    next_logits = out.logits[:, -1, :].float()
+                else:
+                    out = self(
+                        step_input, past_key_values=past, use_cache=use_cache, attention_mask=mask
+                    )
+                    # the last real token of each row (the prompt's, then the newest one)
+                    s = mask.shape[1]
+                    last = s - 1 - mask.flip(-1).int().argmax(-1)
+                    at = (last - (s - step_input.shape[1])).clamp_min(0)
+                    next_logits = out.logits[torch.arange(ids.shape[0]), at].float()
                 if temperature == 0:
                     next_id = next_logits.argmax(dim=-1, keepdim=True)
                 else:
@@ -382,6 +458,8 @@ class MiniLLM(nn.Module):
                     probs = torch.softmax(next_logits, dim=-1)
                     next_id = torch.multinomial(probs, 1, generator=generator)
                 ids = torch.cat((ids, next_id), dim=1)
+                if mask is not None:
+                    mask = torch.cat((mask, mask.new_ones(mask.shape[0], 1)), dim=1)
                 if use_cache:
                     past, step_input = out.past_key_values, next_id
                 else:

@@ -80,10 +80,12 @@ def load_balancing_loss(
         top_k: K.
 
     Returns:
-        Scalar float32 tensor.
+        Scalar float32 tensor (0 for N = 0).
     """
-    weights_NK, ids_NK, probs_NE = route(router_logits_NE, top_k)
     n = router_logits_NE.shape[0]
+    if n == 0:  # no token (a padded batch of pads only): no imbalance to measure
+        return router_logits_NE.float().sum() * 0.0
+    weights_NK, ids_NK, probs_NE = route(router_logits_NE, top_k)
     f_E = tokens_per_expert(ids_NK, num_experts).to(probs_NE.dtype) / (n * top_k)
     p_E = probs_NE.mean(dim=0)
     return num_experts * torch.sum(f_E * p_E)

@@ -496,10 +496,9 @@ def test_activation_checkpointing_recompute_is_marked():
     model = Outer()
     with hooks.capture(model) as tr:
         model(torch.randn(2, 4)).backward()
-    first, again = tr.calls("inner.0")
-    assert (first.call_index, again.call_index) == (0, 1)
-    assert not first.notes and "recomputed during backward" in again.notes[0]
-    assert first.outputs[0].stats == again.outputs[0].stats
+    (call,) = tr.calls("inner.0")  # the re-run is kept with the call, not added (more in
+    assert call.recomputed == 1  # tests/test_hooks_recompute.py)
+    assert "recomputed during backward" in call.notes[0]
     assert tr.params["inner.0.weight"].status == "ok"
 
 
