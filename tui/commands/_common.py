@@ -274,8 +274,11 @@ def load_user_workload(spec: str) -> Workload:
             path = Path(module_name)
             if not path.exists():
                 raise MdbError(f"--model {spec}: no such file {path}")
-            module_spec = importlib.util.spec_from_file_location(path.stem, path)
+            module_spec = importlib.util.spec_from_file_location(f"_mdb_model_{path.stem}",
+                                                                 path)
             module = importlib.util.module_from_spec(module_spec)
+            # registered while it runs: dataclasses and pickle look the module up by name
+            sys.modules[module_spec.name] = module
             module_spec.loader.exec_module(module)
         else:
             if "" not in sys.path and os.getcwd() not in sys.path:
