@@ -628,8 +628,6 @@ class LiveScreen(MdbScreen):
         note = self._note_text()
         if note:
             self._set("#live-note", Text(note, style="bold red"))
-        if s.other_names():
-            self._set("#live-table", self._table_text())
 
     def _set(self, selector: str, content) -> None:
         """Update a Static only when its content changed (an update costs a layout pass)."""
@@ -780,7 +778,8 @@ class LiveScreen(MdbScreen):
             loss.plot([Series("", *s.metric(name).points(n), "cyan")],
                       title=f"{name} ({scale}) · m: next", log=log)
         other = self._selected_other()
-        if other is not None:
+        if other is not None:  # the table at the charts' pace: its numbers are a chart's too
+            self._set("#live-table", self._table_text())
             grad = self.query_one("#live-grad", LineChart)
             grad.plot([Series("", *s.metric(other).points(grad.resolution), "green")],
                       title=METRIC_LABELS.get(other, other))
