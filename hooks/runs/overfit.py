@@ -105,8 +105,34 @@ def _disk_full(exc: BaseException) -> bool:
     return "disk is full" in str(exc) or "No space left" in str(exc)
 
 
+class _StoredOptions:
+    """What the options of both sessions share: the stored config and its common checks."""
+
+    steps: int
+    lr: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable dict (the run's stored config)."""
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]):
+        """Inverse of :meth:`to_dict`; unknown keys are ignored (a later mdb may add some)."""
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def _check(self, intervals: tuple[str, ...]) -> None:
+        if self.steps < 1:
+            raise ValueError(f"--steps must be at least 1, got {self.steps}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"--lr must be a positive number, got {self.lr}")
+        for name in intervals:
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+
+
 @dataclass
-class OverfitOptions:
+class OverfitOptions(_StoredOptions):
     """Everything that defines an overfit run (stored as the run's config, so it can resume).
 
     Attributes:
@@ -150,31 +176,15 @@ class OverfitOptions:
     grad_clip: float | None = None
     tokenizer: str = "char"
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable dict (the run's stored config)."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> OverfitOptions:
-        """Inverse of :meth:`to_dict`; unknown keys are ignored (a later mdb may add some)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
-
     def validate(self) -> None:
         """Raise ``ValueError`` with one line naming the bad option."""
         if not self.text:
             raise ValueError("the text to memorise is empty")
-        if self.steps < 1:
-            raise ValueError(f"--steps must be at least 1, got {self.steps}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"--lr must be a positive number, got {self.lr}")
+        self._check(("every", "sample_every", "checkpoint_every"))
         if self.batch_size < 1:
             raise ValueError(f"--batch-size must be at least 1, got {self.batch_size}")
         if self.seq_len is not None and self.seq_len < 2:
             raise ValueError(f"--seq-len must be at least 2, got {self.seq_len}")
-        for name in ("every", "sample_every", "checkpoint_every"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
         if self.tokenizer not in ("char", "byte"):
             raise ValueError(f"tokenizer must be 'char' or 'byte', got {self.tokenizer!r}")
 
@@ -593,18 +603,8 @@ class OverfitSession(RunSession):
                 it already reached its step target.
             ValueError: The checkpoint is missing or does not fit.
         """
-        run = store.run(name)
-        options = OverfitOptions.from_dict(run.config)
-        if steps is not None:
-            options.steps = int(steps)
-        options.validate()
-        ckpt, step = _resumable_checkpoint(store, run, options.steps)
-        session = cls(options, store, None, start_step=step, checkpoint=ckpt)
-        session.last_checkpoint_step = step
-        writer = store.resume_run(name, total_steps=options.steps)
-        session.writer, session.name = writer, name
-        writer.update_config(session._config())
-        return session
+        return _resume(store, name, OverfitOptions, steps, lambda options, step, ckpt: cls(
+            options, store, None, start_step=step, checkpoint=ckpt))
 
     # -- what it is ----------------------------------------------------------------------------
 
@@ -666,6 +666,24 @@ class OverfitSession(RunSession):
         return self.prompt, self.tokenizer.decode(out[0, len(prompt_ids) :].tolist())
 
 
+def _resume(store: RunStore, name: str, options_cls: Any, steps: int | None,
+            make: Callable[[Any, int, Path], Any]) -> Any:
+    """What both sessions' ``resume`` do: options from the stored config (a new ``steps``),
+    the checkpoint checked, the session built by ``make(options, step, checkpoint)`` (which
+    raises when it does not fit), then the store's run taken over and its config updated."""
+    run = store.run(name)
+    options = options_cls.from_dict(run.config)
+    if steps is not None:
+        options.steps = int(steps)
+    options.validate()
+    ckpt, step = _resumable_checkpoint(store, run, options.steps)
+    session = make(options, step, ckpt)
+    writer = store.resume_run(name, total_steps=options.steps)
+    session.writer, session.name = writer, name
+    writer.update_config(session._config())
+    return session
+
+
 def _resumable_checkpoint(store: RunStore, run: Any, steps: int) -> tuple[Path, int]:
     """The checkpoint a resume of ``run`` loads, checked before the store is changed (a missing
     or corrupt one leaves the run as it was)."""
@@ -694,7 +712,7 @@ WorkloadBuilder = Callable[[str], Any]
 
 
 @dataclass
-class ModelOverfitOptions:
+class ModelOverfitOptions(_StoredOptions):
     """What defines an overfit run of a user's model (stored as the run's config).
 
     Attributes:
@@ -724,25 +742,9 @@ class ModelOverfitOptions:
         if not self.model_path:
             self.model_path = resolve_model_spec(self.model)
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable dict (the run's stored config)."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ModelOverfitOptions:
-        """Inverse of :meth:`to_dict`; unknown keys are ignored."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
-
     def validate(self) -> None:
         """Raise ``ValueError`` with one line naming the bad option."""
-        if self.steps < 1:
-            raise ValueError(f"--steps must be at least 1, got {self.steps}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"--lr must be a positive number, got {self.lr}")
-        for name in ("every", "checkpoint_every"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+        self._check(("every", "checkpoint_every"))
 
 
 def resolve_model_spec(spec: str) -> str:
@@ -868,17 +870,8 @@ class ModelOverfitSession(RunSession):
             ValueError: The checkpoint is missing, or the factory's model no longer matches it
                 (one line naming the first tensor that differs).
         """
-        run = store.run(name)
-        options = ModelOverfitOptions.from_dict(run.config)
-        if steps is not None:
-            options.steps = int(steps)
-        options.validate()
-        ckpt, step = _resumable_checkpoint(store, run, options.steps)
-        session = cls(options, store, None, build, start_step=step, checkpoint=ckpt)
-        writer = store.resume_run(name, total_steps=options.steps)
-        session.writer, session.name = writer, name
-        writer.update_config(session._config())
-        return session
+        return _resume(store, name, ModelOverfitOptions, steps, lambda options, step, ckpt: cls(
+            options, store, None, build, start_step=step, checkpoint=ckpt))
 
     def _config(self) -> dict[str, Any]:
         return {**self.options.to_dict(), "workload": "model", "loss_source": self.loss_source,
