@@ -74,6 +74,8 @@ EXPERT_STYLES = ("cyan", "yellow", "green", "magenta", "red", "blue", "bright_wh
                  "bright_black")
 #: Rows the side chart keeps below the table of metrics.
 SIDE_CHART_MIN_ROWS = 5
+#: Seconds between two "new steps" messages of the training thread (at most).
+POST_INTERVAL = 0.05
 
 def _num(x: float | None, spec: str = ".4f") -> str:
     if x is None:
@@ -378,6 +380,8 @@ class LiveScreen(MdbScreen):
         session = self.session
         control = session.control
 
+        last_post = [0.0]
+
         def on_step(report) -> None:
             if worker.is_cancelled:
                 control.stop("quit")
@@ -385,7 +389,15 @@ class LiveScreen(MdbScreen):
             if report.trace is not None and self._want_capture:
                 self._want_capture = False
                 self.post_message(messages.StepCaptured(report.step, report.trace))
-            self.post_message(messages.StepsPending(report.step))
+            # Each post wakes the UI's event loop; a fast model (100+ steps/s) would wake it
+            # every step. The numbers redraw every text_interval anyway: say "look" at most
+            # every POST_INTERVAL, and at once when the loop is about to wait (pause, single
+            # step, the last step) so that nothing shown lags behind a paused run.
+            now = time.monotonic()
+            if (now - last_post[0] >= POST_INTERVAL or report.paused_after or control.paused
+                    or report.failure is not None or report.step >= session.trainer.total_steps):
+                last_post[0] = now
+                self.post_message(messages.StepsPending(report.step))
 
         def on_state(state: str) -> None:
             self.post_message(messages.TrainingState(state))
@@ -419,6 +431,7 @@ class LiveScreen(MdbScreen):
 
     def on_training_state(self, message: messages.TrainingState) -> None:
         message.stop()
+        self._drain()
         if self.ended is None:
             self.state = message.state
             if message.state == "paused":
