@@ -3,13 +3,16 @@
 Usage::
 
     python benchmarks/bench_overfit_ui.py [--steps 150] [--repeats 5] [--mode pilot|tmux]
+                                          [--model MODULE:FUNCTION]
 
 The same overfit run (preset seed-test-c, the default text, CLI defaults: a sample every 25
 steps, internals every 50) is trained alternately headless and under the live screen,
 ``repeats`` times each, order flipped every round. Throughput is measured from the run
 database itself: (steps - 5) / (wall of the last step - wall of step 5), so start-up and the
 first steps' warm-up are left out alike on both sides. Prints each side's median steps/s, its
-IQR, and the ratio live/headless (goal: ≥ 0.90).
+IQR, and the ratio live/headless (goal: ≥ 0.90). ``--model`` runs ``mdb overfit --model`` on
+that factory instead (e.g. ``tests/families.py:nanogpt``, whose steps are ~10× faster than
+seed-test-c's, so the screen's cost per step weighs more).
 
 Modes:
 
@@ -59,11 +62,21 @@ def throughput(db: Path, name: str) -> float:
     return (rows[-1].step - rows[0].step) / (rows[-1].wall - rows[0].wall)
 
 
+#: ``--model``: the factory to train instead of minillm (None: minillm on the default text).
+MODEL: str | None = None
+
+
 def make_session(db: Path, name: str, steps: int):
     from hooks.runs.overfit import OverfitOptions, OverfitSession, default_overfit_text
     from hooks.runs.store import RunStore
     from minillm import load_preset
 
+    if MODEL is not None:
+        from hooks.runs.overfit import ModelOverfitOptions, ModelOverfitSession
+        from tui.commands.overfit import _build_workload
+
+        return ModelOverfitSession.create(RunStore(db, create=True), name, ModelOverfitOptions(
+            model=MODEL, steps=steps, every=50), _build_workload)
     text, source = default_overfit_text()
     opts = OverfitOptions(text=text, text_source=source, steps=steps, every=50, sample_every=25,
                           model_config=load_preset("seed-test-c").to_dict())
@@ -173,8 +186,10 @@ def bench_store(args, tmp: Path) -> None:
     s = make_session(tmp / "store.sqlite", "store", 3)
     rep = s.trainer.train_step(capture=True)
     internals = rep.internals
+    from tui.screens.live_data import metric_values
+
     step_time = statistics.median(
-        [s.trainer.train_step().metrics.step_time for _ in range(10)]
+        [metric_values(s.trainer.train_step().metrics)["step_time"] for _ in range(10)]
     )
     w = s.store.create_run("store-bench", {})
     n = 300
@@ -248,7 +263,13 @@ def main() -> None:
     parser.add_argument("--no-latency", action="store_true", help="skip the key latency run")
     parser.add_argument("--watch-steps", type=int, default=1000)
     parser.add_argument("--only", choices=["throughput", "store", "watch"], default=None)
+    parser.add_argument("--model", metavar="MODULE:FUNCTION", default=None,
+                        help="train this factory's model (mdb overfit --model) instead of minillm")
     args = parser.parse_args()
+    global MODEL
+    MODEL = args.model
+    if args.model and args.mode == "tmux":
+        sys.exit("--model runs in pilot mode only")
     import torch
 
     torch.set_num_threads(1)

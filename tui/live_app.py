@@ -108,9 +108,8 @@ def run_live(session, args=None) -> int:
         print(f"mdb: error: run {name}: {screen.error or 'training did not finish'}",
               file=sys.stderr)
         return 1
-    m = screen.series.last
     db = getattr(args, "db", None) if args is not None else None
-    line, is_error, code = end_of_run(session, result, m.ce if m is not None else None, db)
+    line, is_error, code = end_of_run(session, result, screen.series.last, db)
     print(f"mdb: error: {line}" if is_error else line, file=sys.stderr if is_error else sys.stdout)
     # stopped from the screen (x, q) is a normal end here, unlike a headless run's 130
     return code if is_error else exit_code(result)

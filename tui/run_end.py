@@ -14,7 +14,7 @@ def fmt_loss(x: float | None) -> str:
 
 
 def end_of_run(
-    session: Any, result: Any, ce: float | None, db: str | None
+    session: Any, result: Any, last: Any, db: str | None
 ) -> tuple[str, bool, int]:
     """What to print when a run ends: ``(line, is_error, exit status)``.
 
@@ -23,15 +23,21 @@ def end_of_run(
     directory), it says so, and which step a resume would start from.
 
     Args:
-        session: The :class:`hooks.runs.overfit.OverfitSession` that ran.
+        session: The :class:`hooks.runs.overfit.RunSession` that ran.
         result: Its :class:`hooks.runs.trainer.TrainResult`.
-        ce: The last step's cross-entropy, if any.
+        last: The last step's :class:`hooks.runs.store.MetricRow`, if any; its main loss (``ce``
+            for minillm, ``loss`` for a ``--model``) is repeated in the line.
         db: The ``--db`` given on the command line (repeated in the resume hint), or ``None``.
     """
     from hooks.runs.trainer import signal_exit_code
+    from tui.screens.live_data import metric_values
 
     name = session.name
-    loss = f", ce {fmt_loss(ce)}" if ce is not None else ""
+    loss = ""
+    if last is not None and session.headline_metrics:
+        main = session.headline_metrics[0]
+        value = metric_values(last, session.metric_names).get(main)
+        loss = f", {main} {fmt_loss(value)}" if value is not None else ""
     resume = f"mdb overfit --resume {name}" + (f" --db {db}" if db else "")
     saved = session.last_checkpoint_step
     if session.checkpoint_error and not session.checkpoint_current:

@@ -25,7 +25,13 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CHECKPOINT_FORMAT", "load_checkpoint", "read_checkpoint_meta", "save_checkpoint"]
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "checkpoint_mismatch",
+    "load_checkpoint",
+    "read_checkpoint_meta",
+    "save_checkpoint",
+]
 
 #: ``checkpoint.json``'s ``format`` value.
 CHECKPOINT_FORMAT = "mdb-checkpoint-1"
@@ -173,6 +179,67 @@ def read_checkpoint_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     return meta
 
 
+def checkpoint_mismatch(path: str | os.PathLike[str], model: nn.Module) -> str | None:
+    """Whether ``model`` can load the checkpoint's weights, read from the safetensors header
+    only (no tensor is loaded).
+
+    A name of ``model.state_dict()`` that the file lacks is fine when it shares its storage
+    with a name the file holds (tied weights are stored once by
+    ``safetensors.torch.save_model``).
+
+    Args:
+        path: A checkpoint directory (see :func:`save_checkpoint`).
+        model: The model to compare.
+
+    Returns:
+        ``None`` when every tensor matches in name, shape and dtype; else one line naming the
+        first difference and how many tensors differ, e.g. ``transformer.h.0.mlp.0.weight is
+        (256, 64) in the model, (128, 64) in the checkpoint (4 tensors differ)``.
+
+    Raises:
+        FileNotFoundError, ValueError: No readable checkpoint at ``path``.
+    """
+    from safetensors import safe_open
+
+    meta = read_checkpoint_meta(path)
+    file = Path(meta["_dir"]) / "model.safetensors"
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            stored = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype())
+                      for k in f.keys()}
+    except Exception as exc:  # SafetensorError, OSError: a truncated or missing file
+        raise ValueError(f"checkpoint {file.parent} is unreadable: {exc}") from exc
+    state = model.state_dict()
+    storages: dict[int, list[str]] = {}
+    for name, t in state.items():
+        if t.numel():
+            storages.setdefault(t.untyped_storage().data_ptr(), []).append(name)
+    problems: list[str] = []
+    for name, t in state.items():
+        want = (tuple(t.shape), _ST_DTYPES.get(t.dtype, str(t.dtype)))
+        got = stored.get(name)
+        if got is None:
+            twins = storages.get(t.untyped_storage().data_ptr(), []) if t.numel() else []
+            if not any(n in stored for n in twins if n != name):
+                problems.append(f"the model has {name} {want[0]}, the checkpoint does not")
+        elif got[0] != want[0]:
+            problems.append(f"{name} is {want[0]} in the model, {got[0]} in the checkpoint")
+        elif got[1] != want[1]:
+            problems.append(f"{name} is {want[1]} in the model, {got[1]} in the checkpoint")
+    for name in stored:
+        if name not in state:
+            problems.append(f"the checkpoint has {name}, the model does not")
+    if not problems:
+        return None
+    more = f" ({len(problems)} tensors differ)" if len(problems) > 1 else ""
+    return problems[0] + more
+
+
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+              torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
 def load_checkpoint(
     path: str | os.PathLike[str],
     model: nn.Module,
@@ -199,6 +266,9 @@ def load_checkpoint(
 
     meta = read_checkpoint_meta(path)
     d = Path(meta["_dir"])
+    mismatch = checkpoint_mismatch(d, model)
+    if mismatch is not None:
+        raise ValueError(f"checkpoint {d} does not fit the model: {mismatch}")
     try:
         missing, unexpected = load_model(model, str(d / "model.safetensors"), strict=True)
     except Exception as exc:  # RuntimeError, OSError, safetensors' SafetensorError (truncated)

@@ -1,9 +1,20 @@
-"""The overfit run of ``mdb overfit``: seed 000's "memorise a short text" sanity check.
+"""The overfit runs of ``mdb overfit``: seed 000's test C, "memorise one batch".
 
-:class:`OverfitSession` builds the model, tokenizer, AdamW optimizer and batch from
-:class:`OverfitOptions`, trains them with a :class:`hooks.runs.trainer.Trainer`, writes every step
-to a :class:`hooks.runs.store.RunStore`, checkpoints (:mod:`hooks.runs.checkpoint`) at the end, on
-interruption and every ``checkpoint_every`` steps, and resumes from the last checkpoint.
+Two sessions share one run machinery (:class:`RunSession`: the run store, checkpoints, the end
+of a run, faults):
+
+* :class:`OverfitSession` — minillm memorises a short text: it builds the model, tokenizer,
+  AdamW optimizer and batch from :class:`OverfitOptions`;
+* :class:`ModelOverfitSession` — ``mdb overfit --model module:function``: the user's own model
+  memorises the batch its factory returns (:class:`ModelOverfitOptions`), with the loss
+  conventions of :mod:`hooks.batch` (a ``loss_fn``, the output's ``loss``, nanoGPT's
+  ``(logits, loss)``). Passing this test proves that backward reaches every parameter that
+  matters and that positions and masks let the model tell the tokens apart.
+
+Both train with a :class:`hooks.runs.trainer.Trainer`, write every step to a
+:class:`hooks.runs.store.RunStore`, checkpoint (:mod:`hooks.runs.checkpoint`) at the end, on
+interruption and every ``checkpoint_every`` steps, and resume from the last checkpoint
+(:func:`resume_session` picks the session a stored run needs).
 
 A run's checkpoints live in ``<db stem>-checkpoints/<run>/step-<N>/`` (N zero-padded to 8
 digits), written when the run starts, every ``checkpoint_every`` steps and at its end; the
@@ -20,6 +31,7 @@ import dataclasses
 import math
 import os
 import shutil
+import sqlite3
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,16 +40,35 @@ from typing import Any
 import torch
 from torch import nn
 
-from hooks.runs.checkpoint import load_checkpoint, read_checkpoint_meta, save_checkpoint
+from hooks.batch import Batch, BatchError, from_factory, select_loss
+from hooks.runs.checkpoint import (
+    checkpoint_mismatch,
+    load_checkpoint,
+    read_checkpoint_meta,
+    save_checkpoint,
+)
 from hooks.runs.store import RunStore, RunWriter, checkpoint_dir
-from hooks.runs.trainer import Batch, StepReport, TrainControl, Trainer, TrainResult
+from hooks.runs.trainer import (
+    StepReport,
+    TrainControl,
+    Trainer,
+    TrainResult,
+    _router_logits,
+    step_metric_names,
+)
 
 __all__ = [
     "DEFAULT_TEXT_PATH",
+    "LOSS_METRICS",
+    "MINILLM_METRICS",
     "SEED_SENTENCE",
+    "ModelOverfitOptions",
+    "ModelOverfitSession",
     "OverfitOptions",
     "OverfitSession",
+    "RunSession",
     "default_overfit_text",
+    "resume_session",
 ]
 
 #: The default overfit text: seed 000's test C sentence ×6, relative to the repository root.
@@ -46,12 +77,62 @@ DEFAULT_TEXT_PATH = Path(__file__).resolve().parents[2] / "samples" / "overfit_z
 SEED_SENTENCE = "人工智能正在改变世界。"
 
 
+#: What a step of a minillm overfit run records, in this order (see
+#: :func:`hooks.runs.trainer.step_metric_names`).
+MINILLM_METRICS = ("ce", "aux", "total", "grad_norm", "lr", "step_time", "tokens_per_s",
+                   "steps_per_s")
+#: The metrics of an overfit run that are losses (charted together by ``mdb watch``).
+LOSS_METRICS = ("loss", "total", "ce", "aux")
+#: Bytes set aside beside the database while a run is written, and given back when a write
+#: fails for want of space, so that the run can still be marked as ended (disk full).
+RESERVE_BYTES = 256 * 1024
+
+
 def _step_dir_name(step: int) -> str:
     return f"step-{int(step):08d}"
 
 
+def _one_line(exc: BaseException) -> str:
+    text = (getattr(exc, "strerror", None) or str(exc) or type(exc).__name__).strip()
+    return (text.splitlines() or [type(exc).__name__])[0][:300]
+
+
+def _disk_full(exc: BaseException) -> bool:
+    import errno
+
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return True
+    return "disk is full" in str(exc) or "No space left" in str(exc)
+
+
+class _StoredOptions:
+    """What the options of both sessions share: the stored config and its common checks."""
+
+    steps: int
+    lr: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable dict (the run's stored config)."""
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]):
+        """Inverse of :meth:`to_dict`; unknown keys are ignored (a later mdb may add some)."""
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def _check(self, intervals: tuple[str, ...]) -> None:
+        if self.steps < 1:
+            raise ValueError(f"--steps must be at least 1, got {self.steps}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"--lr must be a positive number, got {self.lr}")
+        for name in intervals:
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+
+
 @dataclass
-class OverfitOptions:
+class OverfitOptions(_StoredOptions):
     """Everything that defines an overfit run (stored as the run's config, so it can resume).
 
     Attributes:
@@ -95,31 +176,15 @@ class OverfitOptions:
     grad_clip: float | None = None
     tokenizer: str = "char"
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable dict (the run's stored config)."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> OverfitOptions:
-        """Inverse of :meth:`to_dict`; unknown keys are ignored (a later mdb may add some)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
-
     def validate(self) -> None:
         """Raise ``ValueError`` with one line naming the bad option."""
         if not self.text:
             raise ValueError("the text to memorise is empty")
-        if self.steps < 1:
-            raise ValueError(f"--steps must be at least 1, got {self.steps}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"--lr must be a positive number, got {self.lr}")
+        self._check(("every", "sample_every", "checkpoint_every"))
         if self.batch_size < 1:
             raise ValueError(f"--batch-size must be at least 1, got {self.batch_size}")
         if self.seq_len is not None and self.seq_len < 2:
             raise ValueError(f"--seq-len must be at least 2, got {self.seq_len}")
-        for name in ("every", "sample_every", "checkpoint_every"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
         if self.tokenizer not in ("char", "byte"):
             raise ValueError(f"tokenizer must be 'char' or 'byte', got {self.tokenizer!r}")
 
@@ -133,24 +198,313 @@ def default_overfit_text() -> tuple[str, str]:
     return SEED_SENTENCE * 6, "seed 000 test C sentence ×6"
 
 
-class OverfitSession:
-    """An overfit run bound to a run store: model, optimizer, trainer, writer and checkpoints.
+class RunSession:
+    """What both overfit sessions share: a run in a store, its checkpoints, and the loop's end.
 
-    Build one with :meth:`create` (a new run) or :meth:`resume` (continue an interrupted one),
-    then call :meth:`run` — from the main thread for a headless run, or from a worker thread
-    under a UI (install signal handlers in the main thread with :func:`install_stop_signals` on
+    A subclass sets :attr:`options` (with ``steps``, ``seed``, ``every`` and
+    ``checkpoint_every``), :attr:`model`, :attr:`optimizer` and :attr:`trainer`, and describes
+    itself (:meth:`describe`, :attr:`metric_names`, :attr:`loss_metrics`). Build a session with
+    its ``create`` (a new run) or ``resume`` (continue an ended one), then call :meth:`run` —
+    from the main thread for a headless run, or from a worker thread under a UI (install signal
+    handlers in the main thread with :func:`hooks.runs.trainer.install_stop_signals` on
     :attr:`control`).
+
+    Attributes:
+        store: The :class:`RunStore`; ``writer``: the :class:`RunWriter` of this run.
+        name: The run's name.
+        control: The :class:`TrainControl` (pause / step / stop / capture).
+        result: The :class:`TrainResult` once :meth:`run` returned.
+        checkpoint_error: One line while the latest checkpoint could not be written.
+        recorded_step: The last step whose row the store committed.
+        on_warning: Called (in the training thread) with one line when something goes wrong
+            that does not stop the run — a checkpoint that could not be written.
+    """
+
+    options: Any
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    trainer: Trainer
+
+    def __init__(self, store: RunStore, writer: RunWriter | None, *, start_step: int = 0,
+                 checkpoint: str | os.PathLike[str] | None = None) -> None:
+        self.store = store
+        self.writer: RunWriter = writer  # type: ignore[assignment]  (set by create())
+        self.name = writer.name if writer is not None else ""
+        self.control = TrainControl()
+        self.result: TrainResult | None = None
+        self.checkpoint_error: str | None = None
+        self.on_warning: Callable[[str], None] | None = None
+        #: The checkpoint directory the store records for this run (``None``: none yet), and
+        #: its step.
+        self.last_checkpoint: Path | None = Path(checkpoint) if checkpoint is not None else None
+        self.last_checkpoint_step: int | None = start_step if checkpoint is not None else None
+        self.recorded_step = int(start_step)
+        self._finished = False
+        self._reserve: Path | None = None
+
+    # -- what the session is ---------------------------------------------------------------------
+
+    def describe(self) -> str:
+        """One line naming the model and its batch (the header of a run)."""
+        raise NotImplementedError
+
+    @property
+    def metric_names(self) -> list[str]:
+        """The metrics every step records, in the order they are logged."""
+        raise NotImplementedError
+
+    @property
+    def loss_metrics(self) -> list[str]:
+        """Those of :attr:`metric_names` that are losses (charted together)."""
+        return [n for n in self.metric_names if n in LOSS_METRICS]
+
+    @property
+    def headline_metrics(self) -> list[str]:
+        """The losses a one-line progress report shows (minillm: ``ce``, ``aux``)."""
+        names = self.loss_metrics
+        return [n for n in names if n != "total"] if "ce" in names else names
+
+    @property
+    def text(self) -> str:
+        """The text being memorised (scores the greedy samples), ``""`` when there is none."""
+        return ""
+
+    @property
+    def top_k(self) -> int:
+        """Experts per token, k, of the model's MoE layers (1 without)."""
+        return max(1, int(self.trainer.top_k or 1))
+
+    @property
+    def has_experts(self) -> bool:
+        """Whether the model reports router logits (a MoE model)."""
+        return False
+
+    def _declared(self) -> dict[str, Any]:
+        """What a reader needs to show the run, stored with its config."""
+        return {"metrics": self.metric_names, "loss_metrics": self.loss_metrics,
+                "moe": self.has_experts, "top_k": self.top_k}
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    @property
+    def checkpoint_root(self) -> Path:
+        """This run's directory of checkpoints (beside the database)."""
+        return checkpoint_dir(self.store.path, self.name)
+
+    @property
+    def checkpoint_path(self) -> Path:
+        """The run's latest recorded checkpoint, or its checkpoint root if none was written."""
+        return self.last_checkpoint if self.last_checkpoint is not None else self.checkpoint_root
+
+    def _checkpoint_extra(self) -> dict[str, Any]:
+        return {"run": self.name, "seed": self.options.seed}
+
+    def save_checkpoint(self) -> Path:
+        """Checkpoint the current step and record it in the store.
+
+        Each checkpoint goes to its own ``step-<N>`` directory; the database row is the commit
+        point. Older step directories are deleted only after the row names the new one, so a
+        ``kill -9`` at any instant leaves the checkpoint the database names intact (a newer,
+        unrecorded directory is ignored and removed by the next save).
+        """
+        step = self.trainer.step
+        path = save_checkpoint(
+            self.checkpoint_root / _step_dir_name(step),
+            self.model,
+            self.optimizer,
+            step=step,
+            extra=self._checkpoint_extra(),
+        )
+        self.writer.set_checkpoint(step, path)
+        self.last_checkpoint, self.last_checkpoint_step = path, step
+        self._prune_checkpoints(keep=path)
+        return path
+
+    def _prune_checkpoints(self, keep: Path) -> None:
+        """Delete this run's checkpoint directories other than ``keep`` (best effort)."""
+        root = self.checkpoint_root
+        if not root.is_dir():
+            return
+        for child in root.iterdir():
+            if child.is_dir() and child.name.startswith("step-") and child != keep:
+                shutil.rmtree(child, ignore_errors=True)
+        # the layout before step directories: files directly in the run's directory
+        for name in ("model.safetensors", "optimizer.safetensors", "checkpoint.json"):
+            with contextlib.suppress(OSError):
+                (root / name).unlink()
+
+    def _try_checkpoint(self) -> str | None:
+        """Checkpoint; if it cannot be written (disk full, read-only directory...) return a
+        one-line description instead of raising, and say so through :attr:`on_warning` (once
+        per run of failures). The run's metrics are safe in the database;
+        :attr:`checkpoint_error` keeps the failure until a later checkpoint succeeds."""
+        try:
+            self.save_checkpoint()
+        except Exception as exc:  # OSError, safetensors' SafetensorError, sqlite3.Error ...
+            first = self.checkpoint_error is None
+            self.checkpoint_error = (f"checkpoint of step {self.trainer.step} failed: "
+                                     + _one_line(exc))
+            if first and self.on_warning is not None:
+                saved = self.last_checkpoint_step
+                where = (f"a resume would start from step {saved}" if saved is not None
+                         else "the run cannot be resumed until one is written")
+                self.on_warning(f"{self.checkpoint_error}; training goes on, {where}")
+            return self.checkpoint_error
+        if self.checkpoint_error is not None and self.on_warning is not None:
+            self.on_warning(f"checkpoint of step {self.trainer.step} written: checkpoints work "
+                            "again")
+        self.checkpoint_error = None
+        return None
+
+    @property
+    def checkpoint_current(self) -> bool:
+        """Whether the recorded checkpoint is of the last step trained (nothing to lose)."""
+        return self.last_checkpoint_step == self.trainer.step
+
+    # -- room to end the run when the disk is full -----------------------------------------------
+
+    def _make_reserve(self) -> None:
+        """Set :data:`RESERVE_BYTES` aside beside the database (best effort)."""
+        path = self.checkpoint_root / ".mdb-reserve"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if not path.exists() or path.stat().st_size < RESERVE_BYTES:
+                with open(path, "wb") as f:
+                    f.write(b"\0" * RESERVE_BYTES)  # real bytes: a sparse file reserves nothing
+            self._reserve = path
+        except OSError:
+            with contextlib.suppress(OSError):
+                path.unlink()
+            self._reserve = None
+
+    def _drop_reserve(self) -> bool:
+        """Give the reserved bytes back; whether there were any."""
+        path, self._reserve = self._reserve, None
+        if path is None:
+            return False
+        try:
+            path.unlink()
+        except OSError:
+            return False
+        return True
+
+    def _finish(self, status: str, **fields: Any) -> None:
+        """Set the run's final status. A write that fails (``database or disk is full``) is
+        retried once after the reserve is given back, so the run is not left "running"."""
+        try:
+            self.writer.finish(status, **fields)
+        except sqlite3.Error:
+            conn = self.store.connection
+            if conn.in_transaction:  # SQLITE_FULL may leave the transaction open
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
+            if not self._drop_reserve():
+                raise
+            self.writer.finish(status, **fields)
+        self._finished = True
+        self._drop_reserve()
+
+    # -- running ---------------------------------------------------------------------------------
+
+    def run(
+        self,
+        on_step: Callable[[StepReport], None] | None = None,
+        on_state: Callable[[str], None] | None = None,
+        heartbeat_interval: float = 1.0,
+    ) -> TrainResult:
+        """Train to the end (or a stop / failure), writing every step to the store.
+
+        Each step is committed (metrics, internals, sample) before ``on_step`` is called. At the
+        end: a finished or interrupted run is checkpointed and its status set; a failed run
+        records the failing step and module. An exception (a database write that failed, disk
+        full, an error in the model) marks the run ``failed`` with one line saying which step
+        was the last recorded — never "running" — checkpoints only a step the database
+        recorded, and is re-raised.
+
+        Args:
+            on_step: Called after each step (in this thread) with the :class:`StepReport`.
+            on_state: Called with ``"paused"`` / ``"running"`` transitions.
+            heartbeat_interval: Seconds between heartbeats of the writer's background thread.
+
+        Returns:
+            The :class:`TrainResult` (also stored in :attr:`result`).
+        """
+        writer = self.writer
+        every_ckpt = self.options.checkpoint_every
+
+        def step_cb(report: StepReport) -> None:
+            writer.log_step(report.metrics, internals=report.internals, sample=report.sample,
+                            tensors=report.internals_tensors)
+            self.recorded_step = report.step
+            if every_ckpt and report.failure is None and report.step % every_ckpt == 0:
+                self._try_checkpoint()
+            if on_step is not None:
+                on_step(report)
+
+        def state_cb(state: str) -> None:
+            writer.set_paused(state == "paused")
+            if on_state is not None:
+                on_state(state)
+
+        self._make_reserve()
+        try:
+            writer.start_heartbeat(heartbeat_interval)
+            if self.last_checkpoint is None:
+                # a new run starts with a checkpoint of its initial state, so that a writer
+                # killed before its first periodic checkpoint still leaves a resumable run
+                self._try_checkpoint()
+            result = self.trainer.run(self.control, on_step=step_cb, on_state=state_cb)
+            if result.status == "failed":
+                f = result.failure
+                self._finish("failed", reason=result.reason[:500],
+                             fail_step=f.step if f else result.last_step,
+                             fail_module=f.module if f else None)
+            else:
+                reason = result.reason
+                if result.last_step != self.last_checkpoint_step:
+                    self._try_checkpoint()
+                if self.checkpoint_error:
+                    reason = f"{reason}; {self.checkpoint_error}"
+                    result.reason = reason
+                self._finish(result.status, reason=reason)
+        except BaseException as exc:
+            if not self._finished:
+                self._abort(exc)
+            raise
+        finally:
+            self._drop_reserve()
+        self.result = result
+        return result
+
+    def _abort(self, exc: BaseException) -> None:
+        """Mark the run ended after ``exc`` escaped the loop (best effort, never raises)."""
+        step, recorded = self.trainer.step, self.recorded_step
+        if isinstance(exc, KeyboardInterrupt):
+            status, reason = "interrupted", "KeyboardInterrupt"
+        elif step > recorded:  # the step trained, its row not written
+            status = "failed"
+            reason = f"step {step} not recorded: {_one_line(exc)}"
+        else:
+            status, reason = "failed", f"at step {step + 1}: {type(exc).__name__}: {_one_line(exc)}"
+        # only a step the database holds may be checkpointed (a resume continues after it)
+        if step == recorded and step != self.last_checkpoint_step and not _disk_full(exc):
+            with contextlib.suppress(Exception):
+                self.save_checkpoint()
+        with contextlib.suppress(Exception):
+            self._finish(status, reason=reason[:500])
+
+
+class OverfitSession(RunSession):
+    """minillm memorises a short text (seed 000's test C), bound to a run store.
 
     Attributes:
         options: The run's :class:`OverfitOptions`.
         model: The :class:`minillm.MiniLLM` being trained.
         tokenizer: Its tokenizer.
         config: The model's ``MiniLLMConfig`` (``vocab_size`` = tokenizer size).
+        ids: (1, N) token ids of the whole text.
         optimizer: AdamW.
         trainer: The :class:`Trainer`.
-        control: The :class:`TrainControl` (pause / step / stop / capture).
-        store: The :class:`RunStore`; ``writer``: the :class:`RunWriter` of this run.
-        result: The :class:`TrainResult` once :meth:`run` returned.
     """
 
     def __init__(
@@ -164,17 +518,8 @@ class OverfitSession:
     ) -> None:
         import minillm
 
+        super().__init__(store, writer, start_step=start_step, checkpoint=checkpoint)
         self.options = options
-        self.store = store
-        self.writer: RunWriter = writer  # type: ignore[assignment]  (set by create())
-        self.name = writer.name if writer is not None else ""
-        self.control = TrainControl()
-        self.result: TrainResult | None = None
-        self.checkpoint_error: str | None = None
-        #: The checkpoint directory the store records for this run (``None``: none yet), and
-        #: its step.
-        self.last_checkpoint: Path | None = Path(checkpoint) if checkpoint is not None else None
-        self.last_checkpoint_step: int | None = start_step if checkpoint is not None else None
         torch.manual_seed(options.seed)
         if options.tokenizer == "char":
             self.tokenizer: Any = minillm.CharTokenizer.from_text(options.text)
@@ -199,6 +544,10 @@ class OverfitSession:
         )
         if checkpoint is not None:
             load_checkpoint(checkpoint, self.model, self.optimizer)
+        self._fixed_batch = None
+        if seq == n:
+            x = self.ids.expand(options.batch_size, n).contiguous()
+            self._fixed_batch = {"input_ids": x, "labels": x}
         self.trainer = Trainer(
             self.model,
             self._batch_for,
@@ -210,13 +559,10 @@ class OverfitSession:
             sample_every=options.sample_every,
             sample_fn=self.greedy_sample,
             top_k=self.config.num_experts_per_tok,
+            tokens_per_step=options.batch_size * seq,
             capture_kwargs={"attention": True},
             capture_meta=self._capture_meta,
         )
-        self._fixed_batch = None
-        if seq == n:
-            x = self.ids.expand(options.batch_size, n).contiguous()
-            self._fixed_batch = {"input_ids": x, "labels": x}
 
     # -- construction --------------------------------------------------------------------------
 
@@ -235,13 +581,13 @@ class OverfitSession:
         """
         options.validate()
         session = cls(options, store, None)  # builds (and validates) everything first
-        session.writer = store.create_run(
-            name,
-            {**options.to_dict(), "resolved_model_config": session.config.to_dict()},
-            total_steps=options.steps,
-        )
+        session.writer = store.create_run(name, session._config(), total_steps=options.steps)
         session.name = name
         return session
+
+    def _config(self) -> dict[str, Any]:
+        return {**self.options.to_dict(), "workload": "minillm",
+                "resolved_model_config": self.config.to_dict(), **self._declared()}
 
     @classmethod
     def resume(cls, store: RunStore, name: str, steps: int | None = None) -> OverfitSession:
@@ -257,32 +603,26 @@ class OverfitSession:
                 it already reached its step target.
             ValueError: The checkpoint is missing or does not fit.
         """
-        run = store.run(name)
-        options = OverfitOptions.from_dict(run.config)
-        if steps is not None:
-            options.steps = int(steps)
-        options.validate()
-        if run.checkpoint_path is None:  # resume_run says why it cannot go on
-            store.resume_run(name, total_steps=options.steps)
-        ckpt = Path(run.checkpoint_path or "")
-        if not ckpt.is_absolute():
-            ckpt = store.path.parent / ckpt
-        # the checkpoint is read and loaded before the store is changed: a missing or corrupt
-        # one leaves the run as it was
-        meta = read_checkpoint_meta(ckpt)
-        if meta["step"] != run.checkpoint_step:
-            raise ValueError(
-                f"checkpoint at {ckpt} is of step {meta['step']}, the database says "
-                f"{run.checkpoint_step}"
-            )
-        session = cls(options, store, None, start_step=meta["step"], checkpoint=ckpt)
-        session.last_checkpoint_step = meta["step"]
-        writer = store.resume_run(name, total_steps=options.steps)
-        session.writer, session.name = writer, name
-        writer.update_config(
-            {**options.to_dict(), "resolved_model_config": session.config.to_dict()}
-        )
-        return session
+        return _resume(store, name, OverfitOptions, steps, lambda options, step, ckpt: cls(
+            options, store, None, start_step=step, checkpoint=ckpt))
+
+    # -- what it is ----------------------------------------------------------------------------
+
+    def describe(self) -> str:
+        return (f"{self.model.num_parameters():,} params · {self.ids.shape[1]} tokens of "
+                f"{self.options.text_source}")
+
+    @property
+    def metric_names(self) -> list[str]:
+        return list(MINILLM_METRICS)
+
+    @property
+    def text(self) -> str:
+        return self.options.text
+
+    @property
+    def has_experts(self) -> bool:
+        return bool(self.config.is_moe)
 
     # -- pieces --------------------------------------------------------------------------------
 
@@ -297,7 +637,7 @@ class OverfitSession:
 
     def _capture_meta(self, batch: Batch) -> dict[str, Any]:
         """``meta`` of a captured step, as ``mdb step`` records it (tokens, config, shape)."""
-        ids = batch["input_ids"]
+        ids = batch.kwargs["input_ids"]
         return {
             "description": (
                 f"overfit run {self.name} · minillm {self.options.preset or 'custom config'} · "
@@ -325,140 +665,258 @@ class OverfitSession:
         out = model.generate(ids, max_new_tokens=new) if new else ids
         return self.prompt, self.tokenizer.decode(out[0, len(prompt_ids) :].tolist())
 
-    @property
-    def checkpoint_root(self) -> Path:
-        """This run's directory of checkpoints (beside the database)."""
-        return checkpoint_dir(self.store.path, self.name)
 
-    @property
-    def checkpoint_path(self) -> Path:
-        """The run's latest recorded checkpoint, or its checkpoint root if none was written."""
-        return self.last_checkpoint if self.last_checkpoint is not None else self.checkpoint_root
+def _resume(store: RunStore, name: str, options_cls: Any, steps: int | None,
+            make: Callable[[Any, int, Path], Any]) -> Any:
+    """What both sessions' ``resume`` do: options from the stored config (a new ``steps``),
+    the checkpoint checked, the session built by ``make(options, step, checkpoint)`` (which
+    raises when it does not fit), then the store's run taken over and its config updated."""
+    run = store.run(name)
+    options = options_cls.from_dict(run.config)
+    if steps is not None:
+        options.steps = int(steps)
+    options.validate()
+    ckpt, step = _resumable_checkpoint(store, run, options.steps)
+    session = make(options, step, ckpt)
+    writer = store.resume_run(name, total_steps=options.steps)
+    session.writer, session.name = writer, name
+    writer.update_config(session._config())
+    return session
 
-    def save_checkpoint(self) -> Path:
-        """Checkpoint the current step and record it in the store.
 
-        Each checkpoint goes to its own ``step-<N>`` directory; the database row is the commit
-        point. Older step directories are deleted only after the row names the new one, so a
-        ``kill -9`` at any instant leaves the checkpoint the database names intact (a newer,
-        unrecorded directory is ignored and removed by the next save).
-        """
-        step = self.trainer.step
-        path = save_checkpoint(
-            self.checkpoint_root / _step_dir_name(step),
-            self.model,
-            self.optimizer,
-            step=step,
-            extra={"run": self.name, "seed": self.options.seed},
+def _resumable_checkpoint(store: RunStore, run: Any, steps: int) -> tuple[Path, int]:
+    """The checkpoint a resume of ``run`` loads, checked before the store is changed (a missing
+    or corrupt one leaves the run as it was)."""
+    if run.checkpoint_path is None:  # resume_run says why it cannot go on
+        store.resume_run(run.name, total_steps=steps)
+    ckpt = Path(run.checkpoint_path or "")
+    if not ckpt.is_absolute():
+        ckpt = store.path.parent / ckpt
+    meta = read_checkpoint_meta(ckpt)
+    if meta["step"] != run.checkpoint_step:
+        raise ValueError(
+            f"checkpoint at {ckpt} is of step {meta['step']}, the database says "
+            f"{run.checkpoint_step}"
         )
-        self.writer.set_checkpoint(step, path)
-        self.last_checkpoint, self.last_checkpoint_step = path, step
-        self._prune_checkpoints(keep=path)
-        return path
+    return ckpt, int(meta["step"])
 
-    def _prune_checkpoints(self, keep: Path) -> None:
-        """Delete this run's checkpoint directories other than ``keep`` (best effort)."""
-        root = self.checkpoint_root
-        if not root.is_dir():
-            return
-        for child in root.iterdir():
-            if child.is_dir() and child.name.startswith("step-") and child != keep:
-                shutil.rmtree(child, ignore_errors=True)
-        # the layout before step directories: files directly in the run's directory
-        for name in ("model.safetensors", "optimizer.safetensors", "checkpoint.json"):
-            with contextlib.suppress(OSError):
-                (root / name).unlink()
 
-    # -- running -------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------
+# mdb overfit --model module:function
+# ---------------------------------------------------------------------------------------------
 
-    def run(
+#: ``build(spec)``: import ``module:function`` and return what the function returned
+#: (``(model, batch)``, ``(model, batch, loss_fn)``, or an object with ``model``, ``batch`` and
+#: ``loss_fn`` attributes). The CLI passes its own loader; the session seeds torch first.
+WorkloadBuilder = Callable[[str], Any]
+
+
+@dataclass
+class ModelOverfitOptions(_StoredOptions):
+    """What defines an overfit run of a user's model (stored as the run's config).
+
+    Attributes:
+        model: The ``module:function`` (or ``path/to/file.py:function``) as given.
+        model_path: The same with a file's path made absolute — what a resume imports, from
+            any directory.
+        steps: Total steps.
+        lr: AdamW learning rate (constant).
+        weight_decay: AdamW weight decay.
+        seed: ``torch.manual_seed`` before the factory runs (its weights and batch).
+        every: Record internals (hooks statistics) every N steps (0: only on request).
+        checkpoint_every: Also checkpoint every N steps (0: only at the end and on interruption).
+        grad_clip: Clip the global gradient norm (``None``: off).
+    """
+
+    model: str
+    model_path: str = ""
+    steps: int = 300
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    seed: int = 0
+    every: int = 0
+    checkpoint_every: int = 0
+    grad_clip: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            self.model_path = resolve_model_spec(self.model)
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` with one line naming the bad option."""
+        self._check(("every", "checkpoint_every"))
+
+
+def resolve_model_spec(spec: str) -> str:
+    """``path/to/file.py:function`` with the file's path made absolute; a module spec as is."""
+    module, sep, func = spec.partition(":")
+    if sep and (module.endswith(".py") or os.sep in module):
+        return f"{Path(module).resolve()}:{func}"
+    return spec
+
+
+def _model_state_signature(model: nn.Module) -> dict[str, Any]:
+    sd = model.state_dict()
+    return {"tensors": len(sd), "parameters": sum(p.numel() for p in model.parameters()),
+            "class": type(model).__name__}
+
+
+class ModelOverfitSession(RunSession):
+    """The user's own model memorises the batch its factory returns (``mdb overfit --model``).
+
+    The factory runs after ``torch.manual_seed(options.seed)``; one forward pass in eval mode
+    (RNG state kept) tells which loss the model gives (:func:`hooks.select_loss`) and which
+    metrics a step records (:func:`hooks.runs.trainer.step_metric_names`). A model that returns
+    no loss and was given no ``loss_fn`` is refused: training on the mean of its output would
+    memorise nothing.
+
+    Attributes:
+        options: The run's :class:`ModelOverfitOptions`.
+        model, batch, loss_fn: What the factory returned (``batch`` as a :class:`hooks.Batch`).
+        loss_source: Where the loss comes from, as code (``out[1]``, ``out.loss``,
+            ``loss_fn(out, batch)``).
+        optimizer: AdamW over the model's parameters.
+        trainer: The :class:`Trainer`.
+    """
+
+    def __init__(
         self,
-        on_step: Callable[[StepReport], None] | None = None,
-        on_state: Callable[[str], None] | None = None,
-        heartbeat_interval: float = 1.0,
-    ) -> TrainResult:
-        """Train to the end (or a stop / failure), writing every step to the store.
-
-        Each step is committed (metrics, internals, sample) before ``on_step`` is called. At the
-        end: a finished or interrupted run is checkpointed and its status set; a failed run
-        records the failing step and module. An exception escaping the loop (including a
-        second Ctrl-C) marks the run interrupted (with a checkpoint if possible) and re-raises.
-
-        Args:
-            on_step: Called after each step (in this thread) with the :class:`StepReport`.
-            on_state: Called with ``"paused"`` / ``"running"`` transitions.
-            heartbeat_interval: Seconds between heartbeats of the writer's background thread.
-
-        Returns:
-            The :class:`TrainResult` (also stored in :attr:`result`).
-        """
-        writer = self.writer
-        every_ckpt = self.options.checkpoint_every
-
-        def step_cb(report: StepReport) -> None:
-            writer.log_step(report.metrics, internals=report.internals, sample=report.sample,
-                            tensors=report.internals_tensors)
-            if every_ckpt and report.failure is None and report.step % every_ckpt == 0:
-                self._try_checkpoint()
-            if on_step is not None:
-                on_step(report)
-
-        def state_cb(state: str) -> None:
-            writer.set_paused(state == "paused")
-            if on_state is not None:
-                on_state(state)
-
-        writer.start_heartbeat(heartbeat_interval)
-        if self.last_checkpoint is None:
-            # a new run starts with a checkpoint of its initial state, so that a writer killed
-            # before its first periodic checkpoint still leaves a run that can be resumed
-            self._try_checkpoint()
-        try:
-            result = self.trainer.run(self.control, on_step=step_cb, on_state=state_cb)
-        except BaseException as exc:
-            interrupted = isinstance(exc, KeyboardInterrupt)
-            reason = "KeyboardInterrupt" if interrupted else f"{type(exc).__name__}: {exc}"
-            with contextlib.suppress(Exception):
-                if self.trainer.step != self.last_checkpoint_step:
-                    self.save_checkpoint()
-            with contextlib.suppress(Exception):
-                writer.finish("interrupted" if interrupted else "failed", reason=reason[:500],
-                              fail_step=None if interrupted else self.trainer.step + 1)
-            raise
-        if result.status == "failed":
-            f = result.failure
-            writer.finish(
-                "failed",
-                reason=result.reason[:500],
-                fail_step=f.step if f else result.last_step,
-                fail_module=f.module if f else None,
-            )
+        options: ModelOverfitOptions,
+        store: RunStore,
+        writer: RunWriter | None,
+        build: WorkloadBuilder,
+        *,
+        start_step: int = 0,
+        checkpoint: str | os.PathLike[str] | None = None,
+    ) -> None:
+        super().__init__(store, writer, start_step=start_step, checkpoint=checkpoint)
+        self.options = options
+        torch.manual_seed(options.seed)
+        built = build(options.model_path)
+        if isinstance(built, tuple):
+            model, batch, loss_fn = from_factory(built)
         else:
-            reason = result.reason
-            if result.last_step != self.last_checkpoint_step:
-                self._try_checkpoint()
-            if self.checkpoint_error:
-                reason = f"{reason}; {self.checkpoint_error}"
-                result.reason = reason
-            writer.finish(result.status, reason=reason)
-        self.result = result
-        return result
+            model, batch, loss_fn = built.model, Batch.of(built.batch), built.loss_fn
+        self.model, self.batch, self.loss_fn = model, batch, loss_fn
+        self._probe()
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=options.lr, weight_decay=options.weight_decay)
+        if checkpoint is not None:
+            mismatch = checkpoint_mismatch(checkpoint, model)
+            if mismatch is not None:
+                raise ValueError(f"the model from {options.model} no longer matches its "
+                                 f"checkpoint of step {start_step}: {mismatch}")
+            load_checkpoint(checkpoint, model, self.optimizer)
+        self.trainer = Trainer(
+            model, batch, self.optimizer, loss_fn=loss_fn, total_steps=options.steps,
+            start_step=start_step, grad_clip=options.grad_clip, capture_every=options.every,
+            top_k=self._top_k, capture_kwargs={"attention": True},
+            capture_meta=self._capture_meta)
 
-    def _try_checkpoint(self) -> str | None:
-        """Checkpoint; if it cannot be written (disk full, read-only directory...) return a
-        one-line description instead of raising. The run's metrics are safe in the database;
-        :attr:`checkpoint_error` keeps the failure until a later checkpoint succeeds."""
+    def _probe(self) -> None:
+        """One forward pass (eval mode, no grad, RNG kept): the loss and the metrics."""
+        model, batch = self.model, self.batch
+        was_training = model.training
         try:
-            self.save_checkpoint()
-        except Exception as exc:  # OSError, safetensors' SafetensorError, ...
-            line = (getattr(exc, "strerror", None) or str(exc) or type(exc).__name__)
-            self.checkpoint_error = f"checkpoint of step {self.trainer.step} failed: " + (
-                line.splitlines()[0][:200])
-            return self.checkpoint_error
-        self.checkpoint_error = None
-        return None
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                model.eval()
+                out = batch.call(model)
+                choice = select_loss(out, self.loss_fn, batch)
+        except BatchError as exc:
+            raise ValueError(f"--model {self.options.model}: {exc}") from None
+        except Exception as exc:  # the user's forward: their error, on one line
+            raise ValueError(f"--model {self.options.model}: the forward pass raised "
+                             f"{type(exc).__name__}: {_one_line(exc)}") from None
+        finally:
+            model.train(was_training)
+        if choice.fallback:
+            raise ValueError(
+                f"--model {self.options.model}: the model returned no loss (only "
+                f"{choice.source.removeprefix('mean(')[:-1]}), so there is nothing to memorise;"
+                " return (model, batch, loss_fn) with a loss_fn(output, batch)")
+        self.loss_source = choice.source
+        ids = batch.ids(model)
+        self._metric_names = step_metric_names(out, choice, tokens=ids is not None)
+        self._moe = bool(_router_logits(out))
+        cfg = getattr(model, "config", None)
+        self._top_k = int(getattr(cfg, "num_experts_per_tok", None) or 1)
+
+    # -- construction ----------------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, store: RunStore, name: str, options: ModelOverfitOptions,
+               build: WorkloadBuilder) -> ModelOverfitSession:
+        """Build the user's model and register a new run ``name`` in ``store``.
+
+        Raises:
+            ValueError: Invalid options, or a factory whose model gives no loss (one line).
+            hooks.runs.store.RunStoreError: Bad name or the name exists.
+        """
+        options.validate()
+        session = cls(options, store, None, build)
+        session.writer = store.create_run(name, session._config(), total_steps=options.steps)
+        session.name = name
+        return session
+
+    @classmethod
+    def resume(cls, store: RunStore, name: str, build: WorkloadBuilder,
+               steps: int | None = None) -> ModelOverfitSession:
+        """Continue run ``name``: rebuild the model from the same factory (the stored
+        ``model_path``), check it still matches the checkpoint, load it (model, optimizer, RNG).
+
+        Raises:
+            hooks.runs.store.RunStoreError: No such run, its writer is alive, no checkpoint, or
+                it already reached its step target.
+            ValueError: The checkpoint is missing, or the factory's model no longer matches it
+                (one line naming the first tensor that differs).
+        """
+        return _resume(store, name, ModelOverfitOptions, steps, lambda options, step, ckpt: cls(
+            options, store, None, build, start_step=step, checkpoint=ckpt))
+
+    def _config(self) -> dict[str, Any]:
+        return {**self.options.to_dict(), "workload": "model", "loss_source": self.loss_source,
+                "batch": self.batch.describe(self.model),
+                "model_state": _model_state_signature(self.model), **self._declared()}
+
+    # -- what it is ------------------------------------------------------------------------------
+
+    def describe(self) -> str:
+        n = sum(p.numel() for p in self.model.parameters())
+        return (f"{type(self.model).__name__} from {self.options.model} · {n:,} params · "
+                f"loss = {self.loss_source}")
 
     @property
-    def checkpoint_current(self) -> bool:
-        """Whether the recorded checkpoint is of the last step trained (nothing to lose)."""
-        return self.last_checkpoint_step == self.trainer.step
+    def metric_names(self) -> list[str]:
+        return list(self._metric_names)
+
+    @property
+    def has_experts(self) -> bool:
+        return self._moe
+
+    def _capture_meta(self, batch: Batch) -> dict[str, Any]:
+        ids = batch.ids(self.model)
+        return {
+            "description": (f"overfit run {self.name} · {type(self.model).__name__} from "
+                            f"{self.options.model} · {batch.describe(self.model)}"),
+            "tokens": batch.token_labels(self.model),
+            "config": None,
+            "input_shape": list(ids.shape) if ids is not None else None,
+            "run": self.name,
+        }
+
+
+def resume_session(store: RunStore, name: str, *, steps: int | None = None,
+                   build: WorkloadBuilder | None = None) -> RunSession:
+    """Resume run ``name`` with the session its stored config needs: a
+    :class:`ModelOverfitSession` for a ``--model`` run (``build`` imports its factory), else an
+    :class:`OverfitSession`.
+
+    Raises:
+        hooks.runs.store.RunStoreError, ValueError: As the sessions' ``resume``.
+    """
+    run = store.run(name)
+    if run.config.get("workload") == "model" or "model_path" in run.config:
+        if build is None:
+            raise ValueError(f"run {name!r} trains a --model; resuming it needs its factory")
+        return ModelOverfitSession.resume(store, name, build, steps=steps)
+    return OverfitSession.resume(store, name, steps=steps)

@@ -1,8 +1,13 @@
 """A UI-free training loop with live controls: :class:`Trainer` and :class:`TrainControl`.
 
-:class:`Trainer` is generic over a model and a batch: ``model(**batch)`` must return an object
-with ``loss`` (scalar) and optionally ``ce_loss``, ``aux_loss`` and ``router_logits`` (one (N, E)
-tensor per MoE layer), as :class:`minillm.MiniLLM` and Hugging Face causal LMs do.
+:class:`Trainer` is generic over a model and a batch: the batch is a :class:`hooks.Batch` (or
+what :meth:`hooks.Batch.of` accepts: keyword arguments, positional arguments, a tensor) and the
+differentiated scalar is chosen by :func:`hooks.select_loss` — a ``loss_fn(output, batch)`` when
+given, else the output's ``loss`` (HF, minillm), else the one 0-dim tensor of a returned tuple
+(nanoGPT's ``(logits, loss)``). Where the output also carries ``ce_loss``, ``aux_loss`` and
+``router_logits`` (one (N, E) tensor per MoE layer), as :class:`minillm.MiniLLM` and HF MoE models
+do, those are recorded too; a step records only the metrics that exist (see
+:meth:`Trainer.train_step`).
 :meth:`Trainer.run` reports every step through a callback (in the training thread) and obeys a
 :class:`TrainControl` (pause / resume / single step / stop / capture the next step's internals)
 that any other thread may drive — a Textual app runs :meth:`Trainer.run` in a thread worker and
@@ -23,13 +28,14 @@ import math
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from hooks.batch import Batch, BatchError, LossChoice, select_loss
 from hooks.runs.store import MetricRow, RunStore
 
 __all__ = [
@@ -42,7 +48,9 @@ __all__ = [
     "install_stop_signals",
     "load_trace",
     "locate_nonfinite",
+    "metric_row",
     "signal_exit_code",
+    "total_norm",
 ]
 
 
@@ -188,17 +196,27 @@ def install_stop_signals(
     control: TrainControl,
     signals: Iterable[str] = ("SIGINT", "SIGTERM", "SIGHUP"),
     on_signal: Callable[[str], None] | None = None,
+    on_repeat: Callable[[str], None] | None = None,
 ) -> Callable[[], None]:
     """Make these signals stop the run gracefully (finish the step, checkpoint, mark interrupted).
 
     Must be called from the main thread (a Python rule for ``signal.signal``). The stop reason
     is the signal's name (``"SIGTERM"``), which :func:`signal_exit_code` maps to an exit status.
-    A second SIGINT while stopping raises ``KeyboardInterrupt`` as usual.
+
+    A signal that arrives while the run is already stopping (a second Ctrl-C) does not abort
+    anything: raising ``KeyboardInterrupt`` there would cut the final checkpoint or the last
+    database write short (the run stayed "running", then "gone", and the steps since the last
+    periodic checkpoint were lost), or tear an optimizer update in half. The stop already under
+    way finishes; ``kill -9`` still ends the process at once, and the run then resumes from its
+    last recorded checkpoint.
 
     Args:
         control: The controls to stop.
         signals: Signal names; names this platform lacks are skipped.
-        on_signal: Called (in the main thread, inside the handler) with the signal name.
+        on_signal: Called (in the main thread, inside the handler) with the signal name, for
+            the first signal and for every later one.
+        on_repeat: Called (likewise) with the signal name of a signal that arrived while the
+            run was already stopping, e.g. to say that it is; keep it signal-safe (``os.write``).
 
     Returns:
         A function restoring the previous handlers.
@@ -207,11 +225,12 @@ def install_stop_signals(
 
     def handler(signum: int, frame: object) -> None:
         name = signal.Signals(signum).name
-        if name == "SIGINT" and control.stop_requested:
-            raise KeyboardInterrupt
+        repeated = control.stop_requested
         control.stop(name)
         if on_signal is not None:
             on_signal(name)
+        if repeated and on_repeat is not None:
+            on_repeat(name)
 
     for name in signals:
         sig = getattr(signal, name, None)
@@ -329,6 +348,99 @@ def expert_load(router_logits: Iterable[torch.Tensor], top_k: int) -> list[list[
             counts = torch.bincount(ids, minlength=e).double()
             out.append((counts / max(1, n * k)).tolist())
     return out
+
+
+def total_norm(tensors: Sequence[torch.Tensor]) -> float:
+    """Global L2 norm ``sqrt(Σ_i ‖t_i‖²)`` of ``tensors`` as a Python float, without overflow.
+
+    ``torch.nn.utils.get_total_norm`` sums squares in the tensors' own dtype, so fp32
+    gradients whose elements exceed ~1.8e19 give ``inf`` although every one of them is finite
+    (``mdb overfit --lr 5`` hit it at step 5). When that fast path is not finite, every tensor
+    is checked: one holding a NaN gives ``nan``, one holding an Inf gives ``inf``; if all are
+    finite, each norm is recomputed scaled, ``a_i · ‖t_i / a_i‖`` with ``a_i = max |t_i|``, in
+    fp64, and combined the same way (the scaling of LAPACK's ``dnrm2``).
+
+    Args:
+        tensors: Any floating-point tensors (gradients), any shapes.
+
+    Returns:
+        The norm; ``0.0`` for no tensors; ``nan``/``inf`` only when an element is NaN/Inf (or
+        the norm exceeds float64's range).
+    """
+    tensors = [t.detach() for t in tensors]
+    if not tensors:
+        return 0.0
+    fast = float(torch.nn.utils.get_total_norm(tensors))
+    if math.isfinite(fast):
+        return fast
+    norms = []
+    for t in tensors:
+        if t.numel() == 0:
+            continue
+        if not bool(torch.isfinite(t).all()):
+            return float("nan") if bool(torch.isnan(t).any()) else float("inf")
+        a = float(t.abs().amax())
+        if a > 0.0:
+            norms.append(a * float(torch.linalg.vector_norm(t.double() / a)))
+    if not norms:
+        return 0.0
+    top = max(norms)
+    return top * math.sqrt(sum((n / top) ** 2 for n in norms))
+
+
+_ROW_FIELDS = frozenset(f.name for f in dataclasses.fields(MetricRow))
+#: Metrics that have a column of their own in a store without ``MetricRow.values``.
+_FIXED_METRICS = ("ce", "aux", "total", "grad_norm", "lr", "step_time", "tokens_per_s",
+                  "steps_per_s")
+
+
+def metric_row(step: int, wall: float, values: Mapping[str, float | None],
+               expert_load: list[list[float]] | None = None) -> MetricRow:
+    """A :class:`hooks.runs.store.MetricRow` holding exactly ``values`` (metric name → value;
+    ``None`` = NaN or not measured).
+
+    With a store that keeps any metric by name (``MetricRow.values``) the row carries
+    ``values`` as given. With one that has only the fixed columns, the names that have a column
+    fill it, and ``loss`` (the back-propagated scalar of a model without a CE/aux split) goes to
+    ``total``; the run's config says which names were logged (``config["metrics"]``).
+    """
+    values = {k: (None if v is None or math.isnan(v) else float(v)) for k, v in values.items()}
+    kw: dict[str, Any] = {"step": int(step), "wall": float(wall)}
+    if "expert_load" in _ROW_FIELDS:
+        kw["expert_load"] = expert_load
+    if "values" in _ROW_FIELDS:
+        kw["values"] = values
+        for name in _FIXED_METRICS:
+            if name in _ROW_FIELDS and name in values:
+                kw[name] = values[name]
+    else:
+        fixed = dict(values)
+        if "total" not in fixed and "loss" in fixed:
+            fixed["total"] = fixed["loss"]
+        for name in _FIXED_METRICS:
+            if name in _ROW_FIELDS:
+                kw[name] = fixed.get(name)
+    return MetricRow(**kw)
+
+
+def _scalar_field(output: Any, name: str) -> torch.Tensor | None:
+    """``output.<name>`` or ``output[name]`` when it is a 0-dim floating-point tensor."""
+    value = getattr(output, name, None)
+    if value is None and isinstance(output, Mapping):
+        value = output.get(name)
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point():
+        return value
+    return None
+
+
+def _router_logits(output: Any) -> tuple[torch.Tensor, ...]:
+    """The (N, E) router logits per MoE layer of an output (minillm, HF MoE), or ``()``."""
+    value = getattr(output, "router_logits", None)
+    if value is None and isinstance(output, Mapping):
+        value = output.get("router_logits")
+    if not isinstance(value, (list, tuple)):
+        return ()
+    return tuple(t for t in value if isinstance(t, torch.Tensor) and t.dim() == 2)
 
 
 def _first_nonfinite_tensor(obj: Any) -> torch.Tensor | None:
@@ -495,24 +607,56 @@ def _trace_first_nonfinite(trace: Any, direction: str) -> tuple[str | None, str]
 # The generic trainer
 # ---------------------------------------------------------------------------------------------
 
-Batch = Mapping[str, Any]
+#: What a trainer's batch may be: a :class:`hooks.Batch`, or what :meth:`hooks.Batch.of`
+#: accepts (a mapping of keyword arguments, a tuple of positional arguments, a tensor).
+BatchLike = Any
+
+
+def step_metric_names(output: Any, choice: LossChoice, *, tokens: bool) -> list[str]:
+    """The metrics a step of this model records, in the order they are logged.
+
+    The back-propagated scalar is ``total`` when it is the output's own ``loss`` and the output
+    also carries ``ce_loss`` (minillm: ``total = ce + aux``), else ``loss``; ``ce`` and ``aux``
+    are recorded where the output has ``ce_loss`` / ``aux_loss`` (HF MoE models report their
+    router ``aux_loss``); ``tokens_per_s`` only for a batch of token ids.
+
+    Args:
+        output: What the model returned.
+        choice: :func:`hooks.select_loss`'s choice for it.
+        tokens: Whether the batch holds (B, T) token ids.
+    """
+    ce = _scalar_field(output, "ce_loss") is not None
+    aux = _scalar_field(output, "aux_loss") is not None
+    split = ce and choice.source in ("out.loss", "out['loss']")
+    names = ["ce", "aux", "total"] if split else ["loss"] + (["ce"] if ce else [])
+    if aux and "aux" not in names:
+        names.append("aux")
+    names += ["grad_norm", "lr", "step_time"]
+    if tokens:
+        names.append("tokens_per_s")
+    names.append("steps_per_s")
+    return names
 
 
 class Trainer:
     """Train ``model`` on a batch (or a batch per step) with ``optimizer``; report every step.
 
-    One step: ``model(**batch)`` → check the loss is finite → ``loss.backward()`` → global
-    gradient norm (``torch.nn.utils.get_total_norm``) → check it is finite → optional clipping
-    → ``optimizer.step()``. A non-finite loss or gradient norm skips the update and ends the run
-    ``failed``; the step is run again under the :mod:`hooks` capture engine (or, without it,
-    :func:`locate_nonfinite`) to name the first module that produced a non-finite value.
+    One step: ``batch.call(model)`` → :func:`hooks.select_loss` → check the loss is finite →
+    ``loss.backward()`` → global gradient norm (:func:`total_norm`, in fp32 and, only when that
+    overflows, scaled in fp64) → check it is finite → optional clipping → ``optimizer.step()``.
+    A non-finite loss or gradient skips the update and ends the run ``failed``: the gradients
+    are scanned for the first non-finite one before anything clears them, and the step is run
+    again under the :mod:`hooks` capture engine (or, without it, :func:`locate_nonfinite`) to
+    name the first module that produced a non-finite value.
 
     Args:
-        model: Any ``nn.Module`` whose forward returns an object with a scalar ``loss``
-            (optionally ``ce_loss``, ``aux_loss``, ``router_logits``).
-        batch: Keyword arguments for the model (e.g. ``input_ids`` and ``labels`` (B, T)), or
-            a callable ``batch(step) -> mapping`` for a batch that changes per step.
+        model: Any ``nn.Module``.
+        batch: A :class:`hooks.Batch` (or keyword arguments such as ``input_ids`` and
+            ``labels`` (B, T), positional arguments, a tensor), or a callable
+            ``batch(step) -> batch`` for a batch that changes per step.
         optimizer: A ``torch.optim.Optimizer`` over the model's parameters.
+        loss_fn: ``loss_fn(output, batch) -> 0-dim tensor`` (a factory's third value); without
+            it the loss is the output's own (:func:`hooks.select_loss`).
         total_steps: Train until this step number (steps are 1-based).
         start_step: Steps already done (resume); the first step run is ``start_step + 1``.
         grad_clip: Clip the global gradient norm to this value (``None``: no clipping).
@@ -521,12 +665,13 @@ class Trainer:
         sample_fn: ``sample_fn(model) -> (prompt, continuation)`` (e.g. a greedy decode).
         top_k: Experts per token for :func:`expert_load` (default:
             ``model.config.num_experts_per_tok`` when present).
-        tokens_per_step: Tokens per step for throughput (default: ``input_ids.numel()``).
+        tokens_per_step: Tokens per step for throughput (default: the batch's token ids'
+            ``numel()``; none for a batch without token ids).
         lr_at: Optional schedule ``lr_at(step) -> lr`` applied to every param group.
         capture_kwargs: Extra keyword arguments of ``hooks.capture`` (e.g. ``attention=True``).
         capture_meta: ``capture_meta(batch) -> dict`` stored in a captured trace's ``meta``
-            (token labels, config); the step's losses are added as ``loss``, ``ce_loss``,
-            ``aux_loss``.
+            (token labels, config); the step's losses are added as ``loss`` (and ``ce_loss``,
+            ``aux_loss`` where the output has them) with ``loss_source``.
 
     Raises:
         ValueError: ``total_steps < start_step`` or a negative interval.
@@ -535,10 +680,11 @@ class Trainer:
     def __init__(
         self,
         model: nn.Module,
-        batch: Batch | Callable[[int], Batch],
+        batch: BatchLike | Callable[[int], BatchLike],
         optimizer: torch.optim.Optimizer,
         *,
         total_steps: int,
+        loss_fn: Callable[[Any, Batch], torch.Tensor] | None = None,
         start_step: int = 0,
         grad_clip: float | None = None,
         capture_every: int = 0,
@@ -557,6 +703,7 @@ class Trainer:
         self.model = model
         self.batch = batch
         self.optimizer = optimizer
+        self.loss_fn = loss_fn
         self.total_steps = int(total_steps)
         self.step = int(start_step)
         self.start_step = int(start_step)
@@ -571,20 +718,49 @@ class Trainer:
         self.capture_kwargs = dict(capture_kwargs or {})
         self.capture_meta = capture_meta
         self._params = [p for p in model.parameters() if p.requires_grad]
+        self._fixed: tuple[Any, Batch, int | None] | None = None  # (given, Batch, tokens)
 
     # -- one step ------------------------------------------------------------------------------
 
     def _batch(self, step: int) -> Batch:
-        return self.batch(step) if callable(self.batch) else self.batch
+        given = self.batch(step) if callable(self.batch) else self.batch
+        fixed = self._fixed
+        if fixed is not None and fixed[0] is given:
+            return fixed[1]
+        batch = Batch.of(given)
+        if not callable(self.batch):
+            self._fixed = (given, batch, self._count_tokens(batch))
+        return batch
 
-    def _tokens(self, batch: Batch) -> int:
+    def _count_tokens(self, batch: Batch) -> int | None:
+        ids = batch.ids(self.model)
+        return int(ids.numel()) if isinstance(ids, torch.Tensor) else None
+
+    def _tokens(self, batch: Batch) -> int | None:
         if self.tokens_per_step is not None:
             return self.tokens_per_step
-        ids = batch.get("input_ids")
-        return int(ids.numel()) if isinstance(ids, torch.Tensor) else 0
+        fixed = self._fixed
+        if fixed is not None and fixed[1] is batch:
+            return fixed[2]
+        return self._count_tokens(batch)
+
+    def _loss(self, output: Any, batch: Batch) -> LossChoice:
+        choice = select_loss(output, self.loss_fn, batch)
+        if choice.fallback:
+            raise BatchError(
+                f"the model returned no loss (only {choice.source.removeprefix('mean(')[:-1]}), "
+                "and training on the mean of its output memorises nothing; return "
+                "(model, batch, loss_fn)")
+        return choice
 
     def train_step(self, step: int | None = None, capture: bool = False) -> StepReport:
         """Run one step (number ``self.step + 1`` unless given) and advance ``self.step``.
+
+        The step's :class:`hooks.runs.store.MetricRow` holds the metrics that exist for this
+        model (:func:`step_metric_names`): the loss (``total`` with ``ce`` and ``aux`` for
+        minillm; ``loss`` otherwise, plus ``ce``/``aux`` where the output has them),
+        ``grad_norm`` (before clipping), ``lr``, ``step_time`` (s), ``tokens_per_s`` (batches
+        of token ids), ``steps_per_s``; a NaN is ``None``.
 
         Args:
             step: Step number (default ``self.step + 1``).
@@ -593,6 +769,10 @@ class Trainer:
         Returns:
             The :class:`StepReport`; ``failure`` is set (and the update skipped) when the loss
             or gradient norm was non-finite.
+
+        Raises:
+            hooks.BatchError: The output holds no loss (and no ``loss_fn`` was given), or
+                ``loss_fn`` returned no scalar.
         """
         step = self.step + 1 if step is None else int(step)
         model, opt = self.model, self.optimizer
@@ -609,8 +789,9 @@ class Trainer:
             else contextlib.nullcontext()
         )
         with cap_ctx as trace:
-            out = model(**batch)
-            loss = out.loss
+            out = batch.call(model)
+            choice = self._loss(out, batch)
+            loss = choice.loss
             loss_ok = bool(torch.isfinite(loss.detach()).all())
             if loss_ok:
                 loss.backward()
@@ -618,36 +799,48 @@ class Trainer:
         grad_ok = False
         if loss_ok:
             grads = [p.grad for p in self._params if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-            grad_norm = float(norm)
+            grad_norm = total_norm(grads)
             grad_ok = math.isfinite(grad_norm)
             if grad_ok:
                 if self.grad_clip is not None:
-                    torch.nn.utils.clip_grads_with_norm_(self._params, self.grad_clip, norm)
+                    coef = self.grad_clip / (grad_norm + 1e-6)
+                    if coef < 1.0:  # torch.nn.utils.clip_grad_norm_'s rule
+                        for g in grads:
+                            g.mul_(coef)
                 opt.step()
         step_time = time.perf_counter() - t0
 
-        ce = getattr(out, "ce_loss", None)
-        aux = getattr(out, "aux_loss", None)
-        routers = getattr(out, "router_logits", None) or ()
         tokens = self._tokens(batch)
-        metrics = MetricRow(
-            step=step,
-            wall=time.time(),
-            ce=float(ce.detach()) if ce is not None else float(loss.detach()),
-            aux=float(aux.detach()) if aux is not None else 0.0,
-            total=float(loss.detach()),
-            grad_norm=grad_norm,
-            lr=float(opt.param_groups[0]["lr"]),
-            step_time=step_time,
-            tokens_per_s=tokens / step_time if step_time > 0 else None,
-            steps_per_s=1.0 / step_time if step_time > 0 else None,
-            expert_load=expert_load(routers, self.top_k) if routers else None,
+        names = step_metric_names(out, choice, tokens=tokens is not None)
+        ce = _scalar_field(out, "ce_loss")
+        aux = _scalar_field(out, "aux_loss")
+        loss_value = float(loss.detach())
+        values: dict[str, float | None] = {
+            "total" if "total" in names else "loss": loss_value,
+            "grad_norm": grad_norm,
+            "lr": float(opt.param_groups[0]["lr"]),
+            "step_time": step_time,
+            "steps_per_s": 1.0 / step_time if step_time > 0 else None,
+        }
+        if ce is not None:
+            values["ce"] = float(ce.detach())
+        if aux is not None:
+            values["aux"] = float(aux.detach())
+        if tokens is not None:
+            values["tokens_per_s"] = tokens / step_time if step_time > 0 else None
+        routers = _router_logits(out)
+        metrics = metric_row(
+            step, time.time(), {name: values.get(name) for name in names},
+            expert_load(routers, self.top_k) if routers else None,
         )
         report = StepReport(metrics=metrics)
         if trace is not None:
             meta = dict(self.capture_meta(batch)) if self.capture_meta is not None else {}
-            meta.update(step=step, loss=metrics.total, ce_loss=metrics.ce, aux_loss=metrics.aux)
+            meta.update(step=step, loss=loss_value, loss_source=choice.source)
+            if ce is not None:
+                meta["ce_loss"] = values["ce"]
+            if aux is not None:
+                meta["aux_loss"] = values["aux"]
             meta = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v))
                     for k, v in meta.items()}
             if isinstance(getattr(trace, "meta", None), dict):
@@ -670,30 +863,36 @@ class Trainer:
             step == self.total_steps
         )
 
+    def _first_nonfinite_grad(self) -> tuple[str, str] | None:
+        """The first parameter (in ``named_parameters`` order) whose gradient is non-finite."""
+        for name, p in self.model.named_parameters():
+            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                return name, "gradient of parameter: " + _describe_tensor(p.grad)
+        return None
+
     def _locate_failure(
         self, step: int, batch: Batch, loss_ok: bool, trace: Any
     ) -> NonFiniteInfo:
         what = "gradient" if loss_ok else "loss"
         direction = "backward" if loss_ok else "forward"
+        # the gradients of this step, read before a rerun (or zero_grad) replaces them
+        bad_param = self._first_nonfinite_grad() if loss_ok else None
         located = _trace_first_nonfinite(trace, direction) if trace is not None else None
         if located is None and _hooks_capture_available():
             try:
                 with _maybe_capture(self.model, step) as tr:
-                    out = self.model(**batch)
+                    out = batch.call(self.model)
                     if loss_ok:
-                        out.loss.backward()
+                        self._loss(out, batch).loss.backward()
                 located = _trace_first_nonfinite(tr, direction)
             except Exception:  # a broken capture must not hide the failure itself
                 located = None
             self.optimizer.zero_grad(set_to_none=True)
         if located is None and not loss_ok:
-            located = locate_nonfinite(self.model, lambda: self.model(**batch))
-        if located is None:  # gradient: the first parameter with a non-finite gradient
-            located = (None, "no non-finite gradient found")
-            for name, p in self.model.named_parameters():
-                if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-                    located = (name, "gradient of parameter: " + _describe_tensor(p.grad))
-                    break
+            located = locate_nonfinite(self.model, lambda: batch.call(self.model))
+        if located is None:
+            located = bad_param or (
+                None, "every gradient is finite, but their global norm exceeds float64's range")
         module, detail = located
         return NonFiniteInfo(step=step, what=what, module=module, detail=detail)
 

@@ -1,9 +1,13 @@
-"""``mdb overfit``: memorise a short text (seed 000's test C) as a recorded, resumable run.
+"""``mdb overfit``: memorise one batch (seed 000's test C) as a recorded, resumable run.
+
+By default minillm memorises a short text; ``--model module:function`` trains the user's own
+model on the batch its factory returns (``(model, batch)`` or ``(model, batch, loss_fn)``).
 
 Every run is written to the run store (``--db``, ``$MDB_DB``, default ``./runs/mdb.sqlite``) step
 by step, so ``mdb watch`` in another terminal (or after an SSH reconnect) sees all of it, and
 ``mdb runs`` lists it. SIGINT, SIGTERM and SIGHUP stop the run after the current step, write a
-checkpoint, mark it interrupted and exit 130 / 143 / 129; ``mdb overfit --resume RUN`` continues.
+checkpoint, mark it interrupted and exit 130 / 143 / 129 (a second Ctrl-C while it stops changes
+nothing: the checkpoint is still written); ``mdb overfit --resume RUN`` continues.
 
 This module builds the session (:func:`build_session`) and runs it headless
 (:func:`run_headless`); the live screen reuses :func:`build_session`.
@@ -20,14 +24,15 @@ from typing import Any
 
 from tui.commands._common import nonneg_int, positive_float, positive_int
 from tui.errors import MdbError
-from tui.run_end import end_of_run
+from tui.run_end import EXIT_FAILED, end_of_run
 
 HELP = (
-    "memorise a short text (seed 000's test C) as a recorded run, on a live screen (or "
-    "--headless); watch it from elsewhere with `mdb watch`"
+    "memorise one batch (seed 000's test C: a short text, or your --model's batch) as a "
+    "recorded run, on a live screen (or --headless); watch it from elsewhere with `mdb watch`"
 )
 
-#: Exit status of a run that failed (non-finite loss or gradient).
+#: Options that choose minillm's text and batch, and so do not apply with --model.
+_MINILLM_ONLY = ("text", "seq_len", "batch_size", "sample_every")
 
 _DEFAULTS: dict[str, Any] = {
     "preset": "seed-test-c",
@@ -54,6 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "character count")
     src.add_argument("--config", metavar="FILE.toml", default=None,
                      help="a minillm config as TOML (see samples/presets/)")
+    src.add_argument("--model", metavar="MODULE:FUNCTION", default=None,
+                     help="memorise your own model's batch: FUNCTION() returns (model, batch) or "
+                          "(model, batch, loss_fn), as for `mdb step --model` (a module name or "
+                          "path/to/file.py); the loss is loss_fn(out, batch), else out.loss, "
+                          "else the scalar of a returned tuple; resume rebuilds it from there")
     g.add_argument("--steps", type=positive_int, default=None,
                    help="total training steps (default 300; with --resume: a new total)")
     g.add_argument("--lr", type=positive_float, default=None,
@@ -82,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "interruption only); lets a run killed with -9 resume")
     r.add_argument("--resume", metavar="RUN", default=None,
                    help="continue an interrupted run from its checkpoint (takes only --steps, "
-                        "--db, --headless, --threads)")
+                        "--db, --headless, --threads); a --model run imports its factory again")
     x = parser.add_argument_group("running")
     x.add_argument("--headless", action="store_true",
                    help="no UI: one progress line on a terminal, plain lines otherwise (for "
@@ -153,8 +163,25 @@ def _options_from_args(args: argparse.Namespace):
     )
 
 
+def _model_options(args: argparse.Namespace):
+    from hooks.runs.overfit import ModelOverfitOptions
+
+    d = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in _DEFAULTS.items()}
+    return ModelOverfitOptions(model=args.model, steps=d["steps"], lr=d["lr"], seed=d["seed"],
+                               every=d["every"], checkpoint_every=d["checkpoint_every"])
+
+
+def _build_workload(spec: str):
+    """``--model``'s factory, imported and called (errors: :class:`MdbError`, one line)."""
+    from tui.commands._common import load_user_workload
+
+    return load_user_workload(spec)
+
+
 def build_session(args: argparse.Namespace, control=None):
-    """The :class:`hooks.runs.overfit.OverfitSession` the options describe (new or resumed).
+    """The session the options describe, new or resumed: an
+    :class:`hooks.runs.overfit.OverfitSession` (minillm) or a
+    :class:`hooks.runs.overfit.ModelOverfitSession` (``--model``).
 
     Args:
         args: Parsed ``mdb overfit`` options.
@@ -166,16 +193,16 @@ def build_session(args: argparse.Namespace, control=None):
     """
     import torch
 
-    from hooks.runs.overfit import OverfitSession
+    from hooks.runs.overfit import ModelOverfitSession, OverfitSession, resume_session
     from hooks.runs.store import RunStoreError
 
     torch.set_num_threads(args.threads)
     if args.resume:
         given = [
             f"--{k.replace('_', '-')}"
-            for k in ("text", "preset", "config", "lr", "seq_len", "batch_size", "seed", "run",
-                      "every", "sample_every", "checkpoint_every")
-            if getattr(args, k) is not None
+            for k in ("text", "preset", "config", "model", "lr", "seq_len", "batch_size", "seed",
+                      "run", "every", "sample_every", "checkpoint_every")
+            if getattr(args, k, None) is not None
         ]
         if given:
             raise MdbError(
@@ -183,23 +210,36 @@ def build_session(args: argparse.Namespace, control=None):
             )
         store = _open_store(args, create=False)
         try:
-            session = OverfitSession.resume(store, args.resume, steps=args.steps)
+            session = resume_session(store, args.resume, steps=args.steps,
+                                     build=_build_workload)
         except RunStoreError as exc:
             store.close()
             raise MdbError(str(exc)) from None
+        except MdbError as exc:
+            store.close()
+            raise MdbError(f"cannot resume {args.resume!r}: {exc}") from None
         except (ValueError, FileNotFoundError) as exc:
             store.close()
             raise MdbError(f"cannot resume {args.resume!r}: {exc}") from None
     else:
-        options = _options_from_args(args)
+        if getattr(args, "model", None):
+            given = [f"--{k.replace('_', '-')}" for k in _MINILLM_ONLY
+                     if getattr(args, k) is not None]
+            if given:
+                raise MdbError(f"{', '.join(given)} does not apply with --model: your function "
+                               "returns the batch")
         store = _open_store(args, create=True)
         name = args.run or _default_run_name(store)
         try:
-            session = OverfitSession.create(store, name, options)
+            if getattr(args, "model", None):
+                session = ModelOverfitSession.create(store, name, _model_options(args),
+                                                     _build_workload)
+            else:
+                session = OverfitSession.create(store, name, _options_from_args(args))
         except RunStoreError as exc:
             store.close()
             raise MdbError(str(exc)) from None
-        except ValueError as exc:
+        except (ValueError, MdbError) as exc:
             store.close()
             raise MdbError(str(exc)) from None
     if control is not None:
@@ -210,10 +250,16 @@ def build_session(args: argparse.Namespace, control=None):
 
 
 def _arm_nan(session, step: int) -> None:
-    """Testing aid (hidden ``--debug-nan-at``): poison a weight so step ``step`` is non-finite."""
+    """Testing aid (hidden ``--debug-nan-at``): poison a weight so step ``step`` is non-finite
+    (minillm's last ``v_proj``; for a ``--model``, its last parameter of two or more
+    dimensions)."""
     import torch
 
-    layer = session.model.model.layers[-1].self_attn.v_proj
+    try:
+        layer = session.model.model.layers[-1].self_attn.v_proj
+    except AttributeError:
+        weights = [p for p in session.model.parameters() if p.dim() >= 2]
+        layer = type("W", (), {"weight": weights[-1]})()
     trainer = session.trainer
     original = trainer.batch
 
@@ -310,8 +356,7 @@ class _Reporter:
     def __enter__(self):
         s = self.session
         self.line(
-            f"mdb overfit: run {s.name} · {s.model.num_parameters():,} params · "
-            f"{s.ids.shape[1]} tokens of {s.options.text_source} · steps "
+            f"mdb overfit: run {s.name} · {s.describe()} · steps "
             f"{self.start_step + 1}..{self.total} · db {s.store.path}"
         )
         if self.tty:
@@ -347,13 +392,18 @@ class _Reporter:
                 pass
 
     def on_step(self, report) -> None:
+        from tui.screens.live_data import metric_values
+
         m = report.metrics
         self.last_metrics = m
+        values = metric_values(m, self.session.metric_names)
         if report.sample is not None:
             self.sample = report.sample[0] + "|" + report.sample[1]
+        losses = "  ".join(f"{name} {_fmt(values.get(name))}"
+                           for name in self.session.headline_metrics)
         stats = (
-            f"ce {_fmt(m.ce)}  aux {_fmt(m.aux)}  |g| {_fmt(m.grad_norm, '.3g')}  "
-            f"{_fmt(m.steps_per_s, '.1f')} steps/s"
+            f"{losses}  |g| {_fmt(values.get('grad_norm'), '.3g')}  "
+            f"{_fmt(values.get('steps_per_s'), '.1f')} steps/s"
         )
         if self.progress is not None:  # one terminal line: the sample goes last, cut to fit
             stats = stats.replace("  ", " ")
@@ -383,33 +433,58 @@ class _Reporter:
             self.line(f"step {m.step}/{self.total}  {stats}")
 
 
+def _stderr_line(text: str) -> None:
+    """One line on stderr with a plain ``os.write`` (safe inside a signal handler)."""
+    try:
+        os.write(2, (text + "\n").encode("utf-8", "replace"))
+    except OSError:
+        pass
+
+
+def _say_already_stopping(session):
+    def on_repeat(name: str) -> None:
+        saved = session.last_checkpoint_step
+        after = f"; the run then resumes from step {saved}" if saved is not None else ""
+        _stderr_line(f"mdb: already stopping ({name}): finishing the step in progress and "
+                     f"writing its checkpoint (kill -9 ends it at once{after})")
+    return on_repeat
+
+
 def run_headless(session, args: argparse.Namespace | None = None) -> int:
     """Run ``session`` to its end with progress output; return the exit status.
 
-    Installs SIGINT/SIGTERM/SIGHUP handlers (main thread) that stop the run gracefully.
+    Installs SIGINT/SIGTERM/SIGHUP handlers (main thread) that stop the run gracefully; a signal
+    while it stops (a second Ctrl-C) only says that it is stopping. A checkpoint that cannot be
+    written is said at once on stderr (``mdb: warning: ...``) and the run goes on.
 
     Returns:
         0 finished; 128 + signal number when stopped by a signal (130 SIGINT, 143 SIGTERM,
         129 SIGHUP); 130 when stopped otherwise; :data:`tui.run_end.EXIT_FAILED` (1) when a
-        non-finite value appeared or the last checkpoint could not be written.
+        non-finite value appeared, the last checkpoint could not be written, a database write
+        failed (disk full) or the model raised — each with one ``mdb: error:`` line.
     """
     from hooks.runs.trainer import install_stop_signals
 
-    restore = install_stop_signals(session.control)
+    restore = install_stop_signals(session.control, on_repeat=_say_already_stopping(session))
     reporter = _Reporter(session)
+    session.on_warning = lambda line: _stderr_line(f"mdb: warning: {line}")
     heartbeat = getattr(args, "heartbeat", 1.0) if args is not None else 1.0
     try:
         with reporter:
             result = session.run(on_step=reporter.on_step, heartbeat_interval=heartbeat)
     except sqlite3.Error as exc:
-        raise MdbError(
-            f"writing run {session.name} to {session.store.path} failed: {exc}"
-        ) from None
+        print(f"mdb: error: run {session.name}: writing step {session.trainer.step} to "
+              f"{session.store.path} failed: {exc}; {_recorded(session)}", file=sys.stderr)
+        return EXIT_FAILED
+    except Exception as exc:  # the user's model, a loss_fn: one line, the run marked failed
+        print(f"mdb: error: run {session.name} failed at step {session.trainer.step + 1}: "
+              f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}; "
+              f"{_recorded(session)}", file=sys.stderr)
+        return EXIT_FAILED
     finally:
         restore()
         session.store.close()
-    m = reporter.last_metrics
-    line, is_error, code = end_of_run(session, result, m.ce if m is not None else None,
+    line, is_error, code = end_of_run(session, result, reporter.last_metrics,
                                       args.db if args is not None else None)
     if is_error:
         print(f"mdb: error: {line}", file=sys.stderr)
@@ -418,19 +493,28 @@ def run_headless(session, args: argparse.Namespace | None = None) -> int:
     return code
 
 
+def _recorded(session) -> str:
+    """Which steps the store holds and where a resume would start, after a failed write."""
+    saved = session.last_checkpoint_step
+    resume = (f"a resume starts from step {saved}" if saved is not None
+              else "it cannot be resumed")
+    return f"the database holds steps up to {session.recorded_step}, {resume}"
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``mdb overfit``."""
     from hooks.runs.trainer import TrainControl, install_stop_signals
 
     control = TrainControl()
-    # Signals arriving while the model is built stop the run before its first step.
+    # Signals arriving while the model is built stop the run before its first step; the
+    # handlers stay until the run's own are installed, so no signal finds Python's default.
     restore = install_stop_signals(control)
     try:
         session = build_session(args, control=control)
+        if args.headless or not (sys.stdin.isatty() and sys.stdout.isatty()):
+            return run_headless(session, args)
+        from tui.live_app import run_live
+
+        return run_live(session, args)
     finally:
         restore()
-    if args.headless or not (sys.stdin.isatty() and sys.stdout.isatty()):
-        return run_headless(session, args)
-    from tui.live_app import run_live
-
-    return run_live(session, args)

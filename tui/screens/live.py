@@ -13,10 +13,20 @@ One screen, two sources of steps:
   finished run replays it; the status line says when the writer finished, was interrupted,
   failed, or is gone (pid gone or heartbeat stale).
 
-What it shows: loss over steps (cross-entropy, aux and total as separate lines; log scale by
-default, ``l`` toggles), gradient norm over steps, tokens routed to each expert over steps for
-each MoE layer, steps/s and tokens/s, a progress bar with ETA, and the latest greedy
-continuation of the text's beginning with how many characters already match the text.
+What it shows is whatever the run logs (:class:`tui.screens.live_data.RunSeries`), the same for
+a run of ``mdb overfit`` (minillm or ``--model``) and one of a user's own loop (``hooks.run``):
+
+* a chart of the loss-like metrics (``ce``, ``aux`` and ``total`` of minillm; ``loss``;
+  ``val_loss``...; log scale by default, ``l`` toggles), each line with its own marker so they
+  stay apart without colour; ``m`` charts one metric at a time instead, any of them;
+* beside it, a table of the other metrics (last, min, max) above a chart of the one marked ▸
+  (``o`` moves the mark; gradient norm first where the run logs it);
+* tokens routed to each expert over steps for each MoE layer — only for runs whose steps
+  record expert load;
+* steps/s (and tokens/s when known), a progress bar with ETA when the run has a step target;
+* the latest greedy continuation of the text's beginning with how many characters already
+  match the text — only for runs that memorise a text;
+* the step (and, where named, the module) of the first non-finite value.
 
 Redraws are throttled so the screen costs the trainer little (see
 ``benchmarks/bench_overfit_ui.py``): the numbers at most every ``text_interval`` (0.2 s), the
@@ -33,11 +43,13 @@ import collections
 import math
 import threading
 import time
+from collections.abc import Mapping
+from typing import Any
 
 from rich.text import Text
 from textual import on, work
 from textual.binding import Binding
-from textual.containers import Horizontal
+from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, ProgressBar, Static
 from textual.worker import Worker, WorkerState, get_current_worker
 
@@ -45,14 +57,25 @@ from tui import messages
 from tui.screens.base import MdbScreen
 from tui.screens.help import HelpScreen, binding_lines
 from tui.screens.live_chart import LineChart, Series
-from tui.screens.live_data import RunSeries, format_duration
+from tui.screens.live_data import FIXED_METRICS, RunSeries, format_duration
 
 #: Columns an expert chart needs to stay legible; fewer layers are shown when narrower.
 EXPERT_CHART_MIN_WIDTH = 19
-#: The loss chart's lines, drawn in this order (a cell shows the last one drawn in it).
-LOSS_LINES = (("total", "bold"), ("aux", "yellow"), ("ce", "cyan"))
+#: Styles of the metrics minillm logs; other loss lines take :data:`LINE_STYLES` in turn.
+METRIC_STYLES = {"total": "bold", "aux": "yellow", "ce": "cyan", "loss": "cyan"}
+LINE_STYLES = ("magenta", "green", "red", "blue", "bright_white", "yellow")
+#: Markers of the loss lines, by first-logged order (minillm: ce ●, aux ▲, total ■).
+LINE_MARKERS = ("●", "▲", "■", "◆", "▼", "✚", "★", "○")
+#: Columns between two markers of one line.
+MARK_EVERY = 12
+#: How the status line and the side chart name some metrics.
+METRIC_LABELS = {"grad_norm": "grad norm"}
 EXPERT_STYLES = ("cyan", "yellow", "green", "magenta", "red", "blue", "bright_white",
                  "bright_black")
+#: Rows the side chart keeps below the table of metrics.
+SIDE_CHART_MIN_ROWS = 5
+#: Seconds between two "new steps" messages of the training thread (at most).
+POST_INTERVAL = 0.05
 
 def _num(x: float | None, spec: str = ".4f") -> str:
     if x is None:
@@ -68,6 +91,79 @@ def _rate(x: float | None, unit: str) -> str:
     if x >= 100:
         return f"{x:,.0f} {unit}"
     return f"{x:.1f} {unit}"
+
+
+def compact(x: float | None, width: int = 7) -> str:
+    """A number in at most ``width`` characters: ``0.0155``, ``1.55e-5``, ``3.2e12``, ``nan``."""
+    if x is None:
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    if x == 0:
+        return "0"
+    a = abs(x)
+    if 1e-3 <= a < 1e5:
+        for digits in range(4, 0, -1):
+            text = f"{x:.{digits}g}"
+            if len(text) <= width and "e" not in text:
+                return text
+    for digits in range(2, -1, -1):
+        text = f"{x:.{digits}e}".replace("e-0", "e-").replace("e+0", "e").replace("e+", "e")
+        if len(text) <= width:
+            return text
+    return text
+
+
+def run_declaration(run) -> dict[str, Any]:
+    """What a stored run says about itself, for the live screen: the metrics it logs
+    (``names``; for a store without ``MetricRow.values``), its losses (``loss_names``), the
+    text it memorises, experts per token, and whether it has MoE layers.
+
+    Only runs of ``mdb overfit`` declare anything (their config is mdb's own); a user's own
+    loop (``hooks.run``) stores the user's config, so nothing is read from it. Runs written
+    before the declaration existed are minillm runs: :data:`FIXED_METRICS`, losses ce/aux/total.
+    """
+    cfg = run.config if isinstance(run.config, Mapping) else {}
+    out: dict[str, Any] = {"names": None, "loss_names": None, "text": "", "top_k": 1,
+                           "moe": False}
+    if getattr(run, "kind", "overfit") != "overfit":
+        return out
+    resolved = cfg.get("resolved_model_config") or cfg.get("model_config") or {}
+    minillm = isinstance(resolved, Mapping) and bool(resolved)
+    names, losses = cfg.get("metrics"), cfg.get("loss_metrics")
+    if not isinstance(names, list) and minillm:
+        names = list(FIXED_METRICS)
+    if not isinstance(losses, list) and minillm:
+        losses = ["ce", "aux", "total"]
+    out["names"] = names if isinstance(names, list) else None
+    out["loss_names"] = losses if isinstance(losses, list) else None
+    out["text"] = cfg.get("text", "") if isinstance(cfg.get("text"), str) else ""
+    top_k = cfg.get("top_k") or (resolved.get("num_experts_per_tok") if minillm else None)
+    out["top_k"] = int(top_k or 1)
+    moe = cfg.get("moe")
+    out["moe"] = bool(moe) if moe is not None else (
+        minillm and bool(resolved.get("num_local_experts", 0)))
+    return out
+
+
+def nonfinite_of(run) -> dict[str, Any] | None:
+    """Where a stored run first logged a non-finite value: ``RunInfo.nonfinite`` where the store
+    has it, else a failed run's ``fail_step``/``fail_module``; ``None`` if nothing was."""
+    nf = getattr(run, "nonfinite", None)
+    if isinstance(nf, Mapping) and nf.get("step") is not None:
+        return dict(nf)
+    if run.status == "failed" and run.fail_step is not None:
+        return {"step": run.fail_step, "metric": None, "module": run.fail_module,
+                "direction": None}
+    return None
+
+
+def describe_nonfinite(nf: Mapping[str, Any]) -> str:
+    """``non-finite val_loss at step 7, first in model.layers.1.mlp (backward)``."""
+    what = nf.get("metric") or "value"
+    where = f", first in {nf['module']}" if nf.get("module") else ""
+    direction = f" ({nf['direction']})" if nf.get("direction") else ""
+    return f"non-finite {what} at step {nf['step']}{where}{direction}"
 
 
 class LiveHelpScreen(HelpScreen):
@@ -87,12 +183,20 @@ class LiveHelpScreen(HelpScreen):
             *binding_lines(LiveScreen.BINDINGS),
             "",
         ]
+        lines += [
+            "The left chart shows the losses together (each line has its own marker);",
+            "m charts one metric at a time instead, any that the run logs, and back.",
+            "The table lists the other metrics (last, min, max); o moves its ▸ mark,",
+            "and the chart below the table shows the marked one.",
+            "",
+        ]
         if self.watch:
             lines += [
                 "mdb watch is read-only (no p, s or x): control the run in the terminal",
-                "running `mdb overfit` (or stop it with kill -TERM <pid>).",
-                "c opens the run's latest stored capture (the writer records one every",
-                "--every steps) in the step view; q there comes back here.",
+                "running it (or stop it with kill -TERM <pid>).",
+                "c opens the run's latest stored capture (mdb overfit records one every",
+                "--every steps, run.watch(model, every=N) every N) in the step view; q there",
+                "comes back here.",
             ]
         else:
             lines += [
@@ -132,6 +236,10 @@ class LiveScreen(MdbScreen):
         Binding("s", "step", "step", id="live.step"),
         Binding("c", "capture", "step view", id="live.capture"),
         Binding("x", "stop", "stop", id="live.stop"),
+        Binding("m", "next_metric", "chart: losses / one metric", show=False,
+                id="live.metric"),
+        Binding("o", "next_other", "table: mark the next metric", show=False,
+                id="live.other"),
         Binding("l", "log_scale", "log/linear loss", show=False, id="live.log"),
         Binding("e", "next_layers", "more MoE layers", show=False, id="live.layers"),
         Binding("question_mark", "help", "keys", key_display="?", id="live.help"),
@@ -155,18 +263,18 @@ class LiveScreen(MdbScreen):
             chart_interval = 0.25 if session is None else 1.0
         self.chart_interval = chart_interval
         if session is not None:
-            text = session.options.text
+            declared = {"names": session.metric_names, "loss_names": session.loss_metrics,
+                        "text": session.text, "top_k": session.top_k,
+                        "moe": session.has_experts}
             total = session.trainer.total_steps
-            top_k = session.config.num_experts_per_tok
             self.run_name = session.name
         else:
-            cfg = run.config or {}
-            text = cfg.get("text", "") if isinstance(cfg.get("text"), str) else ""
+            declared = run_declaration(run)
             total = run.total_steps
-            resolved = cfg.get("resolved_model_config") or cfg.get("model_config") or {}
-            top_k = resolved.get("num_experts_per_tok", 1) or 1
             self.run_name = run.name
-        self.series = RunSeries(total, text=text, top_k=top_k)
+        self.expect_experts = bool(declared["moe"])
+        self.series = RunSeries(total, text=declared["text"], top_k=declared["top_k"],
+                                names=declared["names"], loss_names=declared["loss_names"])
         self.state = "starting" if not self.watch else "reading"
         self.ended: messages.TrainingEnded | None = None
         self.error: str | None = None
@@ -177,6 +285,8 @@ class LiveScreen(MdbScreen):
         self._quitting = False
         self._cursor = 0
         self._log_scale = True
+        self._main: str | None = None  # None: the losses together; else one metric
+        self._other: str | None = None  # the table's marked metric (None: the default)
         self._layer_page = 0
         self._redraw_timer = None
         self._next_text = 0.0
@@ -208,10 +318,13 @@ class LiveScreen(MdbScreen):
             yield ProgressBar(total=self.series.total_steps, show_eta=False, id="live-progress")
             yield Static("", id="live-rate", markup=False)
         with Horizontal(id="live-charts"):
-            yield LineChart("loss", log=True, id="live-loss")
-            yield LineChart("grad norm", id="live-grad")
+            yield LineChart("loss", log=True, mark_every=MARK_EVERY, id="live-loss")
+            with Vertical(id="live-side"):
+                yield Static("", id="live-table", markup=False)
+                yield LineChart("grad norm", id="live-grad")
         yield Horizontal(id="live-experts")
         yield Static("", id="live-sample")
+        yield Static("", id="live-note")
         yield Static("", id="hint", markup=False)
         yield Footer()
 
@@ -219,17 +332,34 @@ class LiveScreen(MdbScreen):
         if self.watch:
             return f"mdb watch · run {self.run_name} · read-only · {self.store.path}"
         s = self.session
-        return (f"mdb overfit · run {s.name} · {s.model.num_parameters():,} params · "
-                f"{s.ids.shape[1]} tokens/seq · {s.store.path}")
+        return f"mdb overfit · run {s.name} · {s.describe()} · {s.store.path}"
 
     def on_mount(self) -> None:
         if self.watch:
-            self.hint("following the database · q quits · ? keys")
+            self.hint("following the database · m metric · q quits · ? keys")
             self._poll()
         else:
-            self.hint("training · p pause · c capture a step · x stop · ? keys")
+            self.hint("training · p pause · c capture a step · x stop · m metric · ? keys")
             self._train()
+        self._layout_panels()
         self._redraw_all()
+
+    def _layout_panels(self) -> None:
+        """Show only the panels this run has data for: the MoE panel for a run with expert
+        load, the sample for a run that memorises a text, the side table when there are
+        metrics besides the losses, the progress bar when there is a step target, the note
+        when a non-finite value was logged."""
+        s = self.series
+        self._display("#live-experts", bool(s.experts) or (self.expect_experts and not s.rows))
+        self._display("#live-sample", bool(s.text) or s.sample is not None)
+        self._display("#live-side", bool(s.other_names()) or not s.rows)
+        self._display("#live-progress", bool(s.total_steps))
+        self._display("#live-note", bool(self._note_text()))
+
+    def _display(self, selector: str, show: bool) -> None:
+        widget = self.query_one(selector)
+        if widget.display != show:
+            widget.display = show
 
     def on_screen_resume(self) -> None:
         self._dirty_text = self._dirty_charts = True
@@ -250,6 +380,8 @@ class LiveScreen(MdbScreen):
         session = self.session
         control = session.control
 
+        last_post = [0.0]
+
         def on_step(report) -> None:
             if worker.is_cancelled:
                 control.stop("quit")
@@ -257,11 +389,20 @@ class LiveScreen(MdbScreen):
             if report.trace is not None and self._want_capture:
                 self._want_capture = False
                 self.post_message(messages.StepCaptured(report.step, report.trace))
-            self.post_message(messages.StepsPending(report.step))
+            # Each post wakes the UI's event loop; a fast model (100+ steps/s) would wake it
+            # every step. The numbers redraw every text_interval anyway: say "look" at most
+            # every POST_INTERVAL, and at once when the loop is about to wait (pause, single
+            # step, the last step) so that nothing shown lags behind a paused run.
+            now = time.monotonic()
+            if (now - last_post[0] >= POST_INTERVAL or report.paused_after or control.paused
+                    or report.failure is not None or report.step >= session.trainer.total_steps):
+                last_post[0] = now
+                self.post_message(messages.StepsPending(report.step))
 
         def on_state(state: str) -> None:
             self.post_message(messages.TrainingState(state))
 
+        session.on_warning = lambda line: self.post_message(messages.Hint("⚠ " + line))
         try:
             self.post_message(messages.TrainingState("running"))
             result = session.run(on_step=on_step, on_state=on_state,
@@ -290,6 +431,7 @@ class LiveScreen(MdbScreen):
 
     def on_training_state(self, message: messages.TrainingState) -> None:
         message.stop()
+        self._drain()
         if self.ended is None:
             self.state = message.state
             if message.state == "paused":
@@ -413,7 +555,8 @@ class LiveScreen(MdbScreen):
             trace = load_trace(store, self.run.id, steps[-1]) if steps else None
         if trace is None:
             self.post_message(messages.Hint(
-                "no stored capture in this run (the writer stores one every --every N steps)"))
+                "no stored capture in this run (mdb overfit stores one every --every N steps; "
+                "a loop of your own with run.watch(model, every=N))"))
             return
         self.post_message(messages.StepCaptured(steps[-1], trace))
 
@@ -479,6 +622,7 @@ class LiveScreen(MdbScreen):
     def _draw_text(self) -> None:
         self._dirty_text = False
         s = self.series
+        self._layout_panels()
         self._set("#live-status", self._status_text())
         if s.total_steps and (s.total_steps, s.step) != self._shown_progress:
             self._shown_progress = (s.total_steps, s.step)
@@ -486,9 +630,17 @@ class LiveScreen(MdbScreen):
                                                                  progress=s.step)
         eta = s.eta()
         ended = self.state not in ("running", "starting", "reading")
-        rate = f"{_rate(s.steps_per_s(), 'steps/s')} · {_rate(s.tokens_per_s(), 'tok/s')}"
-        self._set("#live-rate", f"{rate} · ETA {format_duration(eta) if not ended else '—'}")
-        self._set("#live-sample", self._sample_text())
+        rate = _rate(s.steps_per_s(), "steps/s")
+        if s.has_tokens:
+            rate += f" · {_rate(s.tokens_per_s(), 'tok/s')}"
+        if s.total_steps:
+            rate += f" · ETA {format_duration(eta) if not ended else '—'}"
+        self._set("#live-rate", rate)
+        if s.text or s.sample is not None:
+            self._set("#live-sample", self._sample_text())
+        note = self._note_text()
+        if note:
+            self._set("#live-note", Text(note, style="bold red"))
 
     def _set(self, selector: str, content) -> None:
         """Update a Static only when its content changed (an update costs a layout pass)."""
@@ -504,10 +656,11 @@ class LiveScreen(MdbScreen):
         text = Text()
         text.append_text(head)
         text.append(f"  step {s.step}{total}")
-        m = s.last
-        if m is not None:
-            text.append(f"  ce {_num(m.ce)}  aux {_num(m.aux)}  total {_num(m.total)}  "
-                        f"|g| {_num(m.grad_norm, '.3g')}")
+        if s.last is not None:
+            for name in s.loss_names()[:3]:
+                text.append(f"  {name} {_num(s.value(name))}")
+            if "grad_norm" in s.stats:
+                text.append(f"  |g| {_num(s.value('grad_norm'), '.3g')}")
         return text
 
     def _state_text(self) -> Text:
@@ -538,6 +691,51 @@ class LiveScreen(MdbScreen):
         label, style = labels.get(state, (state, "bold"))
         return Text(label, style=style)
 
+    def _note_text(self) -> str:
+        """The first non-finite value a watched run logged, unless the status says it."""
+        if not self.watch or self.run is None or self.state == "failed":
+            return ""
+        nf = nonfinite_of(self.run)
+        return "⚠ " + describe_nonfinite(nf) if nf else ""
+
+    def _selected_other(self) -> str | None:
+        others = self.series.other_names()
+        if self._other in others:
+            return self._other
+        if "grad_norm" in others:
+            return "grad_norm"
+        return others[0] if others else None
+
+    def _table_text(self) -> Text:
+        """The other metrics' last, min and max; ▸ marks the one charted below."""
+        s = self.series
+        side = self.query_one("#live-side")
+        width = max(20, side.size.width or 36)
+        height = side.size.height or 11
+        num = 8
+        name_w = max(4, width - 1 - 3 * num)
+        others = s.other_names()
+        room = max(1, height - SIDE_CHART_MIN_ROWS - 1)
+        shown = others if len(others) <= room else others[: room - 1]
+        selected = self._selected_other()
+        if selected not in shown and shown:
+            shown = shown[:-1] + [selected] if len(shown) > 1 else [selected]
+        text = Text(no_wrap=True, overflow="ellipsis")
+        text.append(" " + "metric".ljust(name_w) + "last".rjust(num) + "min".rjust(num)
+                    + "max".rjust(num), style="dim")
+        for name in shown:
+            st = s.stats[name]
+            label = name if len(name) <= name_w - 1 else name[: name_w - 2] + "…"
+            mark = "▸" if name == selected else " "
+            text.append("\n" + mark + label.ljust(name_w),
+                        style="bold" if name == selected else "")
+            for value in (st.last, st.min, st.max):
+                bad = value is None or not math.isfinite(value)
+                text.append(compact(value).rjust(num), style="red" if bad else "")
+        if len(shown) < len(others):
+            text.append(f"\n  +{len(others) - len(shown)} more · o marks the next", style="dim")
+        return text
+
     def _sample_text(self) -> Text:
         sample = self.series.sample
         if sample is None:
@@ -553,17 +751,51 @@ class LiveScreen(MdbScreen):
             text.append(f"  ({sample.matched}/{len(sample.text)} match)", style="dim")
         return text
 
+    def _loss_styles(self) -> dict[str, tuple[str, str]]:
+        """(style, marker) of each loss line, by first-logged order."""
+        out, k = {}, 0
+        for i, name in enumerate(self.series.loss_names()):
+            style = METRIC_STYLES.get(name)
+            if style is None:
+                style = LINE_STYLES[k % len(LINE_STYLES)]
+                k += 1
+            out[name] = (style, LINE_MARKERS[i % len(LINE_MARKERS)])
+        return out
+
+    def _main_names(self) -> list[str]:
+        s = self.series
+        if self._main is not None and self._main in s.stats:
+            return [self._main]
+        self._main = None
+        return s.loss_names()
+
     def _draw_charts(self) -> None:
         self._dirty_charts = False
         self.redraws += 1
         s = self.series
-        scale = "log" if self._log_scale else "linear"
         loss = self.query_one("#live-loss", LineChart)
         n = loss.resolution
-        loss.plot([Series(name, *getattr(s, name).points(n), style)
-                   for name, style in LOSS_LINES], title=f"loss ({scale})", log=self._log_scale)
-        grad = self.query_one("#live-grad", LineChart)
-        grad.plot([Series("", *s.grad_norm.points(grad.resolution), "green")])
+        names = self._main_names()
+        # log only when every value drawn is positive (else the line would vanish)
+        lows = [s.stats[m].min for m in names if s.stats[m].min is not None]
+        log = self._log_scale and all(v > 0 for v in lows)
+        scale = "log" if log else "linear"
+        if self._main is None:
+            styles = self._loss_styles()
+            # drawn last-logged first, so the first-logged (the main loss) lies on top
+            loss.plot([Series(name, *s.metric(name).points(n), *styles[name])
+                       for name in reversed(names)],
+                      title=f"loss ({scale})" if names else "loss", log=log)
+        else:
+            name = names[0]
+            loss.plot([Series("", *s.metric(name).points(n), "cyan")],
+                      title=f"{name} ({scale}) · m: next", log=log)
+        other = self._selected_other()
+        if other is not None:  # the table at the charts' pace: its numbers are a chart's too
+            self._set("#live-table", self._table_text())
+            grad = self.query_one("#live-grad", LineChart)
+            grad.plot([Series("", *s.metric(other).points(grad.resolution), "green")],
+                      title=METRIC_LABELS.get(other, other))
         if self.redraws % 2 == 1 or self.watch or self.state != "running":
             self._draw_experts()  # slow-moving: every other redraw while training
 
@@ -571,18 +803,19 @@ class LiveScreen(MdbScreen):
         s = self.series
         row = self.query_one("#live-experts", Horizontal)
         if not s.experts:
+            if not row.display:
+                return
             if not row.children:
                 row.mount(Static("", id="live-experts-note"))
             note = row.query("#live-experts-note")
             if note:
-                note.first().update(
-                    "tokens per expert: no MoE layers in this model" if s.rows else
-                    "tokens per expert: waiting for the first step")
+                note.first().update("tokens per expert: waiting for the first step")
             return
         charts = list(row.query(LineChart))
         if len(charts) != len(s.experts):
             row.remove_children()
-            charts = [LineChart(x_axis=False, classes="live-expert") for _ in s.experts]
+            charts = [LineChart(x_axis=False, mark_every=0, classes="live-expert")
+                      for _ in s.experts]
             row.mount(*charts)
         per_page = max(1, (row.size.width or self.app.size.width) // EXPERT_CHART_MIN_WIDTH)
         pages = max(1, math.ceil(len(charts) / per_page))
@@ -596,7 +829,8 @@ class LiveScreen(MdbScreen):
             more = f" ({self._layer_page + 1}/{pages}, e: more)" if pages > 1 and i == first else ""
             n = chart.resolution
             chart.plot(
-                [Series(f"{e}", *sampler.points(n), EXPERT_STYLES[e % len(EXPERT_STYLES)])
+                [Series(f"{e}", *sampler.points(n), EXPERT_STYLES[e % len(EXPERT_STYLES)],
+                        marker=str(e) if e < 10 else "")
                  for e, sampler in enumerate(samplers)],
                 title=f"L{i} tok{more}")
 
@@ -651,6 +885,32 @@ class LiveScreen(MdbScreen):
             return
         self.session.control.stop("stopped from the live screen")
         self.hint("stopping after the current step and writing a checkpoint…")
+
+    def action_next_metric(self) -> None:
+        """``m``: the losses together → each metric alone, in logging order → the losses."""
+        names = self.series.names
+        if not names:
+            self.hint("no metrics yet")
+            return
+        order = [None, *names]
+        i = order.index(self._main) if self._main in order else 0
+        self._main = order[(i + 1) % len(order)]
+        self.hint("chart: the losses together" if self._main is None else
+                  f"chart: {self._main} · m: next metric")
+        self._dirty_charts = True
+        self._schedule_redraw()
+
+    def action_next_other(self) -> None:
+        """``o``: mark the next metric of the table; the chart below it shows that one."""
+        others = self.series.other_names()
+        if not others:
+            self.hint("no other metrics: the run logs only losses")
+            return
+        current = self._selected_other()
+        self._other = others[(others.index(current) + 1) % len(others)]
+        self.hint(f"table: {self._other} charted below · o: next")
+        self._dirty_text = self._dirty_charts = True
+        self._schedule_redraw()
 
     def action_log_scale(self) -> None:
         self._log_scale = not self._log_scale

@@ -8,7 +8,10 @@ training throughput on a 2-core machine. This widget draws only what the live sc
 
 * each terminal cell is a 2×4 grid of braille dots (U+2800 + dot bits), so a W×H chart has
   2W×4H points of resolution; consecutive points are joined with Bresenham's line algorithm;
-* several series, one Rich style each (a cell shows the style of the last series drawn in it);
+* several series, one Rich style each (a cell shows the style of the last series drawn in it),
+  and optionally one marker character each, drawn on the line every few columns and at its
+  end and repeated in the legend, so the lines stay apart without colour (``NO_COLOR``, a
+  monochrome terminal, a text capture);
 * linear or log10 y axis, three y labels (top, middle, bottom), first and last x values below;
 * a title row carrying the legend (series names in their colours).
 
@@ -48,12 +51,15 @@ class Series:
         xs: X values (steps), increasing.
         ys: Y values, same length as ``xs``.
         style: Rich style of the line and its legend label.
+        marker: One character drawn on the line (every ``mark_every`` columns and at its last
+            point) and before its legend label; ``""``: none.
     """
 
     name: str
     xs: Sequence[float]
     ys: Sequence[float]
     style: str = ""
+    marker: str = ""
 
 
 def _label(v: float) -> str:
@@ -90,8 +96,8 @@ Run = tuple[str, str]  # (text, Rich style)
 
 
 def chart_rows(series: Sequence[Series], width: int, height: int, *, title: str = "",
-               log: bool = False, x_axis: bool = True, empty: str = "no data yet"
-               ) -> list[list[Run]]:
+               log: bool = False, x_axis: bool = True, empty: str = "no data yet",
+               mark_every: int = 0) -> list[list[Run]]:
     """Draw ``series`` into a ``width`` × ``height`` cell block, as rows of styled runs.
 
     Args:
@@ -102,6 +108,8 @@ def chart_rows(series: Sequence[Series], width: int, height: int, *, title: str 
         log: log10 y axis.
         x_axis: Draw the row with the first and last x values.
         empty: What the plot area says when no series has a point.
+        mark_every: Columns between a series' markers (staggered between series so they do
+            not cover each other); 0: a marker only at each line's last point.
 
     Returns:
         ``height`` rows, each a list of ``(text, style)`` runs (at most ``width`` cells wide).
@@ -110,7 +118,9 @@ def chart_rows(series: Sequence[Series], width: int, height: int, *, title: str 
     head: list[Run] = [(title, "bold")]
     for s in series:
         head.append(("  ", ""))
-        head.append((s.name, s.style))
+        label = f"{s.marker} {s.name}" if s.marker and s.name and s.marker != s.name else (
+            s.name or s.marker)
+        head.append((label, s.style))
     rows: list[list[Run]] = [head]
     rows_avail = height - 1 - (1 if x_axis else 0)
     if rows_avail < 1:
@@ -152,8 +162,12 @@ def chart_rows(series: Sequence[Series], width: int, height: int, *, title: str 
     styles: list[list[str]] = [[""] * pw for _ in range(ph)]
     sx = (dw - 1) / (x1 - x0)
     sy = (dh - 1) / (y1 - y0)
+    marks: dict[tuple[int, int], tuple[str, str]] = {}
+    n_marked = sum(1 for s in series if s.marker)
+    k_marked = 0
     for s, ps in zip(series, pts, strict=True):
         prev = None
+        cells: dict[int, int] = {}  # column -> row of this line's last dot there
         for x, y in ps:
             cx = int(round((x - x0) * sx))
             cy = int(round((y1 - y) * sy))
@@ -162,7 +176,18 @@ def chart_rows(series: Sequence[Series], width: int, height: int, *, title: str 
                 r, c = py >> 2, px >> 1
                 bits[r][c] |= _DOT[py & 3][px & 1]
                 styles[r][c] = s.style
+                cells[c] = r
             prev = (cx, cy)
+        if s.marker and cells:
+            first, last = min(cells), max(cells)
+            cols = {last}
+            if mark_every > 0:
+                offset = k_marked * max(1, mark_every // max(1, n_marked))
+                cols.update(range(first + offset, last - 1, mark_every))
+            k_marked += 1
+            for c in cols:
+                if c in cells:
+                    marks[(cells[c], c)] = (s.marker, s.style)
     label_rows = {0: labels[0], ph - 1: labels[2]}
     if ph >= 3:
         label_rows[(ph - 1) // 2] = labels[1]
@@ -172,12 +197,13 @@ def chart_rows(series: Sequence[Series], width: int, height: int, *, title: str 
         brow, srow = bits[r], styles[r]
         for c in range(pw):
             b = brow[c]
-            st = srow[c] if b else ""
+            mark = marks.get((r, c)) if marks else None
+            st = mark[1] if mark else (srow[c] if b else "")
             if st != run_style and run:
                 row.append(("".join(run), run_style or ""))
                 run = []
             run_style = st
-            run.append(chr(_BRAILLE + b) if b else " ")
+            run.append(mark[0] if mark else (chr(_BRAILLE + b) if b else " "))
         if run:
             row.append(("".join(run), run_style or ""))
         rows.append(row)
@@ -215,6 +241,7 @@ class LineChart(Widget):
         title: Chart title (first row, before the legend).
         x_axis: Show the x-axis row.
         log: Start with a log10 y axis.
+        mark_every: Columns between the markers of a series (see :func:`chart_rows`).
     """
 
     DEFAULT_CSS = """
@@ -225,12 +252,13 @@ class LineChart(Widget):
     """
 
     def __init__(self, title: str = "", *, x_axis: bool = True, log: bool = False,
-                 name: str | None = None, id: str | None = None,
+                 mark_every: int = 0, name: str | None = None, id: str | None = None,
                  classes: str | None = None) -> None:
         super().__init__(name=name, id=id, classes=classes)
         self.chart_title = title
         self.x_axis = x_axis
         self.log_scale = log
+        self.mark_every = mark_every
         self.series: list[Series] = []
         self.renders = 0  # chart computations (tests, benchmark)
         self._rows: list[list[Run]] | None = None
@@ -260,7 +288,8 @@ class LineChart(Widget):
         if self._rows is None or self._rows_key != (width, height):
             self.renders += 1
             self._rows = chart_rows(self.series, width, height, title=self.chart_title,
-                                    log=self.log_scale, x_axis=self.x_axis)
+                                    log=self.log_scale, x_axis=self.x_axis,
+                                    mark_every=self.mark_every)
             self._rows_key = (width, height)
             self._base = self.rich_style  # costly (walks the ancestors): once per chart
             self._strips = {}

@@ -7,15 +7,20 @@ costs the same at step 100 as at step 100,000:
   buckets are merged pairwise and the bucket width doubles (the scheme of an "online
   decimation" buffer). Appending is amortised O(1), reading is O(capacity), memory is bounded.
 * :class:`RunSeries` feeds every :class:`hooks.runs.store.MetricRow` of a run into one downsampler
-  per plotted quantity (CE, aux, total loss, gradient norm, and per MoE layer per expert the
-  tokens routed to it) and keeps the numbers the header shows (throughput, ETA, last sample).
+  per metric the run logs — whatever their names: ``ce``/``aux``/``total`` of ``mdb overfit``,
+  ``loss`` of a user's model, ``val_loss`` or ``acc`` of a user's own loop — keeps each
+  metric's last, min and max, per MoE layer per expert the tokens routed to it, and the numbers
+  the header shows (throughput, ETA, last sample). :func:`is_loss_like` decides which metrics
+  are charted together as losses (a run may declare them instead).
 """
 
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +28,69 @@ from typing import Any
 DEFAULT_CAPACITY = 256
 #: Steps whose wall-clock spacing gives the throughput and the ETA.
 RATE_WINDOW = 20
+#: The fixed metric columns of a run store without ``MetricRow.values`` (and what an
+#: ``mdb overfit`` run of minillm logs), in logging order.
+FIXED_METRICS = ("ce", "aux", "total", "grad_norm", "lr", "step_time", "tokens_per_s",
+                 "steps_per_s")
+#: Metrics the rate row shows already (not repeated in the table).
+THROUGHPUT_METRICS = ("step_time", "tokens_per_s", "steps_per_s")
+_LOSS_TOKENS = frozenset({"ce", "nll", "ppl", "xent", "perplexity"})
+
+
+def is_loss_like(name: str) -> bool:
+    """Whether a metric is a loss by its name: it contains ``loss`` or ``perplexity``, or one
+    of its ``_``/``/``/``.``/``-``-separated words is ``ce``, ``nll``, ``ppl`` or ``xent``
+    (``val_loss``, ``train/ce``, ``nll``, ``val_ppl`` yes; ``acc``, ``balance``, ``lr`` no)."""
+    low = name.lower()
+    if "loss" in low or "perplexity" in low:
+        return True
+    return any(tok in _LOSS_TOKENS for tok in re.split(r"[^a-z0-9]+", low))
+
+
+def metric_values(row: Any, names: Sequence[str] | None = None) -> dict[str, float | None]:
+    """Every metric of one stored step by name (``None`` = NaN or not measured).
+
+    A row with ``values`` (a store that keeps any metric by name) gives exactly those; a row
+    with only the fixed columns gives ``names`` (what the run's config says it logged; default
+    :data:`FIXED_METRICS`), with ``loss`` read from the ``total`` column.
+    """
+    values = getattr(row, "values", None)
+    if isinstance(values, Mapping):
+        return dict(values)
+    out: dict[str, float | None] = {}
+    for name in names or FIXED_METRICS:
+        attr = "total" if name == "loss" else name
+        if hasattr(row, attr):
+            out[name] = getattr(row, attr)
+    return out
+
+
+@dataclass
+class MetricStats:
+    """Last, min and max of one metric over the steps seen.
+
+    Attributes:
+        last: The latest value (``None`` = NaN; ``±inf`` kept).
+        min: The smallest finite value (``None`` before one).
+        max: The largest finite value.
+        last_step: Step of ``last``.
+        nonfinite: How many values were NaN or ±inf.
+    """
+
+    last: float | None = None
+    min: float | None = None
+    max: float | None = None
+    last_step: int = 0
+    nonfinite: int = 0
+
+    def add(self, step: int, value: float | None) -> None:
+        """Record ``value`` at ``step``."""
+        self.last, self.last_step = value, step
+        if value is None or not math.isfinite(value):
+            self.nonfinite += 1
+            return
+        self.min = value if self.min is None else min(self.min, value)
+        self.max = value if self.max is None else max(self.max, value)
 
 
 class Downsampler:
@@ -151,9 +219,15 @@ class RunSeries:
         text: The text being memorised (to score samples), or ``""``.
         top_k: Experts per token, k: converts expert-load fractions to routed tokens.
         capacity: Buckets per plotted series.
+        names: The metrics the run logs, for rows without ``values`` (its config's
+            ``metrics``); ``None``: :data:`FIXED_METRICS`.
+        loss_names: The run's own list of its losses (config ``loss_metrics``); ``None``:
+            decided by :func:`is_loss_like`.
 
     Attributes:
-        ce, aux, total, grad_norm: :class:`Downsampler` of those metrics per step.
+        names: Every metric seen, in first-logged order.
+        series: Per metric, a :class:`Downsampler` of its finite values per step.
+        stats: Per metric, its :class:`MetricStats`.
         experts: Per MoE layer, per expert, a :class:`Downsampler` of the tokens routed to that
             expert at each step (fraction × N·k, N = tokens per step), shape (L_moe, E).
         last: The latest :class:`hooks.runs.store.MetricRow` (``None`` before the first).
@@ -162,15 +236,17 @@ class RunSeries:
     """
 
     def __init__(self, total_steps: int | None = None, *, text: str = "", top_k: int = 1,
-                 capacity: int = DEFAULT_CAPACITY) -> None:
+                 capacity: int = DEFAULT_CAPACITY, names: Sequence[str] | None = None,
+                 loss_names: Sequence[str] | None = None) -> None:
         self.total_steps = total_steps
         self.text = text
         self.top_k = max(1, int(top_k))
         self.capacity = capacity
-        self.ce = Downsampler(capacity)
-        self.aux = Downsampler(capacity)
-        self.total = Downsampler(capacity)
-        self.grad_norm = Downsampler(capacity)
+        self.declared = list(names) if names else None
+        self.declared_loss = list(loss_names) if loss_names is not None else None
+        self.names: list[str] = []
+        self.series: dict[str, Downsampler] = {}
+        self.stats: dict[str, MetricStats] = {}
         self.experts: list[list[Downsampler]] = []
         self.last: Any = None
         self.first_step: int | None = None
@@ -178,6 +254,7 @@ class RunSeries:
         self.rows = 0
         self._walls: deque[float] = deque(maxlen=RATE_WINDOW + 1)
         self._tokens_per_step: float | None = None
+        self._empty = Downsampler(capacity)
 
     # -- feeding --------------------------------------------------------------------------------
     def add(self, row: Any) -> None:
@@ -187,14 +264,20 @@ class RunSeries:
             self.first_step = step
         self.rows += 1
         self.last = row
-        self.ce.append(step, row.ce)
-        self.aux.append(step, row.aux)
-        self.total.append(step, row.total)
-        self.grad_norm.append(step, row.grad_norm)
+        values = metric_values(row, self.declared)
+        for name, value in values.items():
+            sampler = self.series.get(name)
+            if sampler is None:
+                sampler = self.series[name] = Downsampler(self.capacity)
+                self.stats[name] = MetricStats()
+                self.names.append(name)
+            sampler.append(step, value)
+            self.stats[name].add(step, value)
         self._walls.append(row.wall)
-        if row.tokens_per_s and row.step_time:
-            self._tokens_per_step = row.tokens_per_s * row.step_time
-        load = row.expert_load
+        tps, st = values.get("tokens_per_s"), values.get("step_time")
+        if tps and st:
+            self._tokens_per_step = tps * st
+        load = getattr(row, "expert_load", None)
         if load:
             if len(self.experts) != len(load):
                 self.experts = [
@@ -205,6 +288,51 @@ class RunSeries:
                 for sampler, frac in zip(samplers, fractions, strict=False):
                     sampler.append(step, frac * slots if slots else frac)
 
+    def metric(self, name: str) -> Downsampler:
+        """The :class:`Downsampler` of ``name`` (an empty one when the run does not log it)."""
+        return self.series.get(name, self._empty)
+
+    def value(self, name: str) -> float | None:
+        """The latest value of ``name`` (``None``: NaN, or not logged)."""
+        st = self.stats.get(name)
+        return st.last if st is not None else None
+
+    @property
+    def ce(self) -> Downsampler:
+        """Cross-entropy per step (``mdb overfit``'s ``ce``)."""
+        return self.metric("ce")
+
+    @property
+    def aux(self) -> Downsampler:
+        """The auxiliary (load-balancing) loss per step."""
+        return self.metric("aux")
+
+    @property
+    def total(self) -> Downsampler:
+        """The back-propagated loss per step (minillm's ``total``)."""
+        return self.metric("total")
+
+    @property
+    def grad_norm(self) -> Downsampler:
+        """The global gradient norm per step."""
+        return self.metric("grad_norm")
+
+    def loss_names(self) -> list[str]:
+        """The metrics charted together as losses, in first-logged order: the run's declared
+        ones, else those :func:`is_loss_like` accepts, else the first metric."""
+        if self.declared_loss is not None:
+            found = [n for n in self.names if n in self.declared_loss]
+        else:
+            found = [n for n in self.names if is_loss_like(n)]
+        if not found and self.names and self.declared_loss is None:
+            found = [n for n in self.names if n not in THROUGHPUT_METRICS][:1]
+        return found
+
+    def other_names(self) -> list[str]:
+        """The metrics shown in the table: neither losses nor throughput (the rate row's)."""
+        losses = set(self.loss_names())
+        return [n for n in self.names if n not in losses and n not in THROUGHPUT_METRICS]
+
     def add_sample(self, step: int, prompt: str, text: str) -> None:
         """Record a greedy continuation generated at ``step``."""
         reference = self.text[len(prompt):] if self.text.startswith(prompt) else ""
@@ -213,13 +341,19 @@ class RunSeries:
     def reset(self) -> None:
         """Forget everything (a watched run was resumed from an earlier checkpoint)."""
         self.__init__(self.total_steps, text=self.text, top_k=self.top_k,  # type: ignore[misc]
-                      capacity=self.capacity)
+                      capacity=self.capacity, names=self.declared,
+                      loss_names=self.declared_loss)
 
     # -- derived numbers ------------------------------------------------------------------------
     @property
     def step(self) -> int:
         """The latest step (0 before the first)."""
         return self.last.step if self.last is not None else 0
+
+    @property
+    def has_tokens(self) -> bool:
+        """Whether the run says how many tokens a step trains on (``tokens_per_s``)."""
+        return bool(self._tokens_per_step)
 
     @property
     def expert_units(self) -> str:
@@ -230,9 +364,8 @@ class RunSeries:
         """Median wall-clock spacing of the last :data:`RATE_WINDOW` steps (robust to a pause)."""
         walls = list(self._walls)
         if len(walls) < 2:
-            if self.last is not None and self.last.step_time:
-                return float(self.last.step_time)
-            return None
+            st = self.value("step_time")
+            return float(st) if st else None
         gaps = [b - a for a, b in zip(walls, walls[1:], strict=False) if b >= a]
         return statistics.median(gaps) if gaps else None
 
