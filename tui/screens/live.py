@@ -836,10 +836,11 @@ class LiveScreen(MdbScreen):
 
     # -- actions ---------------------------------------------------------------------------------
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """Watching, the keys that drive training are hidden from the footer and do nothing."""
+        """Watching, the keys that drive training are hidden from the footer and do nothing;
+        every key but quitting does nothing while the terminal is too small."""
         if self.watch and action in ("pause", "step", "stop"):
             return False
-        return True
+        return super().check_action(action, parameters)
 
     def _read_only(self) -> bool:
         if self.ended is not None or self.error is not None:
