@@ -16,6 +16,7 @@ This module builds the session (:func:`build_session`) and runs it headless
 from __future__ import annotations
 
 import argparse
+import signal
 import os
 import sqlite3
 import sys
@@ -517,4 +518,12 @@ def run(args: argparse.Namespace) -> int:
 
         return run_live(session, args)
     finally:
-        restore()
+        if control.stop_reason in ("SIGINT", "SIGTERM", "SIGHUP"):
+            # the process exits with 128 + n right after this: a signal repeated meanwhile
+            # must not raise KeyboardInterrupt into an atexit handler (a traceback on stderr)
+            for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+                sig = getattr(signal, name, None)
+                if sig is not None:
+                    signal.signal(sig, signal.SIG_IGN)
+        else:
+            restore()
