@@ -16,8 +16,8 @@ This module builds the session (:func:`build_session`) and runs it headless
 from __future__ import annotations
 
 import argparse
-import signal
 import os
+import signal
 import sqlite3
 import sys
 import time
