@@ -51,7 +51,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 
 from hooks.records import TensorInfo
 from hooks.stats import NUM_BINS, StatsBatch, TensorStats
-from hooks.walk import dtype_name, find_tensors
+from hooks.walk import ModuleStack, dtype_name, find_tensors
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _MODULES_DIR = os.path.join(_TORCH_DIR, "nn", "modules") + os.sep
@@ -261,25 +261,13 @@ class OpRecorder(TorchFunctionMode):
         self.ops: list[OpRecord] = []
         self._batch = StatsBatch(bins=bins)
         self._pending: list[tuple[TensorInfo, int]] = []
-        self._stack: list[str] = []
-        self._handles: list[Any] = []
         self._kept: set[str] = set()  # "nan"/"inf": the first creator of each was kept
-        if model is not None:
-            for name, m in model.named_modules():
-                self._handles.append(m.register_forward_pre_hook(
-                    lambda mod, args, n=name: self._stack.append(n)))
-                self._handles.append(m.register_forward_hook(
-                    lambda mod, args, out, n=name: self._pop(n)))
-
-    def _pop(self, name: str) -> None:
-        if self._stack and self._stack[-1] == name:
-            self._stack.pop()
+        self._modules = ModuleStack(model) if model is not None else None
 
     def remove(self) -> None:
         """Remove the module hooks."""
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        if self._modules is not None:
+            self._modules.remove()
 
     def _infos(self, obj: Any, path: str) -> list[TensorInfo]:
         tensors: list[tuple[str, torch.Tensor]] = []
@@ -306,7 +294,8 @@ class OpRecorder(TorchFunctionMode):
         if recorded(out):
             name = resolve_name(func) or getattr(func, "__qualname__", None) or str(func)
             path, line, code = _user_frame(sys._getframe(1))
-            op = OpRecord(len(self.ops), name, self._stack[-1] if self._stack else "",
+            where = self._modules.current if self._modules is not None else None
+            op = OpRecord(len(self.ops), name, where or "",
                           path, line, code, ins, self._infos(out, "out"))
             if copies is not None:
                 kind = _created(copies, out, self._kept)
@@ -610,31 +599,21 @@ class _GradFnOwners(TorchFunctionMode):
     def __init__(self, model: nn.Module | None) -> None:
         super().__init__()
         self.owner: dict[int, str] = {}
-        self._stack: list[str] = []
-        self._handles = []
-        if model is not None:
-            for name, m in model.named_modules():
-                self._handles.append(m.register_forward_pre_hook(
-                    lambda mod, args, n=name: self._stack.append(n)))
-                self._handles.append(m.register_forward_hook(
-                    lambda mod, args, out, n=name: self._pop(n)))
-
-    def _pop(self, name: str) -> None:
-        if self._stack and self._stack[-1] == name:
-            self._stack.pop()
+        self._modules = ModuleStack(model) if model is not None else None
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
+        if self._modules is not None:
+            self._modules.remove()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self._stack:
+        where = self._modules.current if self._modules is not None else None
+        if where is not None:
             tensors: list[tuple[str, torch.Tensor]] = []
             find_tensors(out, "out", tensors, [])
             for _, t in tensors:
                 if t.grad_fn is not None:
-                    self.owner.setdefault(id(t.grad_fn), self._stack[-1])
+                    self.owner.setdefault(id(t.grad_fn), where)
         return out
 
 

@@ -115,3 +115,40 @@ def named_parameters(
                 seen.add(id(p))
             out.append((f"{prefix}.{name}" if prefix else name, p))
     return out
+
+
+class ModuleStack:
+    """Which module is running right now: forward pre/post hooks on every module of ``model``
+    push and pop its qualified name, so code called from inside a forward (a
+    ``TorchFunctionMode``, a swapped torch function) can attribute what it sees to the
+    innermost module.
+
+    Args:
+        model: the modules to follow (``named_modules()`` names; ``""`` is the root).
+
+    Call :meth:`remove` to take the hooks off.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.names: list[str] = []
+        self._handles = []
+        for name, m in named_modules(model):
+            self._handles.append(m.register_forward_pre_hook(
+                lambda mod, args, n=name: self.names.append(n)))
+            self._handles.append(m.register_forward_hook(
+                lambda mod, args, out, n=name: self._pop(n)))
+
+    def _pop(self, name: str) -> None:
+        if self.names and self.names[-1] == name:
+            self.names.pop()
+
+    @property
+    def current(self) -> str | None:
+        """The innermost running module's name, or None outside every forward."""
+        return self.names[-1] if self.names else None
+
+    def remove(self) -> None:
+        """Remove the hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

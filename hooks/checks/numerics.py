@@ -25,6 +25,7 @@ from hooks.checks.blame import one_line, raised_by_model
 from hooks.checks.registry import DoctorOptions, check
 from hooks.checks.result import Outcome
 from hooks.checks.target import NotApplicable, SkipCheck, Target, fmt
+from hooks.walk import ModuleStack
 
 #: Functions that compute normalisation statistics when they run inside a norm module.
 STAT_OPS = frozenset({"mean", "sum", "var", "var_mean", "std", "std_mean", "rsqrt", "sqrt",
@@ -59,21 +60,10 @@ class OpDtypeRecorder(TorchFunctionMode):
         super().__init__()
         self.watch = watch
         self.events: list[tuple[str, str, str, str, str]] = []
-        self._stack: list[str] = []
-        self._handles = []
-        for name, m in model.named_modules():
-            self._handles.append(m.register_forward_pre_hook(
-                lambda mod, args, n=name: self._stack.append(n)))
-            self._handles.append(m.register_forward_hook(
-                lambda mod, args, out, n=name: self._pop(n)))
-
-    def _pop(self, name: str) -> None:
-        if self._stack and self._stack[-1] == name:
-            self._stack.pop()
+        self._modules = ModuleStack(model)
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
+        self._modules.remove()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -81,7 +71,7 @@ class OpDtypeRecorder(TorchFunctionMode):
         if name in self.watch:
             t_in = next((a for a in args if isinstance(a, torch.Tensor)), None)
             asked = (kwargs or {}).get("dtype")
-            self.events.append((self._stack[-1] if self._stack else "", name, _dtype(t_in),
+            self.events.append((self._modules.current or "", name, _dtype(t_in),
                                 _dtype(out), str(asked).removeprefix("torch.")
                                 if isinstance(asked, torch.dtype) else ""))
         return out
