@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import hooks
-from hooks.runs.store import RunStore, RunStoreError
+from hooks.runs.store import RunStore, RunStoreError, checkpoint_dir
 from tests.conftest import REPO, SAMPLES
 from tui.cli import main
 
@@ -637,3 +637,38 @@ def test_nested_runs_chain_their_handlers_and_a_finished_one_passes_signals_on(d
     assert _read(db, "outer")[0].status == "finished"
     assert (_read(db, "inner")[0].status, _read(db, "inner")[0].reason) == ("interrupted",
                                                                            "SIGINT")
+
+
+def test_a_disk_with_no_room_left_still_gets_the_run_marked_failed(tmp_path, capfd):
+    """The disk is filled to the last byte once the run exists: the first commit fails, and
+    marking the run as failed needs the bytes hooks.run set aside (hooks.runs.reserve)."""
+    mnt = tmp_path / "full"
+    if not _mount_tmpfs(mnt, "600k"):
+        pytest.skip("needs root and tmpfs mounts (a small tmpfs stands for a full disk)")
+    try:
+        db = mnt / "mdb.sqlite"
+        run = hooks.run("nofree", db=db)
+        reserve = checkpoint_dir(db, "nofree") / ".mdb-reserve"
+        assert reserve.stat().st_size > 0  # set aside while the run is written
+        fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT)
+        try:  # every byte left
+            with contextlib.suppress(OSError):
+                while os.write(fd, b"\1" * 4096):
+                    pass
+            with contextlib.suppress(OSError):
+                while os.write(fd, b"\1"):
+                    pass
+        finally:
+            os.close(fd)
+        metrics = {f"m{i:03d}": float(i) for i in range(100)}
+        while run.error is None:
+            run.log(**metrics)
+        run.finish()
+        assert "database or disk is full" in capfd.readouterr().err
+        assert not reserve.exists()  # given back
+        (mnt / "filler").unlink()
+        with RunStore(db) as store:
+            info = store.run("nofree")
+        assert info.status == "failed" and "database or disk is full" in info.reason
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -47,6 +47,7 @@ from hooks.runs.checkpoint import (
     read_checkpoint_meta,
     save_checkpoint,
 )
+from hooks.runs.reserve import DiskReserve, rollback_if_open
 from hooks.runs.store import RunStore, RunWriter, checkpoint_dir
 from hooks.runs.trainer import (
     StepReport,
@@ -83,9 +84,6 @@ MINILLM_METRICS = ("ce", "aux", "total", "grad_norm", "lr", "step_time", "tokens
                    "steps_per_s")
 #: The metrics of an overfit run that are losses (charted together by ``mdb watch``).
 LOSS_METRICS = ("loss", "total", "ce", "aux")
-#: Bytes set aside beside the database while a run is written, and given back when a write
-#: fails for want of space, so that the run can still be marked as ended (disk full).
-RESERVE_BYTES = 256 * 1024
 
 
 def _step_dir_name(step: int) -> str:
@@ -240,7 +238,7 @@ class RunSession:
         self.last_checkpoint_step: int | None = start_step if checkpoint is not None else None
         self.recorded_step = int(start_step)
         self._finished = False
-        self._reserve: Path | None = None
+        self._reserve: DiskReserve | None = None
 
     # -- what the session is ---------------------------------------------------------------------
 
@@ -364,29 +362,13 @@ class RunSession:
     # -- room to end the run when the disk is full -----------------------------------------------
 
     def _make_reserve(self) -> None:
-        """Set :data:`RESERVE_BYTES` aside beside the database (best effort)."""
-        path = self.checkpoint_root / ".mdb-reserve"
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if not path.exists() or path.stat().st_size < RESERVE_BYTES:
-                with open(path, "wb") as f:
-                    f.write(b"\0" * RESERVE_BYTES)  # real bytes: a sparse file reserves nothing
-            self._reserve = path
-        except OSError:
-            with contextlib.suppress(OSError):
-                path.unlink()
-            self._reserve = None
+        """Set bytes aside beside the database (best effort, :mod:`hooks.runs.reserve`)."""
+        self._reserve = DiskReserve(self.checkpoint_root / ".mdb-reserve")
+        self._reserve.make()
 
     def _drop_reserve(self) -> bool:
         """Give the reserved bytes back; whether there were any."""
-        path, self._reserve = self._reserve, None
-        if path is None:
-            return False
-        try:
-            path.unlink()
-        except OSError:
-            return False
-        return True
+        return self._reserve is not None and self._reserve.release()
 
     def _finish(self, status: str, **fields: Any) -> None:
         """Set the run's final status. A write that fails (``database or disk is full``) is
@@ -394,10 +376,7 @@ class RunSession:
         try:
             self.writer.finish(status, **fields)
         except sqlite3.Error:
-            conn = self.store.connection
-            if conn.in_transaction:  # SQLITE_FULL may leave the transaction open
-                with contextlib.suppress(sqlite3.Error):
-                    conn.execute("ROLLBACK")
+            rollback_if_open(self.store.connection)  # SQLITE_FULL may leave it open
             if not self._drop_reserve():
                 raise
             self.writer.finish(status, **fields)

@@ -63,10 +63,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hooks.runs.reserve import DiskReserve, rollback_if_open
 from hooks.runs.store import (
     RunExistsError,
     RunStore,
     RunWriter,
+    checkpoint_dir,
     default_db_path,
     loss_metric,
     validate_run_name,
@@ -226,6 +228,9 @@ class Run:
         self._capture_step: int | None = None
         self._step_trace: Any = None  # the trace of the current step, if it was captured
         self._locate_pending = False
+        # room for the final status once the disk is full (hooks.runs.reserve)
+        self._reserve = DiskReserve(checkpoint_dir(self.db, self.name) / ".mdb-reserve")
+        self._reserve.make()
 
         self._thread = threading.Thread(
             target=self._writer_main, name=f"mdb-run-writer-{self.id}", daemon=True
@@ -576,6 +581,7 @@ class Run:
         except Exception as exc:  # opening failed, or a bug: say it, never hang the loop
             self._die(exc, None)
         finally:
+            self._reserve.release()
             if store is not None:
                 with contextlib.suppress(Exception):
                     store.close()
@@ -671,7 +677,20 @@ class Run:
         self._queue.clear()
         if writer is not None:
             with contextlib.suppress(Exception):
-                writer.finish("failed", reason=self.error)
+                self._finish_writer(writer, "failed", self.error)
+
+    def _finish_writer(self, writer: RunWriter, status: str, reason: str | None) -> None:
+        """Write the run's status; a write refused for want of space is retried once after
+        the reserve is given back, so a full disk does not leave the run "running"."""
+        import sqlite3
+
+        try:
+            writer.finish(status, reason=reason)
+        except sqlite3.Error:
+            rollback_if_open(writer.store.connection)  # SQLITE_FULL may leave it open
+            if not self._reserve.release():
+                raise
+            writer.finish(status, reason=reason)
 
     def _write_final(self, writer: RunWriter) -> None:
         final = self._final
@@ -683,7 +702,7 @@ class Run:
             reason = f"{self.error}; the loop went on to step {self.step}"
             self._final = (status, reason)
         try:
-            writer.finish(status, reason=reason)
+            self._finish_writer(writer, status, reason)
         except Exception as exc:
             if not self._dead:
                 self._say(f"run {self.name}: its final status could not be written: "
