@@ -183,7 +183,8 @@ class RouterScreen(LayerViewScreen):
     def _fill_summary(self, rec, rows: list) -> None:
         meta = self.trace.meta
         n = int(rec.top_k_ids.shape[0])
-        lines = [f"tok: of N={n} tokens · picks: of N·k={n * rec.top_k}; uniform 1/E = "
+        lines = [f"tok: tokens that chose e, of N={n} tokens · picks: its share of the "
+                 f"N·k = {n * rec.top_k} top-{rec.top_k} picks; uniform 1/E = "
                  f"{fmt.pct(1 / rec.num_experts)}",
                  f"rule: {rec.rule_text()}", source_line(rec)]
         if rec.note:
