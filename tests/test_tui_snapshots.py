@@ -116,7 +116,7 @@ async def test_router_view_counts_are_the_models_top_k(captured):
             # "picks": its share of the N·k top-k assignments
             assert row[2] == fmt.pct(c / (n * k))
         summary = _text(screen, "#router-summary")
-        assert f"N={n} tokens" in summary and f"N·k = {n * k}" in summary
+        assert f"of N={n}" in summary and f"N·k = {n * k}" in summary
 
 
 async def test_attention_view_kv_head_is_the_models(captured):

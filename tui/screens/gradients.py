@@ -106,12 +106,13 @@ class GradientsScreen(ViewScreen):
             f"gradients · {len(params)} parameters · {total_text(self.total)} · "
             + (f"log bars {fmt.sci(lo)} … {fmt.sci(hi)}" if norms
                else "no finite non-zero ‖g‖ to draw"))
-        parts = []
-        for kind in ("ok", "vanishing", "few", "exploding", "nan", "none", "unused", "stale",
-                     "zero", "frozen"):
-            if counts.get(kind) or kind in ("ok", "vanishing", "exploding", "nan", "none"):
-                parts.append(f"{fmt.FLAG_TEXT[kind]} {counts.get(kind, 0)}")
-        self.query_one("#grad-summary", Static).update(" · ".join(parts))
+        # the four verdicts that matter always, on one line; the others below when there are
+        main = [f"{fmt.FLAG_TEXT[k]} {counts.get(k, 0)}"
+                for k in ("ok", "vanishing", "exploding", "nan")]
+        other = [f"{fmt.FLAG_TEXT[k]} {counts[k]}"
+                 for k in ("few", "unused", "none", "stale", "zero", "frozen") if counts.get(k)]
+        self.query_one("#grad-summary", Static).update(
+            " · ".join(main) + ("\n" + " · ".join(other) if other else ""))
         if not params:
             self.hint("no parameter gradients recorded (was backward run?)")
         table.focus()

@@ -181,14 +181,24 @@ class RouterScreen(LayerViewScreen):
         return rows
 
     def _fill_summary(self, rec, rows: list) -> None:
+        """The flags first (a 24-line terminal cuts the end of this panel), then what the
+        columns count, the aux losses, and the routing rule."""
         meta = self.trace.meta
         n = int(rec.top_k_ids.shape[0])
-        lines = [f"tok: tokens that chose e, of N={n} tokens · picks: its share of the "
-                 f"N·k = {n * rec.top_k} top-{rec.top_k} picks; uniform 1/E = "
-                 f"{fmt.pct(1 / rec.num_experts)}",
-                 f"rule: {rec.rule_text()}", source_line(rec)]
-        if rec.note:
-            lines.append(rec.note)
+        lines = []
+        hot = [r for r in rows if r.flag == "hot"]
+        dead = [r for r in rows if r.flag == "dead"]
+        for r in hot:
+            lines.append(f"▲ expert {r.expert}: {fmt.pct(r.share)} of the picks "
+                         f"({r.ratio:.1f}× 1/E), chosen by {r.tokens} of {n} tokens "
+                         f"({fmt.pct(r.token_frac)})")
+        if dead:
+            lines.append("✗ no tokens: expert " + ", ".join(str(r.expert) for r in dead))
+        if not hot and not dead:
+            lines.append("✓ no expert dominates or starves")
+        lines.append(f"tok: tokens that chose e, of N={n} · picks: its share of the "
+                     f"N·k = {n * rec.top_k} top-{rec.top_k} picks (uniform 1/E = "
+                     f"{fmt.pct(1 / rec.num_experts)})")
         pads = padding(self.trace)
         if pads is not None:
             count, total = pads
@@ -204,16 +214,9 @@ class RouterScreen(LayerViewScreen):
         else:
             lines.append(f"aux loss not shown: {rec.aux_loss_reason()}")
         lines.extend(self._total_lines(meta, pads is not None))
-        hot = [r for r in rows if r.flag == "hot"]
-        dead = [r for r in rows if r.flag == "dead"]
-        for r in hot:
-            lines.append(f"▲ expert {r.expert}: {fmt.pct(r.share)} of the picks "
-                         f"({r.ratio:.1f}× 1/E), chosen by {r.tokens} of {n} tokens "
-                         f"({fmt.pct(r.token_frac)})")
-        if dead:
-            lines.append("✗ no tokens: expert " + ", ".join(str(r.expert) for r in dead))
-        if not hot and not dead:
-            lines.append("✓ no expert dominates or starves")
+        lines += [f"rule: {rec.rule_text()}", source_line(rec)]
+        if rec.note:
+            lines.append(rec.note)
         self.query_one("#router-summary", Static).update("\n".join(lines))
 
     def _model_layer_aux(self) -> float | None:

@@ -1,9 +1,9 @@
 """``ModuleTree``: the model's module hierarchy with call counts and output shapes.
 
-Labels fit the tree's width (about 28 cells at 80 columns): a label too long for its line keeps
-its call count and its whole shape and has its name cut in the middle (``post_at…layernorm``),
-down to :data:`MIN_NAME` cells; past that the shape is left out (the details pane shows it) and
-the line ends in ``…`` — a shape is never shown cut, where ``2×64`` would read as a shape.
+Labels fit the tree's width (about 28 cells at 80 columns), the name first: a label too long
+for its line leaves out the shape (the details pane shows it; the line ends in ``…``), and only
+a name that does not fit on its own is cut, in the middle (``post_atte…layernorm``) — a shape
+is never shown cut, where ``2×64`` would read as a shape.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from textual.widgets.tree import TreeNode
 
 from tui.widgets import fmt
 
-#: Fewest cells of a name cut in the middle before the shape is left out instead.
-MIN_NAME = 12
+#: Fewest cells a cut name keeps (the call count and ``…`` are left out below that).
+MIN_NAME = 6
 
 
 def fit_label(leaf: str, calls: str, shape: str, width: int | None, *, called: bool = True,
@@ -34,9 +34,8 @@ def fit_label(leaf: str, calls: str, shape: str, width: int | None, *, called: b
     if not called:
         tail = f" [{n_children}]" if n_children else " not called"
         if width is not None and cell_len(leaf + tail) > width:
-            room = width - cell_len(tail)
-            if room >= min(cell_len(leaf), MIN_NAME):
-                leaf = fmt.middle(leaf, room)
+            if width - cell_len(tail) >= MIN_NAME:
+                leaf = fmt.middle(leaf, width - cell_len(tail))
             else:
                 leaf, tail = fmt.middle(leaf, max(width, 1)), ""
         text = Text(leaf, style="dim")
@@ -44,15 +43,11 @@ def fit_label(leaf: str, calls: str, shape: str, width: int | None, *, called: b
         return text
     shape_part = f" {shape}" if shape else ""
     if width is not None and cell_len(leaf + calls + shape_part) > width:
-        room = width - cell_len(calls + shape_part)
-        if room >= min(cell_len(leaf), MIN_NAME):
-            leaf = fmt.middle(leaf, room)
-        else:  # no room for the whole shape: leave it out, never cut it
-            shape_part = " …"
+        shape_part = " …" if shape else ""  # the whole shape, or none of it
+        if cell_len(leaf + calls + shape_part) > width:
             room = width - cell_len(calls + shape_part)
-            if room < min(cell_len(leaf), MIN_NAME):
-                calls, shape_part = "", ""
-                room = width
+            if room < MIN_NAME:
+                calls, shape_part, room = "", "", width
             leaf = fmt.middle(leaf, max(room, 1))
     text = Text(leaf, style="bold")
     if calls:
