@@ -164,3 +164,52 @@ def test_an_expert_every_token_chose_is_hot_where_e_over_k_is_small():
     assert hot_ratio(4, 2) == 2.0
     assert [x.flag for x in loads] == ["hot", "ok", "ok", "dead"]
     assert [x.flag for x in expert_loads([40, 30, 20, 10], 50, 2)] == ["ok"] * 4
+
+
+# -- KV heads -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("h, hkv", [(8, 2), (8, 1), (6, 3), (4, 4)])
+def test_kv_groups_are_sdpas_enable_gqa_grouping(h, hkv):
+    """What SDPA computes under ``enable_gqa``: KV head g's values are the constant g, so each
+    query head's output says which KV head it read."""
+    from hooks.attention import kv_groups
+
+    b, t, d = 1, 3, 4
+    q = torch.randn(b, h, t, d)
+    k = torch.randn(b, hkv, t, d)
+    v = torch.arange(hkv, dtype=torch.float32).view(1, hkv, 1, 1).expand(b, hkv, t, d)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    read = [round(float(out[0, head, 0, 0])) for head in range(h)]
+    assert kv_groups(h, hkv) == read
+    assert kv_groups(8, 3) is None and kv_groups(8, None) is None
+
+
+# -- the doctor's gradient-flow check uses the same verdicts -----------------------------------
+@pytest.mark.parametrize("scale, status", [(1e6, "warn"), (1e-9, "pass")])
+def test_grad_flow_judges_gradients_as_the_gradients_view(scale, status):
+    from types import SimpleNamespace
+
+    from hooks.checks import run_checks
+    from hooks.verdicts import EXPLODING_NORM, EXPLODING_RATIO
+
+    model, ids = _tiny()
+    # the reference: the model's own gradients of the same loss, by hand
+    (model(ids, labels=ids).loss * scale).backward()
+    norm = {n: (float(p.grad.norm()), float(p.detach().norm()))
+            for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    workload = SimpleNamespace(model=model, batch=hooks.Batch.of({"input_ids": ids,
+                                                                  "labels": ids}),
+                               loss_fn=lambda out, batch: out.loss * scale)
+    r = {x.key: x for x in run_checks(workload, only="grad-flow")}["grad-flow"]
+    assert r.status == status
+    if scale > 1:
+        want = sorted(n for n, (g, w) in norm.items()
+                      if g > EXPLODING_NORM or (w and g / w > EXPLODING_RATIO))
+        assert want and sorted(r.data["exploding"]) == want
+        assert f"{len(want)} exploding" in r.evidence and r.module is not None
+    else:
+        assert r.data["exploding"] == [] and len(r.data["vanishing"]) > 0
+        # every tensor clearly under the threshold is listed (or explained by few tokens)
+        clear = {n for n, (g, w) in norm.items() if w and g / w < VANISHING_RATIO * 1e-2}
+        assert clear and set(r.data["vanishing"]) | set(r.data["few_tokens"]) >= clear
+        assert "under the vanishing threshold" in r.evidence

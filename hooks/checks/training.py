@@ -72,7 +72,11 @@ def grad_flow(t: Target, o: DoctorOptions) -> Outcome:
     gradient; and each MoE router gets a gradient from the aux (load-balancing) loss alone.
 
     A parameter whose module was never called (an expert that received no tokens in this
-    batch) is reported as unused (warn), not as broken.
+    batch) is reported as unused, not as broken. Each finite gradient is also judged by the
+    gradients view's rule (:func:`hooks.verdicts.param_verdict`, knowing the rows that reached
+    its module): exploding ones warn; vanishing ones are listed without changing the status
+    (a bias that a softmax or a norm cancels, HF BERT's key bias, gets ~0 by design), and so
+    are those small only because their module saw few tokens.
     """
     model = t.model
     called: set[str] = set()
