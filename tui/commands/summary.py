@@ -164,6 +164,12 @@ def fit_columns(rows: list[Row], width: int) -> tuple[list[str], int]:
 
 
 def build_table(trace, *, depth: int | None = None, width: int | None = None):
+    """The Rich table for ``trace`` (rows in ``named_modules()`` order); see
+    :func:`fit_table` for the arguments."""
+    return fit_table(trace, depth=depth, width=width)[0]
+
+
+def fit_table(trace, *, depth: int | None = None, width: int | None = None):
     """The Rich table for ``trace`` (rows in ``named_modules()`` order).
 
     Args:
@@ -243,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
     width = output_width(tty, args.wide)
     console = Console(file=sys.stdout, width=width or 10_000, no_color=not tty or None,
                       highlight=False, soft_wrap=width is None)
-    table, left_out = build_table(trace, depth=args.depth, width=width)
+    table, left_out = fit_table(trace, depth=args.depth, width=width)
     if width is None:  # full width: as wide as the table
         console.width = console.measure(table).maximum
     console.print(trace.meta.get("description") or trace.model_type, markup=False,
