@@ -181,6 +181,21 @@ def kv_heads(query: torch.Tensor, key: torch.Tensor, enable_gqa: bool) -> tuple[
     return h, h, "heads"
 
 
+def kv_groups(num_heads: int, num_kv_heads: int | None) -> list[int] | None:
+    """The KV head each query head reads at a call with H query heads and H_kv distinct KV
+    heads (:func:`kv_heads`): ``h // (H / H_kv)``, the grouping of SDPA's ``enable_gqa`` and of
+    HF's ``repeat_kv`` (``repeat_interleave`` over heads), which :func:`kv_heads` recognises.
+
+    Returns:
+        list[int]: (H,) KV head of each query head; None when H_kv is unknown or does not
+        divide H.
+    """
+    if not num_kv_heads or num_heads % num_kv_heads:
+        return None
+    group = num_heads // num_kv_heads
+    return [h // group for h in range(num_heads)]
+
+
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
                 "enable_gqa")
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None,

@@ -32,6 +32,12 @@ def _reference(seq_len: int = 16):
     return model, ids, out
 
 
+@pytest.fixture(autouse=True)
+def _no_columns(monkeypatch):
+    """Piped output is full width unless $COLUMNS says otherwise: start without it."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+
+
 def test_summary_table_piped(capsys):
     assert cli.main(["summary", "--preset", "tiny", "--seq-len", "16"]) == 0
     text = capsys.readouterr().out
@@ -85,3 +91,132 @@ def test_capture_writes_a_trace_step_can_open(tmp_path, capsys):
     assert len(trace.meta["tokens"]) == ids.numel()
     assert trace.meta["loss"] == pytest.approx(out.loss.item(), rel=1e-5)
     assert len(trace.attention) == load_preset("tiny").num_hidden_layers
+
+
+# -- widths: the terminal's, $COLUMNS, full ---------------------------------------------------
+@pytest.fixture(scope="module")
+def saved_trace(tmp_path_factory):
+    """A trace of the default preset (deep names: post_attention_layernorm at depth 4)."""
+    import argparse
+
+    from tui.commands._common import add_model_arguments, build_workload, capture_step
+
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        workload = build_workload(parser.parse_args(["--seq-len", "16"]))
+        trace = capture_step(workload, attention=False)
+    finally:
+        torch.set_num_threads(threads)
+    path = tmp_path_factory.mktemp("summary") / "default.mdbtrace"
+    trace.save(str(path))
+    return str(path), trace
+
+
+def _cells(line: str) -> list[str]:
+    return line.split()
+
+
+def _full_rows(text: str) -> dict[str, list[str]]:
+    """Full-width rows by position: their cells between the box lines."""
+    return [[c.strip() for c in line.strip("│").split("│")] for line in text.splitlines()
+            if line.startswith("│")]
+
+
+def test_columns_80_keeps_every_number_whole(saved_trace, capsys, monkeypatch):
+    from rich.cells import cell_len
+
+    path, trace = saved_trace
+    assert cli.main(["summary", "--trace", path]) == 0
+    full = _full_rows(capsys.readouterr().out)
+    monkeypatch.setenv("COLUMNS", "80")
+    assert cli.main(["summary", "--trace", path]) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert all(cell_len(line) <= 80 for line in lines)
+    header = next(i for i, line in enumerate(lines) if line.startswith("module"))
+    assert _cells(lines[header]) == ["module", "output", "params", "out", "mean", "out", "std",
+                                     "param", "‖∇‖"]
+    rows = lines[header + 2: header + 2 + len(full)]
+    assert len(rows) == len(trace.modules) == len(full)
+    for row, ref in zip(rows, full, strict=True):
+        cells = _cells(row)
+        # params, out mean, out std, param ‖∇‖: the full table's own strings, never cut
+        assert cells[-4:] == [ref[3], ref[5], ref[6], ref[7]]
+        assert "…" not in " ".join(cells[-4:])
+        leaf = ref[0]
+        name = cells[0]
+        if "…" in name:  # a name cut in the middle keeps both ends
+            start, end = name.split("…")
+            assert leaf.startswith(start) and leaf.endswith(end)
+        else:
+            assert name == leaf
+    assert "post_attention_layernorm" in "".join(r[0] for r in full)
+    assert any("…" in _cells(r)[0] for r in rows)  # that one is cut at 80
+    assert "left out to fit 80 columns: class, % params (--wide shows every column)" in text
+
+
+def test_columns_120_shows_every_column_and_wide_ignores_columns(saved_trace, capsys,
+                                                                 monkeypatch):
+    path, _ = saved_trace
+    monkeypatch.setenv("COLUMNS", "120")
+    assert cli.main(["summary", "--trace", path]) == 0
+    text = capsys.readouterr().out
+    assert "left out" not in text and "MiniLLMSparseMoeBlock" in text and "100.0%" in text
+    monkeypatch.setenv("COLUMNS", "60")
+    assert cli.main(["summary", "--trace", path, "--wide"]) == 0
+    wide = capsys.readouterr().out
+    assert "left out" not in wide and "post_attention_layernorm" in wide
+    assert max(len(line) for line in wide.splitlines()) > 100
+
+
+def test_in_a_terminal_the_table_fits_it(saved_trace):
+    """A real pseudo-terminal of 80×24 (what tmux gives): the table fits 80 columns."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    path, _ = saved_trace
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env.update(TERM="xterm", NO_COLOR="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "tui.cli", "summary", "--trace", path],
+                            stdout=slave, stderr=slave, stdin=subprocess.DEVNULL, env=env)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert proc.wait(timeout=300) == 0
+    os.close(master)
+    text = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", b"".join(chunks).decode())
+    lines = [line.rstrip() for line in text.replace("\r", "").splitlines()]
+    assert lines and max(len(line) for line in lines) <= 80
+    assert any(line.startswith("module") and "param ‖∇‖" in line for line in lines)
+    assert "left out to fit 80 columns" in text
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.jit")
+def test_summary_of_a_compiled_model_names_the_model(tmp_path, capsys):
+    src = tmp_path / "compiled_model.py"
+    src.write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "def build():\n"
+        "    m = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 32))\n"
+        "    return torch.compile(m), torch.randint(0, 32, (2, 8))\n")
+    assert cli.main(["summary", "--model", f"{src}:build"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("Sequential (torch.compile'd) from compiled_model.py:build")
+    assert "OptimizedModule" not in first

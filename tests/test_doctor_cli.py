@@ -19,6 +19,12 @@ ZOO = str(REPO / "tests" / "zoo.py")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.fixture(autouse=True)
+def _no_columns(monkeypatch):
+    """Piped output is full width unless $COLUMNS says otherwise: start without it."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+
+
 def test_json_for_tiny_minillm(capsys):
     rc = main(["doctor", "--preset", "tiny", "--json"])
     out = capsys.readouterr().out
@@ -126,3 +132,58 @@ def test_piped_subprocess_exit_codes():
                          capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode == 1, bad.stderr
     assert "FAIL" in bad.stdout and "load_state_dict(assign=True)" in bad.stdout
+
+
+# -- widths: piped at full width or $COLUMNS, never ~140 regardless --------------------------
+def test_piped_table_is_full_width_one_line_per_check(capsys):
+    rc = main(["doctor", "--preset", "tiny", "--only", "1,6,tied"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    rows = [line for line in out.splitlines() if line.startswith("│")]
+    assert len(rows) == 3  # one line per check: nothing wrapped
+    assert all("PASS" in r for r in rows)
+    assert max(len(line) for line in out.splitlines()) > 140  # the evidence is not cut
+
+
+def test_columns_80_puts_the_hint_under_the_evidence(capsys, monkeypatch):
+    from rich.cells import cell_len
+
+    monkeypatch.setenv("COLUMNS", "80")
+    rc = main(["doctor", "--model", f"{ZOO}:gqa_repeat", "--only", "gqa,tied"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert all(cell_len(line) <= 80 for line in out.splitlines())
+    flat = " ".join(out.split())
+    assert "evidence · hint" in flat and "gqa" in flat and "FAIL" in flat
+    assert "hint: " in flat and "repeat_interleave" in flat
+    assert "→ model.layers.0.self_attn" in flat
+    monkeypatch.setenv("COLUMNS", "60")
+    assert main(["doctor", "--model", f"{ZOO}:gqa_repeat", "--only", "gqa", "--wide"]) == 1
+    wide = capsys.readouterr().out
+    assert len([line for line in wide.splitlines() if line.startswith("│")]) == 1
+
+
+def test_tui_with_a_model_that_raises_is_one_line(capsys, monkeypatch, tmp_path):
+    """The checks survive it (they skip), the step capture after them does not: one line
+    naming the module and the file:line, exit 1, before any screen opens."""
+    import tui.commands._common as common
+
+    src = tmp_path / "flaky_model.py"
+    src.write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "class Flaky(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.emb = nn.Embedding(32, 16)\n"
+        "        self.proj = nn.Linear(16, 32)\n"
+        "    def forward(self, ids):\n"
+        "        return self.proj(self.emb(ids).view(-1, 7))\n\n"
+        "def build():\n"
+        "    return Flaky(), torch.randint(0, 32, (2, 8))\n")
+    monkeypatch.setattr(common, "require_terminal", lambda *a, **k: None)
+    rc = main(["doctor", "--model", f"{src}:build", "--tui"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    lines = [line for line in err.splitlines() if line.startswith("mdb: error:")]
+    assert len(lines) == 1 and "Traceback" not in err
+    assert "RuntimeError" in lines[0] and "flaky_model.py:10" in lines[0]

@@ -170,3 +170,93 @@ async def test_doctor_app_opens_on_the_doctor_view(tiny_trace_and_results):
         await pilot.press("d")
         await pilot.pause()
         assert isinstance(app.screen, DoctorScreen)
+
+
+# -- keys, as in the step debugger's other views ----------------------------------------------
+def _footer(screen) -> dict[str, str]:
+    from textual.widgets._footer import FooterKey
+
+    return {k.description: k.key_display for k in screen.query(FooterKey)}
+
+
+async def test_the_footer_lists_the_keys_from_the_first_frame():
+    app = Host(RESULTS)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        keys = _footer(app.screen)
+        assert {"jump", "step", "keys", "quit"} <= set(keys)
+        assert keys["quit"] == "q" and keys["keys"] == "?"
+
+
+async def test_question_mark_lists_the_doctor_keys():
+    from tui.screens.help import HelpScreen
+
+    app = Host(RESULTS)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert isinstance(app.screen, HelpScreen)
+        assert "doctor view" in app.screen.text and "quit mdb" in app.screen.text
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert isinstance(app.screen, DoctorScreen)
+
+
+async def test_q_quits_mdb_doctor_tui_and_s_returns_to_the_step_view(tiny_trace_and_results):
+    from tui.commands.doctor import make_doctor_app
+    from tui.screens.router import RouterScreen
+    from tui.screens.step import StepScreen
+
+    trace, results = tiny_trace_and_results
+    app = make_doctor_app(trace, results, title="mdb doctor · tiny")
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        assert isinstance(app.screen, DoctorScreen)
+        title = str(app.screen.query_one("#doctor-title", Static).render())
+        assert title.startswith("mdb doctor · 2 checks · 1 pass · 1 fail")  # before it is cut
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert "step view" in app.screen.text  # the step view's keys follow the doctor's
+        await pilot.press("escape", "s")
+        await pilot.pause()
+        assert isinstance(app.screen, StepScreen)
+        await pilot.press("d", "r")
+        await pilot.pause()
+        assert isinstance(app.screen, RouterScreen)
+        await pilot.press("d", "q")
+        await pilot.pause()
+        assert app.return_code == 0 and not app.is_running
+
+
+async def test_the_doctor_view_keeps_the_too_small_guard(tiny_trace_and_results):
+    from tui.commands.doctor import make_doctor_app
+
+    trace, results = tiny_trace_and_results
+    app = make_doctor_app(trace, results)
+    async with app.run_test(size=(70, 20)) as pilot:
+        await pilot.pause()
+        screen = app.screen
+        assert isinstance(screen, DoctorScreen) and screen.has_class("-too-small")
+        assert "terminal too small (70×20)" in str(screen.query_one("#too-small").render())
+        await pilot.press("s", "enter")  # ignored while too small
+        await pilot.pause()
+        assert app.screen is screen
+        await pilot.press("q")
+        await pilot.pause()
+        assert not app.is_running
+
+
+async def test_d_on_a_saved_trace_says_how_to_run_the_checks(tiny_trace_and_results):
+    from tui.app import make_step_app
+    from tui.screens.doctor_slot import NoDoctorScreen
+
+    trace, _ = tiny_trace_and_results
+    trace.meta["description"] = "minillm tiny · 113k params · 2×16 of alice.txt"
+    app = make_step_app(trace)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("d")
+        await pilot.pause()
+        assert isinstance(app.screen, NoDoctorScreen)
+        text = " ".join(str(app.screen.query_one("#nodoctor-text", Static).render()).split())
+        assert "mdb doctor --preset tiny --tui" in text and "mdb step --preset tiny" in text

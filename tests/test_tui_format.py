@@ -6,8 +6,8 @@ import math
 
 import pytest
 
+from hooks.verdicts import param_verdict
 from tui.widgets import fmt
-from tui.widgets.verdicts import param_verdict
 
 
 @pytest.mark.parametrize(

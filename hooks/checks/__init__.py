@@ -22,7 +22,8 @@ UI-free: never imports textual, rich or tui.
  4    gqa         perturbing K/V of KV head g changes exactly query heads h // n_rep == g
                   (after a k_norm; fused q|k|v too; n/a for MHA)
  5    grad-flow   every trainable tensor gets a finite non-zero gradient; routers get one
-                  from the aux loss alone
+                  from the aux loss alone; exploding gradients warn, vanishing ones are
+                  listed (the gradients view's rules, :mod:`hooks.verdicts`)
  6    routing     per-expert load, largest share, dead experts, router entropy (few batches)
  7    nonfinite   NaN/Inf in weights, activations, loss, gradients; where they start
  8    tied        embedding and LM head share one Parameter as configured; no storage twice

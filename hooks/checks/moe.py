@@ -14,9 +14,8 @@ import hooks
 from hooks.checks.registry import DoctorOptions, check
 from hooks.checks.result import Outcome
 from hooks.checks.target import NotApplicable, SkipCheck, Target
+from hooks.verdicts import MAX_LOAD_RATIO, expert_loads, hot_ratio
 
-#: Warn when the busiest expert gets this many times its balanced share 1/E.
-MAX_LOAD_RATIO = 3.0
 #: Fewest tokens per random batch (so a healthy expert is not "dead" by chance).
 MIN_TOKENS = 256
 #: Warn when the mean router entropy, as a fraction of ln E, is below this (near one-hot).
@@ -98,20 +97,25 @@ def routing(t: Target, o: DoctorOptions) -> Outcome:
         raise SkipCheck("router probabilities are not finite (see the non-finite check)")
     worst_dead: tuple[str, list[int]] | None = None
     worst_ratio = (0.0, "")
+    # the block of the worst hot expert (hooks.verdicts' rule, the router view's too)
+    hot_block: str | None = None
     min_ent = (2.0, "")
     layers: dict[str, Any] = {}
     for block, s in stats.items():
         counts = s["counts"]
-        e, total = len(counts), sum(counts)
-        shares = [c / total for c in counts] if total else [0.0] * e
-        dead = [i for i, c in enumerate(counts) if c == 0]
-        ratio = max(shares) * e
-        layers[block] = dict(counts=counts, shares=shares, dead=dead, load_ratio=ratio,
+        loads = expert_loads(counts, s["tokens"], s["top_k"])
+        shares = [x.share for x in loads]
+        dead = [x.expert for x in loads if x.flag == "dead"]
+        hot = [x.expert for x in loads if x.flag == "hot"]
+        ratio = max(x.ratio for x in loads)
+        layers[block] = dict(counts=counts, shares=shares, dead=dead, hot=hot, load_ratio=ratio,
                              entropy=s["entropy"], tokens=s["tokens"], top_k=s["top_k"])
         if dead and (worst_dead is None or len(dead) > len(worst_dead[1])):
             worst_dead = (block, dead)
         if ratio > worst_ratio[0]:
             worst_ratio = (ratio, block)
+            if hot:
+                hot_block = block
         if s["entropy"] is not None and s["entropy"] < min_ent[0]:
             min_ent = (s["entropy"], block)
     first = next(iter(stats.values()))
@@ -130,10 +134,14 @@ def routing(t: Target, o: DoctorOptions) -> Outcome:
             "a dead expert: its router logit never wins (collapsed or masked router, a bias "
             "pushing it down, or an aux loss that does not reach the router)",
             block or None, **data)
-    if worst_ratio[0] > MAX_LOAD_RATIO:
-        return Outcome.warn(ev, f"load is unbalanced (>{MAX_LOAD_RATIO:g}× the fair share); "
-                            "check the aux-loss coefficient and that it reaches the router",
-                            worst_ratio[1] or None, **data)
+    if hot_block is not None:
+        hb = layers[hot_block]
+        limit = hot_ratio(len(hb["counts"]), hb["top_k"])
+        what = (f"≥{limit:g}× the fair share" if limit == MAX_LOAD_RATIO
+                else "every token chose one expert")
+        return Outcome.warn(ev, f"load is unbalanced ({what}); check the aux-loss "
+                            "coefficient and that it reaches the router", hot_block or None,
+                            **data)
     if min_ent[0] < MIN_ENTROPY:
         return Outcome.warn(ev, "router probabilities are nearly one-hot (logits too large?)",
                             min_ent[1] or None, **data)

@@ -13,6 +13,14 @@ import hooks
 from hooks.checks.registry import DoctorOptions, check
 from hooks.checks.result import Outcome
 from hooks.checks.target import MoEInfo, SkipCheck, Target, fmt
+from hooks.norms import combine_norms
+from hooks.verdicts import (
+    EXPLODING_NORM,
+    EXPLODING_RATIO,
+    VANISHING_NORM,
+    VANISHING_RATIO,
+    param_verdict,
+)
 
 
 def _aux_loss(out: Any) -> torch.Tensor | None:
@@ -25,6 +33,27 @@ def _aux_loss(out: Any) -> torch.Tensor | None:
 def _grad_kwargs(t: Target) -> dict[str, Any]:
     """HF MoE models return their aux loss only with ``output_router_logits=True``."""
     return {"output_router_logits": True} if "output_router_logits" in t._params else {}
+
+
+def _first_tensor(out: Any) -> torch.Tensor | None:
+    """The first tensor of a module's output (a tensor, a tuple/list, a dict or ModelOutput)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    items = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) \
+        else ()
+    for x in items:
+        t = _first_tensor(x)
+        if t is not None:
+            return t
+    return None
+
+
+def _out_rows(out: Any) -> int | None:
+    """Rows of a module's first output tensor: its leading dimensions (``hooks.verdicts``)."""
+    t = _first_tensor(out)
+    if t is None:
+        return None
+    return math.prod(t.shape[:-1]) if t.dim() > 1 else (t.shape[0] if t.dim() else 1)
 
 
 def _aux_free(moe: list[MoEInfo]) -> str | None:
@@ -43,11 +72,25 @@ def grad_flow(t: Target, o: DoctorOptions) -> Outcome:
     gradient; and each MoE router gets a gradient from the aux (load-balancing) loss alone.
 
     A parameter whose module was never called (an expert that received no tokens in this
-    batch) is reported as unused (warn), not as broken.
+    batch) is reported as unused, not as broken. Each finite gradient is also judged by the
+    gradients view's rule (:func:`hooks.verdicts.param_verdict`, knowing the rows that reached
+    its module): exploding ones warn; vanishing ones are listed without changing the status
+    (a bias that a softmax or a norm cancels, HF BERT's key bias, gets ~0 by design), and so
+    are those small only because their module saw few tokens.
     """
     model = t.model
     called: set[str] = set()
-    handles = [m.register_forward_hook(lambda mod, a, out, n=n: called.add(n))
+    rows: dict[str, int] = {}  # rows (tokens) each module produced: the few-tokens rule
+    most = [0]
+
+    def seen(name: str, out: Any) -> None:
+        called.add(name)
+        n = _out_rows(out)
+        if n is not None:
+            rows[name] = rows.get(name, 0) + n
+            most[0] = max(most[0], n)
+
+    handles = [m.register_forward_hook(lambda mod, a, out, n=n: seen(n, out))
                for n, m in model.named_modules()]
     try:
         with t.mode(True):
@@ -105,7 +148,8 @@ def grad_flow(t: Target, o: DoctorOptions) -> Outcome:
     broken: list[tuple[str, str, str | None]] = []
     idle: list[str] = []
     n_ok = n_frozen = 0
-    sq = 0.0
+    ok_norms: list[float] = []
+    flagged: dict[str, list[str]] = {"vanishing": [], "exploding": [], "few": []}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             n_frozen += 1
@@ -130,13 +174,24 @@ def grad_flow(t: Target, o: DoctorOptions) -> Outcome:
             broken.append((name, f"a non-finite gradient ({nan} NaN of {g.numel()})",
                            mods[0] or None))
             continue
-        sq += gn * gn
+        ok_norms.append(gn)
         n_ok += 1
+        # the gradients view's verdict, on the same numbers (hooks.verdicts)
+        wn = float(p.detach().float().norm())
+        verdict = param_verdict(
+            _Grad(gn, gn / wn if wn else None),
+            rows=sum(rows.get(m, 0) for m in mods) if was_called else None,
+            batch_rows=most[0] or None)
+        if verdict in flagged:
+            flagged[verdict].append(name)
     total = n_ok + len(broken)
-    data.update(trainable=total + len(idle), ok=n_ok, frozen=n_frozen, grad_norm=math.sqrt(sq),
-                broken=[{"param": n, "problem": w} for n, w, _ in broken], idle_experts=idle)
+    global_norm = combine_norms(ok_norms)
+    data.update(trainable=total + len(idle), ok=n_ok, frozen=n_frozen, grad_norm=global_norm,
+                broken=[{"param": n, "problem": w} for n, w, _ in broken], idle_experts=idle,
+                vanishing=flagged["vanishing"], exploding=flagged["exploding"],
+                few_tokens=flagged["few"])
     head = f"{src} ({fmt(data['loss'])}): {n_ok}/{total} trainable tensors got finite " \
-           f"non-zero gradients (global norm {fmt(math.sqrt(sq))})"
+           f"non-zero gradients (global norm {fmt(global_norm)})"
     if idle:
         experts = sorted({n.rsplit(".", 2)[0] for n in idle})
         head += (f", not counting {len(idle)} tensor(s) of {len(experts)} expert(s) that "
@@ -157,11 +212,42 @@ def grad_flow(t: Target, o: DoctorOptions) -> Outcome:
                             "compute the load-balancing loss from the router logits without "
                             ".detach()/.item()/torch.no_grad, and add it to the loss", mod,
                             **data)
-    ev = "; ".join([head] + router_msgs)
+    extremes = []
+    if flagged["exploding"]:
+        extremes.append(f"{len(flagged['exploding'])} exploding (‖g‖ > {EXPLODING_NORM:g} or "
+                        f"‖g‖/‖w‖ > {EXPLODING_RATIO:g}: {flagged['exploding'][0]})")
+    if flagged["vanishing"]:
+        # not a warning: a bias that a softmax or a norm right after cancels (a key bias, a
+        # conv bias before BatchNorm) gets ~0 by design, as in HF's BERT
+        router_msgs.append(
+            f"{len(flagged['vanishing'])} tensor(s) under the vanishing threshold (‖g‖ < "
+            f"{VANISHING_NORM:g} or ‖g‖/‖w‖ < {VANISHING_RATIO:g}: {flagged['vanishing'][0]}; "
+            "~0 by design for a bias that a softmax or a norm cancels)")
+    if flagged["few"]:
+        router_msgs.append(f"{len(flagged['few'])} tensor(s) small only because their module "
+                           "got few tokens (fine per token)")
+    ev = "; ".join([head] + extremes + router_msgs)
+    if extremes:
+        name = flagged["exploding"][0]
+        mods = owners.get(id(dict(model.named_parameters())[name]), [name.rpartition(".")[0]])
+        return Outcome.warn(ev, "exploding gradients: an init or logit scale too large, a "
+                            "missing norm or residual scaling", mods[0] or None, **data)
     if router_msgs and router_msgs[0].startswith("no aux_loss"):
         return Outcome.warn(ev, "return the load-balancing loss (aux_loss) and add it to the "
                             "training loss", moe[0].name or None, **data)
     return Outcome.ok(ev, **data)
+
+
+class _Grad:
+    """The attributes :func:`hooks.verdicts.param_verdict` reads, for a finite gradient."""
+
+    __slots__ = ("grad_norm", "ratio")
+    status = "ok"
+    nan_count = inf_count = 0
+
+    def __init__(self, grad_norm: float, ratio: float | None) -> None:
+        self.grad_norm = grad_norm
+        self.ratio = ratio
 
 
 # ---------------------------------------------------------------------------------------------

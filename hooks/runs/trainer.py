@@ -28,7 +28,7 @@ import math
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from hooks.batch import Batch, BatchError, LossChoice, select_loss
+from hooks.norms import total_norm  # the global gradient norm (re-exported)
 from hooks.runs.store import MetricRow, RunStore
 
 __all__ = [
@@ -348,44 +349,6 @@ def expert_load(router_logits: Iterable[torch.Tensor], top_k: int) -> list[list[
             counts = torch.bincount(ids, minlength=e).double()
             out.append((counts / max(1, n * k)).tolist())
     return out
-
-
-def total_norm(tensors: Sequence[torch.Tensor]) -> float:
-    """Global L2 norm ``sqrt(Σ_i ‖t_i‖²)`` of ``tensors`` as a Python float, without overflow.
-
-    ``torch.nn.utils.get_total_norm`` sums squares in the tensors' own dtype, so fp32
-    gradients whose elements exceed ~1.8e19 give ``inf`` although every one of them is finite
-    (``mdb overfit --lr 5`` hit it at step 5). When that fast path is not finite, every tensor
-    is checked: one holding a NaN gives ``nan``, one holding an Inf gives ``inf``; if all are
-    finite, each norm is recomputed scaled, ``a_i · ‖t_i / a_i‖`` with ``a_i = max |t_i|``, in
-    fp64, and combined the same way (the scaling of LAPACK's ``dnrm2``).
-
-    Args:
-        tensors: Any floating-point tensors (gradients), any shapes.
-
-    Returns:
-        The norm; ``0.0`` for no tensors; ``nan``/``inf`` only when an element is NaN/Inf (or
-        the norm exceeds float64's range).
-    """
-    tensors = [t.detach() for t in tensors]
-    if not tensors:
-        return 0.0
-    fast = float(torch.nn.utils.get_total_norm(tensors))
-    if math.isfinite(fast):
-        return fast
-    norms = []
-    for t in tensors:
-        if t.numel() == 0:
-            continue
-        if not bool(torch.isfinite(t).all()):
-            return float("nan") if bool(torch.isnan(t).any()) else float("inf")
-        a = float(t.abs().amax())
-        if a > 0.0:
-            norms.append(a * float(torch.linalg.vector_norm(t.double() / a)))
-    if not norms:
-        return 0.0
-    top = max(norms)
-    return top * math.sqrt(sum((n / top) ** 2 for n in norms))
 
 
 _ROW_FIELDS = frozenset(f.name for f in dataclasses.fields(MetricRow))

@@ -410,14 +410,18 @@ def load_user_workload(spec: str) -> Workload:
         model, batch, loss_fn = from_factory(result)
     except BatchError as exc:
         raise MdbError(f"--model {spec}: {func_name}() {exc}") from None
+    from hooks.capture import unwrap_compiled
+
     n_params = sum(p.numel() for p in model.parameters())
+    inner = unwrap_compiled(model)  # torch.compile(m) is an OptimizedModule around m
+    compiled = " (torch.compile'd)" if inner is not model else ""
     return Workload(
         model=model,
         batch=batch,
         loss_fn=loss_fn,
         config=None,
-        description=f"{type(model).__name__} from {Path(module_name).name}:{func_name} · "
-                    f"{human_count(n_params)} params",
+        description=f"{type(inner).__name__}{compiled} from {Path(module_name).name}:"
+                    f"{func_name} · {human_count(n_params)} params",
         tokenizer=batch.tokenizer,
     )
 

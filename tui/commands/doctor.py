@@ -5,7 +5,8 @@ The model is minillm with any preset/config, or a user's model via ``--model mod
 through the model's behaviour and reports a status, the evidence with numbers, and a one-line
 hint at the cause; a check that does not apply to the kind of model (decoder-only,
 bidirectional encoder, encoder-decoder, not a sequence model) says ``n/a`` and why. Output: a
-Rich table on stdout (plain text when piped), ``--json`` for machines (stdout holds the JSON
+Rich table on stdout at the terminal's width (plain text when piped, at ``$COLUMNS`` or full
+width; ``--wide``: full width), ``--json`` for machines (stdout holds the JSON
 document only: whatever the user's factory or forward prints goes to stderr), ``--tui`` to
 browse the results in the step debugger's doctor view. Exit code 1 when a check fails (or
 crashes in mdb), 2 on bad input, else 0; ``n/a``, ``skip`` and ``warn`` do not change it.
@@ -24,9 +25,6 @@ from tui.errors import MdbError
 
 HELP = "check a model for common build mistakes (init, mask, RoPE, GQA, gradients, routing...)"
 
-#: Width of the table when stdout is not a terminal.
-PIPE_WIDTH = 140
-
 _CHECK_LIST = ("checks: 1 init-loss, 2 causality, 3 rope, 4 gqa, 5 grad-flow, 6 routing, "
                "7 nonfinite, 8 tied, 9 numerics, 10 overfit (only with --overfit). "
                "Exit code 1 when a check fails.")
@@ -42,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--tui", action="store_true",
                      help="open the results in the step debugger's doctor view (Enter on a "
                           "finding jumps to its module)")
+    g.add_argument("--wide", action="store_true",
+                   help="the table at full width, one line per check, whatever the "
+                        "terminal's width (piped output without $COLUMNS is always full width)")
     g.add_argument("--overfit", action="store_true",
                    help="also run check 10: overfit the batch (slower)")
     g.add_argument("--overfit-steps", type=positive_int, default=300, metavar="N",
@@ -63,23 +64,52 @@ def status_text(status: str):
     return Text(status.upper(), style=STATUS_STYLE.get(status, ""))
 
 
-def build_table(results, title: str = ""):
-    """The Rich table of ``results`` (check, status, evidence, hint)."""
+#: Below this width the hint goes under the evidence and checks are named by their key.
+NARROW = 140
+
+
+def build_table(results, title: str = "", width: int | None = NARROW):
+    """The Rich table of ``results`` (check, status, evidence, hint).
+
+    Args:
+        results: :class:`hooks.checks.CheckResult` objects.
+        title: the table's title.
+        width: the cells it must fit: from :data:`NARROW` up, one column each for evidence
+            and hint; below, checks are named by their key (what ``--only`` takes) and the
+            hint goes under the evidence, so the evidence keeps most of the width; None:
+            full width, one line per check.
+    """
+    from rich import box
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(title=title or None, title_justify="left", header_style="bold",
-                  show_lines=True, expand=False)
+    narrow = width is not None and width < NARROW
+    if narrow:
+        table = Table(title=title or None, title_justify="left", header_style="bold",
+                      box=box.SIMPLE_HEAD, show_lines=True, show_edge=False, pad_edge=False)
+    else:
+        table = Table(title=title or None, title_justify="left", header_style="bold",
+                      show_lines=width is not None, expand=False)
+    wrap = width is not None
     table.add_column("#", justify="right", no_wrap=True)
     table.add_column("check", no_wrap=True)
     table.add_column("status", no_wrap=True)
-    table.add_column("evidence", ratio=3)
-    table.add_column("hint", ratio=2)
+    table.add_column("evidence" + (" · hint" if narrow else ""), ratio=3 if wrap else None,
+                     no_wrap=not wrap)
+    if not narrow:
+        table.add_column("hint", ratio=2 if wrap else None, no_wrap=not wrap)
     for r in results:
         ev = Text(r.evidence)
         if r.module is not None and r.status not in ("pass", "skip", "n/a"):
-            ev.append(f"\n→ {r.module or '<root>'}", style="cyan")
-        table.add_row(str(r.id), r.name, status_text(r.status), ev, Text(r.hint, style="dim"))
+            ev.append(("\n" if wrap else " ") + f"→ {r.module or '<root>'}", style="cyan")
+        hint = Text(r.hint, style="dim")
+        if narrow:
+            if r.hint:
+                ev.append("\nhint: ", style="dim bold")
+                ev.append_text(hint)
+            table.add_row(str(r.id), r.key, status_text(r.status), ev)
+        else:
+            table.add_row(str(r.id), r.name, status_text(r.status), ev, hint)
     return table
 
 
@@ -150,21 +180,30 @@ def _check_and_report(args: argparse.Namespace, workload, only) -> int:
     elif args.tui:
         return _run_tui(workload, results, info)
     else:
-        _print_table(workload.description, kind.describe(), results, info)
+        _print_table(workload.description, kind.describe(), results, info, args.wide)
     return 1 if info["failed"] else 0
 
 
-def _print_table(description: str, kind: str, results, info: dict) -> None:
+def _print_table(description: str, kind: str, results, info: dict, wide: bool = False) -> None:
+    """The table on stdout: at the terminal's width (or ``$COLUMNS``), full width when
+    piped without ``$COLUMNS`` (as ``mdb summary``)."""
     from rich.console import Console
 
+    from tui.commands.summary import output_width
     from tui.screens.doctor import summary_line
 
     tty = sys.stdout.isatty()
-    console = Console(file=sys.stdout, width=None if tty else PIPE_WIDTH,
-                      no_color=not tty or None, highlight=False)
-    console.print(build_table(results, title=f"mdb doctor · {description}\nkind: {kind}"))
+    width = output_width(tty, wide)
+    console = Console(file=sys.stdout, width=width or 10_000, no_color=not tty or None,
+                      highlight=False, soft_wrap=width is None)
+    table = build_table(results, width=width)
+    if width is None:
+        console.width = console.measure(table).maximum
+    for line in (f"mdb doctor · {description}", f"kind: {kind}"):
+        console.print(line, markup=False, soft_wrap=width is None, style="bold")
+    console.print(table)
     line = summary_line([r.to_dict() for r in results]) + f" · {info['seconds']:.1f} s"
-    console.print(line, markup=False)
+    console.print(line, markup=False, soft_wrap=width is None)
 
 
 def make_doctor_app(trace, results, *, title: str = "mdb doctor"):

@@ -3,15 +3,22 @@
 One row per module of ``model.named_modules()`` (indented by depth): class, output shape of its
 first call (and the number of calls when more than one), parameters (own and descendants', tied
 ones once), share of the model's parameters, mean and standard deviation of the first output,
-and the L2 norm of the gradients of all its parameters, ``sqrt(Σ ‖∇p‖²)``. Printed with Rich
-to stdout; piped to a file it is plain text (no colour) at a fixed width.
+and the L2 norm of the gradients of all its parameters, ``sqrt(Σ ‖∇p‖²)``
+(:func:`hooks.norms.combine_norms`: NaN when one is NaN).
+
+Width: in a terminal the table fits the terminal: the columns are kept in order of priority
+(:data:`PRIORITY`; numbers are never cut), module names are indented less and then cut in the
+middle, and a line under the table says which columns were left out; ``--wide`` prints every
+column at full width. Piped, it is plain text (no colour) at ``$COLUMNS`` when that is set, else
+at full width with every column.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import os
 import sys
+from dataclasses import dataclass
 
 from tui.commands._common import add_model_arguments
 from tui.commands.step import add_run_arguments, add_threads_argument, set_threads
@@ -19,8 +26,24 @@ from tui.widgets.fmt import loss_line
 
 HELP = "print a torchinfo-style table of the model (shapes, parameters, output stats, grad norms)"
 
-#: Width of the table when stdout is not a terminal.
-PIPE_WIDTH = 140
+#: Columns, in the order they are printed: key, header when fitted, header at full width, justify.
+COLUMNS = (
+    ("module", "module", "module", "left"),
+    ("class", "class", "class", "left"),
+    ("shape", "output", "output shape", "left"),
+    ("params", "params", "params", "right"),
+    ("pct", "% params", "% params", "right"),
+    ("mean", "out mean", "out mean", "right"),
+    ("std", "out std", "out std", "right"),
+    ("grad", "param ‖∇‖", "param ‖∇‖", "right"),
+)
+#: The order in which columns are kept when the table must fit a width (module always).
+PRIORITY = ("module", "params", "shape", "grad", "mean", "std", "pct", "class")
+#: Cells between two columns of a fitted table.
+GAP = 2
+#: A lower-priority column is added only while the module column keeps this many cells (or
+#: its full width, when narrower).
+MIN_MODULE = 22
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,31 +53,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only modules at most N levels deep (the root is 0)")
     parser.add_argument("--trace", metavar="FILE", default=None,
                         help="summarise a saved trace instead of capturing a step")
+    parser.add_argument("--wide", action="store_true",
+                        help="every column at full width, whatever the terminal's width "
+                             "(piped output without $COLUMNS is always full width)")
     add_run_arguments(parser)
 
 
 def grad_norms_by_module(trace) -> dict[str, float]:
-    """``sqrt(Σ ‖∇p‖²)`` over the parameters under each module (None-grad ones skipped).
+    """``sqrt(Σ ‖∇p‖²)`` over the parameters under each module (None-grad ones skipped;
+    :func:`hooks.norms.combine_norms`, so a NaN gradient gives NaN).
 
     Returns:
         dict[str, float]: by qualified module name; modules without gradients are absent.
     """
-    sq: dict[str, float] = {}
+    from hooks.norms import combine_norms
+
+    norms: dict[str, list[float]] = {}
     for name, p in trace.params.items():
         if p.grad_norm is None:
             continue
         parts = name.split(".")[:-1]
         prefixes = [""] + [".".join(parts[: i + 1]) for i in range(len(parts))]
         for prefix in prefixes:
-            sq[prefix] = sq.get(prefix, 0.0) + p.grad_norm**2
-    return {k: math.sqrt(v) if math.isfinite(v) else v for k, v in sq.items()}
+            norms.setdefault(prefix, []).append(p.grad_norm)
+    return {k: combine_norms(v) for k, v in norms.items()}
 
 
-def build_table(trace, *, depth: int | None = None):
-    """The Rich table for ``trace`` (rows in ``named_modules()`` order)."""
-    from rich.table import Table
-    from rich.text import Text
+@dataclass
+class Row:
+    """One module's cells (plain strings), its depth and leaf name."""
 
+    depth: int
+    leaf: str
+    called: bool
+    cells: dict[str, str]
+
+
+def table_rows(trace, *, depth: int | None = None, compact: bool = False) -> list[Row]:
+    """The rows of the summary, in ``named_modules()`` order (``compact``: ``2×64×256``
+    shapes instead of ``(2, 64, 256)``)."""
     from tui.widgets import fmt
 
     calls: dict[str, list] = {}
@@ -62,33 +99,113 @@ def build_table(trace, *, depth: int | None = None):
         calls.setdefault(rec.module, []).append(rec)
     grads = grad_norms_by_module(trace)
     total = trace.modules[0].total_params if trace.modules else 0
-    table = Table(title=trace.meta.get("description") or trace.model_type, title_justify="left",
-                  show_lines=False, header_style="bold")
-    for name, justify in (("module", "left"), ("class", "left"), ("output shape", "left"),
-                          ("params", "right"), ("% params", "right"), ("out mean", "right"),
-                          ("out std", "right"), ("param ‖∇‖", "right")):
-        table.add_column(name, justify=justify, no_wrap=True)
+    rows = []
     for info in trace.modules:
         if depth is not None and info.depth > depth:
             continue
         recs = calls.get(info.name, [])
         out = recs[0].outputs[0] if recs and recs[0].outputs else None
-        shape = fmt.shape(out.shape) if out is not None else "—"
+        if out is None:
+            shape = "not called" if not recs else "—"
+        else:
+            shape = fmt.dims(out.shape) if compact else fmt.shape(out.shape)
         if len(recs) > 1:
             shape += f" ×{len(recs)}"
-        elif not recs:
-            shape = "not called"
-        leaf = info.name.rsplit(".", 1)[-1] if info.name else "(root)"
-        label = Text("  " * info.depth + leaf, style="" if recs else "dim")
         stats = out.stats if out is not None else None
-        table.add_row(
-            label, info.module_type, shape,
-            f"{info.total_params:,}" if info.total_params else "—",
-            fmt.pct(info.total_params / total) if total and info.total_params else "—",
-            fmt.sci(stats.mean) if stats else "—", fmt.sci(stats.std) if stats else "—",
-            fmt.sci(grads.get(info.name)),
-        )  # fmt: skip
-    return table
+        rows.append(Row(info.depth, info.name.rsplit(".", 1)[-1] if info.name else "(root)",
+                        bool(recs), {
+            "class": info.module_type,
+            "shape": shape,
+            "params": f"{info.total_params:,}" if info.total_params else "—",
+            "pct": fmt.pct(info.total_params / total) if total and info.total_params else "—",
+            "mean": fmt.sci(stats.mean) if stats else "—",
+            "std": fmt.sci(stats.std) if stats else "—",
+            "grad": fmt.sci(grads.get(info.name)),
+        }))  # fmt: skip
+    return rows
+
+
+def module_labels(rows: list[Row], width: int | None) -> list[str]:
+    """The module column: leaves indented two cells per level; to fit ``width``, one cell per
+    level if that makes every name fit, else the names that do not fit are cut in the middle
+    (``post_att…layernorm``) — never a number."""
+    from rich.cells import cell_len
+
+    from tui.widgets import fmt
+
+    for step in (2, 1):
+        labels = [" " * (step * r.depth) + r.leaf for r in rows]
+        if width is None or max(map(cell_len, labels), default=0) <= width:
+            return labels
+    out = []
+    for r in rows:
+        indent = min(2 * r.depth, max(width - 6, 0))
+        out.append(" " * indent + fmt.middle(r.leaf, max(width - indent, 1)))
+    return out
+
+
+def fit_columns(rows: list[Row], width: int) -> tuple[list[str], int]:
+    """The columns to print within ``width`` cells, by :data:`PRIORITY`, and the module
+    column's width."""
+    from rich.cells import cell_len
+
+    headers = {k: h for k, h, _, _ in COLUMNS}
+    natural = {k: max([cell_len(headers[k])] + [cell_len(r.cells[k]) for r in rows])
+               for k in headers if k != "module"}
+    module_full = max([cell_len(x) for x in module_labels(rows, None)] + [6])
+    chosen = ["module"]
+    used = 0
+    for key in PRIORITY[1:]:
+        extra = natural[key] + GAP
+        if width - (used + extra) >= min(module_full, MIN_MODULE):
+            chosen.append(key)
+            used += extra
+    return [k for k, *_ in COLUMNS if k in chosen], max(min(module_full, width - used), 6)
+
+
+def build_table(trace, *, depth: int | None = None, width: int | None = None):
+    """The Rich table for ``trace`` (rows in ``named_modules()`` order); see
+    :func:`fit_table` for the arguments."""
+    return fit_table(trace, depth=depth, width=width)[0]
+
+
+def fit_table(trace, *, depth: int | None = None, width: int | None = None):
+    """The Rich table for ``trace`` (rows in ``named_modules()`` order).
+
+    Args:
+        trace: the :class:`hooks.Trace`.
+        depth: only modules at most this deep.
+        width: fit the table in this many cells (see :func:`fit_columns`); None: every column
+            at full width.
+
+    Returns:
+        ``(table, left_out)``: the table and the headers of the columns left out.
+    """
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    rows = table_rows(trace, depth=depth, compact=width is not None)
+    if width is None:
+        keys, module_width = [k for k, *_ in COLUMNS], None
+        table = Table(show_lines=False, header_style="bold")
+    else:
+        keys, module_width = fit_columns(rows, width)
+        table = Table(header_style="bold", box=box.SIMPLE_HEAD, show_edge=False,
+                      pad_edge=False, padding=(0, 1, 0, 0), collapse_padding=True)
+    spec = {k: (fitted if width is not None else full, justify)
+            for k, fitted, full, justify in COLUMNS}
+    for key in keys:
+        header, justify = spec[key]
+        table.add_column(header, justify=justify, no_wrap=True,
+                         width=module_width if key == "module" else None)
+    labels = module_labels(rows, module_width)
+    for row, label in zip(rows, labels, strict=True):
+        cells = [Text(label, style="" if row.called else "dim")]
+        cells += [row.cells[k] for k in keys if k != "module"]
+        table.add_row(*cells)
+    left_out = [spec[k][0] for k, *_ in COLUMNS if k not in keys]
+    return table, left_out
 
 
 def footer_lines(trace) -> list[str]:
@@ -129,9 +246,34 @@ def run(args: argparse.Namespace) -> int:
         set_threads(args)
         trace = capture_step(build_workload(args), attention=False)
     tty = sys.stdout.isatty()
-    console = Console(file=sys.stdout, width=None if tty else PIPE_WIDTH,
-                      no_color=not tty or None, highlight=False)
-    console.print(build_table(trace, depth=args.depth))
-    for line in footer_lines(trace):
-        console.print(line, markup=False)
+    width = output_width(tty, args.wide)
+    console = Console(file=sys.stdout, width=width or 10_000, no_color=not tty or None,
+                      highlight=False, soft_wrap=width is None)
+    table, left_out = fit_table(trace, depth=args.depth, width=width)
+    if width is None:  # full width: as wide as the table
+        console.width = console.measure(table).maximum
+    console.print(trace.meta.get("description") or trace.model_type, markup=False,
+                  soft_wrap=width is None, style="bold")
+    console.print(table)
+    lines = footer_lines(trace)
+    if left_out:
+        lines.append(f"left out to fit {width} columns: {', '.join(left_out)} "
+                     "(--wide shows every column)")
+    for line in lines:
+        console.print(line, markup=False, soft_wrap=width is None)
     return 0
+
+
+def output_width(tty: bool, wide: bool) -> int | None:
+    """Cells the table must fit: the terminal's width, or ``$COLUMNS`` when piped; None for
+    full width (``--wide``, or piped without ``$COLUMNS``)."""
+    if wide:
+        return None
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    if tty:
+        import shutil
+
+        return shutil.get_terminal_size().columns
+    return None

@@ -8,9 +8,11 @@ is a softmax and sums to 1, unless every key is masked (SDPA gives 0, a hand-wri
 NaN: said at the row's end) or the model's softmax also covered non-key columns (sinks).
 
 The second line says where the numbers come from (:data:`hooks.records.ATTENTION_SOURCES`) and
-which KV head the query head reads, from the call's own shapes (``H`` query heads against the
-keys' heads under ``enable_gqa``, or identical consecutive key heads when K/V were repeated
-before the call): query head h uses KV head ``h // (H / H_kv)``.
+which KV head the query head reads, as recorded from the call's own shapes (``H`` query heads
+against the keys' heads under ``enable_gqa``, or identical consecutive key heads when K/V were
+repeated before the call; :func:`hooks.attention.kv_heads`): query head h uses KV head
+``h // (H / H_kv)`` (:func:`hooks.attention.kv_groups`). A record whose call did not show the
+keys says the sharing is unknown rather than guessing it from the config.
 """
 
 from __future__ import annotations
@@ -36,31 +38,29 @@ SOURCE_SHORT = {
 }
 
 
-def kv_groups(num_heads: int, num_kv_heads: int | None) -> list[int] | None:
-    """KV head of each query head (``h // (H / H_kv)``), or None when H_kv is unknown."""
-    if not num_kv_heads or num_heads % num_kv_heads:
-        return None
-    group = num_heads // num_kv_heads
-    return [h // group for h in range(num_heads)]
+#: Why a record's KV heads are unknown, by its source.
+KV_UNKNOWN = {
+    "softmax": "the softmax sees no keys",
+    "eager": "the module returned its weights, not its keys",
+    "recomputed": "a trace of an older mdb",
+}
 
 
-def kv_line(record, head: int, config: dict | None = None) -> str:
-    """Where the probabilities come from and which KV head ``head`` reads.
+def kv_line(record, head: int) -> str:
+    """Where the probabilities come from and which KV head ``head`` reads, as recorded at the
+    call (``AttentionRecord.num_kv_heads``, grouped by :func:`hooks.attention.kv_groups`);
+    "unknown" when the call did not show the keys."""
+    from hooks.attention import kv_groups
 
-    The KV heads are the record's (the call's shapes); a trace of an older mdb without them
-    falls back to the config's ``num_key_value_heads`` and says so.
-    """
     n_heads = int(record.probs.shape[1])
     source = SOURCE_SHORT.get(record.source, record.source)
     hkv = getattr(record, "num_kv_heads", None)
     how = getattr(record, "kv_detail", "") or ""
-    if hkv is None and (config or {}).get("num_key_value_heads") and record.source in (
-            "eager", "recomputed"):
-        hkv, how = config["num_key_value_heads"], "config"
     groups = kv_groups(n_heads, hkv)
     if groups is None:
-        why = ("the softmax sees no keys" if record.source == "softmax"
-               else "the keys were not seen")
+        why = KV_UNKNOWN.get(record.source, "the keys were not seen")
+        if hkv:
+            why = f"{hkv} KV heads do not divide {n_heads} query heads"
         return f"{source} · {n_heads} heads · KV sharing unknown ({why})"
     mine = groups[head]
     sharers = [h for h, g in enumerate(groups) if g == mine]
@@ -68,8 +68,7 @@ def kv_line(record, head: int, config: dict | None = None) -> str:
     if n_kv == n_heads:
         return f"{source} · MHA: {n_heads} query heads, each with its own KV head"
     kind = "MQA" if n_kv == 1 else "GQA"
-    detail = {"enable_gqa": " (enable_gqa)", "repeated": " (K/V repeated)",
-              "config": " (config)"}.get(how, "")
+    detail = {"enable_gqa": " (enable_gqa)", "repeated": " (K/V repeated)"}.get(how, "")
     return (f"{source} · {kind}: query head {head} reads KV head {mine} of {n_kv}{detail}, "
             f"heads {' '.join(map(str, sharers))}")
 
@@ -230,7 +229,7 @@ class AttentionScreen(LayerViewScreen):
             f"head {self.head}/{n_heads} · seq {self.batch}/{b_count} · {rec.module}{call}"
         )
         self.query_one("#kv", Static).update(
-            kv_line(rec, self.head, self.trace.meta.get("config")))
+            kv_line(rec, self.head))
         mask = None
         if rec.mask is not None:
             m = rec.mask.expand(rec.probs.shape)

@@ -5,6 +5,8 @@
   when the screen becomes current again).
 * While the view is too small every key but quitting is ignored (:meth:`MdbScreen.check_action`):
   a key that acted on an invisible view would change what the user sees when it comes back.
+  The focused widget loses the focus meanwhile (and gets it back), so its own keys (Enter on a
+  hidden table or tree) do not act either.
 * A one-line ``#hint`` area above the footer for messages such as "already at the last call"
   (instead of toasts, which would cover the view at 80×24).
 """
@@ -46,6 +48,8 @@ class MdbScreen(Screen):
     def on_mount(self) -> None:
         self.mount(Static("", id="too-small"))
         self.check_size()
+        # again once the screen's own on_mount has run (it may focus a widget)
+        self.call_after_refresh(self.check_size)
 
     def on_resize(self) -> None:
         self.check_size()
@@ -58,6 +62,7 @@ class MdbScreen(Screen):
         width, height = self.app.size
         small = width < MIN_WIDTH or height < MIN_HEIGHT
         self.set_class(small, "-too-small")
+        self._guard_focus(small)
         if small:
             for w in self.query("#too-small"):
                 w.update(
@@ -65,6 +70,18 @@ class MdbScreen(Screen):
                     "enlarge the window · q quits"
                 )
         return not small
+
+    def _guard_focus(self, small: bool) -> None:
+        """Take the focus from the (hidden) focused widget while too small; give it back."""
+        if small:
+            if self.focused is not None:
+                if getattr(self, "_blurred", None) is None:
+                    self._blurred = self.focused
+                self.set_focus(None)
+            return
+        widget, self._blurred = getattr(self, "_blurred", None), None
+        if widget is not None and widget.is_attached and self.focused is None:
+            self.set_focus(widget)
 
     def hint(self, text: str) -> None:
         """Show ``text`` in the hint line above the footer (empty string clears it)."""

@@ -9,7 +9,13 @@ why), ``skip`` (it applies but could not run), ``warn``, ``fail``, ``error`` (md
 Choosing a row (Enter) whose status is ``fail``, ``error`` or ``warn`` and that names a module
 dismisses the screen with that module name and posts :class:`DoctorScreen.JumpToModule`
 to the app (a subclass of :class:`tui.messages.JumpToModule`, so ``on_jump_to_module`` handlers
-receive it). Esc or ``q`` closes the screen (dismiss result ``None``).
+receive it).
+
+Keys, as in the step debugger's other views: ``s``, Esc or ``d`` close the screen (dismiss
+result ``None``: back to the step view), ``r``/``a``/``g`` open another view of the step screen
+beneath, ``?`` lists the keys, ``q`` quits (the app, or the embedded step screen). It is an
+:class:`tui.screens.base.MdbScreen`: below 80×24 it shows "terminal too small" and ignores
+every key but ``q``.
 """
 
 from __future__ import annotations
@@ -23,10 +29,10 @@ from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.message import Message
-from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
 from tui import messages
+from tui.screens.base import MdbScreen
 
 #: Rich style of each status in the table.
 STATUS_STYLE = {
@@ -61,7 +67,7 @@ def summary_line(rows: list[dict[str, Any]]) -> str:
     return " · ".join(parts)
 
 
-class DoctorScreen(Screen[str | None]):
+class DoctorScreen(MdbScreen):
     """The doctor's results as a table.
 
     Args:
@@ -76,11 +82,22 @@ class DoctorScreen(Screen[str | None]):
     CSS_PATH = "doctor.tcss"
 
     BINDINGS = [
-        Binding("escape,q,d", "close", "close", id="doctor.close",
-                tooltip="close the doctor view"),
-        Binding("enter", "jump", "jump to module", id="doctor.jump",
+        Binding("enter", "jump", "jump", key_display="Enter", id="doctor.jump", priority=True,
                 tooltip="open the highlighted finding's module in the step view"),
+        Binding("s,escape,d", "close", "step", key_display="s", id="doctor.close",
+                tooltip="close the doctor view: back to the step view"),
+        Binding("r", "view('router')", "router", id="doctor.router", tooltip="router view"),
+        Binding("a", "view('attention')", "attn", id="doctor.attention",
+                tooltip="attention view"),
+        Binding("g", "view('gradients')", "grads", id="doctor.gradients",
+                tooltip="gradients view"),
+        Binding("question_mark", "help", "keys", key_display="?", id="doctor.help",
+                tooltip="this list of keys"),
+        Binding("q", "quit_view", "quit", id="doctor.quit", tooltip="quit mdb"),
     ]
+
+    #: What ``?`` lists for this view (the step view's help lists it too).
+    HELP_BINDINGS = [*BINDINGS, Binding("up,down", "", "move between the checks")]
 
     class JumpToModule(messages.JumpToModule):
         """Posted (to the app) when the user chooses a finding that names a module.
@@ -112,10 +129,10 @@ class DoctorScreen(Screen[str | None]):
 
     # -- layout ---------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
-        yield Static(Text(f"{self.title_text} · {summary_line(self.rows)}", style="bold"),
-                     id="doctor-title")
+        yield Static(self._title(summary_line(self.rows)), id="doctor-title")
         yield DataTable(id="doctor-table", cursor_type="row", zebra_stripes=True)
         yield Static("", id="doctor-detail")
+        yield Static("", id="hint", markup=False)
         yield Footer()
 
     def on_mount(self) -> None:
@@ -137,9 +154,15 @@ class DoctorScreen(Screen[str | None]):
             self._select_first_bad()
         table.focus()
 
+    def _title(self, status: str) -> Text:
+        """``mdb doctor · <status> · <model>``: the status first, where a cut cannot hide it."""
+        head, sep, rest = self.title_text.partition(" · ")
+        if head == "mdb doctor" and sep:
+            return Text(f"{head} · {status} · {rest}", style="bold")
+        return Text(f"{self.title_text} · {status}", style="bold")
+
     def _set_title(self, status: str) -> None:
-        self.query_one("#doctor-title", Static).update(
-            Text(f"{self.title_text} · {status}", style="bold"))
+        self.query_one("#doctor-title", Static).update(self._title(status))
 
     def _add_row(self, table: DataTable, i: int, r: dict[str, Any]) -> None:
         status = r["status"]
@@ -238,6 +261,45 @@ class DoctorScreen(Screen[str | None]):
 
     def action_close(self) -> None:
         self.dismiss(None)
+
+    def _step_screen(self):
+        """The step view beneath this screen (it opens the other views), or None."""
+        for screen in reversed(self.app.screen_stack):
+            if screen is not self and hasattr(screen, "open_view"):
+                return screen
+        return None
+
+    def action_view(self, view: str) -> None:
+        step = self._step_screen()
+        if step is None:
+            self.hint(f"no step view to show the {view} view from")
+            return
+        step.open_view(view, replace=True)
+
+    @staticmethod
+    def help_text(step=None) -> str:
+        """The doctor view's keys, then the step view's (when there is one beneath)."""
+        from tui.screens.help import help_text
+
+        sections = [("doctor view", DoctorScreen.HELP_BINDINGS)]
+        if step is not None and hasattr(step, "help_sections"):
+            sections += [x for x in step.help_sections() if not x[0].startswith("doctor")]
+        return help_text(sections)
+
+    def action_help(self) -> None:
+        from tui.screens.help import HelpScreen
+
+        self.app.push_screen(HelpScreen(self.help_text(self._step_screen())))
+
+    def action_quit_view(self) -> None:
+        """Quit: through the step view beneath (which exits the app, or returns to an
+        embedding app's screen), else the app."""
+        step = self._step_screen()
+        self.dismiss(None)
+        if step is not None and hasattr(step, "action_quit_view"):
+            step.action_quit_view()
+        else:
+            self.app.exit()
 
 
 # Textual names the handler after the nesting ("on_doctor_screen_jump_to_module"); use the

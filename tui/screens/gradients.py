@@ -3,9 +3,13 @@
 One row per :class:`hooks.ParamGradRecord` (tied parameters once, under their first name), in
 the model's order, with its decoder layer. Bars are on a log scale between the smallest and the
 largest non-zero finite gradient norm of the model, so layers that differ by orders of magnitude
-stay comparable. Verdicts (``✓ ok``, ``▼ vanishing``, ``▲ exploding``, ``✗ NaN/Inf``,
-``∅ None``...) follow :func:`tui.widgets.verdicts.param_verdict`. Enter on a row opens the step
-view at the module that owns the parameter.
+stay comparable. Verdicts (``✓ ok``, ``▼ vanishing``, ``◦ few tokens``, ``▲ exploding``,
+``✗ NaN/Inf``, ``∅ None``, ``∅ not called``...) follow :func:`hooks.verdicts.param_verdict`, the
+rule and thresholds the doctor's gradient-flow check uses, judged knowing how many rows (tokens)
+reached each parameter's module (:func:`hooks.verdicts.rows_by_module`). The total ``‖g‖`` is
+:func:`hooks.verdicts.grad_total_norm`: the exact L2 norm over every ``.grad`` (what
+``clip_grad_norm_`` and the trainer's ``grad_norm`` give), NaN when one gradient is NaN. Enter on
+a row opens the step view at the module that owns the parameter.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ from textual.widgets import DataTable, Footer, Static
 
 from tui.screens.view import VIEW_BINDINGS, ViewScreen
 from tui.widgets import fmt
-from tui.widgets.verdicts import param_verdict
 
 BAR_WIDTH = 10
 
@@ -44,6 +47,16 @@ def short_name(name: str) -> tuple[str, str]:
     return str(layer), name.split(marker, 1)[1] if marker in name else name
 
 
+def total_text(total) -> str:
+    """``total ‖g‖ 1.03e1``; ``total ‖g‖ nan (2 of 126 gradients NaN/Inf)``; ``no ‖g‖``."""
+    if total.norm is None:
+        return "no gradient to total"
+    text = f"total ‖g‖ {fmt.sci(total.norm)}"
+    if total.nonfinite:
+        text += f" ({total.nonfinite} of {total.counted} gradients NaN/Inf)"
+    return text
+
+
 class GradientsScreen(ViewScreen):
     """All parameter gradients of the trace, with a summary of the verdicts."""
 
@@ -63,8 +76,15 @@ class GradientsScreen(ViewScreen):
         yield Footer()
 
     def on_mount(self) -> None:
+        from hooks.verdicts import grad_total_norm, param_verdict, rows_by_module
+
         params = list(self.trace.params.values())
-        self.verdicts = {p.name: param_verdict(p) for p in params}
+        rows, batch_rows = rows_by_module(self.trace)
+        self.verdicts = {
+            p.name: param_verdict(p, rows.get(p.name.rsplit(".", 1)[0] if "." in p.name else ""),
+                                  batch_rows)
+            for p in params
+        }
         table = self.query_one("#grads", DataTable)
         for label, key in (("L", "layer"), ("parameter", "name"), ("‖g‖", "norm"),
                            ("log bar", "bar"), ("‖g‖/‖w‖", "ratio"), ("", "flag")):
@@ -81,15 +101,18 @@ class GradientsScreen(ViewScreen):
                 fmt.flag(self.verdicts[p.name]), key=p.name,
             )  # fmt: skip
         counts = Counter(self.verdicts.values())
-        total = math.sqrt(sum(g * g for g in norms)) if norms else None
+        self.total = grad_total_norm(params)
         self.query_one("#title", Static).update(
-            f"gradients · {len(params)} parameters · total ‖g‖ {fmt.sci(total)} · "
-            f"log bars {fmt.sci(lo)} … {fmt.sci(hi)}")
-        parts = []
-        for kind in ("ok", "vanishing", "exploding", "nan", "none", "stale", "zero", "frozen"):
-            if counts.get(kind) or kind in ("ok", "vanishing", "exploding", "nan", "none"):
-                parts.append(f"{fmt.FLAG_TEXT[kind]} {counts.get(kind, 0)}")
-        self.query_one("#grad-summary", Static).update(" · ".join(parts))
+            f"gradients · {len(params)} parameters · {total_text(self.total)} · "
+            + (f"log bars {fmt.sci(lo)} … {fmt.sci(hi)}" if norms
+               else "no finite non-zero ‖g‖ to draw"))
+        # the four verdicts that matter always, on one line; the others below when there are
+        main = [f"{fmt.FLAG_TEXT[k]} {counts.get(k, 0)}"
+                for k in ("ok", "vanishing", "exploding", "nan")]
+        other = [f"{fmt.FLAG_TEXT[k]} {counts[k]}"
+                 for k in ("few", "unused", "none", "stale", "zero", "frozen") if counts.get(k)]
+        self.query_one("#grad-summary", Static).update(
+            " · ".join(main) + ("\n" + " · ".join(other) if other else ""))
         if not params:
             self.hint("no parameter gradients recorded (was backward run?)")
         table.focus()

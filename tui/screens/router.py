@@ -3,20 +3,28 @@
 For the chosen layer (one :class:`hooks.RoutingRecord`, N = B·T tokens, E experts, top-k):
 
 * per token: its position ``b:t``, its text, its k experts and their routing weights;
-* per expert: the (token, slot) assignments it received, its share of the N·k assignments
-  against the uniform share 1/E, and a flag when it takes far more than its share (at least
-  :data:`HOT_VS_UNIFORM` times 1/E; for E=8, top-2 that is half of the tokens) or gets none;
+* per expert: the tokens that chose it (of N), its share of the N·k top-k *picks* (token, slot
+  assignments) against the uniform share 1/E, and a flag: hot or no tokens, by the rule the
+  doctor's routing check uses (:func:`hooks.verdicts.expert_loads`);
 * the rule that produced them, as verified against the ids and weights the experts received
   (softmax over E or sigmoid; bias, group-limited top-k, renormalisation, scale), and where the
   ids and weights were read;
 * the layer's load-balancing loss ``E·Σ f_e P_e`` (1.0 = balanced) where it is defined (a
-  softmax over all E, Switch/Mixtral), else why not, and the model's total ``aux_loss``.
+  softmax over all E, Switch/Mixtral), else why not, and the model's total ``aux_loss``: shown
+  as ``coef × Σ`` of the layers only when that sum reproduces it.
+
+On a padded batch (the model's ``attention_mask`` input holds zeros) the counts and the layer
+aux loss here include the pad tokens, which the trace cannot tell apart; the model's own aux
+loss (minillm, HF) leaves them out: the view says so, with the model's per-layer values where
+it returned them (``aux_losses``).
 
 Where the model has MoE blocks but nothing was recorded, the view names them and says why
 (the capture's ``routing`` notes).
 """
 
 from __future__ import annotations
+
+import math
 
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -25,30 +33,49 @@ from textual.widgets import DataTable, Footer, Static
 from tui.screens.view import VIEW_BINDINGS, LayerViewScreen
 from tui.widgets import fmt
 
-#: An expert whose share of the N·k assignments is at least this many times the uniform share
-#: 1/E is flagged "hot" (for E=8, top-2: chosen by at least half of the tokens).
-HOT_VS_UNIFORM = 2.0
 
-
-def expert_rows(record) -> list[dict]:
-    """Per expert of ``record``: assignments, share of N·k, share relative to uniform, flag.
+def expert_rows(record) -> list:
+    """Each expert's load in ``record`` (:func:`hooks.verdicts.expert_loads`): tokens that
+    chose it, its share of the N·k picks, that share against 1/E, and its hot/dead flag.
 
     Returns:
-        list[dict]: one dict per expert with keys ``expert``, ``count``, ``share`` (of N·k),
-        ``vs_uniform`` (share × E), ``token_frac`` (count / N) and ``flag`` (``hot``,
-        ``dead`` or ``ok``).
+        list[hooks.verdicts.ExpertLoad]: one per expert, in expert order.
     """
-    counts = [int(c) for c in record.tokens_per_expert.tolist()]
-    n_tokens = int(record.top_k_ids.shape[0])
-    total = max(sum(counts), 1)
-    rows = []
-    for e, c in enumerate(counts):
-        token_frac = c / n_tokens if n_tokens else 0.0
-        vs_uniform = c / total * record.num_experts
-        kind = "dead" if c == 0 else ("hot" if vs_uniform >= HOT_VS_UNIFORM else "ok")
-        rows.append({"expert": e, "count": c, "share": c / total, "vs_uniform": vs_uniform,
-                     "token_frac": token_frac, "flag": kind})
-    return rows
+    import torch
+
+    from hooks.verdicts import expert_loads
+
+    ids = record.top_k_ids.long()
+    e = record.num_experts
+    picks = [int(c) for c in record.tokens_per_expert.tolist()]
+    tokens = picks
+    if ids.numel() and ids.shape[-1] > 1:  # tokens choosing an expert twice count once
+        srt = ids.sort(dim=-1).values
+        first = torch.ones_like(srt, dtype=torch.bool)
+        first[:, 1:] = srt[:, 1:] != srt[:, :-1]
+        tokens = torch.bincount(srt[first], minlength=e).tolist()
+    return expert_loads(picks, int(ids.shape[0]), record.top_k, tokens)
+
+
+def padding(trace) -> tuple[int | None, int] | None:
+    """Pad tokens of the batch, read from the model's ``attention_mask`` input (its recorded
+    statistics: zeros are pads).
+
+    Returns:
+        ``(pads, tokens)`` (``pads`` None when its zeros were not counted exactly) for a
+        (B, T) mask holding zeros; None when the batch has no such mask or no pad.
+    """
+    root = next((r for r in trace.forward if r.module == ""), None)
+    if root is None:
+        return None
+    for t in root.inputs:
+        if not t.path.endswith("attention_mask") or len(t.shape) != 2 or t.stats is None:
+            continue
+        if t.stats.min is None or t.stats.min != 0:
+            return None
+        n = int(t.stats.numel)
+        return (round(t.stats.zero_frac * n) if t.stats.zero_exact else None), n
+    return None
 
 
 def source_line(rec) -> str:
@@ -136,47 +163,82 @@ class RouterScreen(LayerViewScreen):
                 cells += [str(int(e)), f"{w:.2f}"]
             table.add_row(*cells, key=str(n))
 
-    def _fill_experts(self, rec) -> list[dict]:
+    def _fill_experts(self, rec) -> list:
         table = self.query_one("#experts", DataTable)
         table.clear(columns=True)
-        for label, key in (("e", "expert"), ("n", "count"), ("share", "share"),
+        # "tok": tokens that chose the expert (of N); "picks": its share of the N·k top-k picks
+        for label, key in (("e", "expert"), ("tok", "tokens"), ("picks", "share"),
                            ("", "bar"), ("×1/E", "vs"), ("", "flag")):
             table.add_column(label, key=key)
         rows = expert_rows(rec)
-        top = max((r["share"] for r in rows), default=1.0) or 1.0
+        top = max((r.share for r in rows), default=1.0) or 1.0
         for r in rows:
             table.add_row(
-                str(r["expert"]), str(r["count"]), fmt.pct(r["share"]),
-                fmt.bar(r["share"] / top, 5), f"{r['vs_uniform']:.2f}",
-                fmt.flag(r["flag"]) if r["flag"] != "ok" else "", key=str(r["expert"]),
+                str(r.expert), str(r.tokens), fmt.pct(r.share), fmt.bar(r.share / top, 5),
+                f"{r.ratio:.2f}", fmt.flag(r.flag) if r.flag != "ok" else "",
+                key=str(r.expert),
             )
         return rows
 
-    def _fill_summary(self, rec, rows: list[dict]) -> None:
+    def _fill_summary(self, rec, rows: list) -> None:
+        """The flags first (a 24-line terminal cuts the end of this panel), then what the
+        columns count, the aux losses, and the routing rule."""
         meta = self.trace.meta
-        lines = [f"uniform share 1/E = {fmt.pct(1 / rec.num_experts)}",
-                 f"rule: {rec.rule_text()}", source_line(rec)]
-        if rec.note:
-            lines.append(rec.note)
-        if rec.aux_loss is not None:
-            lines.append(f"layer aux loss {rec.aux_loss:.4f} (1.0 = balanced)")
-        else:
-            lines.append(f"aux loss not shown: {rec.aux_loss_reason()}")
-        total = meta.get("aux_loss")
-        if total is not None:
-            coef = (meta.get("config") or {}).get("router_aux_loss_coef")
-            if coef is not None and all(r.aux_loss is not None for r in self.records):
-                layer_sum = sum(r.aux_loss for r in self.records)
-                lines.append(f"total aux_loss {fmt.sci(total)} = {coef} × Σ {layer_sum:.3f}")
-            else:
-                lines.append(f"model's aux_loss {fmt.sci(total)} (its own definition)")
-        hot = [r for r in rows if r["flag"] == "hot"]
-        dead = [r for r in rows if r["flag"] == "dead"]
+        n = int(rec.top_k_ids.shape[0])
+        lines = []
+        hot = [r for r in rows if r.flag == "hot"]
+        dead = [r for r in rows if r.flag == "dead"]
         for r in hot:
-            lines.append(f"▲ expert {r['expert']}: {fmt.pct(r['token_frac'])} of tokens, "
-                         f"{r['vs_uniform']:.1f}× its share")
+            lines.append(f"▲ expert {r.expert}: {fmt.pct(r.share)} of the picks "
+                         f"({r.ratio:.1f}× 1/E), chosen by {r.tokens} of {n} tokens "
+                         f"({fmt.pct(r.token_frac)})")
         if dead:
-            lines.append("✗ no tokens: expert " + ", ".join(str(r["expert"]) for r in dead))
+            lines.append("✗ no tokens: expert " + ", ".join(str(r.expert) for r in dead))
         if not hot and not dead:
             lines.append("✓ no expert dominates or starves")
+        lines.append(f"tok: tokens that chose e, of N={n} · picks: its share of the "
+                     f"N·k = {n * rec.top_k} top-{rec.top_k} picks (uniform 1/E = "
+                     f"{fmt.pct(1 / rec.num_experts)})")
+        pads = padding(self.trace)
+        if pads is not None:
+            count, total = pads
+            what = f"{count} of {total}" if count is not None else f"some of {total}"
+            lines.append(f"padded batch: {what} tokens are pads (attention_mask); they are in "
+                         "these counts and this aux loss, the model's aux loss leaves them out")
+        if rec.aux_loss is not None:
+            lines.append(f"layer aux loss {rec.aux_loss:.4f} (1.0 = balanced)")
+            own = self._model_layer_aux()
+            if own is not None and not math.isclose(own, rec.aux_loss, rel_tol=1e-4,
+                                                    abs_tol=1e-6):
+                lines.append(f"the model's own for this layer: {own:.4f}")
+        else:
+            lines.append(f"aux loss not shown: {rec.aux_loss_reason()}")
+        lines.extend(self._total_lines(meta, pads is not None))
+        lines += [f"rule: {rec.rule_text()}", source_line(rec)]
+        if rec.note:
+            lines.append(rec.note)
         self.query_one("#router-summary", Static).update("\n".join(lines))
+
+    def _model_layer_aux(self) -> float | None:
+        """This layer's aux loss as the model returned it (``aux_losses``, one per MoE
+        layer in order), or None."""
+        own = self.trace.meta.get("aux_losses")
+        if not isinstance(own, list) or len(own) != len(self.records):
+            return None
+        value = own[self.position]
+        return float(value) if isinstance(value, (int, float)) else None
+
+    def _total_lines(self, meta, padded: bool) -> list[str]:
+        """The model's total ``aux_loss``; ``= coef × Σ`` of the layers only when it is."""
+        total = meta.get("aux_loss")
+        if not isinstance(total, (int, float)):
+            return []
+        coef = (meta.get("config") or {}).get("router_aux_loss_coef")
+        if coef is None or any(r.aux_loss is None for r in self.records):
+            return [f"model's aux_loss {fmt.sci(total)} (its own definition)"]
+        layer_sum = sum(r.aux_loss for r in self.records)
+        if math.isclose(coef * layer_sum, total, rel_tol=1e-4, abs_tol=1e-7):
+            return [f"total aux_loss {fmt.sci(total)} = {coef} × Σ {layer_sum:.3f}"]
+        return [f"model's aux_loss {fmt.sci(total)}; {coef} × Σ of these layers = "
+                f"{fmt.sci(coef * layer_sum)} "
+                + ("(pads left out there)" if padded else "(it computes its own)")]

@@ -228,18 +228,25 @@ class StepScreen(MdbScreen):
     @staticmethod
     def help_text() -> str:
         """Every key of the step view and of the views it opens (their own ``BINDINGS``)."""
+        from tui.screens.help import help_text
+
+        return help_text(StepScreen.help_sections())
+
+    @staticmethod
+    def help_sections() -> list[tuple[str, list]]:
+        """``(title, bindings)`` of the step view and of each view it opens."""
         from textual.binding import Binding
 
         from tui.screens.attention import AttentionScreen
+        from tui.screens.doctor import DoctorScreen
         from tui.screens.gradients import GradientsScreen
-        from tui.screens.help import help_text
         from tui.screens.ops import OpsScreen
         from tui.screens.router import RouterScreen
         from tui.screens.search import SearchScreen
         from tui.screens.view import VIEW_BINDINGS
 
         own = {id(b) for b in VIEW_BINDINGS}
-        return help_text([
+        return [
             ("step view", StepScreen.BINDINGS
              + [Binding("enter", "", "jump to the tree node's first call")]),
             ("router view", [b for b in RouterScreen.BINDINGS if id(b) not in own]),
@@ -248,9 +255,10 @@ class StepScreen(MdbScreen):
              + [Binding("enter", "", "open the parameter's module in the step view")]),
             ("ops view (i: step into a call)",
              [b for b in OpsScreen.BINDINGS if id(b) not in own]),
+            ("doctor view (d)", DoctorScreen.HELP_BINDINGS),
             ("every view", VIEW_BINDINGS),
             ("find (/)", SearchScreen.BINDINGS + [Binding("enter", "", "jump to the match")]),
-        ])
+        ]
 
     def action_help(self) -> None:
         from tui.screens.help import HelpScreen

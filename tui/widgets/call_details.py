@@ -15,7 +15,6 @@ from textual.containers import VerticalScroll
 from textual.widgets import Static
 
 from tui.widgets import fmt
-from tui.widgets.verdicts import param_verdict
 
 #: Rows of the statistics table: label, TensorStats attribute.
 STAT_ROWS = (
@@ -88,32 +87,43 @@ def histogram_block(title: str, stats) -> Text:
     return out
 
 
-def params_table(params) -> Text:
-    """The module's own parameters: name, shape, gradient norm, ‖g‖/‖w‖, verdict."""
+def params_table(params, rows: int | None = None, batch_rows: int | None = None) -> Text:
+    """The module's own parameters: name, shape, gradient norm, ‖g‖/‖w‖, verdict
+    (:func:`hooks.verdicts.param_verdict`, knowing the ``rows`` of ``batch_rows`` that reached
+    the module)."""
+    from hooks.verdicts import param_verdict
+
     out = Text()
     out.append(_pad("param", 10) + _pad("shape", 12) + _pad("‖g‖", 9, True)
                + _pad("‖g‖/‖w‖", 9, True), style="dim")
     for p in params:
         out.append("\n" + _pad(p.name.rsplit(".", 1)[-1], 10) + _pad(fmt.shape(p.shape), 12)
                    + _pad(fmt.sci(p.grad_norm), 9, True) + _pad(fmt.sci(p.ratio), 9, True) + " ")
-        out.append_text(fmt.flag(param_verdict(p)))
+        out.append_text(fmt.flag(param_verdict(p, rows, batch_rows)))
     return out
 
 
-def io_table(call) -> Text:
+def io_table(call, width: int | None = None) -> Text:
     """``in``/``out`` rows: tensor path (``kwargs.`` dropped: the keyword is the name), shape,
-    dtype; the path column as wide as the longest path, up to 26 cells."""
+    dtype. The path column is as wide as the longest path, up to 26 cells, and within
+    ``width`` (the pane's) leaves room for the shape and dtype; a longer path is cut in the
+    middle (``past_ke…ers[0].keys``), a shape or dtype never."""
     out = Text()
     rows = [("in", t) for t in call.inputs] + [("out", t) for t in call.outputs]
     if not rows:
         return Text("no tensors", style="dim")
     paths = [t.path.removeprefix("kwargs.") for _, t in rows]
-    width = min(max(cell_len(p) for p in paths), 26)
-    for i, ((kind, t), path) in enumerate(zip(rows, paths, strict=True)):
+    shapes = [fmt.dims(t.shape) for _, t in rows]
+    shape_w = max(max(cell_len(x) for x in shapes), 5)
+    dtype_w = max(cell_len(t.dtype) for _, t in rows)
+    path_w = min(max(cell_len(p) for p in paths), 26)
+    if width is not None:
+        path_w = max(min(path_w, width - 4 - 1 - shape_w - 1 - dtype_w), 8)
+    for i, ((kind, t), path, shape) in enumerate(zip(rows, paths, shapes, strict=True)):
         if i:
             out.append("\n")
         out.append(_pad(kind, 4), style="dim")
-        out.append(_pad(path, width) + " " + _pad(fmt.dims(t.shape), 12) + " ")
+        out.append(_pad(fmt.middle(path, path_w), path_w) + " " + _pad(shape, shape_w) + " ")
         out.append(t.dtype, style="dim")
     return out
 
@@ -130,11 +140,20 @@ class CallDetails(VerticalScroll):
 
     def show(self, stepper) -> None:
         """Render the details of ``stepper``'s current record (a call, or a gradient)."""
-        self.query_one("#details-body", Static).update(self.render_details(stepper))
+        self._stepper = stepper
+        width = self.scrollable_content_region.width
+        self.query_one("#details-body", Static).update(
+            self.render_details(stepper, width if width > 0 else None))
+
+    def on_resize(self) -> None:
+        stepper = getattr(self, "_stepper", None)
+        if stepper is not None:
+            self.show(stepper)
 
     @staticmethod
-    def render_details(stepper) -> Text:
-        """Build the renderable (kept separate so tests can inspect it)."""
+    def render_details(stepper, width: int | None = None) -> Text:
+        """Build the renderable (kept separate so tests can inspect it); ``width``: the cells
+        the pane has for a line (the input/output paths fit it)."""
         call = stepper.call
         if call is None:
             return Text("nothing recorded", style="dim")
@@ -143,7 +162,7 @@ class CallDetails(VerticalScroll):
         title.append(f"  {call.module_type} #{call.call_index}", style="dim")
         parts.append(title)
 
-        parts.append(io_table(call))
+        parts.append(io_table(call, width))
 
         grads = stepper.grads_of(call)
         hist = None
@@ -175,8 +194,11 @@ class CallDetails(VerticalScroll):
         # the parameters before the histogram: a 24-line terminal shows them without scrolling
         params = stepper.params_of(call.module)
         if params:
+            from hooks.verdicts import rows_by_module
+
+            rows, batch_rows = rows_by_module(stepper.trace)
             parts.append(section("parameters"))
-            parts.append(params_table(params))
+            parts.append(params_table(params, rows.get(call.module), batch_rows))
         if hist is not None:
             parts.append(hist)
         if call.notes:

@@ -30,6 +30,8 @@ FLAG_STYLE = {
     "zero": "yellow",
     "hot": "bold red",
     "dead": "bold red",
+    "few": "cyan",
+    "unused": "dim",
 }
 FLAG_TEXT = {
     "ok": "✓ ok",
@@ -42,6 +44,8 @@ FLAG_TEXT = {
     "zero": "0 zero",
     "hot": "▲ hot",
     "dead": "✗ no tokens",
+    "few": "◦ few tokens",
+    "unused": "∅ not called",
 }
 
 
@@ -78,6 +82,24 @@ def shape(dims: Sequence[int]) -> str:
 def dims(d: Sequence[int]) -> str:
     """``2×64×256`` — a shape in the fewest characters (``()`` for a scalar)."""
     return "×".join(str(int(x)) for x in d) if len(d) else "()"
+
+
+def middle(text: str, width: int) -> str:
+    """``text`` cut to ``width`` cells in the middle (``post_att…layernorm``): both ends of a
+    name stay, where the end usually tells siblings apart (``…layernorm``, ``…[3]``)."""
+    from rich.cells import cell_len, set_cell_size
+
+    if cell_len(text) <= width:
+        return text
+    if width <= 1:
+        return "…"[:width]
+    tail = (width - 1) // 2
+    head = width - 1 - tail
+    start = set_cell_size(text, head)
+    end = text[len(text) - tail:] if tail else ""
+    while cell_len(end) > tail:
+        end = end[1:]
+    return start + "…" + end
 
 
 def count(n: int) -> str:

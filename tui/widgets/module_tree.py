@@ -1,12 +1,60 @@
-"""``ModuleTree``: the model's module hierarchy with call counts and output shapes."""
+"""``ModuleTree``: the model's module hierarchy with call counts and output shapes.
+
+Labels fit the tree's width (about 28 cells at 80 columns), the name first: a label too long
+for its line leaves out the shape (the details pane shows it; the line ends in ``…``), and only
+a name that does not fit on its own is cut, in the middle (``post_atte…layernorm``) — a shape
+is never shown cut, where ``2×64`` would read as a shape.
+"""
 
 from __future__ import annotations
 
+from rich.cells import cell_len
 from rich.text import Text
 from textual.widgets import Tree
 from textual.widgets.tree import TreeNode
 
 from tui.widgets import fmt
+
+#: Fewest cells a cut name keeps (the call count and ``…`` are left out below that).
+MIN_NAME = 6
+
+
+def fit_label(leaf: str, calls: str, shape: str, width: int | None, *, called: bool = True,
+              n_children: int = 0) -> Text:
+    """A node's label, ``leaf ×calls shape``, in at most ``width`` cells (None: no limit).
+
+    Args:
+        leaf: the module's own name.
+        calls: ``" ×3"`` when called more than once, else ``""``.
+        shape: the first call's output shape (``2×64×256``), or ``""``.
+        width: cells the label may take.
+        called: False for a module never called (dim, ``[n]`` children or ``not called``).
+        n_children: children of a module never called (a container).
+    """
+    if not called:
+        tail = f" [{n_children}]" if n_children else " not called"
+        if width is not None and cell_len(leaf + tail) > width:
+            if width - cell_len(tail) >= MIN_NAME:
+                leaf = fmt.middle(leaf, width - cell_len(tail))
+            else:
+                leaf, tail = fmt.middle(leaf, max(width, 1)), ""
+        text = Text(leaf, style="dim")
+        text.append(tail, style="dim")
+        return text
+    shape_part = f" {shape}" if shape else ""
+    if width is not None and cell_len(leaf + calls + shape_part) > width:
+        shape_part = " …" if shape else ""  # the whole shape, or none of it
+        if cell_len(leaf + calls + shape_part) > width:
+            room = width - cell_len(calls + shape_part)
+            if room < MIN_NAME:
+                calls, shape_part, room = "", "", width
+            leaf = fmt.middle(leaf, max(room, 1))
+    text = Text(leaf, style="bold")
+    if calls:
+        text.append(calls, style="cyan")
+    if shape_part:
+        text.append(shape_part, style="dim" if shape_part == " …" else "")
+    return text
 
 
 def _parent_name(name: str) -> str:
@@ -31,8 +79,11 @@ class ModuleTree(Tree[str]):
         self.auto_expand = False
         self.guide_depth = 2
         self.nodes_by_name: dict[str, TreeNode[str]] = {"": self.root}
+        #: label parts of each node: (leaf, calls text, shape text, called, children)
+        self.parts: dict[str, tuple[str, str, str, bool, int]] = {}
         self.labels: dict[str, Text] = {}
         self.current: str | None = None
+        self._fit_width: int | None = None
         first_out: dict[str, list[int] | None] = {}
         calls: dict[str, int] = {}
         children: dict[str, int] = {}
@@ -44,18 +95,23 @@ class ModuleTree(Tree[str]):
             calls[rec.module] = calls.get(rec.module, 0) + 1
             if rec.module not in first_out:
                 first_out[rec.module] = rec.outputs[0].shape if rec.outputs else None
-        self.labels[""] = self._label(root_type or "model", calls.get("", 0), first_out.get(""),
-                                      children.get("", 0))
+
+        def parts(leaf: str, name: str) -> tuple[str, str, str, bool, int]:
+            n = calls.get(name, 0)
+            shape = first_out.get(name)
+            return (leaf, f" ×{n}" if n > 1 else "", fmt.dims(shape) if shape is not None
+                    else "", n > 0, children.get(name, 0))
+
+        self.parts[""] = parts(root_type or "model", "")
+        self.labels[""] = self._label("")
         self.root.set_label(self.labels[""])
         self.root.expand()
         for info in trace.modules:
             if not info.name:
                 continue
             parent = self.nodes_by_name.get(_parent_name(info.name), self.root)
-            leaf = info.name.rsplit(".", 1)[-1]
-            self.labels[info.name] = self._label(leaf, calls.get(info.name, 0),
-                                                 first_out.get(info.name),
-                                                 children.get(info.name, 0))
+            self.parts[info.name] = parts(info.name.rsplit(".", 1)[-1], info.name)
+            self.labels[info.name] = self._label(info.name)
             node = parent.add(
                 self.labels[info.name],
                 data=info.name,
@@ -67,18 +123,37 @@ class ModuleTree(Tree[str]):
             if not node.children:
                 node.allow_expand = False
 
-    @staticmethod
-    def _label(leaf: str, n_calls: int, out_shape: list[int] | None, n_children: int = 0) -> Text:
-        if not n_calls:
-            text = Text(leaf, style="dim")
-            text.append(f" [{n_children}]" if n_children else " not called", style="dim")
-            return text
-        text = Text(leaf, style="bold")
-        if n_calls > 1:
-            text.append(f" ×{n_calls}", style="cyan")
-        if out_shape is not None:
-            text.append(" " + fmt.dims(out_shape))
-        return text
+    def _label(self, name: str, width: int | None = None) -> Text:
+        leaf, calls, shape, called, n_children = self.parts[name]
+        return fit_label(leaf, calls, shape, width, called=called, n_children=n_children)
+
+    def _room(self, name: str) -> int | None:
+        """Cells left for ``name``'s label on its line: the tree's width less the guides (two
+        cells per level), the expand icon and the current-module marker."""
+        if self._fit_width is None:
+            return None
+        node = self.nodes_by_name[name]
+        depth, parent = 0, node.parent
+        while parent is not None:
+            depth, parent = depth + 1, parent.parent
+        used = 2 * depth + (2 if node.allow_expand else 0) + (2 if name == self.current else 0)
+        return max(self._fit_width - used, 1)
+
+    def _relabel(self, name: str) -> None:
+        self.labels[name] = self._label(name, self._room(name))
+        label = self.labels[name]
+        if name == self.current:
+            label = Text("● ", style="bold yellow") + label
+        self.nodes_by_name[name].set_label(label)
+
+    def on_resize(self) -> None:
+        """Fit every label to the new width."""
+        width = self.scrollable_content_region.width
+        if width <= 0 or width == self._fit_width:
+            return
+        self._fit_width = width
+        for name in self.nodes_by_name:
+            self._relabel(name)
 
     def show_module(self, name: str) -> None:
         """Mark ``name``'s node as the current module (``●``, readable without colour), expand
@@ -87,10 +162,10 @@ class ModuleTree(Tree[str]):
         if node is None:
             return
         if self.current != name:
-            if self.current in self.nodes_by_name:
-                self.nodes_by_name[self.current].set_label(self.labels[self.current])
-            node.set_label(Text("● ", style="bold yellow") + self.labels[name])
-            self.current = name
+            previous, self.current = self.current, name
+            if previous in self.nodes_by_name:
+                self._relabel(previous)
+            self._relabel(name)
         parent = node.parent
         while parent is not None:
             if not parent.is_expanded:
