@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any
 
-from tui.commands._common import nonneg_int, positive_float, positive_int
+from tui.commands._common import nonneg_int, positive_float, positive_int, seed_int
 from tui.errors import MdbError
 from tui.run_end import EXIT_FAILED, end_of_run
 
@@ -74,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "drawn at seeded random offsets each step")
     g.add_argument("--batch-size", type=positive_int, default=None,
                    help="sequences per step (default 1)")
-    g.add_argument("--seed", type=int, default=None,
+    g.add_argument("--seed", type=seed_int, default=None,
                    help="seed of the weights and the window offsets (default 0)")
     r = parser.add_argument_group("recording")
     r.add_argument("--run", metavar="NAME", default=None,
@@ -130,7 +130,7 @@ def _default_run_name(store) -> str:
 
 def _options_from_args(args: argparse.Namespace):
     from hooks.runs.overfit import OverfitOptions, default_overfit_text
-    from tui.commands._common import load_config, read_text, samples_dir
+    from tui.commands._common import check_memory, load_config, read_text, samples_dir
 
     if args.text:
         text, source = read_text(args.text), str(args.text)
@@ -148,6 +148,9 @@ def _options_from_args(args: argparse.Namespace):
         args.preset = _DEFAULTS["preset"]
     config = load_config(args)
     d = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in _DEFAULTS.items()}
+    # the vocabulary becomes the text's characters, a step sees min(--seq-len, the text)
+    seq = min(args.seq_len or len(text), len(text))
+    check_memory(config.replace(vocab_size=max(1, len(set(text)))), d["batch_size"], seq)
     return OverfitOptions(
         text=text,
         text_source=source,
@@ -195,7 +198,7 @@ def build_session(args: argparse.Namespace, control=None):
     import torch
 
     from hooks.runs.overfit import ModelOverfitSession, OverfitSession, resume_session
-    from hooks.runs.store import RunStoreError
+    from hooks.runs.store import RunStoreError, validate_run_name
 
     torch.set_num_threads(args.threads)
     if args.resume:
@@ -229,19 +232,36 @@ def build_session(args: argparse.Namespace, control=None):
             if given:
                 raise MdbError(f"{', '.join(given)} does not apply with --model: your function "
                                "returns the batch")
-        store = _open_store(args, create=True)
-        name = args.run or _default_run_name(store)
+        if args.run is not None:
+            try:
+                validate_run_name(args.run)
+            except RunStoreError as exc:
+                raise MdbError(f"--run: {exc}") from None
+        # Every check, and the model, come before the database: a rejected run creates none.
+        opened = []
+
+        def open_store():
+            opened.append(_open_store(args, create=True))
+            return opened[-1]
+
+        def name_in(store) -> str:
+            return args.run or _default_run_name(store)
+
         try:
             if getattr(args, "model", None):
-                session = ModelOverfitSession.create(store, name, _model_options(args),
+                session = ModelOverfitSession.create(open_store, name_in, _model_options(args),
                                                      _build_workload)
             else:
-                session = OverfitSession.create(store, name, _options_from_args(args))
+                session = OverfitSession.create(open_store, name_in, _options_from_args(args))
         except RunStoreError as exc:
-            store.close()
+            for store in opened:
+                store.close()
             raise MdbError(str(exc)) from None
         except (ValueError, MdbError) as exc:
-            store.close()
+            for store in opened:
+                store.close()
+            if isinstance(exc, MdbError):
+                raise
             raise MdbError(str(exc)) from None
     if control is not None:
         session.control = control
