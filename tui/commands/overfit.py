@@ -369,6 +369,7 @@ class _Reporter:
         self.progress = None
         self.sample = ""
         self.last_metrics = None
+        self._spikes_said: set[int] = set()
 
     def line(self, text: str) -> None:
         self.out.write(text + "\n")
@@ -404,7 +405,27 @@ class _Reporter:
             )
         return self
 
+    def say_spikes(self, current_step: int | None = None) -> None:
+        """One line per loss spike the writer recorded, once its episode is over (so that the
+        line gives its peak and length); with ``current_step=None`` every one not said yet."""
+        writer = getattr(self.session, "writer", None)
+        for spike in list(getattr(writer, "spikes", ()))[-3:]:
+            if spike.step in self._spikes_said:
+                continue
+            if current_step is not None and spike.last_step >= current_step:
+                continue  # still going
+            self._spikes_said.add(spike.step)
+            text = spike.describe()
+            if self.progress is not None:
+                try:
+                    self.progress.console.print(text, markup=False, highlight=False)
+                except (OSError, ValueError):
+                    pass
+            else:
+                self.line(text)
+
     def __exit__(self, *exc) -> None:
+        self.say_spikes()
         if self.progress is not None:
             try:
                 self.progress.refresh()
@@ -417,6 +438,7 @@ class _Reporter:
 
         m = report.metrics
         self.last_metrics = m
+        self.say_spikes(m.step)
         values = metric_values(m, self.session.metric_names)
         if report.sample is not None:
             self.sample = report.sample[0] + "|" + report.sample[1]
@@ -527,17 +549,34 @@ def run(args: argparse.Namespace) -> int:
     from hooks.runs.trainer import TrainControl, install_stop_signals
 
     control = TrainControl()
-    # Signals arriving while the model is built stop the run before its first step; the
+    building = [True]
+
+    def on_signal(name: str) -> None:
+        # While the model is built nothing is recorded yet (a rejected or interrupted build
+        # leaves no run behind), so a signal ends the process at once — also when the user's
+        # factory or forward hangs. Once the run exists, it stops the run after its step.
+        if building[0]:
+            if name == "SIGINT":
+                raise KeyboardInterrupt
+            _stderr_line(f"mdb: stopped by {name} while building the model; nothing was "
+                         "recorded")
+            raise SystemExit(128 + int(getattr(signal, name)))
+
+    # Signals arriving just after the model is built stop the run before its first step; the
     # handlers stay until the run's own are installed, so no signal finds Python's default.
-    restore = install_stop_signals(control)
+    restore = install_stop_signals(control, on_signal=on_signal)
     try:
+        if sys.stderr.isatty() and not args.headless:
+            _stderr_line("mdb: building the model… (Ctrl-C stops)")
         session = build_session(args, control=control)
+        building[0] = False
         if args.headless or not (sys.stdin.isatty() and sys.stdout.isatty()):
             return run_headless(session, args)
         from tui.live_app import run_live
 
         return run_live(session, args)
     finally:
+        building[0] = False
         if control.stop_reason in ("SIGINT", "SIGTERM", "SIGHUP"):
             # the process exits with 128 + n right after this: a signal repeated meanwhile
             # must not raise KeyboardInterrupt into an atexit handler (a traceback on stderr)

@@ -18,6 +18,7 @@ import sys
 import time
 
 from tui.errors import MdbError
+from tui.screens.live_data import display_name
 
 HELP = "list recorded runs (name, status, steps, last loss, metrics, age) of the run database"
 
@@ -46,16 +47,6 @@ def format_age(seconds: float) -> str:
     if s < 86400:
         return f"{s // 3600}h{(s % 3600) // 60:02d}m"
     return f"{s // 86400}d{(s % 86400) // 3600}h"
-
-
-def display_name(name: str) -> str:
-    """A metric or run name as one printable line: control characters escaped, ``""`` for an
-    empty name (``hooks.run`` accepts any keyword)."""
-    if not name:
-        return '""'
-    if name.isprintable():
-        return name
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in name)
 
 
 def run_record(run, store, now: float) -> dict:
