@@ -342,7 +342,7 @@ def load_checkpoint(
             raise ValueError(f"checkpoint {d} has no optimizer state")
         if info.get("class") != type(optimizer).__name__:
             raise ValueError(
-                f"checkpoint {d} holds {info.get('class')!r} state, not {type(optimizer).__name__}"
+                f"checkpoint {d} holds {info.get('class')} state, not {type(optimizer).__name__}"
             )
         groups = _decode_json(info.get("param_groups"))
         _check_groups(groups, optimizer, d)

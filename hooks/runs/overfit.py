@@ -543,7 +543,11 @@ class RunSession:
         return result
 
     def _abort(self, exc: BaseException) -> None:
-        """Mark the run ended after ``exc`` escaped the loop (best effort, never raises)."""
+        """Mark the run ended after ``exc`` escaped the loop (best effort, never raises).
+
+        The last step the database recorded is checkpointed first (a crash checkpoint), so a
+        resume continues from it; a checkpoint that cannot be written is said in the run's
+        reason (and :attr:`checkpoint_error`), with the step a resume would start from."""
         step, recorded = self.trainer.step, self.recorded_step
         if isinstance(exc, KeyboardInterrupt):
             status, reason = "interrupted", "KeyboardInterrupt"
@@ -553,10 +557,23 @@ class RunSession:
         else:
             status, reason = "failed", f"at step {step + 1}: {type(exc).__name__}: {_one_line(exc)}"
         # only a step the database holds may be checkpointed (a resume continues after it)
-        if step == recorded and step != self.last_checkpoint_step and not _disk_full(exc):
-            with contextlib.suppress(Exception):
-                self.save_checkpoint()
-        with contextlib.suppress(Exception):
+        if step == recorded and step != self.last_checkpoint_step:
+            if _disk_full(exc):
+                self.checkpoint_error = (f"checkpoint of step {step} not written: the disk is "
+                                         "full")
+            else:
+                try:
+                    self.save_checkpoint()
+                    self.checkpoint_error = None
+                except Exception as ckpt_exc:  # recorded in the run, never hidden
+                    self.checkpoint_error = (f"checkpoint of step {step} failed: "
+                                             f"{_one_line(ckpt_exc)}")
+            if self.checkpoint_error is not None:
+                saved = self.last_checkpoint_step
+                where = (f"a resume starts from step {saved}" if saved is not None
+                         else "it cannot be resumed")
+                reason = f"{reason}; {self.checkpoint_error}, {where}"
+        with contextlib.suppress(Exception):  # the database itself may be what failed
             self._finish(status, reason=reason[:500])
 
 
