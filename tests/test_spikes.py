@@ -16,6 +16,7 @@ import hooks
 from hooks.runs.spikes import FACTOR, MIN_HISTORY, MIN_RISE, WINDOW, Spike, SpikeDetector
 from hooks.runs.store import MetricRow, RunStore
 from tests.conftest import wait_until
+from tests.test_live import drawn
 from tui.cli import main
 from tui.screens.live_chart import FLAG, Series, chart_rows
 
@@ -240,7 +241,7 @@ async def test_watch_flags_the_spike_on_the_loss_chart_and_says_it(lr_jump_run):
     app = make_watch_app(store, run)
     async with app.run_test(size=(80, 24)) as pilot:
         await wait_until(pilot, lambda: app.live.polls >= 1 and app.live.series.spikes)
-        await pilot.pause(0.4)
+        await drawn(pilot, app.live)
         chart = app.screen.query_one("#live-loss")
         flagged = {s.name: list(s.flags) for s in chart.series}
         peak = app.live.series.spikes[41].peak_step

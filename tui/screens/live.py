@@ -397,11 +397,12 @@ class LiveScreen(MdbScreen):
             self._schedule_redraw()
 
     def _slow_step(self) -> float | None:
-        """Seconds the step after the last one has been running, when that is long (more than
-        :data:`SLOW_STEP_S` and :data:`SLOW_STEP_FACTOR` times the usual step), else None."""
+        """Training: seconds the step after the last one has been running, when that is long
+        (more than :data:`SLOW_STEP_S` and :data:`SLOW_STEP_FACTOR` times the usual step),
+        else None."""
         s = self.series
-        if s.last is None or self.state != "running":
-            return None
+        if self.watch or s.last is None or self.state != "running":
+            return None  # watching, a gap may be the user's loop evaluating: not a step
         usual = s.seconds_per_step() or 0.0
         waited = time.time() - s.last.wall
         if waited > max(SLOW_STEP_S, SLOW_STEP_FACTOR * usual):
