@@ -26,6 +26,7 @@ Pure Python (the run store uses it as it writes steps); it imports neither torch
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections import deque
@@ -111,9 +112,21 @@ class SpikeDetector:
         self.min_history = int(min_history)
         self.min_rise = float(min_rise)
         self.window = int(window)
-        self._window: deque[float] = deque(maxlen=self.window)
+        self._window: deque[float] = deque()  # the last `window` values, in step order
+        self._sorted: list[float] = []  # the same values, sorted (the median in O(1))
         self._first: list[float] = []
         self._current: Spike | None = None
+
+    def _push(self, value: float) -> None:
+        if len(self._window) == self.window:
+            old = self._window.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+        self._window.append(value)
+        bisect.insort(self._sorted, value)
+
+    def _median(self) -> float:
+        v, n = self._sorted, len(self._sorted)
+        return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
 
     @property
     def initial(self) -> float | None:
@@ -130,7 +143,7 @@ class SpikeDetector:
                 self._first.append(float(v))  # type: ignore[arg-type]
         for v in last:
             if _usable(v):
-                self._window.append(float(v))  # type: ignore[arg-type]
+                self._push(float(v))  # type: ignore[arg-type]
 
     def observe(self, step: int, value: float | None) -> Spike | None:
         """Add the value logged at ``step``.
@@ -146,7 +159,7 @@ class SpikeDetector:
         found = None
         initial = self.initial
         if initial is not None and initial > 0 and len(self._window) >= self.min_history:
-            base = statistics.median(self._window)
+            base = self._median()
             if base > 0 and value > self.factor * base and value - base > self.min_rise * initial:
                 cur = self._current
                 if cur is None:
@@ -161,7 +174,7 @@ class SpikeDetector:
             self._current = None
         if len(self._first) < self.min_history:
             self._first.append(value)
-        self._window.append(value)
+        self._push(value)
         return found
 
 
