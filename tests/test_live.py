@@ -31,6 +31,14 @@ def tiny_session(tmp_path, steps: int = 20, name: str = "live", **kw) -> Overfit
     return OverfitSession.create(store, name, opts)
 
 
+async def drawn(pilot, screen, timeout: float = 60.0) -> None:
+    """Wait until the live screen has drawn everything it was told to (no redraw pending):
+    a known point after which what it shows is what it has, however loaded the machine."""
+    await wait_until(pilot, lambda: not (screen._dirty_text or screen._dirty_charts)
+                     and screen._redraw_timer is None, timeout)
+    await pilot.pause()
+
+
 # -- pure parts ----------------------------------------------------------------------------------
 
 def test_downsampler_matches_block_means():
@@ -116,7 +124,7 @@ async def test_live_screen_20_steps_charts_grow_and_loss_falls(tmp_path):
             sizes.append(sum(len(s.xs) for s in loss_chart.series))
             await pilot.pause(0.05)
         await wait_until(pilot, lambda: screen.ended is not None)
-        await pilot.pause(0.3)
+        await drawn(pilot, app.live)
         sizes.append(sum(len(s.xs) for s in loss_chart.series))
         assert screen.state == "finished"
         assert screen.series.step == 20 and screen.series.rows == 20
@@ -139,21 +147,24 @@ async def test_live_screen_20_steps_charts_grow_and_loss_falls(tmp_path):
 
 
 async def test_pause_step_capture_opens_step_view_and_comes_back(tmp_path):
+    from tests.test_training import CountingControl
     from tui.live_app import make_overfit_app
     from tui.screens.live import LiveScreen
     from tui.screens.step import StepScreen
 
     session = tiny_session(tmp_path, steps=400)
+    session.control = control = CountingControl()
     app = make_overfit_app(session, chart_interval=0.1)
     screen = app.live
     async with app.run_test(size=(80, 24)) as pilot:
         await wait_until(pilot, lambda: screen.series.step >= 2)
         await pilot.press("p")
         await wait_until(pilot, lambda: screen.state == "paused")
-        await pilot.pause(0.3)
-        paused_at = screen.series.step
-        await pilot.pause(0.3)
-        assert screen.series.step == paused_at  # stays paused
+        paused_at = session.trainer.step
+        # two decisions to wait after the pause was seen: no step started in between
+        waits = control.wait_for_wait(control.wait_for_wait(0))
+        await wait_until(pilot, lambda: screen.series.step == paused_at)
+        assert session.trainer.step == paused_at and control.waits >= waits  # stays paused
         await pilot.press("s")
         await wait_until(pilot, lambda: screen.series.step == paused_at + 1)
         await pilot.press("c")
@@ -187,10 +198,12 @@ async def test_nonfinite_loss_shows_failed_with_step_and_module(tmp_path):
     screen = app.live
     async with app.run_test(size=(80, 24)) as pilot:
         await wait_until(pilot, lambda: screen.ended is not None)
-        await pilot.pause(0.4)
+        await drawn(pilot, app.live)
         status = str(app.screen.query_one("#live-status").render())
+        note = str(app.screen.query_one("#live-note").render())
         assert screen.ended.status == "failed" and screen.ended.fail_step == 4
-        assert "failed @ step 4 in model.layers.1.self_attn" in status
+        assert status.startswith("✗ failed @ step 4  step 4/30")
+        assert note.startswith("✗ non-finite loss at step 4, first in model.layers.1.self_attn")
         await pilot.press("q")
     assert app.return_code == 1
     with RunStore(tmp_path / "mdb.sqlite") as store:

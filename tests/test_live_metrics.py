@@ -15,6 +15,7 @@ import pytest
 
 from hooks.runs.store import RunUpdate
 from tests.conftest import wait_until
+from tests.test_live import drawn
 from tui.screens.live_chart import Series, chart_rows
 from tui.screens.live_data import RunSeries, is_loss_like, metric_values
 
@@ -151,7 +152,7 @@ async def test_watch_of_a_users_own_loop_looks_like_an_overfit_run():
     screen = app.live
     async with app.run_test(size=(80, 24)) as pilot:
         await wait_until(pilot, lambda: screen.polls >= 1 and screen.series.rows == 30)
-        await pilot.pause(0.4)
+        await drawn(pilot, app.live)
         q = app.screen.query_one
         status = str(q("#live-status").render())
         assert "● running  step 30" in status and "step 30/" not in status
@@ -179,16 +180,16 @@ async def test_watch_of_a_users_own_loop_looks_like_an_overfit_run():
         assert note == "⚠ non-finite loss at step 25, first in model.layers.1.mlp (forward)"
         # m: one metric at a time, any of them; o: the table's mark (and the chart below it)
         await pilot.press("m")
-        await pilot.pause(0.4)
+        await drawn(pilot, app.live)
         assert chart.chart_title == "loss (log) · m: next" and len(chart.series) == 1
         await pilot.press("m", "m")
-        await pilot.pause(0.4)
+        await drawn(pilot, app.live)
         assert chart.chart_title.startswith("lr (log)")
         await pilot.press("m", "m")
-        await pilot.pause(0.4)
+        await drawn(pilot, app.live)
         assert chart.chart_title == "loss (log)" and len(chart.series) == 2
         await pilot.press("o")
-        await pilot.pause(0.4)
+        await drawn(pilot, app.live)
         assert str(q("#live-table").render()).splitlines()[2].startswith("▸lr")
         assert q("#live-grad").chart_title == "lr"
         await pilot.press("q")
@@ -210,7 +211,7 @@ async def test_watch_replays_a_model_run_without_aux_or_moe(tmp_path):
     app = make_watch_app(store, run)
     async with app.run_test(size=(80, 24)) as pilot:
         await wait_until(pilot, lambda: app.live.polls >= 1)
-        await pilot.pause(0.4)
+        await drawn(pilot, app.live)
         s = app.live.series
         assert s.names == ["loss", "grad_norm", "lr", "step_time", "tokens_per_s",
                            "steps_per_s"]

@@ -16,6 +16,7 @@ from hooks.runs.overfit import ModelOverfitOptions, ModelOverfitSession, resume_
 from hooks.runs.store import RunStore
 from tests.conftest import REPO
 from tests.families import FAMILIES
+from tests.test_live import drawn
 from tui.cli import main
 from tui.commands.overfit import _build_workload
 from tui.screens.live_data import metric_values
@@ -217,7 +218,7 @@ async def test_live_screen_of_a_user_model_shows_what_it_logs(tmp_path):
     screen = app.live
     async with app.run_test(size=(80, 24)) as pilot:
         await wait_until(pilot, lambda: screen.ended is not None)
-        await pilot.pause(0.3)
+        await drawn(pilot, app.live)
         status = str(app.screen.query_one("#live-status").render())
         assert "finished" in status and "step 15/15" in status and "loss " in status
         assert "aux" not in status and "nan" not in status and "|g| " in status

@@ -291,7 +291,7 @@ def test_nonfinite_step_not_captured_is_located_in_the_next_step(db, capsys):
                                                                           12, 3)
     assert main(["runs", "--db", str(db)]) == 0
     table = capsys.readouterr().out
-    assert "non-finite @ 7" in table and "nan-next: non-finite loss at step 7, first in 2" in table
+    assert "└ non-finite loss at step 7, first in 2 (forward)" in table
 
 
 def test_nonfinite_on_a_captured_step_and_without_watch(db):

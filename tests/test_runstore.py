@@ -150,10 +150,12 @@ def test_heartbeat_thread_keeps_beating(db):
         while store.run("hb").heartbeat == 0 and time.time() < deadline:
             time.sleep(0.02)
         assert store.run("hb").heartbeat > time.time() - 5
+        thread = w._hb_thread
         w.finish("finished")
         beat = store.run("hb").heartbeat
-        time.sleep(0.2)
-        assert store.run("hb").heartbeat == beat  # thread stopped
+        # finish() joined the thread: nothing can beat any more (no sleep-and-see window)
+        assert w._hb_thread is None and not thread.is_alive()
+        assert store.run("hb").heartbeat == beat
 
 
 def test_duplicate_and_invalid_names(db):

@@ -112,9 +112,39 @@ def test_step_metrics_match_a_recomputation():
         torch.testing.assert_close(p, q, msg=n)
 
 
+class CountingControl(TrainControl):
+    """Controls that count the loop's waits: the loop waits only after it decided not to
+    step, so a wait taken after a known point proves that no step started in between (no
+    sleep-based "nothing happened" window)."""
+
+    def __init__(self, paused: bool = False) -> None:
+        super().__init__(paused)
+        self.waits = 0
+        self._seen = threading.Condition()
+
+    def _wait(self, timeout: float) -> None:
+        with self._seen:
+            self.waits += 1
+            self._seen.notify_all()
+        super()._wait(timeout)
+
+    def wait_for_wait(self, after: int, timeout: float = 60.0) -> int:
+        """Block until the loop has waited more than ``after`` times; return the count."""
+        with self._seen:
+            assert self._seen.wait_for(lambda: self.waits > after, timeout), "no wait"
+            return self.waits
+
+
+def _wait_for(cond, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
 def test_controls_pause_single_step_resume_stop():
     model, batch, opt = tiny_setup()
-    control = TrainControl(paused=True)
+    control = CountingControl(paused=True)
     trainer = Trainer(model, batch, opt, total_steps=10_000)
     steps: list[int] = []
     states: list[str] = []
@@ -126,30 +156,23 @@ def test_controls_pause_single_step_resume_stop():
 
     t = threading.Thread(target=go)
     t.start()
-
-    def wait_for(cond, timeout=10):
-        deadline = time.time() + timeout
-        while not cond() and time.time() < deadline:
-            time.sleep(0.005)
-        assert cond()
-
-    wait_for(lambda: states == ["paused"])
-    time.sleep(0.1)
-    assert steps == []
+    control.wait_for_wait(0)  # the loop decided to wait before any step
+    assert steps == [] and states == ["paused"]
+    waits = control.waits
     control.step_once(3)
-    wait_for(lambda: len(steps) == 3)
-    time.sleep(0.1)
+    _wait_for(lambda: len(steps) == 3)
+    control.wait_for_wait(waits)  # and waits again after the third: no fourth step began
     assert steps == [1, 2, 3] and control.paused
     control.resume()
-    wait_for(lambda: len(steps) > 10)
+    _wait_for(lambda: len(steps) > 10)
     assert states[:2] == ["paused", "running"]
     control.pause()
-    wait_for(lambda: states[-1] == "paused")
+    _wait_for(lambda: states[-1] == "paused")
     n = len(steps)
-    time.sleep(0.1)
+    control.wait_for_wait(control.wait_for_wait(0))  # two decisions to wait in a row
     assert len(steps) == n
     control.stop("user")
-    t.join(10)
+    t.join(60)
     r = result["r"]
     assert (r.status, r.last_step, r.reason) == ("interrupted", n, "user")
     assert steps == list(range(1, n + 1))
@@ -157,47 +180,42 @@ def test_controls_pause_single_step_resume_stop():
 
 def test_capture_request_records_internals_and_can_pause_after():
     model, batch, opt = tiny_setup()
-    control = TrainControl()
+    control = CountingControl()
     control.request_capture(pause_after=True)
     reports = []
     trainer = Trainer(model, batch, opt, total_steps=5)
     t = threading.Thread(target=lambda: trainer.run(control, on_step=reports.append))
     t.start()
-    deadline = time.time() + 10
-    while not control.paused and time.time() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.1)
-    assert len(reports) == 1 and reports[0].paused_after
+    control.wait_for_wait(0)  # paused after the captured step, and not stepping
+    assert len(reports) == 1 and reports[0].paused_after and control.paused
     first = reports[0]
-    if training._hooks_capture_available():
-        assert first.trace is not None and first.internals["kind"] == "mdb-trace"
-        names = {r["module"] for r in first.internals["forward"]}
-        assert "model.layers.0.self_attn.q_proj" in names
+    assert first.trace is not None and first.internals["kind"] == "mdb-trace"
+    names = {r["module"] for r in first.internals["forward"]}
+    assert "model.layers.0.self_attn.q_proj" in names
+    # the capture's statistics are of this step: its loss, recomputed from the trace's meta
+    assert first.trace.meta["loss"] == pytest.approx(metric_values(first.metrics)["total"])
     control.resume()
-    t.join(10)
+    t.join(60)
     assert [r.step for r in reports] == [1, 2, 3, 4, 5]
     assert all(r.internals is None for r in reports[1:])
 
 
 def test_capture_request_while_paused_runs_exactly_one_captured_step():
     model, batch, opt = tiny_setup()
-    control = TrainControl(paused=True)
+    control = CountingControl(paused=True)
     reports = []
     trainer = Trainer(model, batch, opt, total_steps=50)
     t = threading.Thread(target=lambda: trainer.run(control, on_step=reports.append))
     t.start()
-    time.sleep(0.2)
+    waits = control.wait_for_wait(0)
     assert reports == []
     control.request_capture(pause_after=True)
-    deadline = time.time() + 10
-    while not reports and time.time() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.2)
+    _wait_for(lambda: bool(reports))
+    control.wait_for_wait(waits)  # waiting again after the captured step
     assert [r.step for r in reports] == [1] and control.paused and not control.capture_pending
-    if training._hooks_capture_available():
-        assert reports[0].internals is not None
+    assert reports[0].internals is not None and reports[0].internals["kind"] == "mdb-trace"
     control.stop()
-    t.join(10)
+    t.join(60)
     assert len(reports) == 1
 
 
@@ -206,16 +224,20 @@ def test_capture_every_n():
     trainer = Trainer(model, batch, opt, total_steps=6, capture_every=3)
     reports = []
     trainer.run(on_step=reports.append)
-    if training._hooks_capture_available():
-        assert [r.step for r in reports if r.internals] == [3, 6]
+    assert [r.step for r in reports if r.internals] == [3, 6]
+    assert [r.trace.step for r in reports if r.trace is not None] == [3, 6]
 
 
-@pytest.mark.parametrize("with_hooks", [True, False])
-def test_nonfinite_loss_fails_with_step_and_module(monkeypatch, with_hooks):
-    if with_hooks and not training._hooks_capture_available():
-        pytest.skip("hooks.capture not available yet")
-    if not with_hooks:
-        monkeypatch.setattr(training, "_hooks_capture_available", lambda: False)
+def _broken_capture(*args, **kwargs):
+    raise RuntimeError("the capture engine broke")
+
+
+@pytest.mark.parametrize("capture_works", [True, False])
+def test_nonfinite_loss_fails_with_step_and_module(monkeypatch, capture_works):
+    """The capture engine names the module; where its rerun raises, the forward hooks of
+    locate_nonfinite give the same answer, and the failure says which locator answered."""
+    if not capture_works:
+        monkeypatch.setattr(training, "_maybe_capture", _broken_capture)
     model, batch, opt = tiny_setup(layers=2)
     poisoned = model.model.layers[1].self_attn.q_proj.weight
 
@@ -231,6 +253,14 @@ def test_nonfinite_loss_fails_with_step_and_module(monkeypatch, with_hooks):
     f = result.failure
     assert (f.step, f.what, f.module) == (4, "loss", "model.layers.1.self_attn.q_proj")
     assert "NaN" in f.detail and "step 4" in result.reason
+    if capture_works:
+        assert (f.located_by, f.capture_error) == ("capture", None)
+        assert "located by" not in result.reason
+    else:
+        assert f.located_by == "forward hooks"
+        assert f.capture_error == "RuntimeError: the capture engine broke"
+        assert "(located by forward hooks: the capture raised RuntimeError: the capture " \
+               "engine broke)" in result.reason
     values = metric_values(reports[-1].metrics)
     assert reports[-1].failure is f and values["ce"] is None and values["total"] is None
     # the update of the failed step was skipped: other weights are unchanged by step 4
@@ -262,20 +292,29 @@ class _Toy(nn.Module):
 
 
 def test_nonfinite_gradient_fails_and_skips_update(monkeypatch):
-    monkeypatch.setattr(training, "_hooks_capture_available", lambda: False)
+    """A NaN made inside a custom autograd function's backward: the gradient of ``a``'s output
+    is the first non-finite one the capture sees (backward), and the update is skipped."""
     torch.manual_seed(0)
     toy = _Toy()
     toy.poison = True
     before = {n: p.detach().clone() for n, p in toy.named_parameters()}
+    x = torch.randn(4, 3)
+    with torch.no_grad():
+        expected = float(toy(x).loss)
     opt = torch.optim.SGD(toy.parameters(), lr=0.1)
-    trainer = Trainer(toy, {"x": torch.randn(4, 3)}, opt, total_steps=3)
-    result = trainer.run()
+    trainer = Trainer(toy, {"x": x}, opt, total_steps=3)
+    reports = []
+    result = trainer.run(on_step=reports.append)
     assert result.status == "failed" and result.failure.what == "gradient"
-    assert result.failure.module == "a.weight"  # first parameter with a NaN gradient
+    assert (result.failure.module, result.failure.located_by) == ("a", "capture")
     for n, p in toy.named_parameters():
         torch.testing.assert_close(p, before[n])
-    m = trainer.train_step  # generic model: ce falls back to the loss, aux to 0
-    assert callable(m)
+    # the failed step's row: the loss it computed (finite), the NaN gradient norm as None
+    (report,) = reports
+    values = metric_values(report.metrics, ["loss", "grad_norm", "lr"])
+    assert report.failure is result.failure and trainer.step == 1
+    assert values["loss"] == pytest.approx(expected, rel=1e-6)
+    assert values["grad_norm"] is None and values["lr"] == 0.1
 
 
 def test_generic_model_without_ce_or_routers_logs_only_what_exists():
@@ -372,8 +411,7 @@ def test_overfit_session_writes_every_step_and_resumes(tmp_path):
     rows = store.metrics(run.id)
     assert [m.step for m in rows] == list(range(1, 16))
     assert [s.step for s in store.samples(run.id)] == [1, 5, 8, 10, 15]
-    if training._hooks_capture_available():
-        assert store.internals_steps(run.id) == [6, 12]
+    assert store.internals_steps(run.id) == [6, 12]
     assert run.config["text"] == TEXT and run.config["resolved_model_config"]["vocab_size"] == 11
     assert store.integrity_check() == "ok"
 
@@ -386,6 +424,62 @@ def test_overfit_session_writes_every_step_and_resumes(tmp_path):
     ce_a = [m.ce for m in store.metrics(run.id)]
     ce_b = [m.ce for m in fresh_store.metrics(fresh_store.run("r").id)]
     assert ce_a == ce_b
+
+
+def _crash_at(session, step: int, exc: BaseException) -> None:
+    """Make the batch of ``step`` raise ``exc`` (the loop itself raises, not the model)."""
+    original = session.trainer.batch
+
+    def batch(s: int):
+        if s == step:
+            raise exc
+        return original(s) if callable(original) else original
+
+    session.trainer.batch = batch
+
+
+def test_a_loop_that_raises_is_failed_with_a_checkpoint_of_the_last_recorded_step(tmp_path):
+    store = RunStore(tmp_path / "mdb.sqlite", create=True)
+    session = OverfitSession.create(store, "crash", _tiny_options(steps=20, every=0))
+    _crash_at(session, 5, RuntimeError("the data loader broke"))
+    with pytest.raises(RuntimeError, match="the data loader broke"):
+        session.run()
+    run = store.run("crash")
+    assert (run.status, run.last_step, run.checkpoint_step) == ("failed", 4, 4)
+    assert run.reason == "at step 5: RuntimeError: the data loader broke"
+    # the crash checkpoint holds the weights after step 4, and a resume continues from it
+    fresh = MiniLLM(session.config)
+    meta = load_checkpoint(session.checkpoint_path, fresh)
+    assert meta["step"] == 4 and session.checkpoint_path.name == "step-00000004"
+    for (n, p), q in zip(session.model.named_parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(p, q), n
+    resumed = OverfitSession.resume(store, "crash")
+    assert resumed.trainer.step == 4
+    assert resumed.run().status == "finished"
+    assert [m.step for m in store.metrics(run.id)] == list(range(1, 21))
+
+
+def test_a_crash_checkpoint_that_cannot_be_written_is_said_in_the_run(tmp_path, monkeypatch):
+    import hooks.runs.overfit as overfit
+
+    store = RunStore(tmp_path / "mdb.sqlite", create=True)
+    session = OverfitSession.create(store, "crash", _tiny_options(steps=20, every=0))
+    _crash_at(session, 5, RuntimeError("the data loader broke"))
+    real = overfit.save_checkpoint
+
+    def save(path, model, optimizer, *, step, extra=None):
+        if step == 4:
+            raise OSError(30, "Read-only file system")
+        return real(path, model, optimizer, step=step, extra=extra)
+
+    monkeypatch.setattr(overfit, "save_checkpoint", save)
+    with pytest.raises(RuntimeError):
+        session.run()
+    run = store.run("crash")
+    assert (run.status, run.last_step, run.checkpoint_step) == ("failed", 4, 0)
+    assert run.reason == ("at step 5: RuntimeError: the data loader broke; checkpoint of step 4 "
+                          "failed: Read-only file system, a resume starts from step 0")
+    assert session.checkpoint_error == "checkpoint of step 4 failed: Read-only file system"
 
 
 def test_kill_between_checkpoint_write_and_record_resumes_from_the_recorded_one(tmp_path):
@@ -419,8 +513,6 @@ def test_kill_between_checkpoint_write_and_record_resumes_from_the_recorded_one(
 
 
 def test_captured_step_round_trips_through_the_store(tmp_path):
-    if not training._hooks_capture_available():
-        pytest.skip("hooks.capture not available")
     store = RunStore(tmp_path / "mdb.sqlite", create=True)
     s = OverfitSession.create(store, "c", _tiny_options(steps=3, every=2))
     reports = []
@@ -572,8 +664,6 @@ def test_nonfinite_gradient_is_found_before_anything_clears_it(monkeypatch):
     """The capture engine is there but names no module (as for a NaN made inside a custom
     autograd function): the parameter scan must see the step's own gradients — it ran after
     the rerun's zero_grad(set_to_none=True) and found none."""
-    if not training._hooks_capture_available():
-        pytest.skip("hooks.capture not available")
     monkeypatch.setattr(training, "_trace_first_nonfinite", lambda trace, direction: None)
     torch.manual_seed(0)
     toy = _Toy()
@@ -582,4 +672,5 @@ def test_nonfinite_gradient_is_found_before_anything_clears_it(monkeypatch):
     result = Trainer(toy, {"x": torch.randn(4, 3)}, opt, total_steps=3).run()
     f = result.failure
     assert (result.status, f.what, f.module) == ("failed", "gradient", "a.weight")
+    assert f.located_by == "gradients"  # the first parameter with a NaN gradient
     assert "NaN" in f.detail and "no non-finite gradient found" not in result.reason

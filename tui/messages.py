@@ -142,3 +142,15 @@ class Hint(Message):
     """
 
     text: str
+
+
+@dataclass
+class TrainingCrashed(Message):
+    """The training thread ended with an exception (the user's model raised, a database write
+    failed); the run is already marked failed in the store.
+
+    Attributes:
+        error: One line: the exception's type and message.
+    """
+
+    error: str

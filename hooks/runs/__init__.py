@@ -1,6 +1,7 @@
 """``hooks.runs``: training runs — what is recorded while a model trains, and how.
 
 * :mod:`hooks.runs.store` — the SQLite run store (one writer, any number of readers);
+* :mod:`hooks.runs.spikes` — loss spikes, found by the store's writer as steps are written;
 * :mod:`hooks.runs.run` — ``hooks.run``: record your own training loop (:class:`Run`);
 * :mod:`hooks.runs.trainer` — a UI-free training loop with live controls (:class:`Trainer`);
 * :mod:`hooks.runs.checkpoint` — checkpoints as safetensors + JSON;

@@ -53,9 +53,9 @@ def _encode_json(value: Any) -> Any:
 
 def _decode_json(value: Any) -> Any:
     if isinstance(value, dict):
-        if set(value) == {"__tuple__"}:
+        if set(value) == {"__tuple__"} and isinstance(value["__tuple__"], list):
             return tuple(_decode_json(v) for v in value["__tuple__"])
-        if set(value) == {"__float__"}:
+        if set(value) == {"__float__"} and value["__float__"] in ("nan", "inf", "-inf"):
             return float(value["__float__"])
         return {k: _decode_json(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -170,13 +170,77 @@ def read_checkpoint_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
             raise FileNotFoundError(f"no checkpoint at {path}")
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ValueError(f"unreadable checkpoint {meta_path}: {exc}") from exc
-    if meta.get("format") != CHECKPOINT_FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{meta_path} is not an mdb checkpoint")
+    step = meta.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"{meta_path} is damaged: its step is {step!r}, not a step number")
     meta["extra"] = _decode_json(meta.get("extra", {}))
+    if not isinstance(meta["extra"], dict):
+        raise ValueError(f"{meta_path} is damaged: 'extra' is not a JSON object")
     meta["_dir"] = str(meta_path.parent)
     return meta
+
+
+def _rng_state(meta: Mapping[str, Any], where: Path) -> torch.Tensor | None:
+    """The checkpoint's torch CPU RNG state as a uint8 tensor (``None`` when it has none)."""
+    text = meta.get("torch_rng_state")
+    if not text:
+        return None
+    want = torch.get_rng_state().numel()
+    try:
+        raw = bytes.fromhex(text) if isinstance(text, str) else None
+    except ValueError:
+        raw = None
+    if raw is None or len(raw) != want:
+        shown = repr(text) if len(repr(text)) <= 20 else repr(text)[:19] + "…"
+        raise ValueError(f"checkpoint {where} is damaged: its RNG state is {shown}, not the "
+                         f"{want} bytes of torch's CPU generator in hex")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone()
+
+
+def _same_kind(stored: Any, current: Any) -> bool:
+    """Whether an optimizer hyper-parameter read from a checkpoint can stand for the value the
+    optimizer has now: a finite number for a number, a bool for a bool, a tuple of as many
+    numbers for a tuple (AdamW's ``betas``); anything for ``None``."""
+    if current is None:
+        return stored is None or isinstance(stored, (bool, int, float, str))
+    if isinstance(current, bool):
+        return isinstance(stored, bool)
+    if isinstance(current, (int, float)):
+        return (isinstance(stored, (int, float)) and not isinstance(stored, bool)
+                and (math.isfinite(stored) or not math.isfinite(current)))
+    if isinstance(current, (tuple, list)):
+        return (isinstance(stored, (tuple, list)) and len(stored) == len(current)
+                and all(_same_kind(a, b) for a, b in zip(stored, current, strict=True)))
+    if isinstance(current, str):
+        return isinstance(stored, str)
+    return True
+
+
+def _check_groups(groups: Any, optimizer: torch.optim.Optimizer, where: Path) -> None:
+    """Refuse param_groups that the optimizer would take but then fail on (``lr: "fast"``)."""
+    current = optimizer.param_groups
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise ValueError(f"checkpoint {where} is damaged: its param_groups are not a list of "
+                         "objects")
+    if len(groups) != len(current):
+        raise ValueError(f"checkpoint {where} holds {len(groups)} parameter groups, the "
+                         f"optimizer has {len(current)}")
+    for i, (stored, now) in enumerate(zip(groups, current, strict=True)):
+        params = stored.get("params")
+        if not (isinstance(params, list) and all(
+                isinstance(x, int) and not isinstance(x, bool) for x in params)):
+            raise ValueError(f"checkpoint {where} is damaged: parameter group {i} lists no "
+                             "parameter indices")
+        for key, value in stored.items():
+            if key != "params" and key in now and not _same_kind(value, now[key]):
+                shown = repr(value) if len(repr(value)) <= 30 else repr(value)[:29] + "…"
+                raise ValueError(f"checkpoint {where} is damaged: parameter group {i} has "
+                                 f"{key} = {shown}, where the optimizer takes "
+                                 f"{type(now[key]).__name__}")
 
 
 def checkpoint_mismatch(path: str | os.PathLike[str], model: nn.Module) -> str | None:
@@ -258,14 +322,36 @@ def load_checkpoint(
     Returns:
         The decoded ``checkpoint.json`` (``step``, ``extra`` ...).
 
+    Everything read from ``checkpoint.json`` is checked before the model is touched: its
+    RNG state, and that each optimizer hyper-parameter is of the kind the optimizer holds now
+    (``lr: "fast"`` is refused here, not when the first update fails).
+
     Raises:
         FileNotFoundError: No checkpoint at ``path``.
-        ValueError: Not an mdb checkpoint, or it does not fit the model/optimizer.
+        ValueError: Not an mdb checkpoint, damaged (one line naming the field), or it does not
+            fit the model/optimizer.
     """
     from safetensors.torch import load_file, load_model
 
     meta = read_checkpoint_meta(path)
     d = Path(meta["_dir"])
+    rng = _rng_state(meta, d) if restore_rng else None
+    info = meta.get("optimizer")
+    if optimizer is not None:
+        if not isinstance(info, dict):
+            raise ValueError(f"checkpoint {d} has no optimizer state")
+        if info.get("class") != type(optimizer).__name__:
+            raise ValueError(
+                f"checkpoint {d} holds {info.get('class')} state, not {type(optimizer).__name__}"
+            )
+        groups = _decode_json(info.get("param_groups"))
+        _check_groups(groups, optimizer, d)
+        other = info.get("state_other", {})
+        if not isinstance(other, dict) or not all(
+                isinstance(k, str) and k.isdigit() and isinstance(v, dict)
+                for k, v in other.items()):
+            raise ValueError(f"checkpoint {d} is damaged: its optimizer state_other is not an "
+                             "object of per-parameter objects")
     mismatch = checkpoint_mismatch(d, model)
     if mismatch is not None:
         raise ValueError(f"checkpoint {d} does not fit the model: {mismatch}")
@@ -274,30 +360,24 @@ def load_checkpoint(
     except Exception as exc:  # RuntimeError, OSError, safetensors' SafetensorError (truncated)
         raise ValueError(f"checkpoint {d} does not fit the model or is unreadable: {exc}") from exc
     if optimizer is not None:
-        info = meta.get("optimizer")
-        if info is None:
-            raise ValueError(f"checkpoint {d} has no optimizer state")
-        if info["class"] != type(optimizer).__name__:
-            raise ValueError(
-                f"checkpoint {d} holds {info['class']} state, not {type(optimizer).__name__}"
-            )
         try:
             tensors = load_file(str(d / "optimizer.safetensors"))
         except Exception as exc:
             raise ValueError(f"checkpoint {d} has an unreadable optimizer state: {exc}") from exc
         state: dict[int, dict[str, Any]] = {}
         for key, value in tensors.items():
-            idx, name = key.split(".", 1)
+            idx, _, name = key.partition(".")
+            if not idx.isdigit() or not name:
+                raise ValueError(f"checkpoint {d} is damaged: optimizer tensor {key!r} names no "
+                                 "parameter index")
             state.setdefault(int(idx), {})[name] = value
         for idx, values in info.get("state_other", {}).items():
             for name, value in values.items():
                 state.setdefault(int(idx), {})[name] = _decode_json(value)
-        groups = _decode_json(info["param_groups"])
         try:
             optimizer.load_state_dict({"state": state, "param_groups": groups})
-        except (ValueError, KeyError, RuntimeError) as exc:
+        except (ValueError, KeyError, RuntimeError, TypeError, IndexError) as exc:
             raise ValueError(f"checkpoint {d} does not fit the optimizer: {exc}") from exc
-    if restore_rng and meta.get("torch_rng_state"):
-        rng = torch.frombuffer(bytearray(bytes.fromhex(meta["torch_rng_state"])), dtype=torch.uint8)
-        torch.set_rng_state(rng.clone())
+    if rng is not None:
+        torch.set_rng_state(rng)
     return meta

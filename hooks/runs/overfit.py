@@ -32,6 +32,8 @@ import math
 import os
 import shutil
 import sqlite3
+import types
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +50,7 @@ from hooks.runs.checkpoint import (
     save_checkpoint,
 )
 from hooks.runs.reserve import DiskReserve, rollback_if_open
-from hooks.runs.store import RunStore, RunWriter, checkpoint_dir
+from hooks.runs.store import DamagedRunError, RunStore, RunWriter, checkpoint_dir
 from hooks.runs.trainer import (
     StepReport,
     TrainControl,
@@ -86,6 +88,36 @@ MINILLM_METRICS = ("ce", "aux", "total", "grad_norm", "lr", "step_time", "tokens
 LOSS_METRICS = ("loss", "total", "ce", "aux")
 
 
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a value read from JSON fits a dataclass field's type (``int``, ``float``,
+    ``str``, ``dict[...]``, ``X | None``; an ``int`` is a ``float`` too, a ``bool`` is neither)."""
+    if hint is Any:
+        return True
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    origin = typing.get_origin(hint) or hint
+    return isinstance(value, origin) if isinstance(origin, type) else True
+
+
+def _type_words(hint: Any) -> str:
+    words = {int: "an integer", float: "a number", str: "text", bool: "true or false",
+             dict: "an object", type(None): "null"}
+    parts = typing.get_args(hint) if typing.get_origin(hint) in (
+        typing.Union, types.UnionType) else (hint,)
+    return " or ".join(words.get(typing.get_origin(a) or a, str(a)) for a in parts)
+
+
 def _step_dir_name(step: int) -> str:
     return f"step-{int(step):08d}"
 
@@ -108,6 +140,7 @@ class _StoredOptions:
 
     steps: int
     lr: float
+    seed: int
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable dict (the run's stored config)."""
@@ -115,13 +148,36 @@ class _StoredOptions:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]):
-        """Inverse of :meth:`to_dict`; unknown keys are ignored (a later mdb may add some)."""
-        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        return cls(**{k: v for k, v in data.items() if k in names})
+        """Inverse of :meth:`to_dict`; unknown keys are ignored (a later mdb may add some).
+
+        Raises:
+            ValueError: ``data`` is not a mapping, lacks a required field, or holds a value of
+                the wrong type (``lr: "fast"``): one line naming the field.
+        """
+        if not isinstance(data, Mapping):
+            raise ValueError(f"the run's stored config is {type(data).__name__}, not an object")
+        hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            if f.name not in data:
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                    raise ValueError(f"the run's stored config has no {f.name!r}")
+                continue
+            value = data[f.name]
+            if not _fits(value, hints[f.name]):
+                shown = repr(value) if len(repr(value)) <= 30 else repr(value)[:29] + "…"
+                raise ValueError(f"the run's stored config has {f.name} = {shown}, not "
+                                 f"{_type_words(hints[f.name])}")
+            if isinstance(value, int) and _type_words(hints[f.name]).startswith("a number"):
+                value = float(value)
+            kwargs[f.name] = value
+        return cls(**kwargs)
 
     def _check(self, intervals: tuple[str, ...]) -> None:
         if self.steps < 1:
             raise ValueError(f"--steps must be at least 1, got {self.steps}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"--seed must be an integer in [0, 2**63), got {self.seed}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"--lr must be a positive number, got {self.lr}")
         for name in intervals:
@@ -276,6 +332,16 @@ class RunSession:
     def has_experts(self) -> bool:
         """Whether the model reports router logits (a MoE model)."""
         return False
+
+    def _register(self, store: RunStore | Callable[[], RunStore],
+                  name: str | Callable[[RunStore], str]) -> None:
+        """Open the store if given as a function, and create this session's run in it."""
+        if callable(store):
+            store = store()
+        self.store = store
+        self.name = name(store) if callable(name) else name
+        self.writer = store.create_run(self.name, self._config(),
+                                       total_steps=self.options.steps)
 
     def _declared(self) -> dict[str, Any]:
         """What a reader needs to show the run, stored with its config."""
@@ -456,7 +522,11 @@ class RunSession:
         return result
 
     def _abort(self, exc: BaseException) -> None:
-        """Mark the run ended after ``exc`` escaped the loop (best effort, never raises)."""
+        """Mark the run ended after ``exc`` escaped the loop (best effort, never raises).
+
+        The last step the database recorded is checkpointed first (a crash checkpoint), so a
+        resume continues from it; a checkpoint that cannot be written is said in the run's
+        reason (and :attr:`checkpoint_error`), with the step a resume would start from."""
         step, recorded = self.trainer.step, self.recorded_step
         if isinstance(exc, KeyboardInterrupt):
             status, reason = "interrupted", "KeyboardInterrupt"
@@ -466,10 +536,23 @@ class RunSession:
         else:
             status, reason = "failed", f"at step {step + 1}: {type(exc).__name__}: {_one_line(exc)}"
         # only a step the database holds may be checkpointed (a resume continues after it)
-        if step == recorded and step != self.last_checkpoint_step and not _disk_full(exc):
-            with contextlib.suppress(Exception):
-                self.save_checkpoint()
-        with contextlib.suppress(Exception):
+        if step == recorded and step != self.last_checkpoint_step:
+            if _disk_full(exc):
+                self.checkpoint_error = (f"checkpoint of step {step} not written: the disk is "
+                                         "full")
+            else:
+                try:
+                    self.save_checkpoint()
+                    self.checkpoint_error = None
+                except Exception as ckpt_exc:  # recorded in the run, never hidden
+                    self.checkpoint_error = (f"checkpoint of step {step} failed: "
+                                             f"{_one_line(ckpt_exc)}")
+            if self.checkpoint_error is not None:
+                saved = self.last_checkpoint_step
+                where = (f"a resume starts from step {saved}" if saved is not None
+                         else "it cannot be resumed")
+                reason = f"{reason}; {self.checkpoint_error}, {where}"
+        with contextlib.suppress(Exception):  # the database itself may be what failed
             self._finish(status, reason=reason[:500])
 
 
@@ -548,20 +631,25 @@ class OverfitSession(RunSession):
     @classmethod
     def create(
         cls,
-        store: RunStore,
-        name: str,
+        store: RunStore | Callable[[], RunStore],
+        name: str | Callable[[RunStore], str],
         options: OverfitOptions,
     ) -> OverfitSession:
-        """Register a new run ``name`` in ``store`` and build its session.
+        """Build the session, then register a new run ``name`` in ``store``.
+
+        Args:
+            store: The run store, or a function opening it: called only once the model is built
+                and the options checked, so that a rejected run creates no database.
+            name: The run's name, or a function of the opened store giving it.
+            options: What the run trains.
 
         Raises:
             ValueError: Invalid options (one line).
             hooks.runs.store.RunStoreError: Bad name or the name exists.
         """
         options.validate()
-        session = cls(options, store, None)  # builds (and validates) everything first
-        session.writer = store.create_run(name, session._config(), total_steps=options.steps)
-        session.name = name
+        session = cls(options, None, None)  # type: ignore[arg-type]  (builds everything first)
+        session._register(store, name)
         return session
 
     def _config(self) -> dict[str, Any]:
@@ -651,12 +739,19 @@ def _resume(store: RunStore, name: str, options_cls: Any, steps: int | None,
     the checkpoint checked, the session built by ``make(options, step, checkpoint)`` (which
     raises when it does not fit), then the store's run taken over and its config updated."""
     run = store.run(name)
+    if run.damaged:
+        raise DamagedRunError(f"cannot resume: {run.damaged}")
     options = options_cls.from_dict(run.config)
     if steps is not None:
         options.steps = int(steps)
     options.validate()
     ckpt, step = _resumable_checkpoint(store, run, options.steps)
-    session = make(options, step, ckpt)
+    try:
+        session = make(options, step, ckpt)
+    except (TypeError, KeyError, AttributeError, IndexError, RuntimeError, OverflowError) as exc:
+        # a stored config that passed the checks above but does not rebuild the model
+        raise ValueError(f"its stored config does not rebuild the run: {type(exc).__name__}: "
+                         f"{_one_line(exc)}") from None
     writer = store.resume_run(name, total_steps=options.steps)
     session.writer, session.name = writer, name
     writer.update_config(session._config())
@@ -823,18 +918,20 @@ class ModelOverfitSession(RunSession):
     # -- construction ----------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, store: RunStore, name: str, options: ModelOverfitOptions,
+    def create(cls, store: RunStore | Callable[[], RunStore],
+               name: str | Callable[[RunStore], str], options: ModelOverfitOptions,
                build: WorkloadBuilder) -> ModelOverfitSession:
-        """Build the user's model and register a new run ``name`` in ``store``.
+        """Build the user's model, then register a new run ``name`` in ``store`` (``store`` and
+        ``name`` as for :meth:`OverfitSession.create`: the store is opened only once the model
+        gave a loss).
 
         Raises:
             ValueError: Invalid options, or a factory whose model gives no loss (one line).
             hooks.runs.store.RunStoreError: Bad name or the name exists.
         """
         options.validate()
-        session = cls(options, store, None, build)
-        session.writer = store.create_run(name, session._config(), total_steps=options.steps)
-        session.name = name
+        session = cls(options, None, None, build)  # type: ignore[arg-type]
+        session._register(store, name)
         return session
 
     @classmethod
@@ -894,6 +991,8 @@ def resume_session(store: RunStore, name: str, *, steps: int | None = None,
         hooks.runs.store.RunStoreError, ValueError: As the sessions' ``resume``.
     """
     run = store.run(name)
+    if run.damaged:
+        raise DamagedRunError(f"cannot resume: {run.damaged}")
     if run.config.get("workload") == "model" or "model_path" in run.config:
         if build is None:
             raise ValueError(f"run {name!r} trains a --model; resuming it needs its factory")

@@ -116,7 +116,11 @@ def _to_float(name: str, value: Any) -> float:
     if type(value) is float:
         return value
     if isinstance(value, (int, float)):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an int beyond float64's range
+            raise ValueError(f"run.log({name}=...): an integer of {int(value).bit_length()} bits "
+                             "does not fit a float64") from None
     if isinstance(value, (str, bytes)):
         raise TypeError(f"run.log({name}=...): expected a number or a one-element tensor, "
                         f"got {type(value).__name__}")
@@ -189,6 +193,9 @@ class Run:
             raise TypeError(f"config must be a mapping (a dict), got {type(config).__name__}")
         if total_steps is not None:
             total_steps = operator.index(total_steps)
+            if not 0 < total_steps < 2**63:
+                raise ValueError(f"total_steps must be a positive integer below 2**63, got "
+                                 f"{total_steps}")
         self.db = Path(db) if db is not None else default_db_path()
         self.total_steps = total_steps
         self.step = 0
@@ -314,6 +321,8 @@ class Run:
                                 f"{type(step).__name__}") from None
             if step < 0:
                 raise ValueError(f"run.log(step={step}): steps are counted from 0")
+            if step >= 2**63:  # SQLite's INTEGER: the writer thread could not store it
+                raise ValueError(f"run.log(step={step}): steps go up to 2**63 - 1")
             if self._logged and step < self.step:
                 raise ValueError(
                     f"run.log(step={step}): step {step} is before the last step logged "

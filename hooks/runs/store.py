@@ -39,6 +39,8 @@ Schema (version :data:`SCHEMA_VERSION`; ``meta`` identifies the file as an mdb r
     scalars(run_id, step, metric, value)  PRIMARY KEY (run_id, step, metric)
     internals(run_id, step, captured, data JSON, tensors BLOB) PRIMARY KEY (run_id, step)
     samples(run_id, step, prompt, text)                      PRIMARY KEY (run_id, step)
+    spikes(run_id, step, metric, value, baseline, peak_step, last_step)
+                                                     PRIMARY KEY (run_id, step, metric)
 
 A step's metrics are any number of named scalars: ``scalars.metric`` is a
 ``metric_names.id``, numbered per run in the order the names were first logged. SQLite stores
@@ -46,11 +48,21 @@ a NaN ``REAL`` as ``NULL``, so a ``scalars`` row with a ``NULL`` value is a NaN,
 a metric not logged at that step, and infinities round-trip. Times are Unix seconds
 (``time.time()``).
 
+``spikes`` holds the loss spikes the writer found as it wrote the steps
+(:mod:`hooks.runs.spikes`: one row per episode of the run's loss far above its running median).
+The table was added without a version change: a writer creates it in a version-2 database that
+lacks it, and a reader of such a database sees no spikes.
+
+A row changed outside mdb (text in a numeric column, a config that is not JSON) is read with
+the unreadable fields left empty and :attr:`RunInfo.damaged` saying which; such a run is never
+resumed. A metric row that cannot be read raises :class:`DamagedRunError`.
+
 Version 1 (mdb before the ``hooks.run`` API) kept a fixed set of metric columns in
 ``metrics``; :class:`RunStore` migrates such a database to version 2 on open, in one
 transaction (see :func:`_migrate_v1`). A database of a newer version is refused.
 
-This module uses only the standard library; it never imports torch, textual or rich.
+This module uses only the standard library (and :mod:`hooks.runs.spikes`, which does too); it
+never imports torch, textual or rich.
 """
 
 from __future__ import annotations
@@ -70,6 +82,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hooks.runs.spikes import Spike, SpikeDetector
+
 __all__ = [
     "APPLICATION_ID",
     "DEFAULT_DB_ENV",
@@ -84,6 +98,7 @@ __all__ = [
     "RunNotFoundError",
     "RunStore",
     "RunStoreError",
+    "DamagedRunError",
     "RunUpdate",
     "RunWriter",
     "SampleRow",
@@ -191,6 +206,16 @@ _TABLES = {
     text   TEXT NOT NULL,
     PRIMARY KEY (run_id, step)
 ) WITHOUT ROWID""",
+    "spikes": """CREATE TABLE spikes (
+    run_id    INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+    step      INTEGER NOT NULL,
+    metric    TEXT NOT NULL,
+    value     REAL NOT NULL,
+    baseline  REAL NOT NULL,
+    peak_step INTEGER NOT NULL,
+    last_step INTEGER NOT NULL,
+    PRIMARY KEY (run_id, step, metric)
+) WITHOUT ROWID""",
 }
 
 
@@ -207,6 +232,12 @@ class RunNotFoundError(RunStoreError):
 
 class RunExistsError(RunStoreError):
     """A new run was requested under a name that is already taken."""
+
+
+class DamagedRunError(RunStoreError):
+    """A row of a run holds what mdb never writes there (text in a numeric column, JSON that
+    does not parse): the database was changed outside mdb. The message names the run, the
+    column and the value."""
 
 
 class WriterBusyError(RunStoreError):
@@ -257,7 +288,7 @@ def pid_alive(pid: int | None) -> bool:
     A zombie (exited, not yet reaped by its parent) still counts as alive; a process owned by
     another user counts as alive (``EPERM``).
     """
-    if not pid or pid <= 0:
+    if not isinstance(pid, int) or pid <= 0:
         return False
     try:
         os.kill(pid, 0)
@@ -265,7 +296,7 @@ def pid_alive(pid: int | None) -> bool:
         return False
     except PermissionError:
         return True
-    except OSError:
+    except (OSError, OverflowError):
         return False
     return True
 
@@ -306,15 +337,21 @@ _NONFINITE_KEYS = ("step", "metric", "module", "direction")
 
 
 def _nonfinite_from_json(text: str | None) -> dict[str, Any] | None:
-    if not text:
+    if not isinstance(text, str) or not text:
         return None
     try:
         d = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return None
     if not isinstance(d, dict) or not isinstance(d.get("step"), int):
         return None
-    return {k: d.get(k) for k in _NONFINITE_KEYS}
+    out = {k: d.get(k) for k in _NONFINITE_KEYS}
+    for key in ("metric", "module"):
+        if not isinstance(out[key], (str, type(None))):
+            out[key] = str(out[key])
+    if out["direction"] not in (None, "forward", "backward"):
+        out["direction"] = None
+    return out
 
 
 @dataclass(frozen=True)
@@ -351,6 +388,10 @@ class RunInfo:
             first module whose output (forward) or output gradient (backward) was non-finite
             in a capture of that step or the next (``None``: not located, e.g. no capture).
             ``module`` is ``""`` for the model's own (root) forward.
+        damaged: ``None``, or one line naming the fields of the row that could not be read
+            (text in a numeric column, a config that is not a JSON object...): they hold
+            their empty value here (``None``, 0, ``{}``). A damaged run is listed, never
+            resumed.
     """
 
     id: int
@@ -374,6 +415,7 @@ class RunInfo:
     checkpoint_path: str | None
     attempt: int
     nonfinite: dict[str, Any] | None = field(default=None, hash=False)
+    damaged: str | None = field(default=None, hash=False)
 
     def writer_state(
         self, now: float | None = None, stale_after: float = DEFAULT_STALE_AFTER
@@ -424,7 +466,9 @@ class RunInfo:
     def status_line(self, now: float | None = None) -> str:
         """The status as ``mdb runs`` and the live screen show it: ``running``, ``paused``,
         ``finished``, ``interrupted (SIGTERM)``, ``failed @ step 7 in model.layers.1.mlp``,
-        ``gone: ...``."""
+        ``gone: ...``; ``damaged`` for a row that could not be read (see :attr:`damaged`)."""
+        if self.damaged:
+            return "damaged"
         state = self.writer_state(now)
         if state == "running":
             return "paused" if self.paused else "running"
@@ -530,6 +574,8 @@ class RunUpdate:
         metrics: Steps with ``step > after_step``, in step order.
         samples: Samples with ``step > after_step``, in step order.
         internals_steps: Steps with captured internals and ``step > after_step``.
+        spikes: Loss spikes whose episode lasted past ``after_step`` (new ones, and ones whose
+            peak or end moved), in step order (:meth:`RunStore.spikes`).
         restarted: True when the run was resumed from an earlier checkpoint than the reader's
             cursor (``run.last_step < after_step``): the reader should drop what it has after
             ``run.checkpoint_step`` and read again from there.
@@ -540,6 +586,7 @@ class RunUpdate:
     samples: list[SampleRow] = field(default_factory=list)
     internals_steps: list[int] = field(default_factory=list)
     restarted: bool = False
+    spikes: list[Spike] = field(default_factory=list)
 
     @property
     def last_step(self) -> int:
@@ -547,33 +594,78 @@ class RunUpdate:
         return self.metrics[-1].step if self.metrics else self.run.last_step
 
 
+#: The columns of ``runs`` as :func:`_run_from_row` reads them: (kind, may be NULL).
+_RUN_COLUMNS: dict[str, tuple[str, bool]] = {
+    "id": ("int", False), "name": ("text", False), "kind": ("text", False),
+    "status": ("status", False), "pid": ("int", True), "host": ("text", True),
+    "started": ("real", False), "ended": ("real", True), "heartbeat": ("real", True),
+    "total_steps": ("int", True), "last_step": ("int", False), "last_loss": ("real", True),
+    "paused": ("int", False), "reason": ("text", True), "fail_step": ("int", True),
+    "fail_module": ("text", True), "checkpoint_step": ("int", True),
+    "checkpoint_path": ("text", True), "attempt": ("int", False),
+}
+_EMPTY = {"int": 0, "real": 0.0, "text": "", "status": "failed"}
+_KIND_WORDS = {"int": "an integer", "real": "a number", "text": "text",
+               "status": "one of " + "/".join(STATUSES)}
+
+
+def _cell(kind: str, value: Any) -> tuple[bool, Any]:
+    """``(readable, value)`` of one stored value of a column of this kind."""
+    if kind == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return True, value
+        if isinstance(value, float) and value.is_integer():
+            return True, int(value)
+        return False, None
+    if kind == "real":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True, float(value)
+        return False, None
+    if kind == "status":
+        return value in STATUSES, value
+    return isinstance(value, str), value
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:39] + "…"
+
+
 def _run_from_row(row: sqlite3.Row) -> RunInfo:
+    """A :class:`RunInfo` from a ``runs`` row; what cannot be read is left empty and named in
+    :attr:`RunInfo.damaged` (a row changed outside mdb never raises here)."""
+    problems: list[str] = []
+    fields: dict[str, Any] = {}
+    for name, (kind, nullable) in _RUN_COLUMNS.items():
+        value = row[name]
+        if value is None and nullable:
+            fields[name] = None
+            continue
+        ok, got = _cell(kind, value) if value is not None else (False, None)
+        if not ok:
+            problems.append(f"runs.{name} holds {_shown(value)}, not {_KIND_WORDS[kind]}")
+            got = None if nullable else _EMPTY[kind]
+        fields[name] = got
+    config: Any = {}
+    text = row["config"]
     try:
-        config = json.loads(row["config"]) if row["config"] else {}
-    except json.JSONDecodeError:
+        config = json.loads(text) if isinstance(text, str) and text else {}
+    except (json.JSONDecodeError, RecursionError):
+        config = None
+    if not isinstance(config, dict):
+        problems.append(f"runs.config holds {_shown(text)}, not a JSON object")
         config = {}
+    damaged = None
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        damaged = (f"run {fields['name'] or fields['id']!r} cannot be read: {problems[0]}{more}; "
+                   "the database was changed outside mdb")
     return RunInfo(
-        id=row["id"],
-        name=row["name"],
-        kind=row["kind"],
         config=config,
-        status=row["status"],
-        pid=row["pid"],
-        host=row["host"],
-        started=row["started"],
-        ended=row["ended"],
-        heartbeat=row["heartbeat"],
-        total_steps=row["total_steps"],
-        last_step=row["last_step"],
-        last_loss=row["last_loss"],
-        paused=bool(row["paused"]),
-        reason=row["reason"],
-        fail_step=row["fail_step"],
-        fail_module=row["fail_module"],
-        checkpoint_step=row["checkpoint_step"],
-        checkpoint_path=row["checkpoint_path"],
-        attempt=row["attempt"],
+        paused=bool(fields.pop("paused")),
         nonfinite=_nonfinite_from_json(row["nonfinite"]),
+        damaged=damaged,
+        **fields,
     )
 
 
@@ -950,6 +1042,10 @@ class RunStore:
             )
         if version < SCHEMA_VERSION:
             self._migrate(version)
+        if "spikes" not in tables and not self.read_only:
+            # added within version 2: a writer adds it to a database that lacks it
+            self.connection.execute(_TABLES["spikes"].replace("CREATE TABLE",
+                                                              "CREATE TABLE IF NOT EXISTS"))
 
     def _version(self, app_id: int, tables: set[str]) -> int:
         if app_id != APPLICATION_ID or "meta" not in tables:
@@ -1105,6 +1201,12 @@ class RunStore:
         rows = conn.execute(sql, params).fetchall()
         if not rows:
             return []
+        for step, wall, _load in rows:
+            if not _cell("int", step)[0]:
+                raise self._damaged(run_id, f"metrics.step holds {_shown(step)}, not an integer")
+            if not _cell("real", wall)[0]:
+                raise self._damaged(run_id, f"metrics.wall of step {step} holds {_shown(wall)}, "
+                                    "not a number")
         values: dict[int, dict[str, float | None]] = {r[0]: {} for r in rows}
         names = self._metric_names(run_id)
         scalars = conn.execute(
@@ -1117,14 +1219,62 @@ class RunStore:
             if name is None:
                 names = self._metric_names(run_id, refresh=True)
                 name = names.get(metric, f"metric{metric}")
+            if value is not None and not _cell("real", value)[0]:
+                raise self._damaged(run_id, f"the value of {name} at step {step} is "
+                                    f"{_shown(value)}, not a number")
             bucket = values.get(step)
             if bucket is not None:
-                bucket[name] = value
+                bucket[name] = None if value is None else float(value)
         out = []
         for step, wall, load in rows:
-            out.append(MetricRow(step=step, wall=wall,
-                                 expert_load=json.loads(load) if load else None,
+            out.append(MetricRow(step=step, wall=float(wall),
+                                 expert_load=self._expert_load(run_id, step, load),
                                  values=values[step]))
+        return out
+
+    def _expert_load(self, run_id: int, step: int, text: Any) -> list[list[float]] | None:
+        """``metrics.expert_load`` of one step: (L_moe, E) fractions, or ``None``."""
+        if text is None:
+            return None
+        try:
+            load = json.loads(text) if isinstance(text, str) else None
+        except (json.JSONDecodeError, RecursionError):
+            load = None
+        if not (isinstance(load, list) and all(
+                isinstance(layer, list) and all(_cell("real", f)[0] for f in layer)
+                for layer in load)):
+            raise self._damaged(run_id, f"metrics.expert_load of step {step} holds "
+                                f"{_shown(text)}, not a list of per-layer lists of fractions")
+        return [[float(f) for f in layer] for layer in load] or None
+
+    def _damaged(self, run_id: int, what: str) -> DamagedRunError:
+        row = self.connection.execute("SELECT name FROM runs WHERE id = ?", (run_id,)).fetchone()
+        name = row[0] if row is not None else run_id
+        return DamagedRunError(f"run {name!r} in {self.path} cannot be read: {what}; the "
+                               "database was changed outside mdb")
+
+    def spikes(self, run_id: int, after_step: int = 0) -> list[Spike]:
+        """The loss spikes the writer recorded (:mod:`hooks.runs.spikes`), in step order:
+        those whose episode lasted past ``after_step`` (0 = all). A database without the
+        ``spikes`` table (written before it existed) has none."""
+        try:
+            rows = self.connection.execute(
+                "SELECT step, metric, value, baseline, peak_step, last_step FROM spikes"
+                " WHERE run_id = ? AND last_step > ? ORDER BY step", (run_id, after_step),
+            ).fetchall()
+        except sqlite3.OperationalError as exc:
+            if "no such table" in str(exc):
+                return []
+            raise
+        out = []
+        for step, metric, value, baseline, peak, last in rows:
+            if not (all(_cell("int", v)[0] for v in (step, peak, last))
+                    and all(_cell("real", v)[0] for v in (value, baseline))
+                    and isinstance(metric, str)):
+                raise self._damaged(run_id, f"the spike row of step {_shown(step)} holds values "
+                                    "that are not numbers")
+            out.append(Spike(int(step), metric, float(value), float(baseline), int(peak),
+                             int(last)))
         return out
 
     def last_metrics(self, run_id: int) -> MetricRow | None:
@@ -1144,7 +1294,8 @@ class RunStore:
             "SELECT step, prompt, text FROM samples WHERE run_id = ? AND step > ? ORDER BY step",
             (run_id, after_step),
         )
-        return [SampleRow(r["step"], r["prompt"], r["text"]) for r in rows]
+        return [SampleRow(r["step"], str(r["prompt"]), str(r["text"])) for r in rows
+                if _cell("int", r["step"])[0]]
 
     def internals_steps(self, run_id: int, after_step: int = 0) -> list[int]:
         """Steps of a run that have captured internals, in order."""
@@ -1152,7 +1303,7 @@ class RunStore:
             "SELECT step FROM internals WHERE run_id = ? AND step > ? ORDER BY step",
             (run_id, after_step),
         )
-        return [r[0] for r in rows]
+        return [r[0] for r in rows if _cell("int", r[0])[0]]
 
     def internals(self, run_id: int, step: int) -> dict[str, Any] | None:
         """The internals captured at ``step`` (a JSON dict, see the training loop), or ``None``.
@@ -1188,7 +1339,8 @@ class RunStore:
             metrics = self._metrics(run_id, cursor, None)
             samples = self.samples(run_id, cursor)
             steps = self.internals_steps(run_id, cursor)
-        return RunUpdate(run, metrics, samples, steps, restarted)
+            spikes = self.spikes(run_id, cursor)
+        return RunUpdate(run, metrics, samples, steps, restarted, spikes)
 
     def integrity_check(self) -> str:
         """Result of ``PRAGMA integrity_check``: ``"ok"`` for a sound database."""
@@ -1274,6 +1426,8 @@ class RunStore:
         self._require_writable()
         with self._transaction() as conn:
             run = self.run(name)
+            if run.damaged:
+                raise DamagedRunError(f"cannot resume: {run.damaged}")
             if run.writer_state(stale_after=stale_after) == "running":
                 raise WriterBusyError(
                     f"run {name!r} is still being written by pid {run.pid} on {run.host}"
@@ -1287,7 +1441,7 @@ class RunStore:
                     "(pass a larger --steps to continue it)"
                 )
             ckpt = run.checkpoint_step
-            for table in ("metrics", "scalars", "internals", "samples"):
+            for table in ("metrics", "scalars", "internals", "samples", "spikes"):
                 conn.execute(f"DELETE FROM {table} WHERE run_id = ? AND step > ?", (run.id, ckpt))
             names = self._metric_names(run.id, refresh=True)
             last_loss = None
@@ -1345,6 +1499,14 @@ class RunWriter:
     Obtain it from :meth:`RunStore.create_run` or :meth:`RunStore.resume_run`. Use it from one
     thread (the training thread, or ``hooks.run``'s writer thread); the heartbeat thread
     started by :meth:`start_heartbeat` uses its own connection.
+
+    As it writes the steps it watches the run's loss (:func:`loss_metric`) for spikes
+    (:class:`hooks.runs.spikes.SpikeDetector`, seeded from the steps already stored when the
+    run was resumed) and records each episode in ``spikes`` in the same transaction.
+
+    Attributes:
+        spikes: The spikes this writer recorded, in step order, each in its latest state (its
+            peak and last step move while the episode lasts).
     """
 
     def __init__(self, store: RunStore, run_id: int, name: str):
@@ -1355,6 +1517,9 @@ class RunWriter:
         self._hb_thread: threading.Thread | None = None
         self._closed = False
         self._ids: dict[str, int] | None = None
+        self._detector: SpikeDetector | None = None
+        self._detected_step: int | None = None  # the last step the detector was given
+        self.spikes: list[Spike] = []
 
     @property
     def info(self) -> RunInfo:
@@ -1422,15 +1587,65 @@ class RunWriter:
                 extras_s.append((self.run_id, step, sample[0], sample[1]))
         if not rows:
             return
+        found: list[Spike] = []
         try:
             with self.store._transaction() as conn:
-                self._write(conn, rows, extras_i, extras_s, now)
+                self._write(conn, rows, extras_i, extras_s, now, found)
         except BaseException:
             self._ids = None  # names added in the rolled-back transaction are not stored
+            self._detector = None  # nor its steps: seeded again from the database
             raise
+        for spike in found:
+            if self.spikes and self.spikes[-1].step == spike.step:
+                self.spikes[-1] = spike
+            else:
+                self.spikes.append(spike)
 
-    def _write(self, conn, rows, extras_i, extras_s, now) -> None:
+    def _spike_detector(self, conn: sqlite3.Connection, key: str) -> SpikeDetector:
+        """The detector of ``key``, seeded from what the database holds of it (a resume)."""
+        det = self._detector
+        if det is not None and det.metric == key:
+            return det
+        det = self._detector = SpikeDetector(key)
+        self._detected_step = None
+        mid = (self._ids or {}).get(key)
+        if mid is not None:
+            sql = ("SELECT step, value FROM scalars WHERE run_id = ? AND metric = ?"
+                   " ORDER BY step {} LIMIT ?")
+            first = conn.execute(sql.format("ASC"), (self.run_id, mid, det.min_history))
+            last = conn.execute(sql.format("DESC"),
+                                (self.run_id, mid, det.window)).fetchall()[::-1]
+            det.seed([v for _s, v in first], [v for _s, v in last])
+            if last:
+                self._detected_step = last[-1][0]
+        return det
+
+    def _detect(self, conn: sqlite3.Connection, key: str | None, rows, found: list) -> None:
+        if key is None:
+            return
+        det = self._spike_detector(conn, key)
+        upserts = []
+        for step, _w, _l, values in sorted(rows, key=lambda r: r[0]):
+            if key not in values or (self._detected_step is not None
+                                     and step <= self._detected_step):
+                continue  # a step logged again (hooks.run adds to it) is seen once
+            self._detected_step = step
+            v = values[key]
+            spike = det.observe(step, None if v is None else float(v))
+            if spike is not None:
+                found.append(spike)
+                upserts.append((self.run_id, spike.step, spike.metric, spike.value,
+                                spike.baseline, spike.peak_step, spike.last_step))
+        if upserts:
+            conn.executemany(
+                "INSERT INTO spikes (run_id, step, metric, value, baseline, peak_step,"
+                " last_step) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (run_id, step, metric)"
+                " DO UPDATE SET value = excluded.value, peak_step = excluded.peak_step,"
+                " last_step = excluded.last_step", upserts)
+
+    def _write(self, conn, rows, extras_i, extras_s, now, found) -> None:
         ids = self._metric_ids(conn)
+        self._detect(conn, loss_metric([*ids, *(n for r in rows for n in r[3])]), rows, found)
         scalars = []
         for step, _wall, _load, values in rows:
             for name, v in values.items():

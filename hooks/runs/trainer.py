@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from hooks.batch import Batch, BatchError, LossChoice, select_loss
+from hooks.capture import capture as _capture
 from hooks.norms import total_norm  # the global gradient norm (re-exported)
 from hooks.runs.store import MetricRow, RunStore
 
@@ -262,17 +263,30 @@ class NonFiniteInfo:
         module: Qualified name of the module whose output (forward) or gradient (backward)
             was first non-finite, or a parameter name for a gradient; ``None`` if not located.
         detail: One line describing the offending tensor.
+        located_by: Which locator answered: ``"capture"`` (the step under :func:`hooks.capture`,
+            its own capture or a rerun), ``"forward hooks"`` (:func:`locate_nonfinite`, when the
+            capture could not answer), ``"gradients"`` (the first parameter whose gradient is
+            non-finite), or ``None`` (not located).
+        capture_error: One line when the rerun under the capture engine raised (the other
+            locators then answered), else ``None``.
     """
 
     step: int
     what: str
     module: str | None
     detail: str
+    located_by: str | None = None
+    capture_error: str | None = None
 
     def describe(self) -> str:
-        """One line, e.g. ``non-finite loss at step 7, first in model.layers.1.mlp (...)``."""
+        """One line, e.g. ``non-finite loss at step 7, first in model.layers.1.mlp (...)``;
+        when the capture engine could not answer, which locator did and why."""
         where = f", first in {self.module}" if self.module else ""
-        return f"non-finite {self.what} at step {self.step}{where}: {self.detail}"
+        how = ""
+        if self.capture_error is not None:
+            how = (f" (located by {self.located_by or 'nothing'}: the capture raised "
+                   f"{self.capture_error})")
+        return f"non-finite {self.what} at step {self.step}{where}: {self.detail}{how}"
 
 
 @dataclass
@@ -472,26 +486,12 @@ def locate_nonfinite(
     return None, "no module output was non-finite (the loss itself is)"
 
 
-def _hooks_capture_available() -> bool:
-    try:
-        import hooks
-
-        return callable(getattr(hooks, "capture", None))
-    except Exception:  # pragma: no cover - a broken hooks package must not stop training
-        return False
-
-
 @contextlib.contextmanager
 def _maybe_capture(
     model: nn.Module, step: int | None = None, kwargs: Mapping[str, Any] | None = None
 ):
-    """``hooks.capture(model)`` as a context yielding the Trace, or ``None`` without the engine."""
-    if not _hooks_capture_available():
-        yield None
-        return
-    import hooks
-
-    with hooks.capture(model, step=step, **dict(kwargs or {})) as trace:
+    """``hooks.capture(model)`` as a context yielding the :class:`hooks.Trace`."""
+    with _capture(model, step=step, **dict(kwargs or {})) as trace:
         yield trace
 
 
@@ -609,8 +609,9 @@ class Trainer:
     overflows, scaled in fp64) → check it is finite → optional clipping → ``optimizer.step()``.
     A non-finite loss or gradient skips the update and ends the run ``failed``: the gradients
     are scanned for the first non-finite one before anything clears them, and the step is run
-    again under the :mod:`hooks` capture engine (or, without it, :func:`locate_nonfinite`) to
-    name the first module that produced a non-finite value.
+    again under the :mod:`hooks` capture engine to name the first module that produced a
+    non-finite value (where that rerun raises, :func:`locate_nonfinite`'s forward hooks or the
+    gradients answer instead, and :attr:`NonFiniteInfo.located_by` says which did).
 
     Args:
         model: Any ``nn.Module``.
@@ -841,23 +842,30 @@ class Trainer:
         # the gradients of this step, read before a rerun (or zero_grad) replaces them
         bad_param = self._first_nonfinite_grad() if loss_ok else None
         located = _trace_first_nonfinite(trace, direction) if trace is not None else None
-        if located is None and _hooks_capture_available():
+        by = "capture" if located is not None else None
+        capture_error = None
+        if located is None:
             try:
                 with _maybe_capture(self.model, step) as tr:
                     out = batch.call(self.model)
                     if loss_ok:
                         self._loss(out, batch).loss.backward()
                 located = _trace_first_nonfinite(tr, direction)
-            except Exception:  # a broken capture must not hide the failure itself
-                located = None
+                by = "capture" if located is not None else None
+            except Exception as exc:  # a broken capture must not hide the failure itself
+                capture_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}" \
+                    if str(exc) else type(exc).__name__
             self.optimizer.zero_grad(set_to_none=True)
         if located is None and not loss_ok:
             located = locate_nonfinite(self.model, lambda: batch.call(self.model))
+            by = "forward hooks" if located[0] is not None else None
         if located is None:
             located = bad_param or (
                 None, "every gradient is finite, but their global norm exceeds float64's range")
+            by = "gradients" if bad_param else None
         module, detail = located
-        return NonFiniteInfo(step=step, what=what, module=module, detail=detail)
+        return NonFiniteInfo(step=step, what=what, module=module, detail=detail, located_by=by,
+                             capture_error=capture_error)
 
     # -- the loop ------------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any
 
-from tui.commands._common import nonneg_int, positive_float, positive_int
+from tui.commands._common import nonneg_int, positive_float, positive_int, seed_int
 from tui.errors import MdbError
 from tui.run_end import EXIT_FAILED, end_of_run
 
@@ -74,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "drawn at seeded random offsets each step")
     g.add_argument("--batch-size", type=positive_int, default=None,
                    help="sequences per step (default 1)")
-    g.add_argument("--seed", type=int, default=None,
+    g.add_argument("--seed", type=seed_int, default=None,
                    help="seed of the weights and the window offsets (default 0)")
     r = parser.add_argument_group("recording")
     r.add_argument("--run", metavar="NAME", default=None,
@@ -130,7 +130,7 @@ def _default_run_name(store) -> str:
 
 def _options_from_args(args: argparse.Namespace):
     from hooks.runs.overfit import OverfitOptions, default_overfit_text
-    from tui.commands._common import load_config, read_text, samples_dir
+    from tui.commands._common import check_memory, load_config, read_text, samples_dir
 
     if args.text:
         text, source = read_text(args.text), str(args.text)
@@ -148,6 +148,9 @@ def _options_from_args(args: argparse.Namespace):
         args.preset = _DEFAULTS["preset"]
     config = load_config(args)
     d = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in _DEFAULTS.items()}
+    # the vocabulary becomes the text's characters, a step sees min(--seq-len, the text)
+    seq = min(args.seq_len or len(text), len(text))
+    check_memory(config.replace(vocab_size=max(1, len(set(text)))), d["batch_size"], seq)
     return OverfitOptions(
         text=text,
         text_source=source,
@@ -195,7 +198,7 @@ def build_session(args: argparse.Namespace, control=None):
     import torch
 
     from hooks.runs.overfit import ModelOverfitSession, OverfitSession, resume_session
-    from hooks.runs.store import RunStoreError
+    from hooks.runs.store import RunStoreError, validate_run_name
 
     torch.set_num_threads(args.threads)
     if args.resume:
@@ -229,19 +232,36 @@ def build_session(args: argparse.Namespace, control=None):
             if given:
                 raise MdbError(f"{', '.join(given)} does not apply with --model: your function "
                                "returns the batch")
-        store = _open_store(args, create=True)
-        name = args.run or _default_run_name(store)
+        if args.run is not None:
+            try:
+                validate_run_name(args.run)
+            except RunStoreError as exc:
+                raise MdbError(f"--run: {exc}") from None
+        # Every check, and the model, come before the database: a rejected run creates none.
+        opened = []
+
+        def open_store():
+            opened.append(_open_store(args, create=True))
+            return opened[-1]
+
+        def name_in(store) -> str:
+            return args.run or _default_run_name(store)
+
         try:
             if getattr(args, "model", None):
-                session = ModelOverfitSession.create(store, name, _model_options(args),
+                session = ModelOverfitSession.create(open_store, name_in, _model_options(args),
                                                      _build_workload)
             else:
-                session = OverfitSession.create(store, name, _options_from_args(args))
+                session = OverfitSession.create(open_store, name_in, _options_from_args(args))
         except RunStoreError as exc:
-            store.close()
+            for store in opened:
+                store.close()
             raise MdbError(str(exc)) from None
         except (ValueError, MdbError) as exc:
-            store.close()
+            for store in opened:
+                store.close()
+            if isinstance(exc, MdbError):
+                raise
             raise MdbError(str(exc)) from None
     if control is not None:
         session.control = control
@@ -349,6 +369,7 @@ class _Reporter:
         self.progress = None
         self.sample = ""
         self.last_metrics = None
+        self._spikes_said: set[int] = set()
 
     def line(self, text: str) -> None:
         self.out.write(text + "\n")
@@ -384,7 +405,27 @@ class _Reporter:
             )
         return self
 
+    def say_spikes(self, current_step: int | None = None) -> None:
+        """One line per loss spike the writer recorded, once its episode is over (so that the
+        line gives its peak and length); with ``current_step=None`` every one not said yet."""
+        writer = getattr(self.session, "writer", None)
+        for spike in list(getattr(writer, "spikes", ()))[-3:]:
+            if spike.step in self._spikes_said:
+                continue
+            if current_step is not None and spike.last_step >= current_step:
+                continue  # still going
+            self._spikes_said.add(spike.step)
+            text = spike.describe()
+            if self.progress is not None:
+                try:
+                    self.progress.console.print(text, markup=False, highlight=False)
+                except (OSError, ValueError):
+                    pass
+            else:
+                self.line(text)
+
     def __exit__(self, *exc) -> None:
+        self.say_spikes()
         if self.progress is not None:
             try:
                 self.progress.refresh()
@@ -397,6 +438,7 @@ class _Reporter:
 
         m = report.metrics
         self.last_metrics = m
+        self.say_spikes(m.step)
         values = metric_values(m, self.session.metric_names)
         if report.sample is not None:
             self.sample = report.sample[0] + "|" + report.sample[1]
@@ -507,17 +549,34 @@ def run(args: argparse.Namespace) -> int:
     from hooks.runs.trainer import TrainControl, install_stop_signals
 
     control = TrainControl()
-    # Signals arriving while the model is built stop the run before its first step; the
+    building = [True]
+
+    def on_signal(name: str) -> None:
+        # While the model is built nothing is recorded yet (a rejected or interrupted build
+        # leaves no run behind), so a signal ends the process at once — also when the user's
+        # factory or forward hangs. Once the run exists, it stops the run after its step.
+        if building[0]:
+            if name == "SIGINT":
+                raise KeyboardInterrupt
+            _stderr_line(f"mdb: stopped by {name} while building the model; nothing was "
+                         "recorded")
+            raise SystemExit(128 + int(getattr(signal, name)))
+
+    # Signals arriving just after the model is built stop the run before its first step; the
     # handlers stay until the run's own are installed, so no signal finds Python's default.
-    restore = install_stop_signals(control)
+    restore = install_stop_signals(control, on_signal=on_signal)
     try:
+        if sys.stderr.isatty() and not args.headless:
+            _stderr_line("mdb: building the model… (Ctrl-C stops)")
         session = build_session(args, control=control)
+        building[0] = False
         if args.headless or not (sys.stdin.isatty() and sys.stdout.isatty()):
             return run_headless(session, args)
         from tui.live_app import run_live
 
         return run_live(session, args)
     finally:
+        building[0] = False
         if control.stop_reason in ("SIGINT", "SIGTERM", "SIGHUP"):
             # the process exits with 128 + n right after this: a signal repeated meanwhile
             # must not raise KeyboardInterrupt into an atexit handler (a traceback on stderr)

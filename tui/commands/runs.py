@@ -1,15 +1,29 @@
-"""``mdb runs``: list the runs of a run database (name, status, steps, last loss, metrics, age)."""
+"""``mdb runs``: list the runs of a run database (name, status, steps, last loss, age, metrics).
+
+On a terminal the table is laid out for its width (80 columns and up): one row per run with a
+one-word status, and below it, indented, what there is to say about the run — why it ended, where
+it failed, that its writer is gone and how to resume it, a non-finite value, a loss spike — cut
+to the width (``--json`` has every line in full). Piped, nothing is cut.
+
+A run whose row cannot be read (the database was changed outside mdb) is listed as ``damaged``
+with one ``mdb: error:`` line naming the field; the exit status is then 1.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 
 from tui.errors import MdbError
+from tui.screens.live_data import display_name
 
 HELP = "list recorded runs (name, status, steps, last loss, metrics, age) of the run database"
+
+#: Exit status when some run of the database could not be read.
+EXIT_DAMAGED = 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object per run (one per line) instead of a table: "
                              "name, status, steps, metrics (names in first-logged order), "
-                             "nonfinite (step, metric, module, direction) and the run row")
+                             "nonfinite (step, metric, module, direction), spikes, damaged and "
+                             "the run row")
 
 
 def format_age(seconds: float) -> str:
@@ -38,41 +53,166 @@ def run_record(run, store, now: float) -> dict:
     """One run as ``mdb runs --json`` prints it.
 
     Keys: every :class:`hooks.runs.store.RunInfo` field but ``config`` (``status`` is the
-    stored status), plus ``writer_state`` (``running``/``gone``/… as a reader should show it),
-    ``status_line``, ``steps`` (the last step written), ``metrics`` (the names logged, in
-    first-logged order), ``nonfinite_line``, ``captures`` (how many steps have a stored
-    capture) and ``last_capture`` (the latest such step, ``None`` without), ``last_ce``.
+    stored status; ``damaged`` names what could not be read), plus ``writer_state``
+    (``running``/``gone``/… as a reader should show it), ``status_line``, ``steps`` (the last
+    step written), ``metrics`` (the names logged, in first-logged order), ``nonfinite_line``,
+    ``captures`` (how many steps have a stored capture) and ``last_capture`` (the latest such
+    step, ``None`` without), ``last_ce``, ``spikes`` (each loss spike the writer recorded:
+    step, metric, value, baseline, ratio, peak_step, last_step) and ``details`` (the lines
+    the table prints under the run, uncut).
     """
+    from hooks.runs.store import RunStoreError
+
     d = run.to_dict()
     d.pop("config", None)
-    captured = store.internals_steps(run.id)
-    last = store.last_metrics(run.id)
-    d.update(
-        writer_state=run.writer_state(now),
-        status_line=run.status_line(now),
-        steps=run.last_step,
-        metrics=store.metric_names(run.id),
-        nonfinite_line=run.nonfinite_line(),
-        captures=len(captured),
-        last_capture=captured[-1] if captured else None,
-        last_ce=last.ce if last is not None else None,
-    )
+    d.update(writer_state=run.writer_state(now), status_line=run.status_line(now),
+             steps=run.last_step, nonfinite_line=run.nonfinite_line(), metrics=[], captures=0,
+             last_capture=None, last_ce=None, spikes=[])
+    try:
+        captured = store.internals_steps(run.id)
+        last = store.last_metrics(run.id)
+        d.update(
+            metrics=store.metric_names(run.id),
+            captures=len(captured),
+            last_capture=captured[-1] if captured else None,
+            last_ce=last.ce if last is not None else None,
+            spikes=[s.to_dict() for s in store.spikes(run.id)],
+        )
+    except RunStoreError as exc:  # a damaged metric row: the run is listed, said damaged
+        d["damaged"] = d["damaged"] or str(exc)
+    d["details"] = detail_lines(run, d, now)
     return d
 
 
+def detail_lines(run, record: dict, now: float, db: str | None = None) -> list[str]:
+    """What the table says under a run, one line each (none when there is nothing to say): why
+    it ended or where it failed, a gone writer, a non-finite value, the largest loss spike, and
+    the command that continues an interrupted run or one whose writer is gone."""
+    from hooks.runs.spikes import Spike
+
+    if record.get("damaged"):
+        return [record["damaged"]]
+    lines = []
+    state = record["writer_state"]
+    if state == "gone":
+        lines.append(run.gone_reason(now).removeprefix("writer "))
+    elif state == "interrupted":
+        lines.append(run.status_line(now))
+    resumable = run.kind == "overfit" and run.checkpoint_step is not None and state in (
+        "gone", "interrupted")
+    if resumable:
+        lines[-1] += f" · checkpoint @ step {run.checkpoint_step}"
+    elif state == "failed":
+        line = run.status_line(now)
+        if run.reason and not line.endswith(f"({run.reason})"):
+            line += f": {run.reason}"
+        lines.append(line)
+    nf = run.nonfinite
+    if nf and not (run.status == "failed" and run.fail_step == nf["step"]):
+        lines.append(run.nonfinite_line())
+    spikes = [Spike(**{k: v for k, v in s.items() if k != "ratio"})
+              for s in record.get("spikes", [])]
+    if spikes:
+        top = max(spikes, key=lambda s: s.ratio)
+        more = f" (the largest of {len(spikes)})" if len(spikes) > 1 else ""
+        lines.append(top.describe() + more)
+    if resumable:
+        lines.append(f"continue: mdb overfit --resume {run.name}" + (f" --db {db}" if db else ""))
+    return lines
+
+
 def _short(names: list[str], width: int = 28) -> str:
-    text = ""
-    for i, name in enumerate(names):
-        piece = name if not text else f"{text}, {name}"
-        if len(piece) > width:
-            return f"{text} +{len(names) - i}" if text else name[: width - 1] + "…"
-        text = piece
-    return text or "—"
+    """As many names as fit in ``width`` columns, then ``+N`` for the rest."""
+    if not names:
+        return "—"
+    shown = [display_name(n) for n in names]
+    for k in range(len(shown), 0, -1):
+        rest = len(shown) - k
+        text = ", ".join(shown[:k]) + (f" +{rest}" if rest else "")
+        if len(text) <= width:
+            return text
+    return _cut(shown[0], width - 3) + f" +{len(shown) - 1}" if len(shown) > 1 else _cut(
+        shown[0], width)
+
+
+def _cut(text: str, width: int | None) -> str:
+    if width is None or len(text) <= width:
+        return text
+    return text[: max(1, width - 1)] + "…"
+
+
+#: Status words and their colours.
+_COLORS = {"running": "green", "paused": "yellow", "finished": "cyan", "interrupted": "yellow",
+           "failed": "red", "gone": "red", "damaged": "red"}
+
+
+def table_lines(runs, records: list[dict], now: float, width: int | None,
+                db: str | None = None) -> list:
+    """The table as Rich ``Text`` lines, laid out for ``width`` columns (``None``: nothing cut).
+
+    Columns: name, status (one word), steps, last loss, age, updated, and the metrics when
+    they fit; under a run, indented, its :func:`detail_lines`, each cut to the width.
+    """
+    from rich.text import Text
+
+    from hooks.runs.store import loss_metric
+
+    rows = []
+    for r, d in zip(runs, records, strict=True):
+        status = "damaged" if d.get("damaged") else d["writer_state"]
+        if status == "running" and r.paused:
+            status = "paused"
+        steps = f"{r.last_step}/{r.total_steps}" if r.total_steps else str(r.last_step)
+        if d["steps"] == 0:
+            loss = "—"
+        elif r.last_loss is None:
+            loss = "nan" if loss_metric(d["metrics"]) is not None else "—"
+        else:
+            loss = f"{r.last_loss:.4f}"
+        updated = r.heartbeat if r.heartbeat is not None else r.started
+        if d.get("damaged"):  # its times may be what could not be read
+            age = ago = "?"
+        else:
+            age, ago = format_age(now - r.started), format_age(now - updated) + " ago"
+        rows.append([display_name(r.name), status, steps, loss, age, ago])
+    heads = ["name", "status", "steps", "last loss", "age", "updated"]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(heads)]
+    if width is not None:  # a very long name gives way first
+        over = sum(widths) + 2 * len(widths) - width
+        if over > 0:
+            widths[0] = max(8, widths[0] - over)
+    right = {2, 3, 4, 5}
+    used = sum(widths) + 2 * len(widths)
+    metrics_w = (width - used - 1) if width is not None else 60
+    show_metrics = metrics_w >= 12
+    lines = []
+    head = Text("  ".join(h.rjust(w) if i in right else h.ljust(w)
+                          for i, (h, w) in enumerate(zip(heads, widths, strict=True))),
+                style="bold")
+    if show_metrics:
+        head.append("  metrics", style="bold")
+    lines.append(head)
+    for row, r, d in zip(rows, runs, records, strict=True):
+        line = Text()
+        for i, (cell, w) in enumerate(zip(row, widths, strict=True)):
+            cell = _cut(cell, w)
+            text = cell.rjust(w) if i in right else cell.ljust(w)
+            line.append(text, style=_COLORS.get(cell, "") if i == 1 else "")
+            line.append("  ")
+        if show_metrics:
+            line.append(_short(d["metrics"], metrics_w))
+        line.rstrip()
+        lines.append(line)
+        for detail in detail_lines(r, d, now, db):
+            # a command to copy is never cut
+            room = None if width is None or detail.startswith("continue: ") else width - 4
+            lines.append(Text("  └ " + _cut(detail, room), style="dim"))
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``mdb runs``."""
-    from hooks.runs.store import RunStore, RunStoreError, default_db_path, loss_metric
+    from hooks.runs.store import RunStore, RunStoreError, default_db_path
 
     path = args.db if args.db else default_db_path()
     now = time.time()
@@ -82,59 +222,25 @@ def run(args: argparse.Namespace) -> int:
                 print(f"mdb: note: {store.note}", file=sys.stderr)
             runs = store.runs()
             records = [run_record(r, store, now) for r in runs]
-            last = {r.id: store.last_metrics(r.id) for r in runs}
     except RunStoreError as exc:
         raise MdbError(str(exc)) from None
+    damaged = [d["damaged"] for d in records if d.get("damaged")]
     if args.json:
         for d in records:
             print(json.dumps(d, sort_keys=True))
-        return 0
-    from rich.console import Console
-    from rich.table import Table
+    else:
+        from rich.console import Console
 
-    # Piped output (scripts, logs) gets wide rows rather than cells wrapped at 80 columns.
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
-    if not runs:
-        console.print(f"no runs in {path}")
-        return 0
-    table = Table(title=f"runs in {path}", title_justify="left")
-    table.add_column("name", no_wrap=True)
-    table.add_column("status")
-    table.add_column("steps", justify="right", no_wrap=True)
-    table.add_column("last loss", justify="right")
-    table.add_column("metrics")
-    table.add_column("age", justify="right")
-    table.add_column("updated", justify="right")
-    colors = {"running": "green", "paused": "yellow", "finished": "cyan",
-              "interrupted": "yellow", "failed": "red", "gone": "red"}
-    notes = []
-    for r, d in zip(runs, records, strict=True):
-        status = r.status_line(now)
-        color = colors.get(status.split(" ")[0].split(":")[0], "")
-        cell = f"[{color}]{status}[/]" if color else status
-        nf = r.nonfinite
-        if nf and not (r.status == "failed" and r.fail_step == nf["step"]):
-            cell += f" · [red]non-finite @ {nf['step']}[/]"
-            notes.append(f"{r.name}: {r.nonfinite_line()}")
-        steps = f"{r.last_step}/{r.total_steps}" if r.total_steps else str(r.last_step)
-        m = last[r.id]
-        if m is None:
-            loss = "—"
-        elif r.last_loss is None:
-            loss = "nan" if loss_metric(d["metrics"]) is not None else "—"
+        tty = sys.stdout.isatty()
+        width = shutil.get_terminal_size((80, 24)).columns if tty else None
+        # Piped output (scripts, logs) is never cut.
+        console = Console(highlight=False, width=width if tty else 100_000, soft_wrap=not tty)
+        if not runs:
+            console.print(f"no runs in {path}")
         else:
-            loss = f"{r.last_loss:.4f}"
-        updated = r.heartbeat if r.heartbeat is not None else r.started
-        table.add_row(
-            r.name,
-            cell,
-            steps,
-            loss,
-            _short(d["metrics"]),
-            format_age(now - r.started),
-            format_age(now - updated) + " ago",
-        )
-    console.print(table)
-    for line in notes:
-        console.print(line, markup=False)
-    return 0
+            console.print(f"runs in {path}", markup=False, highlight=False)
+            for line in table_lines(runs, records, now, width, args.db):
+                console.print(line, overflow="ellipsis" if tty else "ignore", no_wrap=True)
+    for line in damaged:
+        print(f"mdb: error: {line}", file=sys.stderr)
+    return EXIT_DAMAGED if damaged else 0

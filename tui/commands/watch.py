@@ -3,7 +3,9 @@
 Any number of watchers may follow a run at once, from any terminal (an SSH session opened after
 the run started sees every step from the first). A new step shows within ~0.3 s of being
 written; when the writer finishes, is interrupted, fails, or dies without saying so (its pid is
-gone, or its heartbeat is stale) the status line says which. Watching a finished run replays it.
+gone, or its heartbeat is stale) the status line says which, and for a run that can continue,
+its checkpoint step and the ``mdb overfit --resume`` command. Watching a finished run replays
+it. A run whose rows were changed outside mdb ends the watch with one line (exit 2).
 """
 
 from __future__ import annotations
@@ -69,4 +71,6 @@ def run(args: argparse.Namespace) -> int:
         app.run()
     finally:
         store.close()
+    if app.live.fatal:  # the run's rows cannot be read: one line, no screen left to say it
+        raise MdbError(app.live.fatal)
     return 0

@@ -3,9 +3,11 @@
 One screen, two sources of steps:
 
 * **training** (:meth:`LiveScreen.training`): an :class:`hooks.runs.overfit.OverfitSession`
-  runs in a thread worker. Its step callback appends each step to a buffer and posts
-  :class:`tui.messages.StepsPending` (replaceable, so a fast trainer cannot flood the queue);
-  the keys drive the session's :class:`hooks.runs.trainer.TrainControl`.
+  runs in a daemon thread (not a Textual worker, which the app would wait for when it closes:
+  a user's forward that never returns must not keep the process alive after ``q q``). Its step
+  callback appends each step to a buffer and posts :class:`tui.messages.StepsPending`
+  (replaceable, so a fast trainer cannot flood the queue); the keys drive the session's
+  :class:`hooks.runs.trainer.TrainControl`.
 * **watching** (:meth:`LiveScreen.watching`): read-only. A thread worker reads everything new
   about the run from the run store (``RunStore.poll``) and posts
   :class:`tui.messages.RunPolled`; the handler re-arms the next poll with ``set_timer`` (every
@@ -26,7 +28,15 @@ a run of ``mdb overfit`` (minillm or ``--model``) and one of a user's own loop (
 * steps/s (and tokens/s when known), a progress bar with ETA when the run has a step target;
 * the latest greedy continuation of the text's beginning with how many characters already
   match the text — only for runs that memorise a text;
-* the step (and, where named, the module) of the first non-finite value.
+* the step (and, where named, the module) of the first non-finite value, and the run's loss
+  spikes (a ``!`` on the loss chart at each spike's peak, the largest in words below) — both
+  as the run store recorded them;
+* for a watched run whose writer stopped (interrupted, or gone after ``kill -9``): why, the
+  step of its last checkpoint and the command that continues it;
+* a step that takes far longer than the ones before (a forward that hangs): for how long.
+
+Every line is laid out for 80 columns: the status line keeps the state, the step, the main loss
+and ``|g|`` and drops the other losses first; hints are one line; the help wraps whole words.
 
 Redraws are throttled so the screen costs the trainer little (see
 ``benchmarks/bench_overfit_ui.py``): the numbers at most every ``text_interval`` (0.2 s), the
@@ -51,13 +61,13 @@ from textual import on, work
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, ProgressBar, Static
-from textual.worker import Worker, WorkerState, get_current_worker
+from textual.worker import Worker, WorkerState
 
 from tui import messages
 from tui.screens.base import MdbScreen
 from tui.screens.help import HelpScreen, binding_lines
 from tui.screens.live_chart import LineChart, Series
-from tui.screens.live_data import FIXED_METRICS, RunSeries, format_duration
+from tui.screens.live_data import FIXED_METRICS, RunSeries, display_name, format_duration
 
 #: Columns an expert chart needs to stay legible; fewer layers are shown when narrower.
 EXPERT_CHART_MIN_WIDTH = 19
@@ -76,6 +86,12 @@ EXPERT_STYLES = ("cyan", "yellow", "green", "magenta", "red", "blue", "bright_wh
 SIDE_CHART_MIN_ROWS = 5
 #: Seconds between two "new steps" messages of the training thread (at most).
 POST_INTERVAL = 0.05
+#: A step counts as slow (the rate row says for how long it has run) after this many seconds
+#: and this many times the usual step time.
+SLOW_STEP_S = 3.0
+SLOW_STEP_FACTOR = 10.0
+#: Lines of the note area at most (non-finite value, spike, end of the run, resume command).
+NOTE_LINES = 3
 
 def _num(x: float | None, spec: str = ".4f") -> str:
     if x is None:
@@ -166,47 +182,66 @@ def describe_nonfinite(nf: Mapping[str, Any]) -> str:
     return f"non-finite {what} at step {nf['step']}{where}{direction}"
 
 
+#: Actions that drive training: shown and acted on only by ``mdb overfit``, not ``mdb watch``.
+TRAINING_ACTIONS = ("pause", "step", "stop")
+
+
 class LiveHelpScreen(HelpScreen):
-    """The live screen's keys (generated from its bindings), closed like the step view's help."""
+    """The live screen's keys (generated from its bindings; watching, without the keys that
+    drive training), closed like the step view's help. The prose is whole paragraphs that the
+    box wraps at word boundaries (no word left alone on a line at 80 columns)."""
 
     def __init__(self, watch: bool) -> None:
         super().__init__()
         self.watch = watch
 
-    def compose(self):
-        from textual.containers import VerticalScroll
-
+    def help_text(self) -> str:
+        """What the box shows."""
+        bindings = [b for b in LiveScreen.BINDINGS
+                    if not (self.watch and b.action in TRAINING_ACTIONS)]
         lines = [
-            "mdb live screen · every action has a letter key.",
+            "mdb watch · read-only · every action has a letter key." if self.watch else
+            "mdb overfit live screen · every action has a letter key.",
             "",
-            "live screen",
-            *binding_lines(LiveScreen.BINDINGS),
+            *binding_lines(bindings),
             "",
-        ]
-        lines += [
-            "The left chart shows the losses together (each line has its own marker);",
-            "m charts one metric at a time instead, any that the run logs, and back.",
-            "The table lists the other metrics (last, min, max); o moves its ▸ mark,",
-            "and the chart below the table shows the marked one.",
+            "The left chart shows the losses together, each line with its own marker; a red !"
+            " marks a loss spike (a jump to several times the running median), and the line"
+            " under the charts says how large the largest was.",
+            "",
+            "m charts one metric at a time instead, any that the run logs, and back. The table"
+            " lists the other metrics (last, min, max); o moves its ▸ mark, and the chart"
+            " below the table shows the marked one.",
             "",
         ]
         if self.watch:
             lines += [
-                "mdb watch is read-only (no p, s or x): control the run in the terminal",
-                "running it (or stop it with kill -TERM <pid>).",
-                "c opens the run's latest stored capture (mdb overfit records one every",
-                "--every steps, run.watch(model, every=N) every N) in the step view; q there",
-                "comes back here.",
+                "mdb watch only reads the run database: pause, step and stop the run in the"
+                " terminal that runs it, or stop it with kill -TERM <pid>. When the writer has"
+                " stopped or is gone, the line under the charts says how to continue it.",
+                "",
+                "c opens the run's latest stored capture in the step view (mdb overfit records"
+                " one every --every steps, run.watch(model, every=N) every N); q there comes"
+                " back here.",
             ]
         else:
             lines += [
-                "c captures the next step's internals (forward, backward, routing) and opens",
-                "them in the step view; training stays paused there; q in the step view comes",
-                "back here, p resumes. x stops the run after the current step and writes a",
-                "checkpoint (continue it with `mdb overfit --resume RUN`); q stops and quits.",
+                "c captures the next step's internals (forward, backward, routing) and opens"
+                " them in the step view; training stays paused there, q in the step view"
+                " comes back here and p resumes.",
+                "",
+                "x stops the run after the current step and writes a checkpoint (continue it"
+                " with mdb overfit --resume RUN); q does the same and quits. A step that does"
+                " not finish (a forward that hangs): q a second time quits at once, and the"
+                " run resumes from its last checkpoint.",
             ]
+        return "\n".join(lines)
+
+    def compose(self):
+        from textual.containers import VerticalScroll
+
         with VerticalScroll(id="help-box"):
-            yield Static("\n".join(lines), id="help-text", markup=False)
+            yield Static(self.help_text(), id="help-text", markup=False)
 
 
 class LiveScreen(MdbScreen):
@@ -226,9 +261,13 @@ class LiveScreen(MdbScreen):
 
     Attributes:
         series: The :class:`tui.screens.live_data.RunSeries` being plotted.
-        ended: Set (a ``TrainingEnded``) once the training worker returned.
+        ended: Set (a ``TrainingEnded``) once the training thread returned.
         training_done: A ``threading.Event`` set when the training thread has returned.
         error: One line when training crashed or the database became unreadable.
+        fatal: One line when the watched run cannot be read at all (a row changed outside
+            mdb): the app exits with status 2 and the command prints it.
+        quit_now: ``q`` was pressed again while the run was stopping: the caller leaves without
+            waiting for the step in progress.
     """
 
     BINDINGS = [
@@ -244,6 +283,7 @@ class LiveScreen(MdbScreen):
         Binding("e", "next_layers", "more MoE layers", show=False, id="live.layers"),
         Binding("question_mark", "help", "keys", key_display="?", id="live.help"),
         Binding("q", "quit_live", "quit", id="live.quit"),
+        Binding("ctrl+c", "quit_live", "quit (as q)", show=False, id="live.interrupt"),
     ]
 
     def __init__(self, *, session=None, store=None, run=None, heartbeat: float = 1.0,
@@ -278,7 +318,10 @@ class LiveScreen(MdbScreen):
         self.state = "starting" if not self.watch else "reading"
         self.ended: messages.TrainingEnded | None = None
         self.error: str | None = None
+        self.fatal: str | None = None
+        self.quit_now = False
         self.training_done = threading.Event()
+        self._spike_seen: Any = None  # the writer's latest spike already queued (training)
         self._pending: collections.deque = collections.deque()
         self._want_capture = False
         self._pending_capture: messages.StepCaptured | None = None  # arrived under another screen
@@ -322,7 +365,9 @@ class LiveScreen(MdbScreen):
             with Vertical(id="live-side"):
                 yield Static("", id="live-table", markup=False)
                 yield LineChart("grad norm", id="live-grad")
-        yield Horizontal(id="live-experts")
+        with Vertical(id="live-experts"):
+            yield Static("", id="live-experts-head", markup=False)
+            yield Horizontal(id="live-experts-row")
         yield Static("", id="live-sample")
         yield Static("", id="live-note")
         yield Static("", id="hint", markup=False)
@@ -336,13 +381,33 @@ class LiveScreen(MdbScreen):
 
     def on_mount(self) -> None:
         if self.watch:
-            self.hint("following the database · m metric · q quits · ? keys")
+            self.hint("following the database · c latest capture · m metric · ? keys")
             self._poll()
         else:
             self.hint("training · p pause · c capture a step · x stop · m metric · ? keys")
             self._train()
+        self.set_interval(1.0, self._tick)
         self._layout_panels()
         self._redraw_all()
+
+    def _tick(self) -> None:
+        """Once a second: a step that is taking long gets its time in the rate row."""
+        if self.state == "running" and self._slow_step() is not None:
+            self._dirty_text = True
+            self._schedule_redraw()
+
+    def _slow_step(self) -> float | None:
+        """Training: seconds the step after the last one has been running, when that is long
+        (more than :data:`SLOW_STEP_S` and :data:`SLOW_STEP_FACTOR` times the usual step),
+        else None."""
+        s = self.series
+        if self.watch or s.last is None or self.state != "running":
+            return None  # watching, a gap may be the user's loop evaluating: not a step
+        usual = s.seconds_per_step() or 0.0
+        waited = time.time() - s.last.wall
+        if waited > max(SLOW_STEP_S, SLOW_STEP_FACTOR * usual):
+            return waited
+        return None
 
     def _layout_panels(self) -> None:
         """Show only the panels this run has data for: the MoE panel for a run with expert
@@ -354,7 +419,7 @@ class LiveScreen(MdbScreen):
         self._display("#live-sample", bool(s.text) or s.sample is not None)
         self._display("#live-side", bool(s.other_names()) or not s.rows)
         self._display("#live-progress", bool(s.total_steps))
-        self._display("#live-note", bool(self._note_text()))
+        self._display("#live-note", bool(self._notes()))
 
     def _display(self, selector: str, show: bool) -> None:
         widget = self.query_one(selector)
@@ -372,23 +437,34 @@ class LiveScreen(MdbScreen):
         self._dirty_charts = True
         self._schedule_redraw()
 
-    # -- training (thread worker) ----------------------------------------------------------------
-    @work(thread=True, exclusive=True, exit_on_error=False, group="train",
-          description="train the overfit run")
+    # -- training (a daemon thread) --------------------------------------------------------------
     def _train(self) -> None:
-        worker = get_current_worker()
+        """Start the training thread (a daemon: see the module docstring)."""
+        threading.Thread(target=self._train_main, name="mdb-train", daemon=True).start()
+
+    def _post(self, message) -> None:
+        """``post_message`` from the training thread; nothing once the app has closed."""
+        try:
+            self.post_message(message)
+        except Exception:  # the app's loop is gone (the UI closed first)
+            pass
+
+    def _train_main(self) -> None:
         session = self.session
         control = session.control
 
         last_post = [0.0]
 
         def on_step(report) -> None:
-            if worker.is_cancelled:
-                control.stop("quit")
-            self._pending.append((report.metrics, report.sample))
+            spike = session.writer.spikes[-1] if session.writer.spikes else None
+            if spike == self._spike_seen:
+                spike = None
+            else:
+                self._spike_seen = spike
+            self._pending.append((report.metrics, report.sample, spike))
             if report.trace is not None and self._want_capture:
                 self._want_capture = False
-                self.post_message(messages.StepCaptured(report.step, report.trace))
+                self._post(messages.StepCaptured(report.step, report.trace))
             # Each post wakes the UI's event loop; a fast model (100+ steps/s) would wake it
             # every step. The numbers redraw every text_interval anyway: say "look" at most
             # every POST_INTERVAL, and at once when the loop is about to wait (pause, single
@@ -397,20 +473,23 @@ class LiveScreen(MdbScreen):
             if (now - last_post[0] >= POST_INTERVAL or report.paused_after or control.paused
                     or report.failure is not None or report.step >= session.trainer.total_steps):
                 last_post[0] = now
-                self.post_message(messages.StepsPending(report.step))
+                self._post(messages.StepsPending(report.step))
 
         def on_state(state: str) -> None:
-            self.post_message(messages.TrainingState(state))
+            self._post(messages.TrainingState(state))
 
-        session.on_warning = lambda line: self.post_message(messages.Hint("⚠ " + line))
+        session.on_warning = lambda line: self._post(messages.Hint("⚠ " + line))
         try:
-            self.post_message(messages.TrainingState("running"))
+            self._post(messages.TrainingState("running"))
             result = session.run(on_step=on_step, on_state=on_state,
                                  heartbeat_interval=self.heartbeat)
             f = result.failure
-            self.post_message(messages.TrainingEnded(
+            self._post(messages.TrainingEnded(
                 result.status, result.last_step, result.reason,
                 f.step if f else None, f.module if f else None))
+        except BaseException as exc:  # the user's model raised, a database write failed
+            line = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            self._post(messages.TrainingCrashed(line))
         finally:
             self.training_done.set()
 
@@ -421,10 +500,12 @@ class LiveScreen(MdbScreen):
     def _drain(self) -> None:
         got = False
         while self._pending:
-            row, sample = self._pending.popleft()
+            row, sample, spike = self._pending.popleft()
             self.series.add(row)
             if sample is not None:
                 self.series.add_sample(row.step, sample[0], sample[1])
+            if spike is not None:
+                self.series.add_spike(spike)
             got = True
         if got:
             self._data_changed()
@@ -443,7 +524,7 @@ class LiveScreen(MdbScreen):
         message.stop()
         if self.app.screen is not self:  # the user opened help meanwhile: not on top of it
             self._pending_capture = message
-            self.hint(f"step {message.step} captured · its step view opens when you are back")
+            self.hint(f"step {message.step} captured · its step view opens after this")
             return
         self._open_capture(message)
 
@@ -451,7 +532,7 @@ class LiveScreen(MdbScreen):
         from tui.screens.step import StepScreen
 
         if self.watch:
-            self.hint(f"stored capture of step {message.step} · q in the step view comes back")
+            self.hint(f"stored capture of step {message.step} · q in the step view: back")
         else:
             self._drain()
             self.hint(f"captured step {message.step} · training paused · p resumes")
@@ -462,8 +543,7 @@ class LiveScreen(MdbScreen):
         if self.watch:
             self.hint("back from the step view · c opens the latest stored capture again")
         elif self.ended is None:
-            self.hint("back from the step view · training paused · p resumes · s steps · "
-                      "c captures again")
+            self.hint("back · training paused · p resumes · s steps · c captures again")
 
     def on_training_ended(self, message: messages.TrainingEnded) -> None:
         message.stop()
@@ -471,12 +551,11 @@ class LiveScreen(MdbScreen):
         self.ended = message
         self.state = message.status
         if message.status == "failed":
-            self.hint(f"✗ {message.reason}")
+            self.hint("the run failed (see above) · q quits")
         elif message.status == "finished":
             self.hint(f"finished {message.last_step} steps · checkpoint written · q quits")
         else:
-            self.hint(f"stopped after step {message.last_step} ({message.reason}) · checkpoint "
-                      f"written · resume with mdb overfit --resume {self.run_name} · q quits")
+            self.hint(f"stopped after step {message.last_step} · checkpoint written · q quits")
         if self.is_current:  # the end of a run is shown at once, not at the next redraw slot
             self._redraw_all()
         else:
@@ -494,10 +573,21 @@ class LiveScreen(MdbScreen):
         if self.error is not None:
             return 1
         if self.ended is None:
-            return 0
+            return 130 if self.quit_now else 0
         if self.ended.status == "failed":
             return 1
         return signal_exit_code(self.session.control.stop_reason) or 0
+
+    def on_training_crashed(self, message: messages.TrainingCrashed) -> None:
+        message.stop()
+        self._drain()
+        self.error = f"training stopped by an error: {message.error}"
+        self.state = "crashed"
+        self.hint("training stopped by an error (see above) · q quits")
+        self._dirty_text = True
+        self._schedule_redraw()
+        if self._quitting:
+            self.app.exit(return_code=1)
 
     # -- watching (thread worker + timer) --------------------------------------------------------
     @work(thread=True, exclusive=True, exit_on_error=False, group="poll",
@@ -530,13 +620,15 @@ class LiveScreen(MdbScreen):
                 self.series.add_sample(s.step, s.prompt, s.text)
         for s in samples.values():
             self.series.add_sample(s.step, s.prompt, s.text)
+        for spike in getattr(u, "spikes", ()):
+            self.series.add_spike(spike)
         self._cursor = u.last_step if u.metrics else self._cursor
         state = u.run.writer_state()
         if state == "running" and u.run.paused:
             state = "paused"
         changed = state != self.state
         self.state = state
-        if u.metrics or changed or self.polls == 1:
+        if u.metrics or changed or self.polls == 1 or getattr(u, "spikes", None):
             self._data_changed()
         # An ended run may still be resumed by `mdb overfit --resume`: keep looking, less often.
         delay = self.poll_interval if state in ("running", "paused") else 1.0
@@ -574,17 +666,15 @@ class LiveScreen(MdbScreen):
         if worker.group == "stored-capture":
             self.hint(f"cannot open the stored capture: {line}")
         elif worker.group == "poll":
+            from hooks.runs.store import DamagedRunError
+
+            if isinstance(exc, DamagedRunError):  # retrying cannot help: say it and leave
+                self.fatal = str(exc)
+                self.app.exit(return_code=2)
+                return
             self.error = f"cannot read {self.store.path}: {line}"
-            self.hint(self.error + " · retrying")
+            self.hint(f"cannot read the database ({line[:40]}) · retrying")
             self.set_timer(1.0, self._poll)
-        elif worker.group == "train":
-            self.error = f"training stopped by an error: {line}"
-            self.state = "crashed"
-            self.hint(self.error)
-            self._dirty_text = True
-            self._schedule_redraw()
-            if self._quitting:
-                self.app.exit(return_code=1)
 
     # -- redraws (throttled) ---------------------------------------------------------------------
     def _data_changed(self) -> None:
@@ -635,12 +725,20 @@ class LiveScreen(MdbScreen):
             rate += f" · {_rate(s.tokens_per_s(), 'tok/s')}"
         if s.total_steps:
             rate += f" · ETA {format_duration(eta) if not ended else '—'}"
+        slow = self._slow_step()
+        if slow is not None:
+            usual = s.seconds_per_step()
+            rate = (f"step {s.step + 1} running for {format_duration(slow)}"
+                    + (f" (steps took {usual:.2g} s)" if usual else ""))
         self._set("#live-rate", rate)
         if s.text or s.sample is not None:
             self._set("#live-sample", self._sample_text())
-        note = self._note_text()
-        if note:
-            self._set("#live-note", Text(note, style="bold red"))
+        notes = self._notes()
+        if notes:
+            text = Text()
+            for i, (line, style) in enumerate(notes[:NOTE_LINES]):
+                text.append(("\n" if i else "") + line, style=style)
+            self._set("#live-note", text)
 
     def _set(self, selector: str, content) -> None:
         """Update a Static only when its content changed (an update costs a layout pass)."""
@@ -650,53 +748,123 @@ class LiveScreen(MdbScreen):
             self.query_one(selector, Static).update(content)
 
     def _status_text(self) -> Text:
+        """The state, the step, the losses and ``|g|``, fitted to the line: the losses after the
+        first are dropped before anything is cut (``|g|`` keeps its place)."""
         s = self.series
         total = f"/{s.total_steps}" if s.total_steps else ""
-        head = self._state_text()
-        text = Text()
-        text.append_text(head)
-        text.append(f"  step {s.step}{total}")
+        pieces: list[tuple[int, str, str]] = [(0, f"step {s.step}{total}", "")]  # (rank, ...)
         if s.last is not None:
-            for name in s.loss_names()[:3]:
-                text.append(f"  {name} {_num(s.value(name))}")
+            for i, name in enumerate(s.loss_names()[:3]):
+                pieces.append((1 if i == 0 else 3, f"{display_name(name)} "
+                               f"{_num(s.value(name))}", ""))
             if "grad_norm" in s.stats:
-                text.append(f"  |g| {_num(s.value('grad_norm'), '.3g')}")
-        return text
+                pieces.append((2, f"|g| {_num(s.value('grad_norm'), '.3g')}", ""))
+        head = self._state_text()
+        width = max(20, (self.query_one("#live-status").size.width or self.app.size.width) - 2)
+        room = width - head.cell_len
+        keep = set()
+        for _rank, text, _ in sorted(pieces, key=lambda p: p[0]):
+            if len(text) + 2 <= room:
+                keep.add(text)
+                room -= len(text) + 2
+        line = Text()
+        line.append_text(head)
+        for _, text, style in pieces:
+            if text in keep:
+                line.append("  " + text, style=style)
+        return line
 
     def _state_text(self) -> Text:
+        """One short word (and a mark that shows without colour) for the state; what it means
+        in full is in the note lines."""
         state = self.state
         if self.watch and self.run is not None:
-            if state == "gone":
-                return Text("✗ " + self.run.gone_reason(), style="bold red")
-            label = self.run.status_line()
-            styles = {"running": "bold green", "paused": "bold yellow", "finished": "bold cyan",
-                      "interrupted": "bold yellow", "failed": "bold red"}
-            marks = {"running": "● ", "paused": "‖ ", "finished": "✓ ", "interrupted": "■ ",
-                     "failed": "✗ "}
             if self.polls == 0:
                 return Text("… reading", style="bold")
-            return Text(marks.get(state, "") + label, style=styles.get(state, "bold"))
+            if state == "failed" and self.run.fail_step is not None:
+                return Text(f"✗ failed @ step {self.run.fail_step}", style="bold red")
+            labels = {"running": ("● running", "bold green"),
+                      "paused": ("‖ paused", "bold yellow"),
+                      "finished": ("✓ finished", "bold cyan"),
+                      "interrupted": ("■ interrupted", "bold yellow"),
+                      "failed": ("✗ failed", "bold red"),
+                      "gone": ("✗ writer gone", "bold red")}
+            label, style = labels.get(state, (state, "bold"))
+            return Text(label, style=style)
         if state == "failed" and self.ended is not None:
-            where = f" in {self.ended.fail_module}" if self.ended.fail_module else ""
-            return Text(f"✗ failed @ step {self.ended.fail_step}{where}", style="bold red")
-        if state == "interrupted" and self.ended is not None:
-            return Text(f"■ stopped ({self.ended.reason})", style="bold yellow")
+            return Text(f"✗ failed @ step {self.ended.fail_step}", style="bold red")
         labels = {
             "starting": ("… starting", "bold"),
             "running": ("● running", "bold green"),
             "paused": ("‖ paused", "bold yellow"),
             "finished": ("✓ finished", "bold cyan"),
+            "interrupted": ("■ stopped", "bold yellow"),
             "crashed": ("✗ crashed", "bold red"),
         }
         label, style = labels.get(state, (state, "bold"))
         return Text(label, style=style)
 
-    def _note_text(self) -> str:
-        """The first non-finite value a watched run logged, unless the status says it."""
-        if not self.watch or self.run is None or self.state == "failed":
-            return ""
-        nf = nonfinite_of(self.run)
-        return "⚠ " + describe_nonfinite(nf) if nf else ""
+    def _notes(self) -> list[tuple[str, str]]:
+        """The lines under the charts, most important first: how the run ended (and, for a run
+        that can continue, its checkpoint and the command), where a value first turned
+        non-finite, the largest loss spike."""
+        notes: list[tuple[str, str]] = []
+        if self.watch and self.run is not None and self.polls:
+            notes += self._watched_end()
+        elif not self.watch:
+            notes += self._trained_end()
+        nf = nonfinite_of(self.run) if self.watch and self.run is not None else None
+        if nf and not (self.state == "failed" and self.run.fail_step == nf.get("step")):
+            notes.append(("⚠ " + describe_nonfinite(nf), "bold red"))
+        spikes = list(self.series.spikes.values())
+        if spikes:
+            top = max(spikes, key=lambda sp: sp.ratio)
+            more = f" · {len(spikes)} spikes" if len(spikes) > 1 else ""
+            notes.append(("! " + top.describe() + more, "bold red"))
+        return notes
+
+    def _resume_hint(self) -> str:
+        """The command that continues this run (``--db`` unless it is the default database)."""
+        from pathlib import Path
+
+        from hooks.runs.store import default_db_path
+
+        db = Path(self.store.path if self.watch else self.session.store.path)
+        same = db.resolve() == default_db_path().resolve()
+        return f"continue: mdb overfit --resume {self.run_name}" + ("" if same else f" --db {db}")
+
+    def _watched_end(self) -> list[tuple[str, str]]:
+        run, state = self.run, self.state
+        ckpt = run.checkpoint_step
+        resumable = getattr(run, "kind", "overfit") == "overfit" and ckpt is not None
+        saved = f" · checkpoint @ step {ckpt}" if resumable else ""
+        if state == "gone":
+            lines = [("✗ " + run.gone_reason() + saved, "bold red")]
+        elif state == "interrupted":
+            lines = [(f"■ {run.status_line()}{saved}", "bold yellow")]
+        elif state == "failed":
+            why = run.reason or run.status_line()
+            where = f" (first in {run.fail_module})" if run.fail_module and (
+                run.fail_module not in why) else ""
+            return [(f"✗ {why}{where}", "bold red")]
+        else:
+            return []
+        if resumable:
+            lines.append((self._resume_hint(), "bold"))
+        return lines
+
+    def _trained_end(self) -> list[tuple[str, str]]:
+        ended = self.ended
+        if self.error is not None:
+            return [("✗ " + self.error, "bold red")]
+        if ended is None:
+            return []
+        if ended.status == "failed":
+            return [("✗ " + ended.reason, "bold red")]
+        if ended.status == "interrupted":
+            return [(f"■ stopped after step {ended.last_step} ({ended.reason}) · checkpoint "
+                     "written", "bold yellow"), (self._resume_hint(), "bold")]
+        return []
 
     def _selected_other(self) -> str | None:
         others = self.series.other_names()
@@ -783,13 +951,17 @@ class LiveScreen(MdbScreen):
         if self._main is None:
             styles = self._loss_styles()
             # drawn last-logged first, so the first-logged (the main loss) lies on top
-            loss.plot([Series(name, *s.metric(name).points(n), *styles[name])
+            flagged = self._flagged(names)
+            loss.plot([Series(display_name(name), *s.metric(name).points(n), *styles[name],
+                              flags=s.spike_steps(flagged) if name == flagged else ())
                        for name in reversed(names)],
                       title=f"loss ({scale})" if names else "loss", log=log)
         else:
             name = names[0]
-            loss.plot([Series("", *s.metric(name).points(n), "cyan")],
-                      title=f"{name} ({scale}) · m: next", log=log)
+            spiked = {sp.metric for sp in s.spikes.values()}
+            loss.plot([Series("", *s.metric(name).points(n), "cyan",
+                              flags=s.spike_steps(name) if name in spiked else ())],
+                      title=f"{display_name(name)} ({scale}) · m: next", log=log)
         other = self._selected_other()
         if other is not None:  # the table at the charts' pace: its numbers are a chart's too
             self._set("#live-table", self._table_text())
@@ -799,17 +971,23 @@ class LiveScreen(MdbScreen):
         if self.redraws % 2 == 1 or self.watch or self.state != "running":
             self._draw_experts()  # slow-moving: every other redraw while training
 
+    def _flagged(self, names: list[str]) -> str | None:
+        """The loss line that carries the spike flags: the spiking metric itself, else (when it
+        is not drawn) the first loss."""
+        metrics = {sp.metric for sp in self.series.spikes.values()}
+        if not metrics:
+            return None
+        hit = [n for n in names if n in metrics]
+        return hit[0] if hit else (names[0] if names else None)
+
     def _draw_experts(self) -> None:
         s = self.series
-        row = self.query_one("#live-experts", Horizontal)
+        box = self.query_one("#live-experts", Vertical)
+        row = self.query_one("#live-experts-row", Horizontal)
+        head = self.query_one("#live-experts-head", Static)
         if not s.experts:
-            if not row.display:
-                return
-            if not row.children:
-                row.mount(Static("", id="live-experts-note"))
-            note = row.query("#live-experts-note")
-            if note:
-                note.first().update("tokens per expert: waiting for the first step")
+            if box.display:
+                head.update("tokens per expert: waiting for the first step")
             return
         charts = list(row.query(LineChart))
         if len(charts) != len(s.experts):
@@ -817,22 +995,31 @@ class LiveScreen(MdbScreen):
             charts = [LineChart(x_axis=False, mark_every=0, classes="live-expert")
                       for _ in s.experts]
             row.mount(*charts)
-        per_page = max(1, (row.size.width or self.app.size.width) // EXPERT_CHART_MIN_WIDTH)
+        width = row.size.width or self.app.size.width
+        per_page = max(1, (width + 1) // (EXPERT_CHART_MIN_WIDTH + 1))
         pages = max(1, math.ceil(len(charts) / per_page))
         self._layer_page %= pages
         first = self._layer_page * per_page
+        last = min(len(charts), first + per_page) - 1
+        what = ("tokens routed to each expert" if s.expert_units == "tokens"
+                else "share of the routed slots of each expert")
+        if pages > 1:
+            head.update(f"{what} · MoE layers {first}-{last} of {len(charts)} "
+                        f"({self._layer_page + 1}/{pages}) · e: next layers")
+        else:
+            head.update(f"{what}, per MoE layer, over the steps")
         for i, (chart, samplers) in enumerate(zip(charts, s.experts, strict=True)):
-            visible = first <= i < first + per_page
+            visible = first <= i <= last
             chart.display = visible
+            chart.set_class(i == last, "-last")
             if not visible:
                 continue
-            more = f" ({self._layer_page + 1}/{pages}, e: more)" if pages > 1 and i == first else ""
             n = chart.resolution
             chart.plot(
                 [Series(f"{e}", *sampler.points(n), EXPERT_STYLES[e % len(EXPERT_STYLES)],
                         marker=str(e) if e < 10 else "")
                  for e, sampler in enumerate(samplers)],
-                title=f"L{i} tok{more}")
+                title=f"L{i}")
 
     # -- actions ---------------------------------------------------------------------------------
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
@@ -879,7 +1066,7 @@ class LiveScreen(MdbScreen):
             return
         self._want_capture = True
         self.session.control.request_capture(pause_after=True)
-        self.hint(f"capturing step {self.series.step + 1}; the step view opens when it is done")
+        self.hint(f"capturing step {self.series.step + 1}; its step view opens when it is done")
 
     def action_stop(self) -> None:
         if self._read_only():
@@ -928,10 +1115,13 @@ class LiveScreen(MdbScreen):
         self.app.push_screen(LiveHelpScreen(self.watch))
 
     def action_quit_live(self) -> None:
-        if self.watch or self.ended is not None or self.error is not None or self._quitting:
+        if self.watch or self.ended is not None or self.error is not None:
             self.app.exit(return_code=self.exit_code() if not self.watch else 0)
+            return
+        if self._quitting:  # q again while the step does not end: leave it behind
+            self.quit_now = True
+            self.app.exit(return_code=130)
             return
         self._quitting = True
         self.session.control.stop("quit")
-        self.hint("stopping after the current step and writing a checkpoint… (q again: "
-                  "quit at once)")
+        self.hint("stopping after this step, writing a checkpoint… · q again: quit at once")

@@ -12,6 +12,8 @@ training throughput on a 2-core machine. This widget draws only what the live sc
   and optionally one marker character each, drawn on the line every few columns and at its
   end and repeated in the legend, so the lines stay apart without colour (``NO_COLOR``, a
   monochrome terminal, a text capture);
+* flagged points (a loss spike): a bold ``!`` at the top of the line in the flagged step's
+  column, and ``! spike`` in the legend;
 * linear or log10 y axis, three y labels (top, middle, bottom), first and last x values below;
 * a title row carrying the legend (series names in their colours).
 
@@ -53,6 +55,8 @@ class Series:
         style: Rich style of the line and its legend label.
         marker: One character drawn on the line (every ``mark_every`` columns and at its last
             point) and before its legend label; ``""``: none.
+        flags: X values (steps) to flag with :data:`FLAG` at the top of the line in their
+            column (a loss spike's peak).
     """
 
     name: str
@@ -60,6 +64,13 @@ class Series:
     ys: Sequence[float]
     style: str = ""
     marker: str = ""
+    flags: Sequence[float] = ()
+
+
+#: The character and style of a flagged point, and its legend entry.
+FLAG = "!"
+FLAG_STYLE = "bold red"
+FLAG_LEGEND = "! spike"
 
 
 def _label(v: float) -> str:
@@ -121,6 +132,8 @@ def chart_rows(series: Sequence[Series], width: int, height: int, *, title: str 
         label = f"{s.marker} {s.name}" if s.marker and s.name and s.marker != s.name else (
             s.name or s.marker)
         head.append((label, s.style))
+    if any(s.flags for s in series):
+        head += [("  ", ""), (FLAG_LEGEND, FLAG_STYLE)]
     rows: list[list[Run]] = [head]
     rows_avail = height - 1 - (1 if x_axis else 0)
     if rows_avail < 1:
@@ -163,11 +176,13 @@ def chart_rows(series: Sequence[Series], width: int, height: int, *, title: str 
     sx = (dw - 1) / (x1 - x0)
     sy = (dh - 1) / (y1 - y0)
     marks: dict[tuple[int, int], tuple[str, str]] = {}
+    flagged: dict[tuple[int, int], tuple[str, str]] = {}  # drawn over the markers
     n_marked = sum(1 for s in series if s.marker)
     k_marked = 0
     for s, ps in zip(series, pts, strict=True):
         prev = None
         cells: dict[int, int] = {}  # column -> row of this line's last dot there
+        tops: dict[int, int] = {}  # column -> the highest row of this line there
         for x, y in ps:
             cx = int(round((x - x0) * sx))
             cy = int(round((y1 - y) * sy))
@@ -177,7 +192,13 @@ def chart_rows(series: Sequence[Series], width: int, height: int, *, title: str 
                 bits[r][c] |= _DOT[py & 3][px & 1]
                 styles[r][c] = s.style
                 cells[c] = r
+                if r < tops.get(c, ph):
+                    tops[c] = r
             prev = (cx, cy)
+        for fx in s.flags:
+            c = int(round((fx - x0) * sx)) >> 1
+            if c in tops:
+                flagged[(tops[c], c)] = (FLAG, FLAG_STYLE)
         if s.marker and cells:
             first, last = min(cells), max(cells)
             cols = {last}
@@ -188,6 +209,7 @@ def chart_rows(series: Sequence[Series], width: int, height: int, *, title: str 
             for c in cols:
                 if c in cells:
                     marks[(cells[c], c)] = (s.marker, s.style)
+    marks.update(flagged)
     label_rows = {0: labels[0], ph - 1: labels[2]}
     if ph >= 3:
         label_rows[(ph - 1) // 2] = labels[1]

@@ -37,6 +37,16 @@ THROUGHPUT_METRICS = ("step_time", "tokens_per_s", "steps_per_s")
 _LOSS_TOKENS = frozenset({"ce", "nll", "ppl", "xent", "perplexity"})
 
 
+def display_name(name: str) -> str:
+    """A metric or run name as one printable line: control characters escaped (``a\\nb``),
+    ``""`` for an empty name (``hooks.run`` takes any keyword)."""
+    if not name:
+        return '""'
+    if name.isprintable():
+        return name
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in name)
+
+
 def is_loss_like(name: str) -> bool:
     """Whether a metric is a loss by its name: it contains ``loss`` or ``perplexity``, or one
     of its ``_``/``/``/``.``/``-``-separated words is ``ce``, ``nll``, ``ppl`` or ``xent``
@@ -233,6 +243,8 @@ class RunSeries:
         last: The latest :class:`hooks.runs.store.MetricRow` (``None`` before the first).
         first_step: Step of the first row seen (a resumed run does not start at 1).
         sample: The latest :class:`Sample`.
+        spikes: The run's loss spikes (:class:`hooks.runs.spikes.Spike`, as its writer
+            recorded them) by first step.
     """
 
     def __init__(self, total_steps: int | None = None, *, text: str = "", top_k: int = 1,
@@ -251,6 +263,7 @@ class RunSeries:
         self.last: Any = None
         self.first_step: int | None = None
         self.sample: Sample | None = None
+        self.spikes: dict[int, Any] = {}
         self.rows = 0
         self._walls: deque[float] = deque(maxlen=RATE_WINDOW + 1)
         self._tokens_per_step: float | None = None
@@ -332,6 +345,15 @@ class RunSeries:
         """The metrics shown in the table: neither losses nor throughput (the rate row's)."""
         losses = set(self.loss_names())
         return [n for n in self.names if n not in losses and n not in THROUGHPUT_METRICS]
+
+    def add_spike(self, spike: Any) -> None:
+        """Record a loss spike (a new one, or a later state of one already seen: its peak and
+        last step move while the episode lasts)."""
+        self.spikes[spike.step] = spike
+
+    def spike_steps(self, metric: str) -> list[int]:
+        """The peak steps of the spikes of ``metric``, in step order."""
+        return [sp.peak_step for _, sp in sorted(self.spikes.items()) if sp.metric == metric]
 
     def add_sample(self, step: int, prompt: str, text: str) -> None:
         """Record a greedy continuation generated at ``step``."""
