@@ -290,9 +290,12 @@ class Workers:
         if job.state == "not started":
             return f"not started ({self.stop_reason})"
         if job.state == "exited" and job.code not in (0, None):
-            if job.code in (129, 130, 143) or job.code < 0:
-                return f"worker stopped (exit {job.code})" + (
-                    f": {job.reason}" if job.reason and job.code > 0 else "")
+            if job.code < 0:
+                with contextlib.suppress(ValueError):
+                    return f"worker killed by {signal.Signals(-job.code).name}"
+                return f"worker killed by signal {-job.code}"
+            if job.code in (129, 130, 143):
+                return f"worker stopped (exit {job.code})"
             return f"worker failed (exit {job.code})" + (f": {job.reason}" if job.reason else "")
         return None
 
@@ -352,7 +355,7 @@ class Workers:
                     if self.stop_reason is None:
                         for job in queued[: max(0, self.parallel - len(running))]:
                             self._launch(job)
-                    if not running and not any(j.state == "queued" for j in self.jobs):
+                    if not any(j.state in ("queued", "running") for j in self.jobs):
                         return
                 time.sleep(0.1)
         finally:

@@ -84,7 +84,7 @@ class RunPicker(ModalScreen[list[str] | None]):
     """Choose the runs of the store to compare (space toggles, Enter applies, q cancels)."""
 
     BINDINGS = [
-        Binding("enter", "apply", "apply", id="pick.apply"),
+        Binding("enter", "apply", "apply", priority=True, id="pick.apply"),
         Binding("q,a", "cancel", "cancel", id="pick.cancel"),
     ]
 

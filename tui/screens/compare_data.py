@@ -34,7 +34,6 @@ MAX_RUNS = len(RUN_STYLES)
 _SKIP_KEYS = {"text", "metrics", "loss_metrics", "moe", "top_k", "workload", "model_config",
               "resolved_model_config", "model_state", "batch", "loss_source", "model_path"}
 _EVAL_RE = re.compile(r"^ce@(\d+)$")
-_SEPARATORS = "-=+_."
 
 
 def minillm_config_of(run: Any) -> tuple[Any, str]:
@@ -191,17 +190,24 @@ class RunView:
 
 
 def short_labels(names: Sequence[str]) -> list[str]:
-    """The names without their common prefix up to a separator (``abl-attention=mha`` …
-    → ``mha`` …), unless that leaves one empty or there is a single name."""
+    """The names without their common prefix up to a separator: ``abl-attention=mha`` and
+    ``abl-attention=gqa`` → ``mha``, ``gqa`` (one varied field: its name goes too);
+    ``abl-a=1+b=2`` and ``abl-a=1+b=3`` → ``b=2``, ``b=3``. Unchanged when that would leave
+    a label empty or the same twice, or for a single name."""
     if len(names) < 2:
         return list(names)
     prefix = names[0]
     for n in names[1:]:
         while not n.startswith(prefix):
             prefix = prefix[:-1]
-    cut = max((i + 1 for i, c in enumerate(prefix) if c in _SEPARATORS), default=0)
+    cut = max((i + 1 for i, c in enumerate(prefix) if c in "-+_."), default=0)
     labels = [n[cut:] for n in names]
-    return labels if all(labels) else list(names)
+    if cut and prefix[cut - 1] != "+" and "=" in prefix[cut:]:
+        field = prefix[cut:].split("=", 1)[0] + "="
+        if all(lb.startswith(field) and "+" not in lb for lb in labels):
+            labels = [lb[len(field):] for lb in labels]
+    ok = all(labels) and len(set(labels)) == len(labels)
+    return labels if ok else list(names)
 
 
 def _fmt(x: float | None, spec: str = ".4f") -> str:
