@@ -61,6 +61,8 @@ async def test_compare_follows_a_run_being_written(db):
                                  "total": 2.0 / s + 0.01, "grad_norm": 0.5})
                 written.append(s)
             done.wait(30)
+            # as mdb ablate does: held-out CE added to the last step once it was read
+            writer.log_step({"step": 30, "ce@16": 2.5})
             writer.finish("finished")
 
     t = threading.Thread(target=writer_thread, daemon=True)
@@ -80,6 +82,9 @@ async def test_compare_follows_a_run_being_written(db):
             await pilot.pause(0.6)  # the chart's redraw slot
             done.set()
             await wait_until(pilot, lambda: "finished" in _cells(screen, "status")[1], timeout=10)
+            await wait_until(pilot, lambda: "2.5000" in _table_text(screen), timeout=10)
+            assert _cells(screen, "held-out ce@16") == ["—", "2.5000", "—"]
+            assert gqa.series.step == 30 and len(gqa.series.metric("ce")) == 30  # no new point
             # the table: a column per run, minillm numbers from the config, "—" and why else
             rows = {r.label: r.cells for r in compare_rows(screen.views)}
             cfg_mha = load_preset("tiny", num_key_value_heads=4)

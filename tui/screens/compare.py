@@ -77,7 +77,7 @@ class ComparePolled(Message):
 
     runs: list
     updates: dict
-    error: str | None = None
+    last_rows: dict
 
 
 class RunPicker(ModalScreen[list[str] | None]):
@@ -164,6 +164,7 @@ class CompareScreen(MdbScreen):
         self._redraw_timer = None
         self._table_key: tuple | None = None
         self._stopping = False
+        self._workers_running = controller is not None
 
     # -- views -----------------------------------------------------------------------------------
     def _add_view(self, name: str) -> RunView:
@@ -207,20 +208,22 @@ class CompareScreen(MdbScreen):
         self._redraw()
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action == "stop" and self.controller is None:
-            return False  # nothing to stop: the key is not shown
+        if action == "stop" and (self.controller is None or not self.controller.running()):
+            return False  # nothing (left) to stop: the key is not shown
         if action == "ctrl_c":
             return True
         return super().check_action(action, parameters)
 
     # -- reading the store (thread worker) -------------------------------------------------------
     def _start_poll(self) -> None:
-        targets = [(v.name, v.cursor) for v in self.views]
+        # the last row is read again once, when a run has ended (see RunView.needs_last_row)
+        targets = [(v.name, v.cursor, v.info is None or v.info.status == "running"
+                    or v.needs_last_row) for v in self.views]
         self._poll(targets)
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="poll",
           description="read the compared runs from the run store")
-    def _poll(self, targets: list[tuple[str, int]]) -> None:
+    def _poll(self, targets: list[tuple[str, int, bool]]) -> None:
         from hooks.runs.store import RunStore
 
         if self._store is None:
@@ -228,12 +231,14 @@ class CompareScreen(MdbScreen):
         store = self._store
         runs = store.runs()
         by_name = {r.name: r for r in runs}
-        updates = {}
-        for name, cursor in targets:
+        updates, last_rows = {}, {}
+        for name, cursor, last in targets:
             run = by_name.get(name)
             if run is not None:
                 updates[name] = store.poll(run.id, cursor)
-        self.post_message(ComparePolled(runs, updates))
+                if last and updates[name].run.status != "running":
+                    last_rows[name] = store.last_metrics(run.id)
+        self.post_message(ComparePolled(runs, updates, last_rows))
 
     def on_compare_polled(self, message: ComparePolled) -> None:
         message.stop()
@@ -246,16 +251,25 @@ class CompareScreen(MdbScreen):
         if self.polls == 1:
             what = "x stops the workers · " if self.controller is not None else ""
             self.hint(f"following {len(self.views)} runs · {what}a add/remove · d remove · "
-                      "l log/linear · ? keys")
+                      "? keys")
         for view in self.views:
             update = message.updates.get(view.name)
             if update is not None:
-                changed |= view.add_update(update)
+                view.add_update(update)
                 changed = True  # the status may have changed
+                if view.name in message.last_rows and view.needs_last_row:
+                    view.add_last_row(message.last_rows[view.name])
             if self.controller is not None:
                 external = self.controller.status(view.name)
                 changed |= external != view.external
                 view.external = external
+        if self.controller is not None:
+            running = self.controller.running()
+            if running != self._workers_running:
+                self._workers_running = running
+                self.refresh_bindings()
+                if not running and self.polls > 1:
+                    self.hint("every worker has ended · q quits (the table is printed)")
         if changed:
             self._changed()
         self.set_timer(self.poll_interval, self._start_poll)
@@ -311,7 +325,8 @@ class CompareScreen(MdbScreen):
         names = set()
         for view, label in zip(self.views, self.labels, strict=True):
             metric = view.loss_name
-            names.add(metric or "loss")
+            if metric:
+                names.add(metric)
             xs, ys = view.series.metric(metric).points(chart.resolution) if metric else ([], [])
             series.append(Series(label, xs, ys, style=view.style, marker=view.marker))
         what = names.pop() if len(names) == 1 else "loss"

@@ -130,6 +130,7 @@ class RunView:
     arch_why: str = "not recorded yet"
     external: str | None = None
     _configured: bool = False
+    _last_read: Any = None
 
     @property
     def style(self) -> str:
@@ -167,6 +168,33 @@ class RunView:
         if update.metrics:
             self.cursor = update.last_step
         return bool(update.metrics)
+
+    @property
+    def needs_last_row(self) -> bool:
+        """Whether the run ended and its last row was not read again since: a writer may add
+        scalars to a step already read (``mdb ablate`` logs the held-out ``ce@N`` into the
+        last step, after the step itself), which reading on from the cursor never sees."""
+        return (self.info is not None and self.info.status != "running"
+                and self._last_read != (self.info.status, self.info.last_step))
+
+    def add_last_row(self, row: Any) -> bool:
+        """Take what a re-read of the last step adds (scalars not seen at that step); whether
+        anything was new."""
+        self._last_read = (self.info.status, self.info.last_step) if self.info else None
+        if row is None or row.step != self.series.step:
+            return False
+        new = False
+        for name, value in row.values.items():
+            st = self.series.stats.get(name)
+            if st is None or st.last_step != row.step:  # stats only: the step is drawn already
+                if st is None:
+                    from tui.screens.live_data import MetricStats
+
+                    st = self.series.stats[name] = MetricStats()
+                    self.series.names.append(name)
+                st.add(row.step, value)
+                new = True
+        return new
 
     @property
     def loss_name(self) -> str | None:
