@@ -217,3 +217,52 @@ def test_a_model_run_says_why_it_has_no_numbers(tmp_path):
     assert config is None and "not valid" in why  # never a guess from a broken config
     Info.config = {"resolved_model_config": MiniLLMConfig().to_dict()}
     assert minillm_config_of(Info())[0] == MiniLLMConfig()
+
+
+class FakeWorkers:
+    """What mdb ablate hands the screen (tui.screens.compare.Controller)."""
+
+    def __init__(self):
+        self.stops = []
+        self.alive = True  # workers finish their step after a stop
+        self.states = {"abl-attention=mqa": "queued",
+                       "abl-attention=gqa": "worker failed (exit 1): MemoryError"}
+
+    def status(self, name):
+        return self.states.get(name)
+
+    def stop(self, reason):
+        self.stops.append(reason)
+        self.states["abl-attention=mqa"] = f"not started ({reason})"
+
+    def running(self):
+        return self.alive
+
+
+async def test_ablation_controller_statuses_and_stop_keys(db):
+    with RunStore(db) as store:  # a worker that died without marking its run
+        _minillm_run(store, "abl-attention=gqa", 3, total=50)
+    workers = FakeWorkers()
+    names = ["abl-attention=mha", "abl-attention=gqa", "abl-attention=mqa"]
+    screen = CompareScreen(db, names, controller=workers, poll_interval=0.05)
+    app = CompareApp(screen)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_until(pilot, lambda: screen.polls >= 2)
+        await pilot.pause(0.3)
+        assert _cells(screen, "status") == ["finished", "worker failed (exit 1): MemoryError",
+                                            "queued"]
+        footer = " ".join(str(k.render()) for k in app.screen.query("FooterKey"))
+        assert "stop all" in footer
+        await pilot.press("ctrl+c")
+        assert workers.stops == ["stopped from the screen"]
+        await pilot.press("x")  # a second stop only says it is stopping
+        assert workers.stops == ["stopped from the screen"]
+        assert "already stopping" in str(app.screen.query_one("#hint").render())
+        await wait_until(pilot, lambda: "not started" in _cells(screen, "status")[2])
+        workers.alive = False  # the workers have ended: x is no longer offered
+        await wait_until(pilot, lambda: "every worker has ended" in str(
+            app.screen.query_one("#hint").render()))
+        footer = " ".join(str(k.render()) for k in app.screen.query("FooterKey"))
+        assert "stop all" not in footer
+        await pilot.press("q")
+    assert app.return_code == 0

@@ -343,6 +343,7 @@ class CompareScreen(MdbScreen):
             table.clear(columns=True)
             width = max([len(r.label) for r in rows] + [6])
             table.add_column("", key="label", width=min(width, 20))
+            table.fixed_columns = 1  # the labels stay when 8 runs scroll sideways
             for view, label in zip(self.views, labels, strict=True):
                 head = Text(f"{view.marker} {label}", style=f"bold {view.style}")
                 table.add_column(head, key=view.name)
