@@ -6,7 +6,7 @@ transformers in ``tests/``.
 """
 
 from minillm.config import MiniLLMConfig, default_intermediate_size
-from minillm.model import MiniLLM, MiniLLMOutput
+from minillm.model import MiniLLM, MiniLLMOutput, PastKeyValues
 from minillm.presets import PRESETS, list_presets, load_preset
 from minillm.tokenizer import ByteTokenizer, CharTokenizer
 
@@ -17,6 +17,7 @@ __all__ = [
     "MiniLLM",
     "MiniLLMConfig",
     "MiniLLMOutput",
+    "PastKeyValues",
     "default_intermediate_size",
     "list_presets",
     "load_preset",

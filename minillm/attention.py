@@ -57,7 +57,9 @@ class MiniLLMAttention(nn.Module):
 
     Query head h attends with KV head ``h // num_key_value_groups`` (Ainslie et al. 2023;
     HF ``repeat_kv``). MHA is Hkv = H, MQA is Hkv = 1. Keys are rotated by RoPE before they
-    enter the cache, so cached keys never need rotating again.
+    enter the cache, so cached keys never need rotating again (dynamic-NTK RoPE past its
+    original length changes every rotation with the length; the model then recomputes the
+    whole sequence instead of using the cache, see :class:`minillm.model.PastKeyValues`).
 
     Two paths compute the same function:
 

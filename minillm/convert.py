@@ -27,15 +27,40 @@ def _rope_config(hf_config) -> tuple[float, dict | None]:
     if kind not in ("linear", "dynamic"):
         raise ValueError(f"HF rope type {kind!r} is not supported (only default, linear, dynamic)")
     out = {"rope_type": kind, "factor": float(scaling["factor"])}
-    if scaling.get("original_max_position_embeddings"):
+    if kind == "dynamic":
+        # HF's dynamic NTK measures the length against max_position_embeddings itself (its
+        # _compute_dynamic_ntk_parameters and the "reset" below it), whatever else is given
+        out["original_max_position_embeddings"] = int(hf_config.max_position_embeddings)
+    elif scaling.get("original_max_position_embeddings"):
         out["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
     else:
         out["original_max_position_embeddings"] = int(hf_config.max_position_embeddings)
     return float(theta), out
 
 
-def config_from_hf(hf_config) -> MiniLLMConfig:
+def max_positions_from_hf(hf_config, scaling: dict | None, limit: int | None = None) -> int:
+    """MiniLLM's ``max_position_embeddings`` for a HF config: ``limit`` when given, else HF's
+    ``max_position_embeddings`` — except for dynamic NTK, where HF's value is the *original*
+    length L and HF accepts any longer input (the base grows with it): there the limit is
+    ``L · factor``, the length the factor stretches the context to (minillm's own default
+    relation between the two, see ``MiniLLMConfig.rope_scaling``). Pass ``limit`` for more."""
+    if limit is not None:
+        return int(limit)
+    hf_max = int(hf_config.max_position_embeddings)
+    if scaling is not None and scaling["rope_type"] == "dynamic":
+        return max(hf_max, int(hf_max * scaling["factor"]))
+    return hf_max
+
+
+def config_from_hf(hf_config, *, max_position_embeddings: int | None = None) -> MiniLLMConfig:
     """A :class:`MiniLLMConfig` equivalent to a HF Llama or Mixtral config.
+
+    Args:
+        hf_config: a ``LlamaConfig`` or ``MixtralConfig``.
+        max_position_embeddings: the longest input the MiniLLM accepts; default HF's
+            ``max_position_embeddings``, or for dynamic-NTK RoPE (where HF's value is the
+            original length and longer inputs are accepted) that length × the factor (see
+            :func:`max_positions_from_hf`).
 
     Raises:
         ValueError: the HF config uses something MiniLLM does not implement (biases, an
@@ -65,7 +90,8 @@ def config_from_hf(hf_config) -> MiniLLMConfig:
         num_key_value_heads=hf_config.num_key_value_heads or hf_config.num_attention_heads,
         num_local_experts=hf_config.num_local_experts if is_moe else 0,
         num_experts_per_tok=hf_config.num_experts_per_tok if is_moe else 2,
-        max_position_embeddings=hf_config.max_position_embeddings,
+        max_position_embeddings=max_positions_from_hf(hf_config, scaling,
+                                                      max_position_embeddings),
         rms_norm_eps=hf_config.rms_norm_eps,
         rope_theta=theta,
         rope_scaling=scaling,

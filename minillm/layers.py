@@ -66,7 +66,13 @@ class MiniLLMRotaryEmbedding(nn.Module):
         * ``dynamic`` — dynamic NTK: for sequences up to the original length the plain table is
           used; for a longer sequence of length S the base becomes
           ``theta * (factor·S/orig - (factor-1)) ** (Dh/(Dh-2))`` (HF's
-          ``_compute_dynamic_ntk_parameters``), recomputed for that S.
+          ``_compute_dynamic_ntk_parameters``), recomputed for that S. S is each row's own
+          length, ``max(position_ids[b]) + 1``, so a row's rotation never depends on the other
+          rows of its batch (HF takes the maximum over the whole batch; the two agree on
+          unpadded batches). Because the base depends on S, every position's rotation — and
+          with it every hidden state after the first attention layer — changes when the
+          sequence grows past the original length: see :class:`minillm.model.PastKeyValues`
+          for what that means for the KV cache.
 
     Shape:
         position_ids (B, T) int64 -> (cos, sin), each (B, T, Dh) float32.
@@ -107,9 +113,12 @@ class MiniLLMRotaryEmbedding(nn.Module):
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.scaling_type == "dynamic":
-            seq_len = int(position_ids.max()) + 1
-            if seq_len > self.original_max_position_embeddings:
-                freqs = position_ids[..., None].float() * self.dynamic_inv_freq(seq_len)
+            seq_len_B = position_ids.amax(dim=-1) + 1  # each row's length S_b
+            if int(seq_len_B.max()) > self.original_max_position_embeddings:
+                inv_freq_BF = torch.stack(
+                    [self.dynamic_inv_freq(int(s)) for s in seq_len_B.tolist()]
+                )  # (B, Dh/2): the plain frequencies for rows within the original length
+                freqs = position_ids[..., None].float() * inv_freq_BF[:, None, :]
                 emb = torch.cat((freqs, freqs), dim=-1)
                 return emb.cos(), emb.sin()
         return self.cos_cached[position_ids], self.sin_cached[position_ids]

@@ -33,7 +33,8 @@ class MiniLLMOutput:
             a dense model). Perfectly balanced routing gives coef × number of MoE layers.
         aux_losses: (L_moe,) per-layer load-balancing losses, without the coefficient.
         router_logits: one (N, E) tensor per MoE layer.
-        past_key_values: one (keys, values) pair per layer when ``use_cache``.
+        past_key_values: one (keys, values) pair per layer when ``use_cache``, a
+            :class:`PastKeyValues` (a tuple that also carries the ids).
         attentions: one (B, H, T, S) probability tensor per layer when ``output_attentions``.
     """
 
@@ -45,6 +46,35 @@ class MiniLLMOutput:
     router_logits: tuple[torch.Tensor, ...] = field(default_factory=tuple)
     past_key_values: tuple[KVCache, ...] | None = None
     attentions: tuple[torch.Tensor, ...] | None = None
+
+
+class PastKeyValues(tuple):
+    """The KV cache :meth:`MiniLLM.forward` returns with ``use_cache``: one ``(keys, values)``
+    pair per layer, each (B, Hkv, S, Dh) with keys already rotated — a plain tuple of them, as
+    before — plus the token ids it was computed from.
+
+    The ids are what makes the cache exact for dynamic-NTK RoPE (``rope_scaling`` of type
+    ``dynamic``). Its rotation base depends on the sequence length S once S exceeds the
+    original length L, so a longer sequence rotates *every* position differently. Caching keys
+    before rotation would fix only the first layer: the hidden states after the first
+    attention layer, and hence the keys and values of every later layer, depend on S as well
+    (measured: a 2-layer model's layer-0 output at position 7 changes by 0.16 between S = 8
+    and S = 9 when L = 8). So past L nothing cached can be reused, and a dynamic-NTK model
+    handed a cache recomputes the whole sequence from these ids: a cached decode equals full
+    recomputation (at the cost of full recomputation) instead of drifting from it. Within L,
+    and for every other position scheme, the cache is used as usual.
+
+    Attributes:
+        input_ids: (B, S) int64, the ids of every cached position (``None`` when the cache was
+            extended from a plain tuple whose ids were not known).
+    """
+
+    input_ids: torch.Tensor | None
+
+    def __new__(cls, layers, input_ids: torch.Tensor | None = None) -> PastKeyValues:
+        self = super().__new__(cls, layers)
+        self.input_ids = input_ids
+        return self
 
 
 class MiniLLMDecoderLayer(nn.Module):
@@ -140,6 +170,8 @@ class MiniLLMModel(nn.Module):
             check_attention_mask(attention_mask, b, past_len + t)
             position_ids = positions_from_mask(attention_mask)[:, past_len:]
             mask_4d = padding_attention_mask(attention_mask, t)
+        if past_len and self._recompute_past(position_ids):
+            return self._recompute(input_ids, past_key_values, use_cache, attention_mask)
         hidden_states = self.embed_tokens(input_ids)
         position_embeddings = None
         if self.config.position_embedding == "learned":
@@ -160,7 +192,47 @@ class MiniLLMModel(nn.Module):
                 router_logits.append(r_logits)
             attentions.append(attn_w)
             presents.append(present)
-        return self.norm(hidden_states), router_logits, attentions, presents
+        cache = None
+        if use_cache:
+            if not past_len:
+                known = input_ids
+            else:
+                past_ids = getattr(past_key_values, "input_ids", None)
+                known = None if past_ids is None else torch.cat((past_ids, input_ids), dim=1)
+            cache = PastKeyValues(presents, input_ids=known)
+        return self.norm(hidden_states), router_logits, attentions, cache
+
+    def _recompute_past(self, position_ids: torch.Tensor) -> bool:
+        """Whether a cached call must recompute every position: dynamic-NTK RoPE with some row
+        longer than the original length (see :class:`PastKeyValues`)."""
+        rope = getattr(self, "rotary_emb", None)
+        if rope is None or rope.scaling_type != "dynamic":
+            return False
+        return int(position_ids.max()) + 1 > rope.original_max_position_embeddings
+
+    def _recompute(self, input_ids, past_key_values, use_cache, attention_mask):
+        """The cached call of a dynamic-NTK model past its original length: the whole sequence
+        (the cache's ids, then ``input_ids``) run again, the outputs of the last T positions
+        returned — exactly what full recomputation gives them."""
+        past_ids = getattr(past_key_values, "input_ids", None)
+        past_len = past_key_values[0][0].shape[2]
+        if past_ids is None or tuple(past_ids.shape) != (input_ids.shape[0], past_len):
+            raise ValueError(
+                "a dynamic-NTK model past its original length "
+                f"({self.rotary_emb.original_max_position_embeddings}) rotates every position "
+                "with a base that depends on the sequence length, so its cache cannot be "
+                "reused: pass the past_key_values this model returned (they carry the ids "
+                "to recompute from) or the whole sequence without a cache"
+            )
+        b, t = input_ids.shape
+        full_ids = torch.cat((past_ids.to(input_ids.device), input_ids), dim=1)
+        masked = {} if attention_mask is None else {"attention_mask": attention_mask}
+        hidden, router_logits, attentions, cache = self.forward(full_ids, use_cache=use_cache,
+                                                                **masked)
+        s = full_ids.shape[1]
+        router_logits = [r.view(b, s, -1)[:, s - t :].reshape(b * t, -1) for r in router_logits]
+        attentions = [None if a is None else a[:, :, s - t :] for a in attentions]
+        return hidden[:, s - t :], router_logits, attentions, cache
 
 
 def check_attention_mask(attention_mask: torch.Tensor, b: int, s: int) -> None:
@@ -250,12 +322,16 @@ class MiniLLM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     @classmethod
-    def from_hf(cls, hf_model: nn.Module) -> MiniLLM:
+    def from_hf(cls, hf_model: nn.Module, *, max_position_embeddings: int | None = None) -> MiniLLM:
         """A MiniLLM with the same config and weights as a HF causal LM instance.
 
         Args:
             hf_model: a ``LlamaForCausalLM`` or ``MixtralForCausalLM`` (e.g. built from a
                 config, no hub access needed).
+            max_position_embeddings: the longest input the MiniLLM accepts (default: HF's
+                ``max_position_embeddings``; for dynamic-NTK RoPE, whose HF value is the
+                original length L that longer inputs may exceed, L × factor — see
+                :func:`minillm.convert.max_positions_from_hf`).
 
         Returns:
             A MiniLLM in the same train/eval mode and dtype; its logits match HF's to float
@@ -265,7 +341,7 @@ class MiniLLM(nn.Module):
             ValueError: unsupported architecture features (see
                 :func:`minillm.convert.config_from_hf`) or weights that do not map one to one.
         """
-        config = config_from_hf(hf_model.config)
+        config = config_from_hf(hf_model.config, max_position_embeddings=max_position_embeddings)
         model = cls(config)
         state = state_dict_from_hf(hf_model.state_dict(), config)
         if config.tie_word_embeddings:
@@ -300,7 +376,9 @@ class MiniLLM(nn.Module):
                 where it and the position predicting it are both real tokens (labels at pads
                 are ignored, and nothing is predicted from a pad).
             past_key_values: the ``past_key_values`` of an earlier call (KV cache); new
-                positions continue after the cached ones.
+                positions continue after the cached ones. A dynamic-NTK model past its
+                original length recomputes the whole sequence from the ids the cache carries
+                (:class:`PastKeyValues`), so the result equals a call without cache.
             attention_mask: optional (B, S) padding mask, 1 for real tokens and 0 for pads,
                 over the cached and the new positions (S = past + T), left or right padding
                 (HF's convention). Pads are masked out as keys; positions count real tokens
@@ -374,7 +452,7 @@ class MiniLLM(nn.Module):
             aux_loss=aux_loss,
             aux_losses=aux_losses,
             router_logits=tuple(router_logits),
-            past_key_values=tuple(presents) if use_cache else None,
+            past_key_values=presents if use_cache else None,
             attentions=tuple(attentions) if output_attentions else None,
         )
 
@@ -395,7 +473,10 @@ class MiniLLM(nn.Module):
         ``temperature == 0`` is greedy (argmax); otherwise tokens are sampled from
         ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely ids when
         given. With ``use_cache`` each step feeds only the new token and reuses the KV cache;
-        the result equals full recomputation (tested).
+        the result equals full recomputation (tested). With dynamic-NTK RoPE, a step past the
+        original length recomputes the whole sequence (the rotation of every position changes
+        with the length, see :class:`PastKeyValues`): still equal, no faster than
+        ``use_cache=False`` there.
 
         Args:
             input_ids: (B, T0) prompt ids.

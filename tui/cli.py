@@ -25,6 +25,8 @@ COMMANDS: dict[str, str] = {
     "export": "export",
     "doctor": "doctor",
     "diff": "diff",
+    "compare": "compare",
+    "ablate": "ablate",
 }
 
 

@@ -210,6 +210,12 @@ class OverfitOptions(_StoredOptions):
         checkpoint_every: Also checkpoint every N steps (0: only at the end and on interruption).
         grad_clip: Clip the global gradient norm (``None``: off).
         tokenizer: ``"char"`` (the text's characters, seed 000's) or ``"byte"``.
+        held_out: Fraction of the text's tokens, at its end, never trained on (0: none); the
+            training windows come from the rest. ``mdb ablate`` holds out text to evaluate on.
+        eval_lengths: After the last step, the mean cross-entropy of the trained weights on
+            held-out windows of each of these lengths is logged at that step as ``ce@N``
+            (:meth:`OverfitSession.evaluate`); needs ``held_out``.
+        eval_windows: At most this many non-overlapping held-out windows per length.
     """
 
     text: str
@@ -229,11 +235,20 @@ class OverfitOptions(_StoredOptions):
     checkpoint_every: int = 0
     grad_clip: float | None = None
     tokenizer: str = "char"
+    held_out: float = 0.0
+    eval_lengths: list[int] = field(default_factory=list)
+    eval_windows: int = 16
 
     def validate(self) -> None:
         """Raise ``ValueError`` with one line naming the bad option."""
         if not self.text:
             raise ValueError("the text to memorise is empty")
+        if not (0.0 <= self.held_out < 1.0):
+            raise ValueError(f"--held-out must be in [0, 1), got {self.held_out}")
+        if self.eval_lengths and not self.held_out:
+            raise ValueError("evaluation lengths need held-out text (--held-out)")
+        if any(int(n) < 2 for n in self.eval_lengths) or self.eval_windows < 1:
+            raise ValueError("evaluation windows need at least 2 tokens, and at least 1 window")
         self._check(("every", "sample_every", "checkpoint_every"))
         if self.batch_size < 1:
             raise ValueError(f"--batch-size must be at least 1, got {self.batch_size}")
@@ -590,7 +605,11 @@ class OverfitSession(RunSession):
         base = minillm.MiniLLMConfig.from_dict(dict(options.model_config))
         self.config = base.replace(vocab_size=self.tokenizer.vocab_size)
         self.ids = torch.tensor([self.tokenizer.encode(options.text)], dtype=torch.long)
-        n = self.ids.shape[1]
+        held = int(round(self.ids.shape[1] * options.held_out))
+        #: (1, N_train) the tokens trained on, (1, N_held) those held out (the text's end)
+        self.train_ids = self.ids[:, : self.ids.shape[1] - held]
+        self.held_ids = self.ids[:, self.ids.shape[1] - held :]
+        n = self.train_ids.shape[1]
         if n < 2:
             raise ValueError("the text must be at least 2 tokens long")
         seq = n if options.seq_len is None else min(options.seq_len, n)
@@ -600,6 +619,17 @@ class OverfitSession(RunSession):
                 f"({self.config.max_position_embeddings}); pass a smaller --seq-len"
             )
         self.seq_len = seq
+        for length in options.eval_lengths:
+            if length > self.config.max_position_embeddings:
+                raise ValueError(
+                    f"an evaluation window of {length} tokens exceeds the model's "
+                    f"max_position_embeddings ({self.config.max_position_embeddings})")
+            if length > self.held_ids.shape[1]:
+                raise ValueError(
+                    f"the held-out text has {self.held_ids.shape[1]} tokens, fewer than one "
+                    f"evaluation window of {length}; use a longer text or a larger --held-out")
+        #: ``{"ce@N": value}`` logged after the last step (empty until then)
+        self.eval_results: dict[str, float] = {}
         self.model = minillm.MiniLLM(self.config)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=options.lr, weight_decay=options.weight_decay
@@ -608,7 +638,7 @@ class OverfitSession(RunSession):
             load_checkpoint(checkpoint, self.model, self.optimizer)
         self._fixed_batch = None
         if seq == n:
-            x = self.ids.expand(options.batch_size, n).contiguous()
+            x = self.train_ids.expand(options.batch_size, n).contiguous()
             self._fixed_batch = {"input_ids": x, "labels": x}
         self.trainer = Trainer(
             self.model,
@@ -676,8 +706,9 @@ class OverfitSession(RunSession):
     # -- what it is ----------------------------------------------------------------------------
 
     def describe(self) -> str:
+        held = self.held_ids.shape[1]
         return (f"{self.model.num_parameters():,} params · {self.ids.shape[1]} tokens of "
-                f"{self.options.text_source}")
+                f"{self.options.text_source}" + (f" ({held} held out)" if held else ""))
 
     @property
     def metric_names(self) -> list[str]:
@@ -691,15 +722,60 @@ class OverfitSession(RunSession):
     def has_experts(self) -> bool:
         return bool(self.config.is_moe)
 
+    # -- held-out evaluation -------------------------------------------------------------------
+
+    def evaluate(self, lengths: list[int] | tuple[int, ...]) -> dict[int, float]:
+        """Mean cross-entropy (nats per token) of the current weights on held-out text.
+
+        For each length N, up to ``eval_windows`` non-overlapping windows of N held-out tokens
+        (from the start of the held-out part) are run in eval mode without gradients; the CE
+        averages every next-token prediction inside them (N - 1 per window).
+
+        Returns:
+            ``{N: ce}`` per length.
+        """
+        held = self.held_ids[0]
+        out: dict[int, float] = {}
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for n in lengths:
+                    count = min(self.options.eval_windows, held.shape[0] // int(n))
+                    x = held[: count * int(n)].view(count, int(n))
+                    out[int(n)] = float(self.model(x, labels=x).ce_loss)
+        finally:
+            self.model.train(was_training)
+        return out
+
+    def run(self, on_step=None, on_state=None, heartbeat_interval: float = 1.0) -> TrainResult:
+        """:meth:`RunSession.run`; with ``eval_lengths``, after the last step (not after a
+        stop or a failure) the held-out CE per length is logged at that step as ``ce@N`` and
+        kept in :attr:`eval_results`."""
+        lengths = list(self.options.eval_lengths)
+        if not lengths:
+            return super().run(on_step=on_step, on_state=on_state,
+                               heartbeat_interval=heartbeat_interval)
+
+        def step(report: StepReport) -> None:
+            if report.failure is None and report.step == self.trainer.total_steps:
+                values = {f"ce@{n}": v for n, v in self.evaluate(lengths).items()}
+                self.writer.log_step({"step": report.step, **values})
+                self.eval_results = values
+            if on_step is not None:
+                on_step(report)
+
+        return super().run(on_step=step, on_state=on_state, heartbeat_interval=heartbeat_interval)
+
     # -- pieces --------------------------------------------------------------------------------
 
     def _batch_for(self, step: int) -> dict[str, torch.Tensor]:
         if self._fixed_batch is not None:
             return self._fixed_batch
-        n, seq, b = self.ids.shape[1], self.seq_len, self.options.batch_size
+        n, seq, b = self.train_ids.shape[1], self.seq_len, self.options.batch_size
         g = torch.Generator().manual_seed(self.options.seed * 1_000_003 + step)
         starts = torch.randint(0, n - seq + 1, (b,), generator=g)
-        x = torch.stack([self.ids[0, s : s + seq] for s in starts.tolist()])
+        x = torch.stack([self.train_ids[0, s : s + seq] for s in starts.tolist()])
         return {"input_ids": x, "labels": x}
 
     def _capture_meta(self, batch: Batch) -> dict[str, Any]:

@@ -139,7 +139,7 @@ FIXED_METRICS = (
     "steps_per_s",
 )
 
-_RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+_RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,99}$")
 
 _TABLES = {
     "meta": """CREATE TABLE meta (
@@ -271,12 +271,13 @@ def checkpoint_dir(db_path: str | os.PathLike[str], run_name: str) -> Path:
 def validate_run_name(name: str) -> str:
     """Return ``name`` if it is a valid run name, else raise :class:`RunStoreError`.
 
-    A run name is 1-100 characters from ``A-Z a-z 0-9 . _ -`` starting with a letter or digit
-    (it names a checkpoint directory, so no slashes or spaces).
+    A run name is 1-100 characters from ``A-Z a-z 0-9 . _ - = +`` starting with a letter or
+    digit (it names a checkpoint directory, so no slashes or spaces; ``=`` and ``+`` let
+    ``mdb ablate`` name a run after its variant, ``abl-attention=mha+ffn=dense``).
     """
     if not isinstance(name, str) or not _RUN_NAME_RE.match(name):
         raise RunStoreError(
-            f"invalid run name {name!r}: use 1-100 characters from A-Z a-z 0-9 . _ - "
+            f"invalid run name {name!r}: use 1-100 characters from A-Z a-z 0-9 . _ - = + "
             "starting with a letter or digit"
         )
     return name
