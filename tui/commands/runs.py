@@ -19,7 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object per run (one per line) instead of a table: "
                              "name, status, steps, metrics (names in first-logged order), "
-                             "nonfinite (step, metric, module, direction) and the run row")
+                             "nonfinite (step, metric, module, direction[, rank]), the run "
+                             "row, and for a torchrun job world_size, ranks and findings")
 
 
 def format_age(seconds: float) -> str:
@@ -41,7 +42,11 @@ def run_record(run, store, now: float) -> dict:
     stored status), plus ``writer_state`` (``running``/``gone``/… as a reader should show it),
     ``status_line``, ``steps`` (the last step written), ``metrics`` (the names logged, in
     first-logged order), ``nonfinite_line``, ``captures`` (how many steps have a stored
-    capture) and ``last_capture`` (the latest such step, ``None`` without), ``last_ce``.
+    capture) and ``last_capture`` (the latest such step, ``None`` without), ``last_ce``;
+    ``world_size`` (``None`` for a single process), ``ranks`` (a distributed run's ranks:
+    :class:`hooks.runs.store.RankInfo` fields) and ``findings`` (its cross-rank checks' findings,
+    :class:`hooks.runs.store.Finding` fields: ``kind``, ``step``, ``rank``, ``subject`` — the
+    parameter or ``rank N`` — and ``line``; empty for a single process).
     """
     d = run.to_dict()
     d.pop("config", None)
@@ -56,6 +61,8 @@ def run_record(run, store, now: float) -> dict:
         captures=len(captured),
         last_capture=captured[-1] if captured else None,
         last_ce=last.ce if last is not None else None,
+        ranks=[r.to_dict() for r in store.ranks(run.id)],
+        findings=[f.to_dict() for f in store.findings(run.id)],
     )
     return d
 
@@ -116,6 +123,11 @@ def run(args: argparse.Namespace) -> int:
         if nf and not (r.status == "failed" and r.fail_step == nf["step"]):
             cell += f" · [red]non-finite @ {nf['step']}[/]"
             notes.append(f"{r.name}: {r.nonfinite_line()}")
+        if r.world_size:
+            cell += f" · {r.world_size} ranks"
+        if d["findings"]:
+            cell += f" · [red]{len(d['findings'])} finding(s)[/]"
+            notes += [f"{r.name}: {f['line']}" for f in d["findings"]]
         steps = f"{r.last_step}/{r.total_steps}" if r.total_steps else str(r.last_step)
         m = last[r.id]
         if m is None:
