@@ -459,3 +459,33 @@ def test_bad_nproc_options_are_one_line(tmp_path, capsys, extra, needle):
     rc = main(["overfit", "--headless", "--db", str(tmp_path / "m.sqlite"), *extra])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and needle in err[0], err
+
+
+@pytest.mark.slow
+def test_the_readme_ddp_sample_is_one_run_of_two_ranks(tmp_path):
+    db = tmp_path / "m.sqlite"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(REPO / "samples" / "ddp_loop.py"), "--db", str(db), "--steps", "50"],
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=900,
+        start_new_session=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "run ddp-loop: finished after 50 steps on 2 ranks" in proc.stdout
+    with RunStore(db) as store:
+        (run,) = store.runs()
+        assert (run.status, run.world_size, run.last_step) == ("finished", 2, 50)
+        rows = store.rank_steps(run.id)
+        assert sorted((x.rank, x.step) for x in rows) == [(r, s) for r in (0, 1)
+                                                           for s in range(1, 51)]
+        assert all(x.compute_time is not None for x in rows if x.step > 1)
+        assert store.findings(run.id) == []
+        assert [(c["step"], c["kind"], c["differing"]) for c in store.checks(run.id)] == [
+            (s, k, 0) for s in (25, 50) for k in ("grads", "params")]
+
+
+def test_the_readme_shows_the_ddp_sample_complete():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## A torchrun job", 1)[1]
+    block = section.split("```python\n", 1)[1].split("\n```", 1)[0]
+    sample = (REPO / "samples" / "ddp_loop.py").read_text(encoding="utf-8")
+    assert block.strip() == sample.split('"""\n', 1)[1].strip()  # all but the docstring

@@ -295,7 +295,7 @@ class RankLink:
     #: Seconds between two heartbeats.
     BEAT_INTERVAL = 1.0
     #: Seconds between two looks at the store while a gather is awaited.
-    POLL_INTERVAL = 0.02
+    POLL_INTERVAL = 0.1
 
     def __init__(self, job: Job, key: str, *, every: int,
                  emit: Callable[..., None] | None = None,
@@ -315,6 +315,10 @@ class RankLink:
         self.store = dist.PrefixStore(f"mdb/{key}/", base)
         self.run_info: dict[str, Any] | None = None  # the run rank 0 created (other ranks)
         self.state = "joining"  # joining, running, solo, broken, closed
+        #: The link thread's work: gathers done, and seconds spent encoding and in the
+        #: collectives (``benchmarks/bench_distributed.py`` reports them).
+        self.stats = {"gathers": 0, "encode_s": 0.0, "collective_s": 0.0, "cpu_s": 0.0,
+                      "thread_cpu_s": 0.0}
         self.last_step = 0
         # training thread
         self._rows: list[dict[str, Any]] = []
@@ -524,6 +528,7 @@ class RankLink:
 
     # -- the link thread -------------------------------------------------------------------------
     def _main(self) -> None:
+        c0 = time.thread_time()
         try:
             self._beat()
             if self._join():
@@ -538,6 +543,7 @@ class RankLink:
                 with contextlib.suppress(Exception):
                     self._root_drain_local()
         finally:
+            self.stats["thread_cpu_s"] = time.thread_time() - c0
             self._done.set()
 
     def _broken(self, why: str) -> None:
@@ -631,7 +637,10 @@ class RankLink:
                     return
                 continue
             if encoded is None:
+                t0, c0 = time.perf_counter(), time.thread_time()
                 encoded = self._encode(self._requests[0])
+                self.stats["encode_s"] += time.perf_counter() - t0
+                self.stats["cpu_s"] += time.thread_time() - c0
             if not announced:
                 if store.add(f"req/{self._seq}", 1) >= self.world - 1:
                     store.compare_set(f"ready/{self._seq}", "", "go")
@@ -703,6 +712,15 @@ class RankLink:
         return [int(t.item()) for t in out]
 
     def _send(self, data: bytes) -> None:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            self._send_sized(data)
+        finally:
+            self.stats["gathers"] += 1
+            self.stats["collective_s"] += time.perf_counter() - t0
+            self.stats["cpu_s"] += time.thread_time() - c0
+
+    def _send_sized(self, data: bytes) -> None:
         import torch
 
         sizes = self._sizes(len(data))
@@ -769,6 +787,15 @@ class RankLink:
                                       reason=ended.get("reason"), last_step=self.last_step)
 
     def _receive(self) -> None:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            self._receive_sized()
+        finally:
+            self.stats["gathers"] += 1
+            self.stats["collective_s"] += time.perf_counter() - t0
+            self.stats["cpu_s"] += time.thread_time() - c0
+
+    def _receive_sized(self) -> None:
         import torch
 
         sizes = self._sizes(0)
