@@ -489,3 +489,14 @@ def test_the_readme_shows_the_ddp_sample_complete():
     block = section.split("```python\n", 1)[1].split("\n```", 1)[0]
     sample = (REPO / "samples" / "ddp_loop.py").read_text(encoding="utf-8")
     assert block.strip() == sample.split('"""\n', 1)[1].strip()  # all but the docstring
+
+
+def test_a_zombie_counts_as_gone():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 60
+    while not distributed.process_gone(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)  # exited, not reaped: a zombie, which os.kill(pid, 0) still finds
+    assert distributed.process_gone(child.pid)
+    assert not distributed.process_gone(os.getpid())
+    child.wait()
+    assert distributed.process_gone(child.pid)

@@ -122,15 +122,14 @@ def main(argv: list[str] | None = None) -> int:
             values = {"ce": out.ce_loss, "aux": out.aux_loss, "total": out.loss,
                       "grad_norm": grad_norm, "lr": opt.param_groups[0]["lr"], "step_time": dt,
                       "tokens_per_s": b * seq / dt, "steps_per_s": 1.0 / dt}
+            if ok and rank == 0 and options.sample_every and step % options.sample_every == 0:
+                run._log_sample(step, *session.greedy_sample(model))  # written with the step
             run.log(expert_load=load, **{k_: v for k_, v in values.items() if v is not None})
             if not ok:
                 what = "loss" if not math.isfinite(float(out.loss.detach())) else "gradient"
                 run.finish("failed", reason=f"non-finite {what} at step {step} on rank {rank}")
                 status = 1
                 break
-            if rank == 0 and options.sample_every and step % options.sample_every == 0:
-                prompt, text = session.greedy_sample(model)
-                run._log_sample(step, prompt, text)
     if run.status == "interrupted":
         status = signal_exit_code(run.reason) or 130
     dist.destroy_process_group()

@@ -70,6 +70,7 @@ __all__ = [
     "encode_payload",
     "band",
     "job",
+    "process_gone",
     "tensor_checksum",
 ]
 
@@ -550,15 +551,21 @@ class RankLink:
         if self.state == "broken":
             return
         self.state = "broken"
-        line = f"gathering from the ranks stopped: {why.splitlines()[0][:300]}"
-        if self.rank == 0:
-            self.say(f"{line}; rank 0's own steps are still recorded")
-            if self.emit is not None:
-                self.emit("findings", [{"kind": "gather_failed", "step": self.last_step,
-                                        "rank": None, "subject": "gather", "line": line,
-                                        "detail": {"gather": self._seq}}])
-        else:
-            self.say(f"rank {self.rank}: {line}; its steps after that are not recorded")
+        error = why.splitlines()[0][:300]
+        if self.rank != 0:
+            self.say(f"rank {self.rank}: gathering from the ranks stopped: {error}; its steps "
+                     "after that are not recorded")
+            return
+        with contextlib.suppress(Exception):
+            self._monitor(rows=False)  # a rank that died explains it (and is named first)
+        gone = [p for r, p in sorted(self._peers.items())
+                if r != 0 and p["state"] in ("dead", "silent", "failed")]
+        cause = f"{_describe(gone[0])} {gone[0]['state']}" if gone else error
+        line = f"gathering from the ranks stopped after step {self.last_step}: {cause}"
+        self.say(f"{line}; rank 0's own steps are still recorded")
+        self._emit("findings", [{"kind": "gather_failed", "step": self.last_step,
+                                 "rank": None, "subject": "gather", "line": line,
+                                 "detail": {"gather": self._seq, "error": error}}])
 
     def _beat(self) -> None:
         self._beats += 1
@@ -678,7 +685,7 @@ class RankLink:
         now = time.monotonic()
         if n != self._root_n:
             self._root_n, self._root_seen = n, now
-        if beat.get("host") == self.job.host and not pid_alive(beat.get("pid")):
+        if beat.get("host") == self.job.host and process_gone(beat.get("pid")):
             return True
         return now - self._root_seen > self.STALE_AFTER
 
@@ -947,7 +954,7 @@ class RankLink:
                 if p["state"] != ended.get("status"):
                     self._set_state(r, ended.get("status") or "finished", ended.get("reason"))
                 continue
-            if p.get("host") == self.job.host and not pid_alive(p.get("pid")):
+            if p.get("host") == self.job.host and process_gone(p.get("pid")):
                 self._set_state(r, "dead", f"its process no longer exists (last step "
                                            f"{p['last_step']})")
             elif now - p["seen"] > self.STALE_AFTER:
@@ -971,8 +978,8 @@ class RankLink:
         desc = _describe(p)
         if state == "dead":
             self._finding("rank_dead", p["last_step"], rank, f"rank {rank}",
-                          f"{desc} died: its process no longer exists; last step reported "
-                          f"{p['last_step']}", {"host": p.get("host"), "pid": p.get("pid")})
+                          f"{desc} died after step {p['last_step']}: its process no longer "
+                          "exists", {"host": p.get("host"), "pid": p.get("pid")})
         elif state == "silent":
             self._finding("rank_silent", p["last_step"], rank, f"rank {rank}",
                           f"{desc} stopped reporting: {reason}",
@@ -1025,6 +1032,8 @@ class RankLink:
         """Mark the next gather ``closed`` (joining any that is already ``go``), compare what
         is left, and give every other rank its final state."""
         store = self.store
+        with contextlib.suppress(Exception):
+            self._monitor(rows=False)  # the last look: a rank that died is named
         if self._pg is not None and self.state == "running":
             try:
                 while store.compare_set(f"ready/{self._seq}", "", "closed") == b"go":
@@ -1043,6 +1052,21 @@ class RankLink:
     def _emit(self, kind: str, *args: Any) -> None:
         if self.emit is not None:
             self.emit(kind, *args)
+
+
+def process_gone(pid: int | None) -> bool:
+    """Whether process ``pid`` of this host has ended: it no longer exists, or it is a zombie
+    (it exited and its parent, e.g. the ``torchrun`` agent, has not reaped it yet; read from
+    ``/proc/<pid>/stat`` where there is one)."""
+    if not pid_alive(pid):
+        return True
+    try:
+        with open(f"/proc/{int(pid)}/stat", encoding="ascii", errors="replace") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    # "pid (comm) S ...": the state follows the last ")" (comm may hold spaces or parens)
+    return stat.rpartition(")")[2].split()[:1] == ["Z"]
 
 
 def _describe(p: Mapping[str, Any]) -> str:

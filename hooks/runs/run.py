@@ -271,7 +271,8 @@ class Run:
         if job is None or job.rank == 0:
             try:
                 with RunStore(self.db, create=True) as store:
-                    writer = self._create(store, name, dict(config or {}), kind)
+                    writer = self._create(store, name, dict(config or {}), kind,
+                                          job.world_size if job is not None else None)
             except Exception as exc:
                 if job is not None:  # the other ranks learn it rather than wait
                     with contextlib.suppress(Exception):
@@ -288,6 +289,12 @@ class Run:
                   f"{self.name}{db_opt})", file=sys.stderr)
         else:
             self.name, self.id = None, None  # rank 0's, once it says
+        world_env = os.environ.get("WORLD_SIZE", "").strip()
+        if job is None and world_env.isdigit() and int(world_env) > 1:
+            print(f"mdb: WORLD_SIZE={world_env} but no torch.distributed process group is "
+                  "initialised: this process is recorded as a run of its own (call "
+                  "init_process_group before hooks.run to record the job as one run)",
+                  file=sys.stderr)
 
         self._logged = False
         self._queue: collections.deque = collections.deque()
@@ -311,7 +318,7 @@ class Run:
         self._step_trace: Any = None  # the trace of the current step, if it was captured
         self._locate_pending = False
         self._nf_order: tuple[int, int] | None = None
-        self._wall = time.time()
+        self._sample: tuple[int, str, str] | None = None
 
         self._thread: threading.Thread | None = None
         if job is None or job.rank == 0:
@@ -324,7 +331,6 @@ class Run:
             link = self._link or self._make_link(job, gather_every)
             if job.rank == 0:
                 link.publish_run({"name": self.name, "id": self.id, "db": str(self.db)})
-                self._enqueue(("world", job.world_size))
             link.start()
         self._prev_handlers: dict[int, Any] = {}
         self._install_signals()
@@ -355,14 +361,14 @@ class Run:
             self.name, self.id = info.get("name"), info.get("id")
 
     def _create(self, store: RunStore, name: str | None, config: dict[str, Any],
-                kind: str = "api") -> RunWriter:
+                kind: str = "api", world_size: int | None = None) -> RunWriter:
         base = name if name is not None else time.strftime("run-%Y%m%d-%H%M%S")
         validate_run_name(base)
         for i in range(1, 1000):
             candidate = base if i == 1 else f"{base[:95]}-{i}"
             try:
                 return store.create_run(candidate, config, total_steps=self.total_steps,
-                                        kind=kind)
+                                        kind=kind, world_size=world_size)
             except RunExistsError:
                 continue
         raise RunExistsError(f"runs {base!r}, {base}-2 … {base}-999 all exist in {self.db}")
@@ -458,13 +464,16 @@ class Run:
                 self._step_trace = trace
         self._logged = True
         self.step = step
-        wall = self._wall = time.time()
+        wall = time.time()
         if self._link is not None:
             self._link.row(step, wall, values, new=new, expert_load=load,
                            trace=trace if self.rank != 0 else None)
             if self.id is None:
                 self._learn_name()
-        self._enqueue(("step", step, wall, values, trace, load))
+        sample = None
+        if self._sample is not None and self._sample[0] == step:
+            sample, self._sample = self._sample[1:], None
+        self._enqueue(("step", step, wall, values, trace, load, sample))
         if bad is not None and self.nonfinite is None:
             self._nf_order = (step, list(values).index(bad))
             self._found_nonfinite(step, bad)
@@ -480,9 +489,10 @@ class Run:
             self._start_capture(step + 1)
 
     def _log_sample(self, step: int, prompt: str, text: str) -> None:
-        """mdb's own runs: the model's greedy continuation of ``prompt`` at ``step`` (a step
-        already logged; ``mdb watch`` shows the latest)."""
-        self._enqueue(("sample", int(step), self._wall, str(prompt), str(text)))
+        """mdb's own runs: the model's greedy continuation of ``prompt``, written with step
+        ``step`` (call it before that step's first ``log()``; ``mdb watch`` shows the
+        latest)."""
+        self._sample = (int(step), str(prompt), str(text))
 
     def _enqueue(self, item: tuple) -> None:
         if self._dead or self._thread is None:
@@ -772,7 +782,7 @@ class Run:
                     self._write_other(writer, item)
                     q.popleft()
                     continue
-                _, step, wall, values, trace, load = item
+                _, step, wall, values, trace, load, sample = item
                 internals, tensors = self._serialise(trace, step) if trace is not None else (
                     None, None)
                 if trace is not None:
@@ -780,7 +790,7 @@ class Run:
                 row = {"step": step, "wall": wall, "values": values}
                 if load is not None:
                     row["expert_load"] = load
-                steps.append((row, internals, None, tensors))
+                steps.append((row, internals, sample, tensors))
                 q.popleft()
             if steps:
                 self._commit(writer, steps)
@@ -804,10 +814,6 @@ class Run:
                 self._say(f"run {self.name}: {f['line']}")
         elif kind == "checks":
             writer.add_checks(item[1])
-        elif kind == "sample":
-            _, step, wall, prompt, text = item
-            writer.log_steps([({"step": step, "wall": wall, "values": {}}, None,
-                               (prompt, text))])
 
     def _commit(self, writer: RunWriter, steps: list[tuple]) -> None:
         """Commit ``steps``; when the disk is full, commit as many of them as still fit (in

@@ -1533,6 +1533,7 @@ class RunStore:
         *,
         total_steps: int | None = None,
         kind: str = "overfit",
+        world_size: int | None = None,
     ) -> RunWriter:
         """Create a run in status ``running`` owned by this process and return its writer.
 
@@ -1541,6 +1542,7 @@ class RunStore:
             config: JSON-serialisable configuration (other values are stored as ``str``).
             total_steps: The step target, if known.
             kind: ``"overfit"`` (``mdb overfit``) or ``"api"`` (``hooks.run``).
+            world_size: The number of ranks of a distributed job (``None``: one process).
 
         Raises:
             RunStoreError: Invalid name, or the database is read-only.
@@ -1553,7 +1555,7 @@ class RunStore:
             with self._transaction() as conn:
                 cur = conn.execute(
                     "INSERT INTO runs (name, kind, config, status, pid, host, started, heartbeat,"
-                    " total_steps) VALUES (?, ?, ?, 'running', ?, ?, ?, ?, ?)",
+                    " total_steps, world_size) VALUES (?, ?, ?, 'running', ?, ?, ?, ?, ?, ?)",
                     (
                         name,
                         kind,
@@ -1563,6 +1565,7 @@ class RunStore:
                         now,
                         now,
                         total_steps,
+                        world_size,
                     ),
                 )
                 run_id = int(cur.lastrowid)

@@ -175,6 +175,7 @@ def run_ddp(args, options, store_path: Path, name: str) -> int:
                    gather_every=args.gather_every, threads=args.threads)
     job = _Job(argv, log_path(store_path, name), args.threads)
     job.forward_signals()
+    quit_early = False  # q on the live screen stopped it: a normal end, as in mdb overfit
     try:
         store = RunStore(store_path)
         try:
@@ -186,6 +187,7 @@ def run_ddp(args, options, store_path: Path, name: str) -> int:
                 make_watch_app(store, info).run()
                 if job.alive():
                     print("mdb: stopping the DDP job…", file=sys.stderr)
+                    quit_early = True
                     job.stop(signal.SIGTERM)
             else:
                 _headless(store, info, job, args.nproc)
@@ -218,6 +220,8 @@ def run_ddp(args, options, store_path: Path, name: str) -> int:
         return 1
     if end.status == "interrupted":
         print(f"run {name} interrupted ({end.reason}) after step {end.last_step} ({per_rank})")
+        if quit_early and job.signal is None:
+            return 0
         return signal_exit_code(job.signal or end.reason) or 130
     print(f"mdb: error: run {name} failed: {end.reason}; log: {job.log}", file=sys.stderr)
     return 1

@@ -67,7 +67,11 @@ def _short(x: float) -> str:
 
 
 def _ms(x: float | None) -> str:
-    return "—" if x is None else (f"{x * 1e3:.1f}" if x < 10 else f"{x:.1f}s")
+    """Seconds as milliseconds: ``12.3``, ``227`` (``—``: not measured)."""
+    if x is None:
+        return "—"
+    ms = x * 1e3
+    return f"{ms:.1f}" if ms < 100 else f"{ms:.0f}"
 
 
 def _pct(rel: float | None) -> str:
@@ -110,6 +114,21 @@ class RanksSummary(Static):
     def on_mount(self) -> None:
         if self.display:
             self._poll()
+        elif self.store_path is not None and getattr(self.run, "status", "") == "running":
+            self.set_timer(2.0, self._look)  # a row read before its world size was written
+
+    @work(thread=True, exclusive=True, exit_on_error=False, group="ranks-poll",
+          description="see whether the run is a torchrun job")
+    def _look(self) -> None:
+        from hooks.runs.store import RunStore
+
+        if self._store is None:
+            self._store = RunStore(self.store_path)
+        run = self._store.run(self.run.id)
+        if run.world_size:
+            self.post_message(RanksPolled(run, [], [], [], []))
+        elif run.status == "running":
+            self.app.call_from_thread(self.set_timer, 2.0, self._look)
 
     def on_unmount(self) -> None:
         if self._store is not None:
@@ -135,6 +154,12 @@ class RanksSummary(Static):
 
     def on_ranks_polled(self, message: RanksPolled) -> None:
         message.stop()
+        if not self.display:  # it turned out to be a torchrun job
+            self.display = True
+            self.run = message.run
+            self.series = RankSeries(message.run.world_size)
+            self._poll()
+            return
         self.polls += 1
         s = self.series
         self.run = message.run
@@ -230,7 +255,7 @@ class RanksSummary(Static):
         summary = s.checks_summary()
         if summary:
             n = sum(v[0] for v in summary.values())
-            line.append(f" · ✓ {n} checks agree", style="green")
+            line.append(f" · {n} checks ✓", style="green")
         return line
 
 
@@ -296,9 +321,9 @@ class RanksScreen(MdbScreen):
         self.redraws += 1
         s, run = self.summary.series, self.summary.run
         every = (run.config or {}).get("gather_every") if isinstance(run.config, dict) else None
-        gathered = f" · gathered every {every} steps" if every else ""
+        gathered = f" · gathered every {every}" if every else ""
         self.query_one("#title", Static).update(
-            f"ranks · run {run.name} · {s.world_size} ranks{gathered} · all ranks up to step "
+            f"ranks · run {run.name} · {s.world_size} ranks{gathered} · complete to step "
             f"{s.step}")
         self.query_one("#ranks-table", Static).update(self.table_text())
         left, grad = self._left(), s.grad_name()
@@ -336,14 +361,17 @@ class RanksScreen(MdbScreen):
             if f is not None and f[1] != f[2] and not s.tied_with(name, f[0]):
                 far[name] = f[0]
         t = Text(no_wrap=True, overflow="ellipsis")
+        glabel = "|g|" if grad in (None, "grad_norm") else grad
         head = (f"{'rank':>4} {'host':<8} {'pid':>7} {'state':<9} {'step':>6} "
-                f"{(loss or 'loss')[:8]:>8} {(grad or '|g|')[:8]:>8} {'step ms':>8} "
+                f"{(loss or 'loss')[:8]:>8} {glabel[:8]:>8} {'step ms':>8} "
                 f"{'comp ms':>8}")
         t.append(head, style="dim")
         ranks = sorted(set(range(s.world_size)) | set(s.ranks))
         for r in ranks[:MAX_RANKS_SHOWN]:
             info = s.ranks.get(r)
-            vals = s.values.get(r, {})
+            vals = s.values.get(r)
+            if vals is None:  # not at the complete step (it died before it): its last one
+                vals = s.latest.get(r, (0, {}))[1]
             st, ct = times.get(r, (None, None))
             state = info.state if info else "?"
             style = {"dead": "bold red", "silent": "bold red", "failed": "bold red",
@@ -376,18 +404,19 @@ class RanksScreen(MdbScreen):
         f = s.furthest(loss) if loss else None
         if f is not None:
             ties = s.tied_with(loss, f[0])
-            who = f"rank {f[0]}" + (f" (tied with {', '.join(f'rank {r}' for r in ties)})"
-                                    if ties else "")
-            t.append(f"furthest from the median of {loss} ({_num(f[2])}): {who}, "
-                     f"{_num(f[1])} ({_pct(f[3])})")
+            tied = f"; tied: {', '.join(f'rank {r}' for r in ties)}" if ties else ""
+            t.append(f"{loss}: median {_num(f[2])} · furthest rank {f[0]}: {_num(f[1])} "
+                     f"({_pct(f[3])}{tied})")
         elif loss:
-            t.append(f"furthest from the median of {loss}: fewer than two finite values",
+            t.append(f"{loss}: fewer than two ranks with a finite value at step {s.step}",
                      style="dim")
         basis = s.straggler_basis()
         slow = s.stragglers()
         t.append("\n")
-        if basis is None:
-            t.append("step time per rank: not enough ranks with times yet", style="dim")
+        if len(s.awaited()) < 2:
+            t.append("stragglers: fewer than two ranks still reporting", style="dim")
+        elif basis is None:
+            t.append("stragglers: no step times yet", style="dim")
         elif slow:
             names = ", ".join(f"rank {r} (+{(x / med - 1) * 100:.0f}%)" for r, x, med in slow)
             t.append(f"straggler(s) by {basis} time: {names}", style="bold yellow")
@@ -407,8 +436,8 @@ class RanksScreen(MdbScreen):
         t = Text(no_wrap=True, overflow="ellipsis")
         layers = max(len(v) for v in loads.values())
         e = max((len(layer) for v in loads.values() for layer in v), default=0)
-        t.append(f"expert load per rank (share of routed slots; uniform 1/E = {100 / e:.0f}%; "
-                 f"bars relative to the largest)", style="dim")
+        t.append(f"expert load per rank and layer (share per expert; uniform {100 / e:.0f}%) "
+                 "· hottest", style="dim")
         for r, load in list(loads.items())[:MAX_RANKS_SHOWN]:
             t.append(f"\n r{r:<3}")
             for i, shares in enumerate(load[:layers]):
@@ -441,9 +470,9 @@ class RanksScreen(MdbScreen):
             t.append("findings: none", style="green")
         summary = s.checks_summary()
         if summary:
-            parts = [f"{'parameters' if k == 'params' else 'gradients'} at {n} step(s), "
-                     f"{bad} differed" for k, (n, bad) in sorted(summary.items(),
-                                                               reverse=True)]
+            parts = [f"{'parameters' if k == 'params' else 'gradients'} "
+                     + (f"differ at {bad} of {n} steps" if bad else f"equal at {n} steps")
+                     for k, (n, bad) in sorted(summary.items(), reverse=True)]
             t.append("\nchecks: " + " · ".join(parts), style="dim")
         else:
             t.append("\nchecks: parameters and gradients not compared (run.watch on a "

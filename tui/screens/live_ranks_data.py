@@ -57,6 +57,7 @@ class RankSeries:
         step: The last step every reporting rank has sent (0 before).
         last_step: Per rank, the last step it sent.
         values: Per rank, its values at :attr:`step` (``None`` = NaN).
+        latest: Per rank, the values of the last step it sent (a rank that died stops there).
     """
 
     def __init__(self, world_size: int, capacity: int = DEFAULT_CAPACITY) -> None:
@@ -69,6 +70,7 @@ class RankSeries:
         self.step = 0
         self.last_step: dict[int, int] = {}
         self.values: dict[int, dict[str, float | None]] = {}
+        self.latest: dict[int, tuple[int, dict[str, float | None]]] = {}
         self._bands: dict[str, tuple[Downsampler, Downsampler, Downsampler]] = {}
         self._pending: dict[int, dict[int, Any]] = {}
         self._times: dict[int, deque] = {}
@@ -93,6 +95,8 @@ class RankSeries:
                 self.names.append(name)
         self._pending.setdefault(row.step, {})[row.rank] = row
         self.last_step[row.rank] = max(self.last_step.get(row.rank, 0), row.step)
+        if row.step >= self.latest.get(row.rank, (0, {}))[0]:
+            self.latest[row.rank] = (row.step, dict(row.values))
         if row.step_time is not None:
             self._times.setdefault(row.rank, deque(maxlen=TIME_WINDOW)).append(row.step_time)
         if row.compute_time is not None:
@@ -182,6 +186,10 @@ class RankSeries:
             out[r] = (statistics.median(st) if st else None,
                       statistics.median(ct) if ct else None)
         return out
+
+    def awaited(self) -> list[int]:
+        """The ranks still reporting (not dead, silent or absent)."""
+        return self._awaited()
 
     def straggler_basis(self) -> str | None:
         """``"compute"`` when every awaited rank has a compute time, else ``"step"`` when they
