@@ -30,7 +30,7 @@ class LiveApp(App[int]):
         screen: The live screen to show.
     """
 
-    CSS_PATH = ["app.tcss", "screens/live.tcss"]
+    CSS_PATH = ["app.tcss", "screens/live.tcss", "screens/live_ranks.tcss"]
     TITLE = "mdb"
     ENABLE_COMMAND_PALETTE = False
 

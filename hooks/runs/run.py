@@ -42,6 +42,13 @@ What it does, and what it costs the loop:
 * If the writer thread cannot write (disk full, database locked for longer than the busy
   timeout) it says so once on stderr and marks the run ``failed`` with the reason; the loop goes
   on unrecorded, and every step committed before stays in the database.
+* **Inside a ``torchrun`` job** (``torch.distributed`` initialised, two ranks or more) call
+  ``hooks.run(...)`` on every rank: the job is one run. Rank 0 creates it and alone writes the
+  store; every rank's steps, captures, step and compute times and checksums reach it through
+  the job's process group every ``gather_every`` steps and at the end, tagged with the rank
+  (see :mod:`hooks.runs.distributed`). The run-level series are rank 0's own ``log()`` calls;
+  the other ranks' are in the store's rank tables (``mdb watch`` shows them). Without an
+  initialised process group nothing of this runs.
 
 This module never imports textual, rich or tui.
 """
@@ -77,6 +84,8 @@ from hooks.runs.store import (
 __all__ = ["Run", "run"]
 
 _SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+#: Distributed runs started by this process (names their keys in the job's store).
+_DIST_RUNS = [0]
 
 
 def run(
@@ -85,6 +94,7 @@ def run(
     db: str | os.PathLike[str] | None = None,
     config: Mapping[str, Any] | None = None,
     total_steps: int | None = None,
+    gather_every: int = 50,
 ) -> Run:
     """Start recording a training run in the run store; see :class:`Run`.
 
@@ -98,6 +108,8 @@ def run(
             ``str``); ``mdb runs --json`` does not print it, the database keeps it.
         total_steps: The number of steps you intend to run, if known (progress and ETA in
             ``mdb watch``; a run that reaches it counts as finished even after a signal).
+        gather_every: In a ``torchrun`` job: every rank's steps reach rank 0 every this many
+            steps (and at the end); ignored in a single process.
 
     Returns:
         The :class:`Run`, already recording (use it as a context manager, or call
@@ -107,8 +119,9 @@ def run(
         hooks.runs.store.RunStoreError: Invalid name, or a database that cannot be written
             (one line).
         TypeError: ``config`` is not a mapping.
+        ValueError: ``gather_every < 1``.
     """
-    return Run(name, db=db, config=config, total_steps=total_steps)
+    return Run(name, db=db, config=config, total_steps=total_steps, gather_every=gather_every)
 
 
 def _to_float(name: str, value: Any) -> float:
@@ -142,6 +155,48 @@ def _to_float(name: str, value: Any) -> float:
                         f"got {type(value).__name__}") from None
 
 
+def _expert_load(value: Any) -> list[list[float]] | None:
+    """``run.log(expert_load=...)`` as nested lists (L, E), or ``None`` for a scalar (logged
+    as a scalar named ``expert_load``, as before the argument existed)."""
+    tolist = getattr(value, "tolist", None)
+    rows = tolist() if callable(tolist) else value
+    if isinstance(rows, (int, float)) or getattr(value, "ndim", None) == 0:
+        return None
+    try:
+        out = [[float(x) for x in row] for row in rows]
+    except TypeError:
+        raise TypeError("run.log(expert_load=...): expected per MoE layer, per expert, the "
+                        "share of routed slots (a 2-D tensor or nested lists)") from None
+    return out
+
+
+def _job_end(status: str, reason: str | None,
+             ends: Mapping[int, Mapping[str, Any]]) -> tuple[str, str | None]:
+    """A distributed run's final status from rank 0's and the other ranks' ends: a rank that
+    died, failed or stopped reporting fails the run, named first."""
+    parts = []
+    for r, e in sorted(ends.items()):
+        if r == 0 or e.get("state") not in ("dead", "failed", "silent"):
+            continue
+        who = f"rank {r}"
+        where = " ".join(x for x in (f"pid {e['pid']}" if e.get("pid") is not None else "",
+                                      f"on {e['host']}" if e.get("host") else "") if x)
+        if where:
+            who += f" ({where})"
+        step = e.get("last_step", 0)
+        if e["state"] == "dead":
+            parts.append(f"{who} died after step {step}")
+        elif e["state"] == "failed":
+            parts.append(f"{who} failed after step {step}: {e.get('reason') or 'no reason'}")
+        else:
+            parts.append(f"{who} stopped reporting after step {step}")
+    if not parts:
+        return status, reason
+    if status != "finished":
+        parts.append(f"rank 0 {status}" + (f" ({reason[:150]})" if reason else ""))
+    return "failed", "; ".join(parts)[:500]
+
+
 def _last_line(exc: BaseException) -> str:
     """The line a traceback ends with: ``ValueError: boom`` (for a message of several lines,
     or with notes, the line that names the exception)."""
@@ -156,7 +211,9 @@ class Run:
     """One training run being recorded: :func:`run` returns it.
 
     Use it as a context manager (the run finishes when the block ends) or call :meth:`finish`.
-    Call :meth:`log` and :meth:`watch` from the thread that trains.
+    Call :meth:`log` and :meth:`watch` from the thread that trains. In a ``torchrun`` job call
+    it on every rank (see the module docstring); on ranks other than 0, ``name`` and ``id``
+    are those of rank 0's run once it is known (``None`` before).
 
     Attributes:
         name: The run's name in the database.
@@ -164,10 +221,14 @@ class Run:
         id: The run's id in the database (:attr:`hooks.runs.store.RunInfo.id`).
         step: The last step logged (0 before the first).
         status: ``"running"`` until finished, then the final status.
+        reason: ``None``, or the final status's reason once finished (``"SIGTERM"``, an error
+            line; in a ``torchrun`` job the rank that died or failed first).
         nonfinite: ``None``, or where a logged value first turned NaN/Inf (see
             :attr:`hooks.runs.store.RunInfo.nonfinite`).
         error: ``None``, or the one line that said why recording stopped (the writer thread
             could not write).
+        rank: This process's rank in a distributed job (0 for a single process).
+        world_size: The job's number of ranks (1 for a single process).
     """
 
     #: Seconds between the writer thread's commits.
@@ -188,6 +249,8 @@ class Run:
         db: str | os.PathLike[str] | None = None,
         config: Mapping[str, Any] | None = None,
         total_steps: int | None = None,
+        gather_every: int = 50,
+        kind: str = "api",
     ) -> None:
         if config is not None and not isinstance(config, Mapping):
             raise TypeError(f"config must be a mapping (a dict), got {type(config).__name__}")
@@ -196,23 +259,51 @@ class Run:
             if not 0 < total_steps < 2**63:
                 raise ValueError(f"total_steps must be a positive integer below 2**63, got "
                                  f"{total_steps}")
+        gather_every = operator.index(gather_every)
+        if gather_every < 1:
+            raise ValueError(f"gather_every={gather_every}: must be 1 or more")
         self.db = Path(db) if db is not None else default_db_path()
         self.total_steps = total_steps
         self.step = 0
         self.status = "running"
+        self.reason: str | None = None
         self.nonfinite: dict[str, Any] | None = None
         self.error: str | None = None
+        self.rank, self.world_size = 0, 1
+        self._link: Any = None
+        job = None
+        if "torch.distributed" in sys.modules:  # a job's process group exists only if imported
+            from hooks.runs import distributed
+
+            job = distributed.job()
         requested = name
-        with RunStore(self.db, create=True) as store:
-            writer = self._create(store, name, dict(config or {}))
-        self.name = writer.name
-        self.id = writer.run_id
-        if requested is not None and requested != self.name:
-            print(f"mdb: a run named {requested!r} exists in {self.db}: recording this one as "
-                  f"{self.name!r}", file=sys.stderr)
-        db_opt = "" if self.db == default_db_path() else f" --db {self.db}"
-        print(f"mdb: recording run {self.name} in {self.db} (follow it: mdb watch {self.name}"
-              f"{db_opt})", file=sys.stderr)
+        if job is None or job.rank == 0:
+            try:
+                with RunStore(self.db, create=True) as store:
+                    writer = self._create(store, name, dict(config or {}), kind,
+                                          job.world_size if job is not None else None)
+            except Exception as exc:
+                if job is not None:  # the other ranks learn it rather than wait
+                    with contextlib.suppress(Exception):
+                        self._make_link(job, gather_every).publish_run({"error": str(exc)})
+                raise
+            self.name: str | None = writer.name
+            self.id: int | None = writer.run_id
+            if requested is not None and requested != self.name:
+                print(f"mdb: a run named {requested!r} exists in {self.db}: recording this one "
+                      f"as {self.name!r}", file=sys.stderr)
+            db_opt = "" if self.db == default_db_path() else f" --db {self.db}"
+            ranks = f" ({job.world_size} ranks)" if job is not None else ""
+            print(f"mdb: recording run {self.name}{ranks} in {self.db} (follow it: mdb watch "
+                  f"{self.name}{db_opt})", file=sys.stderr)
+        else:
+            self.name, self.id = None, None  # rank 0's, once it says
+        world_env = os.environ.get("WORLD_SIZE", "").strip()
+        if job is None and world_env.isdigit() and int(world_env) > 1:
+            print(f"mdb: WORLD_SIZE={world_env} but no torch.distributed process group is "
+                  "initialised: this process is recorded as a run of its own (call "
+                  "init_process_group before hooks.run to record the job as one run)",
+                  file=sys.stderr)
 
         self._logged = False
         self._queue: collections.deque = collections.deque()
@@ -235,28 +326,63 @@ class Run:
         self._capture_step: int | None = None
         self._step_trace: Any = None  # the trace of the current step, if it was captured
         self._locate_pending = False
-        # room for the final status once the disk is full (hooks.runs.reserve)
-        self._reserve = DiskReserve(checkpoint_dir(self.db, self.name) / ".mdb-reserve")
-        self._reserve.make()
+        self._nf_order: tuple[int, int] | None = None
+        self._sample: tuple[int, str, str] | None = None
+        # rank 0 / one process: room for the final status once the disk is full
+        self._reserve: DiskReserve | None = None
+        if job is None or job.rank == 0:
+            self._reserve = DiskReserve(checkpoint_dir(self.db, self.name) / ".mdb-reserve")
+            self._reserve.make()
 
-        self._thread = threading.Thread(
-            target=self._writer_main, name=f"mdb-run-writer-{self.id}", daemon=True
-        )
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if job is None or job.rank == 0:
+            self._thread = threading.Thread(
+                target=self._writer_main, name=f"mdb-run-writer-{self.id}", daemon=True
+            )
+            self._thread.start()
+        if job is not None:
+            self.rank, self.world_size = job.rank, job.world_size
+            link = self._link or self._make_link(job, gather_every)
+            if job.rank == 0:
+                link.publish_run({"name": self.name, "id": self.id, "db": str(self.db)})
+            link.start()
         self._prev_handlers: dict[int, Any] = {}
         self._install_signals()
         self._prev_excepthook = sys.excepthook
         sys.excepthook = self._excepthook
         atexit.register(self._atexit)
 
-    def _create(self, store: RunStore, name: str | None, config: dict[str, Any]) -> RunWriter:
+    def _make_link(self, job: Any, every: int) -> Any:
+        from hooks.runs import distributed
+
+        _DIST_RUNS[0] += 1
+        self._link = distributed.RankLink(
+            job, str(_DIST_RUNS[0]), every=every,
+            emit=self._emit if job.rank == 0 else None,
+            serialise=self._serialise, say=self._say,
+        )
+        return self._link
+
+    def _emit(self, kind: str, *args: Any) -> None:
+        """Rank 0's link thread hands over what to write (see ``RankLink``)."""
+        if self._thread is not None:
+            self._enqueue((kind, *args))
+            self._wake.set()
+
+    def _learn_name(self) -> None:
+        info = self._link.run_info if self._link is not None else None
+        if self.id is None and info and "id" in info:
+            self.name, self.id = info.get("name"), info.get("id")
+
+    def _create(self, store: RunStore, name: str | None, config: dict[str, Any],
+                kind: str = "api", world_size: int | None = None) -> RunWriter:
         base = name if name is not None else time.strftime("run-%Y%m%d-%H%M%S")
         validate_run_name(base)
         for i in range(1, 1000):
             candidate = base if i == 1 else f"{base[:95]}-{i}"
             try:
                 return store.create_run(candidate, config, total_steps=self.total_steps,
-                                        kind="api")
+                                        kind=kind, world_size=world_size)
             except RunExistsError:
                 continue
         raise RunExistsError(f"runs {base!r}, {base}-2 … {base}-999 all exist in {self.db}")
@@ -294,13 +420,18 @@ class Run:
         return self.total_steps is not None and self.step >= self.total_steps
 
     # -- logging ---------------------------------------------------------------------------------
-    def log(self, *, step: int | None = None, **scalars: Any) -> None:
+    def log(self, *, step: int | None = None, expert_load: Any = None, **scalars: Any) -> None:
         """Record scalars of a training step: ``run.log(loss=loss, lr=lr, val_loss=v)``.
 
         Args:
             step: The step these values belong to. ``None``: the step after the last one logged
                 (1 for the first). The same step as the last one adds to it (e.g. a validation
                 loss computed after the training step was logged); an earlier step is refused.
+            expert_load: Per MoE layer, per expert, the share of the step's routed slots each
+                expert received, (L_moe, E), rows summing to 1 (a 2-D tensor or nested lists;
+                :func:`hooks.runs.trainer.expert_load` computes it from router logits): the
+                MoE panel of ``mdb watch``, per rank in a ``torchrun`` job. A number here is
+                a scalar named ``expert_load``.
             **scalars: Any names; each value a Python number, a one-element tensor (0-dim,
                 e.g. a loss) or a numpy scalar. NaN and ±Inf are recorded as such.
 
@@ -309,6 +440,11 @@ class Run:
             ValueError: A tensor with more than one element, or a step before the last one.
             RuntimeError: The run is finished.
         """
+        load = None
+        if expert_load is not None:
+            load = _expert_load(expert_load)
+            if load is None:
+                scalars["expert_load"] = expert_load
         if self._closed:
             raise RuntimeError(f"run {self.name} is finished: log() after finish()")
         if step is None:
@@ -344,8 +480,18 @@ class Run:
                 self._step_trace = trace
         self._logged = True
         self.step = step
-        self._enqueue(("step", step, time.time(), values, trace))
+        wall = time.time()
+        if self._link is not None:
+            self._link.row(step, wall, values, new=new, expert_load=load,
+                           trace=trace if self.rank != 0 else None)
+            if self.id is None:
+                self._learn_name()
+        sample = None
+        if self._sample is not None and self._sample[0] == step:
+            sample, self._sample = self._sample[1:], None
+        self._enqueue(("step", step, wall, values, trace, load, sample))
         if bad is not None and self.nonfinite is None:
+            self._nf_order = (step, list(values).index(bad))
             self._found_nonfinite(step, bad)
         elif self._locate_pending and trace is not None:
             self._locate(trace)
@@ -358,9 +504,15 @@ class Run:
         ):
             self._start_capture(step + 1)
 
+    def _log_sample(self, step: int, prompt: str, text: str) -> None:
+        """mdb's own runs: the model's greedy continuation of ``prompt``, written with step
+        ``step`` (call it before that step's first ``log()``; ``mdb watch`` shows the
+        latest)."""
+        self._sample = (int(step), str(prompt), str(text))
+
     def _enqueue(self, item: tuple) -> None:
-        if self._dead:
-            return  # recording stopped: drop, so that nothing accumulates
+        if self._dead or self._thread is None:
+            return  # recording stopped (or another rank: rank 0 writes): nothing accumulates
         q = self._queue
         traced = item[0] == "step" and item[4] is not None
         if len(q) >= self.MAX_PENDING or (
@@ -385,7 +537,7 @@ class Run:
         if trace is not None:
             self._locate(trace)
             return
-        self._enqueue(("nonfinite", dict(self.nonfinite)))
+        self._publish_nonfinite()
         if self._model is not None:
             self._locate_pending = True  # capture the next step to find the module
 
@@ -403,7 +555,14 @@ class Run:
                 nf["module"] = hit.module
                 nf["direction"] = direction
                 break
-        self._enqueue(("nonfinite", dict(nf)))
+        self._publish_nonfinite()
+
+    def _publish_nonfinite(self) -> None:
+        nf = dict(self.nonfinite or {})
+        if self._link is not None:  # rank 0 keeps the first of all ranks
+            self._link.set_nonfinite(nf, self._nf_order or (nf.get("step", 0), 0))
+        else:
+            self._enqueue(("nonfinite", nf))
 
     # -- watch -------------------------------------------------------------------------------------
     def watch(self, model: Any, every: int = 50, **capture_options: Any) -> None:
@@ -438,6 +597,12 @@ class Run:
             self._capture = None
         self._model, self._every, self._capture_options = model, every, dict(capture_options)
         nxt = self.step + 1 if self._logged else 1
+        if self._link is not None:
+            self._link.watch(model)
+            self._link.arm_first(nxt)
+            inner = getattr(model, "module", None)
+            if isinstance(inner, nn.Module) and type(model).__name__ == "DistributedDataParallel":
+                self._model = inner  # captured under the user's own module names
         if not self._closed and nxt % every == 0:
             self._start_capture(nxt)
 
@@ -504,14 +669,20 @@ class Run:
             with contextlib.suppress(Exception):
                 cap.stop()
         self._model = None
+        if self._link is not None:
+            ends = self._link.finish(status, reason, self.step)
+            self._learn_name()
+            if self.rank == 0:
+                status, reason = _job_end(status, reason, ends)
         self._final = (status, reason)
         self._stop = True
         self._wake.set()
-        self._thread.join(self.FINISH_TIMEOUT)
-        if self._thread.is_alive():
-            self._say(f"run {self.name}: the writer did not finish within "
-                      f"{self.FINISH_TIMEOUT:.0f} s; the last steps may not be recorded")
-        self.status = self._final[0]
+        if self._thread is not None:
+            self._thread.join(self.FINISH_TIMEOUT)
+            if self._thread.is_alive():
+                self._say(f"run {self.name}: the writer did not finish within "
+                          f"{self.FINISH_TIMEOUT:.0f} s; the last steps may not be recorded")
+        self.status, self.reason = self._final
         self._done = True
         self._restore_signals()
         if sys.excepthook == self._excepthook:
@@ -590,7 +761,8 @@ class Run:
         except Exception as exc:  # opening failed, or a bug: say it, never hang the loop
             self._die(exc, None)
         finally:
-            self._reserve.release()
+            if self._reserve is not None:
+                self._reserve.release()
             if store is not None:
                 with contextlib.suppress(Exception):
                     store.close()
@@ -622,24 +794,44 @@ class Run:
         try:
             while q and len(steps) < 5000:
                 item = q[0]
-                if item[0] == "nonfinite":
+                if item[0] != "step":
                     if steps:
                         break  # the steps before it first
-                    writer.set_nonfinite(item[1])
+                    self._write_other(writer, item)
                     q.popleft()
                     continue
-                _, step, wall, values, trace = item
+                _, step, wall, values, trace, load, sample = item
                 internals, tensors = self._serialise(trace, step) if trace is not None else (
                     None, None)
                 if trace is not None:
                     n_traces += 1
-                steps.append(({"step": step, "wall": wall, "values": values}, internals, None,
-                              tensors))
+                row = {"step": step, "wall": wall, "values": values}
+                if load is not None:
+                    row["expert_load"] = load
+                steps.append((row, internals, sample, tensors))
                 q.popleft()
             if steps:
                 self._commit(writer, steps)
         finally:
             self._traces_out += n_traces
+
+    def _write_other(self, writer: RunWriter, item: tuple) -> None:
+        """Everything but a step: the non-finite finding, and a distributed run's rank data."""
+        kind = item[0]
+        if kind == "nonfinite":
+            writer.set_nonfinite(item[1])
+        elif kind == "world":
+            writer.set_world_size(item[1])
+        elif kind == "ranks":
+            writer.set_ranks(item[1])
+        elif kind == "rank_steps":
+            writer.log_rank_steps(item[1], item[2], item[3])
+        elif kind == "findings":
+            writer.add_findings(item[1])
+            for f in item[1]:
+                self._say(f"run {self.name}: {f['line']}")
+        elif kind == "checks":
+            writer.add_checks(item[1])
 
     def _commit(self, writer: RunWriter, steps: list[tuple]) -> None:
         """Commit ``steps``; when the disk is full, commit as many of them as still fit (in
@@ -697,7 +889,7 @@ class Run:
             writer.finish(status, reason=reason)
         except sqlite3.Error:
             rollback_if_open(writer.store.connection)  # SQLITE_FULL may leave it open
-            if not self._reserve.release():
+            if self._reserve is None or not self._reserve.release():
                 raise
             writer.finish(status, reason=reason)
 

@@ -41,6 +41,16 @@ Schema (version :data:`SCHEMA_VERSION`; ``meta`` identifies the file as an mdb r
     samples(run_id, step, prompt, text)                      PRIMARY KEY (run_id, step)
     spikes(run_id, step, metric, value, baseline, peak_step, last_step)
                                                      PRIMARY KEY (run_id, step, metric)
+    ranks(run_id, rank, host, pid, local_rank, state, last_step, heartbeat, reason)
+                                          PRIMARY KEY (run_id, rank)
+    rank_steps(run_id, step, rank, wall, step_time, compute_time, expert_load JSON (L, E))
+                                          PRIMARY KEY (run_id, step, rank)
+    rank_scalars(run_id, step, rank, metric, value) PRIMARY KEY (run_id, step, rank, metric)
+    rank_internals(run_id, step, rank, captured, data JSON, tensors BLOB)
+                                          PRIMARY KEY (run_id, step, rank)
+    findings(run_id, id, kind, step, rank, subject, line, detail JSON, wall)
+                                          PRIMARY KEY (run_id, id)
+    checks(run_id, step, kind, ranks, compared, differing) PRIMARY KEY (run_id, step, kind)
 
 A step's metrics are any number of named scalars: ``scalars.metric`` is a
 ``metric_names.id``, numbered per run in the order the names were first logged. SQLite stores
@@ -57,9 +67,21 @@ A row changed outside mdb (text in a numeric column, a config that is not JSON) 
 the unreadable fields left empty and :attr:`RunInfo.damaged` saying which; such a run is never
 resumed. A metric row that cannot be read raises :class:`DamagedRunError`.
 
+**Distributed runs** (a ``torchrun`` job recorded by ``hooks.run``, see
+:mod:`hooks.runs.distributed`) keep the run-level tables as a single process would fill them,
+from rank 0's own ``log()`` calls (``scalars``, ``metrics``, ``internals``: what rank 0 logged
+and captured), and add every rank's view: ``runs.world_size`` (``NULL`` for a single process),
+one ``ranks`` row per rank (its host, pid and liveness), every rank's logged scalars per step
+in ``rank_scalars`` (``metric`` ids shared with ``metric_names``), its step time, compute time
+and expert load in ``rank_steps``, the captures of ranks other than 0 in ``rank_internals``,
+and the cross-rank checks' ``findings`` (a parameter that diverged, a gradient that was not
+all-reduced, a rank that died or stopped reporting) and ``checks`` (one row per comparison
+made, so that "no finding" can be told from "not checked").
+
 Version 1 (mdb before the ``hooks.run`` API) kept a fixed set of metric columns in
-``metrics``; :class:`RunStore` migrates such a database to version 2 on open, in one
-transaction (see :func:`_migrate_v1`). A database of a newer version is refused.
+``metrics``; version 2 had no rank tables. :class:`RunStore` migrates such a database to the
+current version on open, in one transaction (see :func:`_migrate_v1`, :func:`_migrate_v2`).
+A database of a newer version is refused with one line.
 
 This module uses only the standard library (and :mod:`hooks.runs.spikes`, which does too); it
 never imports torch, textual or rich.
@@ -89,10 +111,15 @@ __all__ = [
     "DEFAULT_DB_ENV",
     "DEFAULT_DB_PATH",
     "DEFAULT_STALE_AFTER",
+    "FINDING_KINDS",
     "FIXED_METRICS",
+    "RANK_STATES",
     "SCHEMA_VERSION",
     "STATUSES",
+    "Finding",
     "MetricRow",
+    "RankInfo",
+    "RankRow",
     "RunExistsError",
     "RunInfo",
     "RunNotFoundError",
@@ -111,7 +138,7 @@ __all__ = [
 ]
 
 #: Version of the schema below; bumped on any incompatible change.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 #: ``PRAGMA application_id`` of an mdb run store: the bytes ``b"mdbR"`` as a big-endian int.
 APPLICATION_ID = int.from_bytes(b"mdbR", "big")
 #: Value of ``meta.format`` in an mdb run store.
@@ -168,7 +195,8 @@ _TABLES = {
     checkpoint_step INTEGER,
     checkpoint_path TEXT,
     attempt         INTEGER NOT NULL DEFAULT 1,
-    nonfinite       TEXT
+    nonfinite       TEXT,
+    world_size      INTEGER
 )""",
     "metrics": """CREATE TABLE metrics (
     run_id      INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
@@ -216,7 +244,70 @@ _TABLES = {
     last_step INTEGER NOT NULL,
     PRIMARY KEY (run_id, step, metric)
 ) WITHOUT ROWID""",
+    "ranks": """CREATE TABLE ranks (
+    run_id     INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+    rank       INTEGER NOT NULL,
+    host       TEXT,
+    pid        INTEGER,
+    local_rank INTEGER,
+    state      TEXT NOT NULL,
+    last_step  INTEGER NOT NULL DEFAULT 0,
+    heartbeat  REAL,
+    reason     TEXT,
+    PRIMARY KEY (run_id, rank)
+) WITHOUT ROWID""",
+    "rank_steps": """CREATE TABLE rank_steps (
+    run_id       INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+    step         INTEGER NOT NULL,
+    rank         INTEGER NOT NULL,
+    wall         REAL NOT NULL,
+    step_time    REAL,
+    compute_time REAL,
+    expert_load  TEXT,
+    PRIMARY KEY (run_id, step, rank)
+) WITHOUT ROWID""",
+    "rank_scalars": """CREATE TABLE rank_scalars (
+    run_id INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+    step   INTEGER NOT NULL,
+    rank   INTEGER NOT NULL,
+    metric INTEGER NOT NULL,
+    value  REAL,
+    PRIMARY KEY (run_id, step, rank, metric)
+) WITHOUT ROWID""",
+    "rank_internals": """CREATE TABLE rank_internals (
+    run_id   INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+    step     INTEGER NOT NULL,
+    rank     INTEGER NOT NULL,
+    captured REAL NOT NULL,
+    data     TEXT NOT NULL,
+    tensors  BLOB,
+    PRIMARY KEY (run_id, step, rank)
+) WITHOUT ROWID""",
+    "findings": """CREATE TABLE findings (
+    run_id  INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+    id      INTEGER NOT NULL,
+    kind    TEXT NOT NULL,
+    step    INTEGER,
+    rank    INTEGER,
+    subject TEXT NOT NULL,
+    line    TEXT NOT NULL,
+    detail  TEXT,
+    wall    REAL NOT NULL,
+    PRIMARY KEY (run_id, id)
+) WITHOUT ROWID""",
+    "checks": """CREATE TABLE checks (
+    run_id    INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+    step      INTEGER NOT NULL,
+    kind      TEXT NOT NULL,
+    ranks     INTEGER NOT NULL,
+    compared  INTEGER NOT NULL,
+    differing INTEGER NOT NULL,
+    PRIMARY KEY (run_id, step, kind)
+) WITHOUT ROWID""",
 }
+
+#: The tables a distributed run adds (schema 3).
+_RANK_TABLES = ("ranks", "rank_steps", "rank_scalars", "rank_internals", "findings", "checks")
 
 
 class RunStoreError(Exception):
@@ -352,6 +443,8 @@ def _nonfinite_from_json(text: str | None) -> dict[str, Any] | None:
             out[key] = str(out[key])
     if out["direction"] not in (None, "forward", "backward"):
         out["direction"] = None
+    if isinstance(d.get("rank"), int):  # a distributed run: the rank that logged it
+        out["rank"] = d["rank"]
     return out
 
 
@@ -393,6 +486,12 @@ class RunInfo:
             (text in a numeric column, a config that is not a JSON object...): they hold
             their empty value here (``None``, 0, ``{}``). A damaged run is listed, never
             resumed.
+            ``module`` is ``""`` for the model's own (root) forward. In a distributed run it
+            also has ``"rank"``: the rank that logged the first non-finite value (the
+            earliest step; within a step, the metric logged first), located in that rank's
+            capture.
+        world_size: The number of ranks of a distributed run (``torchrun``), ``None`` for a
+            single process.
     """
 
     id: int
@@ -416,6 +515,7 @@ class RunInfo:
     checkpoint_path: str | None
     attempt: int
     nonfinite: dict[str, Any] | None = field(default=None, hash=False)
+    world_size: int | None = None
     damaged: str | None = field(default=None, hash=False)
 
     def writer_state(
@@ -491,6 +591,8 @@ class RunInfo:
         if not nf:
             return ""
         what = f"non-finite {nf.get('metric') or 'value'} at step {nf['step']}"
+        if nf.get("rank") is not None:
+            what += f" on rank {nf['rank']}"
         module = nf.get("module")
         if module is not None:
             name = module or "the root module"
@@ -564,6 +666,120 @@ class SampleRow:
     step: int
     prompt: str
     text: str
+
+
+#: States of a rank of a distributed run (``ranks.state``): reporting; ended as it said; its
+#: process no longer exists; no heartbeat for longer than the stale limit; never joined.
+RANK_STATES = ("running", "finished", "interrupted", "failed", "dead", "silent", "absent")
+#: Kinds of finding of a distributed run (``findings.kind``).
+FINDING_KINDS = (
+    "param_divergence",  # a parameter's checksum differs across ranks after an optimizer step
+    "grad_not_reduced",  # a gradient differs across ranks after backward (not all-reduced)
+    "rank_dead",  # a rank's process no longer exists
+    "rank_silent",  # a rank stopped reporting (hung, stopped, or dead on another host)
+    "rank_failed",  # a rank ended with an exception of its own
+    "rank_absent",  # a rank never called hooks.run
+    "gather_failed",  # the gathering of per-rank values stopped (one line why)
+)
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """One rank of a distributed run (a row of ``ranks``).
+
+    Attributes:
+        rank: Its global rank (``RANK``), 0 … world_size − 1.
+        host: Host name of its process.
+        pid: Process id on that host.
+        local_rank: ``LOCAL_RANK`` (its index on its host), if known.
+        state: One of :data:`RANK_STATES`.
+        last_step: The last step it logged that reached rank 0 (0 before the first).
+        heartbeat: When rank 0 last heard from it (rank 0's clock, Unix seconds).
+        reason: Why it ended, died or stopped reporting (one line), else ``None``.
+    """
+
+    rank: int
+    host: str | None
+    pid: int | None
+    local_rank: int | None
+    state: str
+    last_step: int
+    heartbeat: float | None
+    reason: str | None
+
+    def describe(self) -> str:
+        """``rank 1 (pid 4242 on vm)``."""
+        where = []
+        if self.pid is not None:
+            where.append(f"pid {self.pid}")
+        if self.host:
+            where.append(f"on {self.host}")
+        return f"rank {self.rank}" + (f" ({' '.join(where)})" if where else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The rank as a JSON-serialisable dict."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RankRow:
+    """One step of one rank of a distributed run (a row of ``rank_steps`` and its
+    ``rank_scalars``).
+
+    Attributes:
+        step: The step.
+        rank: The rank that logged it.
+        wall: When that rank logged it (that rank's clock, Unix seconds).
+        step_time: Seconds since the rank's previous step was logged (``None`` for its first).
+        compute_time: Seconds from the rank's previous ``log()`` until its backward produced the
+            gradient of the watched model's first parameter — the rank's own work, before it
+            waits for the others in the gradient all-reduce (``None``: not measured, no
+            ``run.watch``).
+        expert_load: Per MoE layer, per expert, the share of routed slots (L_moe, E) the rank
+            logged, or ``None``.
+        values: Every scalar the rank logged at this step, by name (``None`` = NaN).
+    """
+
+    step: int
+    rank: int
+    wall: float
+    step_time: float | None = None
+    compute_time: float | None = None
+    expert_load: list[list[float]] | None = None
+    values: dict[str, float | None] = field(default_factory=dict, hash=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The row as a JSON-serialisable dict."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A check that exists only with several ranks found something (a row of ``findings``).
+
+    Attributes:
+        id: 1, 2, … in the order found.
+        kind: One of :data:`FINDING_KINDS`.
+        step: The step it concerns (``None``: not tied to a step).
+        rank: The rank it names (``None``: it names a parameter of several ranks).
+        subject: The parameter's qualified name, or ``rank N``.
+        line: One line for the user, naming the parameter or the rank (with its host and pid).
+        detail: The evidence (checksums by rank, heartbeat ages …).
+        wall: When rank 0 found it (Unix seconds).
+    """
+
+    id: int
+    kind: str
+    step: int | None
+    rank: int | None
+    subject: str
+    line: str
+    detail: dict[str, Any] = field(default_factory=dict, hash=False)
+    wall: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The finding as a JSON-serialisable dict."""
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -665,6 +881,7 @@ def _run_from_row(row: sqlite3.Row) -> RunInfo:
         config=config,
         paused=bool(fields.pop("paused")),
         nonfinite=_nonfinite_from_json(row["nonfinite"]),
+        world_size=row["world_size"] if "world_size" in row.keys() else None,
         damaged=damaged,
         **fields,
     )
@@ -944,8 +1161,18 @@ def _migrate_v1(conn: sqlite3.Connection) -> None:
     conn.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
 
 
+def _migrate_v2(conn: sqlite3.Connection) -> None:
+    """Version 2 → 3, inside the caller's write transaction; nothing is lost: ``runs`` gains
+    ``world_size`` (``NULL``: every run of version 2 was a single process) and the tables of
+    distributed runs are created empty (:data:`_RANK_TABLES`)."""
+    conn.execute("ALTER TABLE runs ADD COLUMN world_size INTEGER")
+    for name in _RANK_TABLES:
+        conn.execute(_TABLES[name])
+    conn.execute("UPDATE meta SET value = '3' WHERE key = 'schema_version'")
+
+
 #: Migrations by the version they start from.
-_MIGRATIONS = {1: _migrate_v1}
+_MIGRATIONS = {1: _migrate_v1, 2: _migrate_v2}
 
 
 class RunStore:
@@ -1325,6 +1552,108 @@ class RunStore:
         ).fetchone()
         return bytes(row[0]) if row is not None and row[0] is not None else None
 
+    # -- distributed runs ------------------------------------------------------------------
+
+    def ranks(self, run_id: int) -> list[RankInfo]:
+        """The ranks of a distributed run, by rank (empty for a single process)."""
+        rows = self.connection.execute(
+            "SELECT rank, host, pid, local_rank, state, last_step, heartbeat, reason FROM ranks"
+            " WHERE run_id = ? ORDER BY rank", (run_id,),
+        ).fetchall()
+        return [RankInfo(*tuple(r)) for r in rows]
+
+    def rank_steps(self, run_id: int, after_step: int = 0,
+                   rank: int | None = None) -> list[RankRow]:
+        """Every rank's steps with ``step > after_step`` (of ``rank`` alone if given), in
+        (step, rank) order, each with every scalar that rank logged (:class:`RankRow`)."""
+        with self._transaction(immediate=False):
+            conn = self.connection
+            where, params = "run_id = ? AND step > ?", [run_id, after_step]
+            if rank is not None:
+                where += " AND rank = ?"
+                params.append(int(rank))
+            rows = conn.execute(
+                f"SELECT step, rank, wall, step_time, compute_time, expert_load FROM rank_steps"
+                f" WHERE {where} ORDER BY step, rank", params,
+            ).fetchall()
+            if not rows:
+                return []
+            values: dict[tuple[int, int], dict[str, float | None]] = {
+                (r[0], r[1]): {} for r in rows}
+            names = self._metric_names(run_id)
+            for step, rk, metric, value in conn.execute(
+                f"SELECT step, rank, metric, value FROM rank_scalars WHERE {where}"
+                " ORDER BY step, rank, metric", params,
+            ):
+                name = names.get(metric)
+                if name is None:
+                    names = self._metric_names(run_id, refresh=True)
+                    name = names.get(metric, f"metric{metric}")
+                bucket = values.get((step, rk))
+                if bucket is not None:
+                    bucket[name] = value
+        return [RankRow(step=r[0], rank=r[1], wall=r[2], step_time=r[3], compute_time=r[4],
+                        expert_load=json.loads(r[5]) if r[5] else None,
+                        values=values[(r[0], r[1])]) for r in rows]
+
+    def rank_internals_steps(self, run_id: int) -> list[tuple[int, int]]:
+        """``(step, rank)`` of every capture of a rank other than 0 (rank 0's are
+        :meth:`internals_steps`), in order."""
+        rows = self.connection.execute(
+            "SELECT step, rank FROM rank_internals WHERE run_id = ? ORDER BY step, rank",
+            (run_id,),
+        )
+        return [(r[0], r[1]) for r in rows]
+
+    def rank_internals(self, run_id: int, step: int, rank: int) -> dict[str, Any] | None:
+        """The capture of ``step`` on ``rank`` (``hooks.Trace.to_dict()``; rank 0:
+        :meth:`internals`), or ``None``."""
+        if rank == 0:
+            return self.internals(run_id, step)
+        row = self.connection.execute(
+            "SELECT data FROM rank_internals WHERE run_id = ? AND step = ? AND rank = ?",
+            (run_id, step, rank),
+        ).fetchone()
+        return json.loads(row[0]) if row is not None else None
+
+    def rank_internals_tensors(self, run_id: int, step: int, rank: int) -> bytes | None:
+        """The tensors of :meth:`rank_internals` (safetensors bytes), or ``None``."""
+        if rank == 0:
+            return self.internals_tensors(run_id, step)
+        row = self.connection.execute(
+            "SELECT tensors FROM rank_internals WHERE run_id = ? AND step = ? AND rank = ?",
+            (run_id, step, rank),
+        ).fetchone()
+        return bytes(row[0]) if row is not None and row[0] is not None else None
+
+    def findings(self, run_id: int, after_id: int = 0) -> list[Finding]:
+        """The findings of a distributed run's cross-rank checks with ``id > after_id``, in the
+        order found (empty for a single process)."""
+        rows = self.connection.execute(
+            "SELECT id, kind, step, rank, subject, line, detail, wall FROM findings"
+            " WHERE run_id = ? AND id > ? ORDER BY id", (run_id, after_id),
+        ).fetchall()
+        out = []
+        for r in rows:
+            try:
+                detail = json.loads(r[6]) if r[6] else {}
+            except json.JSONDecodeError:
+                detail = {}
+            out.append(Finding(r[0], r[1], r[2], r[3], r[4], r[5],
+                               detail if isinstance(detail, dict) else {}, r[7]))
+        return out
+
+    def checks(self, run_id: int) -> list[dict[str, Any]]:
+        """The cross-rank comparisons made, in step order: ``{"step", "kind"`` (``params``:
+        after the optimizer step, ``grads``: after backward), ``"ranks"`` compared,
+        ``"compared"`` tensors, ``"differing"`` ones ``}``."""
+        rows = self.connection.execute(
+            "SELECT step, kind, ranks, compared, differing FROM checks WHERE run_id = ?"
+            " ORDER BY step, kind", (run_id,),
+        ).fetchall()
+        return [dict(zip(("step", "kind", "ranks", "compared", "differing"), tuple(r),
+                         strict=True)) for r in rows]
+
     def poll(self, run_id: int, after_step: int = 0) -> RunUpdate:
         """Everything new about a run since ``after_step``, read in one consistent snapshot.
 
@@ -1357,6 +1686,7 @@ class RunStore:
         *,
         total_steps: int | None = None,
         kind: str = "overfit",
+        world_size: int | None = None,
     ) -> RunWriter:
         """Create a run in status ``running`` owned by this process and return its writer.
 
@@ -1365,6 +1695,7 @@ class RunStore:
             config: JSON-serialisable configuration (other values are stored as ``str``).
             total_steps: The step target, if known.
             kind: ``"overfit"`` (``mdb overfit``) or ``"api"`` (``hooks.run``).
+            world_size: The number of ranks of a distributed job (``None``: one process).
 
         Raises:
             RunStoreError: Invalid name, or the database is read-only.
@@ -1377,7 +1708,7 @@ class RunStore:
             with self._transaction() as conn:
                 cur = conn.execute(
                     "INSERT INTO runs (name, kind, config, status, pid, host, started, heartbeat,"
-                    " total_steps) VALUES (?, ?, ?, 'running', ?, ?, ?, ?, ?)",
+                    " total_steps, world_size) VALUES (?, ?, ?, 'running', ?, ?, ?, ?, ?, ?)",
                     (
                         name,
                         kind,
@@ -1387,6 +1718,7 @@ class RunStore:
                         now,
                         now,
                         total_steps,
+                        world_size,
                     ),
                 )
                 run_id = int(cur.lastrowid)
@@ -1442,7 +1774,8 @@ class RunStore:
                     "(pass a larger --steps to continue it)"
                 )
             ckpt = run.checkpoint_step
-            for table in ("metrics", "scalars", "internals", "samples", "spikes"):
+            for table in ("metrics", "scalars", "internals", "samples", "spikes", "rank_steps",
+                          "rank_scalars", "rank_internals"):
                 conn.execute(f"DELETE FROM {table} WHERE run_id = ? AND step > ?", (run.id, ckpt))
             names = self._metric_names(run.id, refresh=True)
             last_loss = None
@@ -1644,20 +1977,24 @@ class RunWriter:
                 " DO UPDATE SET value = excluded.value, peak_step = excluded.peak_step,"
                 " last_step = excluded.last_step", upserts)
 
+    def _metric_id(self, conn: sqlite3.Connection, ids: dict[str, int], name: str) -> int:
+        mid = ids.get(name)
+        if mid is None:
+            mid = len(ids) + 1
+            conn.execute(
+                "INSERT INTO metric_names (run_id, id, name) VALUES (?, ?, ?)",
+                (self.run_id, mid, str(name)),
+            )
+            ids[name] = mid
+        return mid
+
     def _write(self, conn, rows, extras_i, extras_s, now, found) -> None:
         ids = self._metric_ids(conn)
         self._detect(conn, loss_metric([*ids, *(n for r in rows for n in r[3])]), rows, found)
         scalars = []
         for step, _wall, _load, values in rows:
             for name, v in values.items():
-                mid = ids.get(name)
-                if mid is None:
-                    mid = len(ids) + 1
-                    conn.execute(
-                        "INSERT INTO metric_names (run_id, id, name) VALUES (?, ?, ?)",
-                        (self.run_id, mid, str(name)),
-                    )
-                    ids[name] = mid
+                mid = self._metric_id(conn, ids, name)
                 scalars.append((self.run_id, step, mid, None if v is None else float(v)))
         conn.executemany(
             "INSERT INTO metrics (run_id, step, wall, expert_load) VALUES (?, ?, ?, ?)"
@@ -1697,6 +2034,158 @@ class RunWriter:
                 "UPDATE runs SET last_step = MAX(last_step, ?), last_loss = ?, heartbeat = ?"
                 " WHERE id = ?",
                 (last_step, loss[0], now, self.run_id),
+            )
+
+    # -- distributed runs ------------------------------------------------------------------
+
+    def set_world_size(self, world_size: int) -> None:
+        """Record that this run is a distributed job of ``world_size`` ranks."""
+        with self.store._transaction() as conn:
+            conn.execute("UPDATE runs SET world_size = ? WHERE id = ?",
+                         (int(world_size), self.run_id))
+
+    def set_ranks(self, ranks: Iterable[Mapping[str, Any]]) -> None:
+        """Insert or update rows of ``ranks``, in one transaction.
+
+        Args:
+            ranks: Mappings with ``rank`` and any of ``host``, ``pid``, ``local_rank``,
+                ``state`` (:data:`RANK_STATES`), ``last_step``, ``heartbeat``, ``reason``; a
+                key left out keeps the stored value (``last_step`` only grows).
+
+        Raises:
+            ValueError: An unknown state.
+        """
+        rows = []
+        for r in ranks:
+            state = r.get("state")
+            if state is not None and state not in RANK_STATES:
+                raise ValueError(f"unknown rank state {state!r}")
+            rows.append((self.run_id, int(r["rank"]), r.get("host"), r.get("pid"),
+                         r.get("local_rank"), state or "running", int(r.get("last_step") or 0),
+                         r.get("heartbeat"), r.get("reason"), "reason" in r))
+        if not rows:
+            return
+        with self.store._transaction() as conn:
+            for (run_id, rank, host, pid, local, state, step, beat, reason, has_reason) in rows:
+                conn.execute(
+                    "INSERT INTO ranks (run_id, rank, host, pid, local_rank, state, last_step,"
+                    " heartbeat, reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                    " ON CONFLICT (run_id, rank) DO UPDATE SET"
+                    " host = COALESCE(excluded.host, host), pid = COALESCE(excluded.pid, pid),"
+                    " local_rank = COALESCE(excluded.local_rank, local_rank),"
+                    " state = excluded.state, last_step = MAX(last_step, excluded.last_step),"
+                    " heartbeat = COALESCE(excluded.heartbeat, heartbeat),"
+                    " reason = CASE WHEN ? THEN excluded.reason ELSE reason END",
+                    (run_id, rank, host, pid, local, state, step, beat, reason, int(has_reason)),
+                )
+
+    def log_rank_steps(
+        self,
+        rank: int,
+        rows: Iterable[Mapping[str, Any]],
+        internals: Iterable[tuple[int, Mapping[str, Any], bytes | None]] = (),
+    ) -> None:
+        """Write steps of one rank of a distributed run in one transaction (a step written again
+        merges, as in :meth:`log_steps`).
+
+        Args:
+            rank: The rank.
+            rows: Mappings with the fields of :class:`RankRow` (``step`` and ``wall``
+                required; ``values``: scalars by name, ``None`` or NaN = NaN).
+            internals: ``(step, trace dict, safetensors bytes or None)`` of the rank's
+                captures (for rank 0 use :meth:`log_steps`: its captures are the run's).
+        """
+        rank = int(rank)
+        prepared = []
+        for r in rows:
+            load = r.get("expert_load")
+            prepared.append((int(r["step"]), float(r["wall"]), r.get("step_time"),
+                             r.get("compute_time"),
+                             json.dumps(load) if load is not None else None,
+                             dict(r.get("values") or {})))
+        extras = [(self.run_id, int(step), rank, time.time(),
+                   json.dumps(data, default=_jsonable),
+                   sqlite3.Binary(blob) if blob is not None else None)
+                  for step, data, blob in internals]
+        if not prepared and not extras:
+            return
+        try:
+            with self.store._transaction() as conn:
+                ids = self._metric_ids(conn)
+                conn.executemany(
+                    "INSERT INTO rank_steps (run_id, step, rank, wall, step_time, compute_time,"
+                    " expert_load) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (run_id, step, rank)"
+                    " DO UPDATE SET wall = excluded.wall,"
+                    " step_time = COALESCE(excluded.step_time, step_time),"
+                    " compute_time = COALESCE(excluded.compute_time, compute_time),"
+                    " expert_load = COALESCE(excluded.expert_load, expert_load)",
+                    [(self.run_id, st, rank, w, t, c, load)
+                     for st, w, t, c, load, _ in prepared],
+                )
+                scalars = []
+                for st, _w, _t, _c, _l, values in prepared:
+                    for name, v in values.items():
+                        mid = self._metric_id(conn, ids, name)
+                        x = None if v is None or (isinstance(v, float) and math.isnan(v)) \
+                            else float(v)
+                        scalars.append((self.run_id, st, rank, mid, x))
+                conn.executemany(
+                    "INSERT OR REPLACE INTO rank_scalars (run_id, step, rank, metric, value)"
+                    " VALUES (?, ?, ?, ?, ?)", scalars,
+                )
+                if extras:
+                    conn.executemany(
+                        "INSERT OR REPLACE INTO rank_internals (run_id, step, rank, captured,"
+                        " data, tensors) VALUES (?, ?, ?, ?, ?, ?)", extras,
+                    )
+                if prepared:
+                    conn.execute(
+                        "UPDATE ranks SET last_step = MAX(last_step, ?) WHERE run_id = ?"
+                        " AND rank = ?", (max(p[0] for p in prepared), self.run_id, rank),
+                    )
+        except BaseException:
+            self._ids = None
+            raise
+
+    def add_findings(self, findings: Iterable[Mapping[str, Any]]) -> None:
+        """Append findings (:class:`Finding` fields but ``id`` and ``wall``, which are
+        assigned), in one transaction.
+
+        Raises:
+            ValueError: An unknown kind, or no ``subject`` / ``line``.
+        """
+        rows = []
+        for f in findings:
+            if f.get("kind") not in FINDING_KINDS:
+                raise ValueError(f"unknown finding kind {f.get('kind')!r}")
+            if not f.get("subject") or not f.get("line"):
+                raise ValueError("a finding needs a subject and a line")
+            rows.append(f)
+        if not rows:
+            return
+        now = time.time()
+        with self.store._transaction() as conn:
+            (last,) = conn.execute("SELECT COALESCE(MAX(id), 0) FROM findings WHERE run_id = ?",
+                                   (self.run_id,)).fetchone()
+            conn.executemany(
+                "INSERT INTO findings (run_id, id, kind, step, rank, subject, line, detail, wall)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [(self.run_id, last + i, f["kind"], f.get("step"), f.get("rank"),
+                  str(f["subject"]), str(f["line"])[:1000],
+                  json.dumps(f.get("detail") or {}, default=_jsonable), now)
+                 for i, f in enumerate(rows, start=1)],
+            )
+
+    def add_checks(self, checks: Iterable[Mapping[str, Any]]) -> None:
+        """Record cross-rank comparisons (see :meth:`RunStore.checks`), in one transaction."""
+        rows = [(self.run_id, int(c["step"]), str(c["kind"]), int(c["ranks"]),
+                 int(c["compared"]), int(c["differing"])) for c in checks]
+        if not rows:
+            return
+        with self.store._transaction() as conn:
+            conn.executemany(
+                "INSERT OR REPLACE INTO checks (run_id, step, kind, ranks, compared, differing)"
+                " VALUES (?, ?, ?, ?, ?, ?)", rows,
             )
 
     def heartbeat(self) -> None:
@@ -1745,6 +2234,8 @@ class RunWriter:
         text = None
         if nonfinite is not None:
             nf = {k: nonfinite.get(k) for k in _NONFINITE_KEYS}
+            if nonfinite.get("rank") is not None:
+                nf["rank"] = int(nonfinite["rank"])
             if not isinstance(nf["step"], int):
                 raise ValueError(f"nonfinite needs an integer step, got {nf['step']!r}")
             if nf["direction"] not in (None, "forward", "backward"):

@@ -9,6 +9,10 @@ by step, so ``mdb watch`` in another terminal (or after an SSH reconnect) sees a
 checkpoint, mark it interrupted and exit 130 / 143 / 129 (a second Ctrl-C while it stops changes
 nothing: the checkpoint is still written); ``mdb overfit --resume RUN`` continues.
 
+``--nproc N`` runs the built-in overfit as a DDP job of N processes through ``torchrun`` (gloo
+on CPU), each rank on its own seeded windows of the text, recorded as one run
+(:mod:`tui.commands.overfit_ddp`).
+
 This module builds the session (:func:`build_session`) and runs it headless
 (:func:`run_headless`); the live screen reuses :func:`build_session`.
 """
@@ -100,7 +104,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "nohup, tmux, batch jobs); also used when stdin or stdout is not a "
                         "terminal")
     x.add_argument("--threads", type=positive_int, default=1,
-                   help="torch CPU threads (default 1: small models train fastest on one)")
+                   help="torch CPU threads (default 1: small models train fastest on one); "
+                        "with --nproc, per rank")
+    x.add_argument("--nproc", type=positive_int, default=None, metavar="N",
+                   help="run it as a DDP job of N processes through torchrun (gloo backend, "
+                        "CPU), each rank on its own seeded windows of the text (--seq-len, "
+                        "default half the text); one run, every rank in `mdb watch`")
+    x.add_argument("--gather-every", type=positive_int, default=10, metavar="N",
+                   help="with --nproc: every rank's steps reach rank 0 (and the run store) "
+                        "every N steps (default 10)")
     x.add_argument("--heartbeat", type=positive_float, default=1.0, help=argparse.SUPPRESS)
     x.add_argument("--debug-nan-at", type=positive_int, default=None, metavar="STEP",
                    help=argparse.SUPPRESS)
@@ -544,9 +556,53 @@ def _recorded(session) -> str:
     return f"the database holds steps up to {session.recorded_step}, {resume}"
 
 
+def _run_nproc(args: argparse.Namespace) -> int:
+    """``--nproc N``: the options checked here (one line each), the job in overfit_ddp."""
+    from tui.commands.overfit_ddp import run_ddp
+
+    if args.nproc < 2:
+        raise MdbError("--nproc must be 2 or more (without it the run is one process)")
+    given = [f"--{k.replace('_', '-')}" for k in ("resume", "model", "checkpoint_every",
+                                                  "debug_nan_at")
+             if getattr(args, k, None) is not None]
+    if given:
+        raise MdbError(f"{', '.join(given)} does not apply with --nproc (a DDP run of the "
+                       "built-in model, without checkpoints)")
+    options = _options_from_args(args)
+    n = len(options.text) if options.tokenizer == "char" else len(options.text.encode())
+    if options.seq_len is None:
+        options.seq_len = max(2, n // 2)
+    elif options.seq_len >= n:
+        raise MdbError(f"--seq-len {options.seq_len} covers the whole text ({n} tokens): with "
+                       "--nproc every rank trains on its own window, pass a shorter one")
+    try:
+        options.validate()
+    except ValueError as exc:
+        raise MdbError(str(exc)) from None
+    store = _open_store(args, create=True)
+    try:
+        name = args.run or _default_run_name(store)
+        if args.run and any(r.name == name for r in store.runs()):
+            raise MdbError(f"a run named {name!r} already exists in {store.path} (choose "
+                           "another --run)")
+        from hooks.runs.store import RunStoreError, validate_run_name
+
+        try:
+            validate_run_name(name)
+        except RunStoreError as exc:
+            raise MdbError(str(exc)) from None
+        path = store.path
+    finally:
+        store.close()
+    return run_ddp(args, options, path, name)
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``mdb overfit``."""
     from hooks.runs.trainer import TrainControl, install_stop_signals
+
+    if getattr(args, "nproc", None) is not None:
+        return _run_nproc(args)
 
     control = TrainControl()
     building = [True]

@@ -33,8 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object per run (one per line) instead of a table: "
                              "name, status, steps, metrics (names in first-logged order), "
-                             "nonfinite (step, metric, module, direction), spikes, damaged and "
-                             "the run row")
+                             "nonfinite (step, metric, module, direction[, rank]), spikes, "
+                             "damaged, the run row, and for a torchrun job world_size, ranks "
+                             "and findings")
 
 
 def format_age(seconds: float) -> str:
@@ -58,8 +59,12 @@ def run_record(run, store, now: float) -> dict:
     step written), ``metrics`` (the names logged, in first-logged order), ``nonfinite_line``,
     ``captures`` (how many steps have a stored capture) and ``last_capture`` (the latest such
     step, ``None`` without), ``last_ce``, ``spikes`` (each loss spike the writer recorded:
-    step, metric, value, baseline, ratio, peak_step, last_step) and ``details`` (the lines
-    the table prints under the run, uncut).
+    step, metric, value, baseline, ratio, peak_step, last_step), ``world_size`` (``None`` for
+    a single process), ``ranks`` (a distributed run's ranks: :class:`hooks.runs.store.RankInfo`
+    fields), ``findings`` (its cross-rank checks' findings, :class:`hooks.runs.store.Finding`
+    fields: ``kind``, ``step``, ``rank``, ``subject`` — the parameter or ``rank N`` — and
+    ``line``; empty for a single process) and ``details`` (the lines the table prints under
+    the run, uncut).
     """
     from hooks.runs.store import RunStoreError
 
@@ -67,7 +72,7 @@ def run_record(run, store, now: float) -> dict:
     d.pop("config", None)
     d.update(writer_state=run.writer_state(now), status_line=run.status_line(now),
              steps=run.last_step, nonfinite_line=run.nonfinite_line(), metrics=[], captures=0,
-             last_capture=None, last_ce=None, spikes=[])
+             last_capture=None, last_ce=None, spikes=[], ranks=[], findings=[])
     try:
         captured = store.internals_steps(run.id)
         last = store.last_metrics(run.id)
@@ -77,6 +82,8 @@ def run_record(run, store, now: float) -> dict:
             last_capture=captured[-1] if captured else None,
             last_ce=last.ce if last is not None else None,
             spikes=[s.to_dict() for s in store.spikes(run.id)],
+            ranks=[r.to_dict() for r in store.ranks(run.id)],
+            findings=[f.to_dict() for f in store.findings(run.id)],
         )
     except RunStoreError as exc:  # a damaged metric row: the run is listed, said damaged
         d["damaged"] = d["damaged"] or str(exc)
@@ -116,6 +123,11 @@ def detail_lines(run, record: dict, now: float, db: str | None = None) -> list[s
         top = max(spikes, key=lambda s: s.ratio)
         more = f" (the largest of {len(spikes)})" if len(spikes) > 1 else ""
         lines.append(top.describe() + more)
+    if run.world_size:
+        found = record.get("findings", [])
+        lines.append(f"{run.world_size} ranks" + (f" · {len(found)} finding(s)" if found else
+                                                  ""))
+        lines += [f["line"] for f in found]
     if resumable:
         lines.append(f"continue: mdb overfit --resume {run.name}" + (f" --db {db}" if db else ""))
     return lines

@@ -68,6 +68,7 @@ from tui.screens.base import MdbScreen
 from tui.screens.help import HelpScreen, binding_lines
 from tui.screens.live_chart import LineChart, Series
 from tui.screens.live_data import FIXED_METRICS, RunSeries, display_name, format_duration
+from tui.screens.live_ranks import RanksSummary, open_ranks
 
 #: Columns an expert chart needs to stay legible; fewer layers are shown when narrower.
 EXPERT_CHART_MIN_WIDTH = 19
@@ -177,6 +178,8 @@ def nonfinite_of(run) -> dict[str, Any] | None:
 def describe_nonfinite(nf: Mapping[str, Any]) -> str:
     """``non-finite val_loss at step 7, first in model.layers.1.mlp (backward)``."""
     what = nf.get("metric") or "value"
+    if nf.get("rank") is not None:  # a torchrun job: the rank that logged it
+        what += f" on rank {nf['rank']}"
     where = f", first in {nf['module']}" if nf.get("module") else ""
     direction = f" ({nf['direction']})" if nf.get("direction") else ""
     return f"non-finite {what} at step {nf['step']}{where}{direction}"
@@ -281,6 +284,7 @@ class LiveScreen(MdbScreen):
                 id="live.other"),
         Binding("l", "log_scale", "log/linear loss", show=False, id="live.log"),
         Binding("e", "next_layers", "more MoE layers", show=False, id="live.layers"),
+        Binding("k", "ranks", "ranks of a torchrun job", show=False, id="live.ranks"),
         Binding("question_mark", "help", "keys", key_display="?", id="live.help"),
         Binding("q", "quit_live", "quit", id="live.quit"),
         Binding("ctrl+c", "quit_live", "quit (as q)", show=False, id="live.interrupt"),
@@ -370,6 +374,8 @@ class LiveScreen(MdbScreen):
             yield Horizontal(id="live-experts-row")
         yield Static("", id="live-sample")
         yield Static("", id="live-note")
+        if self.watch:
+            yield RanksSummary(getattr(self.store, "path", None), self.run)
         yield Static("", id="hint", markup=False)
         yield Footer()
 
@@ -1110,6 +1116,9 @@ class LiveScreen(MdbScreen):
         self._layer_page += 1
         self._dirty_charts = True
         self._schedule_redraw()
+
+    def action_ranks(self) -> None:
+        open_ranks(self)
 
     def action_help(self) -> None:
         self.app.push_screen(LiveHelpScreen(self.watch))
