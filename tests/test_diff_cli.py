@@ -124,6 +124,8 @@ async def test_the_diff_screen_opens_a_call_of_a_beside_b(pair):
         await wait_until(pilot, lambda: isinstance(app.screen, DiffScreen))
         table = app.screen.query_one("#diff-table", DataTable)
         assert table.row_count == len(diff.ranked()) > 0
+        await pilot.pause()
+        assert "Enter" in str(app.screen.query_one("#hint").render())
         await pilot.press("enter")
         assert isinstance(app.screen, CallPairScreen)
         first = diff.ranked()[0]

@@ -19,8 +19,8 @@ from tui.widgets.call_details import CallDetails
 from tui.widgets.diff_rows import rows, summary_line
 
 QUIT = Binding("q", "app.quit", "quit", id="diff.quit", tooltip="quit mdb diff")
-CALL_WIDTH = 33
-SHAPE_WIDTH = 17
+CALL_WIDTH = 32
+SHAPE_WIDTH = 15
 
 
 def _left_cut(text: str, width: int) -> str:
@@ -87,6 +87,8 @@ class DiffScreen(MdbScreen):
             self.hint("no differences: every call matched and no statistic changed")
         elif not self.rows:
             self.hint("no statistic changed; o lists the calls only one side recorded")
+        else:  # the focused table's Enter hides the screen's binding from the footer
+            self.hint("Enter: the selected call in A beside B · j/k move")
 
     def action_cursor(self, delta: int) -> None:
         table = self.query_one("#diff-table", DataTable)
