@@ -26,6 +26,12 @@ _MDB_DIRS = tuple(
 )
 
 
+class ModelRaisedError(ValueError):
+    """The user's model (its factory, forward, loss or backward) raised; the message is the one
+    line of :func:`describe_error`. A ``ValueError``, so code that reports bad input on one line
+    reports it too; ``mdb`` exits with 1 for it (the user's code failed, not the command line)."""
+
+
 @dataclass(frozen=True)
 class ErrorLocation:
     """Where an exception came from.

@@ -114,6 +114,8 @@ def test_bad_variants():
     (["--vary", "attention=mha", "--eval-lengths", "8,x"], "--eval-lengths"),
     (["--vary", "attention=mha", "--preset", "nope"], "unknown preset"),
     (["--vary", "attention=mha", "--text", "/no/such.txt"], "no such file"),
+    (["--vary", "hidden_size=1000000000"], "variant hidden_size=1000000000: this model and "
+                                           "batch need at least"),
 ])
 def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, capsys, extra, message):
     db = tmp_path / "runs" / "mdb.sqlite"

@@ -69,6 +69,28 @@ def backward_raises():
 
 def factory_raises():
     raise ValueError("no such checkpoint")  # MARK: factory
+
+
+class Later(nn.Module):
+    """Trains for four steps, then its forward raises."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16)
+        self.calls = 0
+
+    def forward(self, ids, targets):
+        self.calls += 1
+        if self.calls > 4:
+            raise RuntimeError("broke at call 5")  # MARK: later
+        logits = self.head(self.emb(ids))
+        return logits, nn.functional.cross_entropy(logits.view(-1, 16), targets.view(-1))
+
+
+def raises_later():
+    ids = torch.randint(0, 16, (2, 8))
+    return Later(), {"ids": ids, "targets": ids}
 '''
 
 
@@ -98,19 +120,62 @@ def _one_line(capsys) -> str:
     return err[0]
 
 
-@pytest.mark.parametrize("command", ["summary", "capture"])
+@pytest.mark.parametrize("command", ["summary", "capture", "overfit", "doctor"])
 def test_a_forward_that_raises_names_the_module_and_the_line(command, bad_models, tmp_path,
                                                              capsys):
     out = tmp_path / "t.mdbtrace"
+    db = tmp_path / "runs.sqlite"
     argv = [command, "--model", f"{bad_models}:forward_raises"]
     if command == "capture":
         argv += ["--out", str(out)]
+    if command == "overfit":
+        argv += ["--headless", "--db", str(db)]
     assert _main(argv) == 1
     line = _one_line(capsys)
     assert "the forward pass: RuntimeError: view size is not compatible" in line
     assert "in block (Block)" in line
     assert f"at bad_models.py:{_line(bad_models, 'MARK: not contiguous')}" in line
-    assert not out.exists()
+    assert not out.exists() and not db.exists()
+
+
+@pytest.mark.slow
+def test_mdb_step_in_a_terminal_names_the_module_and_the_line(bad_models):
+    """``mdb step`` needs a terminal: run it in a pty, as a user would."""
+    pexpect = pytest.importorskip("pexpect")
+    exe = shutil.which("mdb")
+    argv = ([exe] if exe else [sys.executable, "-m", "tui.cli"]) + [
+        "step", "--model", f"{bad_models}:forward_raises"]
+    env = dict(os.environ, TERM="xterm", PYTHONPATH=str(REPO))
+    child = pexpect.spawn(argv[0], argv[1:], env=env, cwd=str(bad_models.parent),
+                          dimensions=(24, 80), encoding="utf-8", timeout=180)
+    try:
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    out = child.before
+    assert child.exitstatus == 1, out
+    assert "Traceback" not in out
+    assert "mdb: error: " in out and "in block (Block)" in out
+    assert f"at bad_models.py:{_line(bad_models, 'MARK: not contiguous')}" in out
+
+
+def test_a_model_that_raises_during_overfit_is_located_in_the_line_and_the_run(bad_models,
+                                                                              tmp_path, capsys):
+    from hooks.runs.store import RunStore
+
+    db = tmp_path / "runs.sqlite"
+    argv = ["overfit", "--headless", "--model", f"{bad_models}:raises_later", "--steps", "20",
+            "--db", str(db), "--run", "later"]
+    assert _main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(err)
+    line = next(x for x in err if x.startswith("mdb: error: "))
+    where = f"at bad_models.py:{_line(bad_models, 'MARK: later')}"
+    # call 1 was the probe: the fifth call is step 4
+    assert "failed at step 4: RuntimeError: broke at call 5" in line and where in line
+    with RunStore(db) as store:
+        run = store.run("later")
+    assert run.status == "failed" and where in run.reason and run.last_step == 3
 
 
 def test_a_backward_that_raises_is_one_line_too(bad_models, capsys):
@@ -193,6 +258,16 @@ def test_text_that_is_not_a_regular_file(tmp_path, capsys):
         assert "not a regular file" in _one_line(capsys)
 
 
+def test_text_larger_than_the_cap_is_refused_before_reading(tmp_path, capsys):
+    from tui.commands._common import MAX_TEXT_BYTES
+
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:
+        f.truncate(MAX_TEXT_BYTES + 1)  # sparse: nothing is written
+    assert _main(["summary", "--preset", "tiny", "--text", str(big)]) == 2
+    assert "more text than a batch needs" in _one_line(capsys)
+
+
 def test_a_trace_nested_too_deep(tmp_path, capsys):
     d = tmp_path / "deep.mdbtrace"
     d.mkdir()
@@ -213,6 +288,24 @@ def test_overfit_steps_out_of_range_leaves_no_database(tmp_path, capsys):
     db = tmp_path / "runs.sqlite"
     assert _main(["overfit", "--headless", "--steps", str(2**63), "--db", str(db)]) == 2
     assert "--steps" in capsys.readouterr().err
+    assert not db.exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_run_database_that_is_not_a_regular_file(tmp_path, capsys):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for argv in (["runs", "--db", str(fifo)], ["watch", "r", "--db", str(fifo)],
+                 ["export", "r", "--db", "/dev/zero"],
+                 ["overfit", "--headless", "--steps", "2", "--db", str(fifo)]):
+        assert _main(argv) == 2, argv
+        assert "not a regular file" in _one_line(capsys)
+
+
+def test_gather_every_without_nproc_is_refused(tmp_path, capsys):
+    db = tmp_path / "runs.sqlite"
+    assert _main(["overfit", "--headless", "--gather-every", "5", "--db", str(db)]) == 2
+    assert "--gather-every applies only with --nproc" in _one_line(capsys)
     assert not db.exists()
 
 

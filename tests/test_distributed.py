@@ -378,7 +378,7 @@ def test_a_rank_killed_with_sigkill_is_named_and_nothing_recorded_is_lost(tmp_pa
     with RunStore(db) as store:
         run = store.run("kill")
         assert run.status == "failed"
-        assert run.reason.startswith(f"rank 1 (pid {pid1} on {host}) died after step "), \
+        assert run.reason.startswith(f"rank 1 (pid {pid1} on {host}) died (last step reported: "), \
             run.reason
         dead = [f for f in store.findings(run.id) if f.kind == "rank_dead"]
         assert [(f.rank, f.detail["pid"]) for f in dead] == [(1, pid1)]

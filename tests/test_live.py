@@ -213,6 +213,27 @@ async def test_nonfinite_loss_shows_failed_with_step_and_module(tmp_path):
     del argparse
 
 
+async def test_keys_do_nothing_while_the_live_screen_is_too_small(tmp_path):
+    """At 60x20 ``p`` (pause) and ``x`` (stop) must not act unseen; once the terminal is large
+    enough again, ``p`` pauses."""
+    from tui.live_app import make_overfit_app
+
+    session = tiny_session(tmp_path, steps=100_000, name="small")
+    app = make_overfit_app(session)
+    async with app.run_test(size=(60, 20)) as pilot:
+        screen = app.live
+        await wait_until(pilot, lambda: session.trainer.step >= 1)
+        assert app.screen.has_class("-too-small")
+        await pilot.press("p", "x")
+        await pilot.pause()
+        assert not session.control.paused and not session.control.stop_requested
+        await pilot.resize_terminal(80, 24)
+        await wait_until(pilot, lambda: not screen.has_class("-too-small"))
+        await pilot.press("p")
+        assert session.control.paused
+        await pilot.press("q")
+
+
 async def test_too_small_terminal_says_so(tmp_path):
     from tui.live_app import make_overfit_app
 

@@ -145,3 +145,35 @@ async def test_attention_view_says_why_nothing_was_recorded(attention):
             assert "0 (Hidden) ran but called neither" in grid
         else:
             assert "captured without attention probabilities" in grid
+
+
+async def test_step_title_of_a_tuple_returning_model_shows_its_own_loss_and_j_scrolls():
+    """nanoGPT returns ``(logits, loss)``: the title names ``out[1]`` and shows the model's
+    cross-entropy (computed here independently); J/K scroll the details pane."""
+    from tests.families import nanogpt
+    from tui.screens.step import CallDetails, StepScreen
+
+    trace, _ = trace_of("tests.families:nanogpt")
+    model, (x, y) = nanogpt()
+    with torch.no_grad():
+        logits, _ = model(x, y)
+        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)),
+                                               y.reshape(-1))
+    app = make_step_app(trace)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.screen
+        assert isinstance(screen, StepScreen)
+        title = text(screen, "#title-loss")
+        assert title.startswith("loss = out[1] = ")
+        assert float(title.removeprefix("loss = out[1] = ").split()[0]) == pytest.approx(
+            float(ce), rel=1e-3)
+        details = screen.query_one("#details", CallDetails)
+        if details.max_scroll_y == 0:  # make the pane overflow: a call with parameters
+            await pilot.press("n", "n")
+        assert details.max_scroll_y > 0
+        await pilot.press("J")
+        await pilot.pause()
+        assert details.scroll_y > 0
+        await pilot.press("K")
+        await pilot.pause()
+        assert details.scroll_y == 0

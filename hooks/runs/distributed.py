@@ -291,8 +291,12 @@ class RankLink:
     FINAL_GRACE = 10.0
     #: Seconds another rank waits at most, once it finishes, to hand over its last steps.
     FINAL_TIMEOUT = 300.0
-    #: Timeout of mdb's process group (a collective that does not complete in time).
-    GATHER_TIMEOUT = 300.0
+    #: Seconds a gather may take once every rank announced it (the timeout of mdb's process
+    #: group). A rank stopped in the middle of one (SIGSTOP, a hang) would otherwise hold rank
+    #: 0's link thread, which also watches the heartbeats, so the rank could not be named;
+    #: ``None``: :attr:`STALE_AFTER` + 15 s. Past it, gathering stops and the rank whose
+    #: heartbeat went stale is named as the cause.
+    GATHER_TIMEOUT: float | None = None
     #: Seconds between two heartbeats.
     BEAT_INTERVAL = 1.0
     #: Seconds between two looks at the store while a gather is awaited.
@@ -616,11 +620,17 @@ class RankLink:
                 self._beat()
             time.sleep(0.05)
 
+    @property
+    def gather_timeout(self) -> float:
+        """Seconds a gather may take (:attr:`GATHER_TIMEOUT`)."""
+        t = self.GATHER_TIMEOUT
+        return float(t) if t is not None else self.STALE_AFTER + 15.0
+
     def _make_group(self) -> None:
         import torch.distributed as dist
 
         self._pg = dist.ProcessGroupGloo(dist.PrefixStore("pg/", self.store), self.rank,
-                                         self.world, timedelta(seconds=self.GATHER_TIMEOUT))
+                                         self.world, timedelta(seconds=self.gather_timeout))
         self.state = "running"
 
     # -- other ranks -----------------------------------------------------------------------------
@@ -956,12 +966,12 @@ class RankLink:
                 continue
             if p.get("host") == self.job.host and process_gone(p.get("pid")):
                 self._set_state(r, "dead", f"its process no longer exists (last step "
-                                           f"{p['last_step']})")
+                                           f"reported: {p['last_step']})")
             elif now - p["seen"] > self.STALE_AFTER:
                 if p["state"] != "silent":
                     alive = p.get("host") == self.job.host
                     self._set_state(r, "silent", f"no heartbeat for {now - p['seen']:.0f} s, "
-                                    f"last step {p['last_step']} ("
+                                    f"last step reported {p['last_step']} ("
                                     + ("hung or stopped: its process still exists)" if alive
                                        else "hung, or dead on another host)"))
             elif p["state"] == "silent":
@@ -978,8 +988,9 @@ class RankLink:
         desc = _describe(p)
         if state == "dead":
             self._finding("rank_dead", p["last_step"], rank, f"rank {rank}",
-                          f"{desc} died after step {p['last_step']}: its process no longer "
-                          "exists", {"host": p.get("host"), "pid": p.get("pid")})
+                          f"{desc} died: its process no longer exists (the last step it "
+                          f"reported: {p['last_step']})",
+                          {"host": p.get("host"), "pid": p.get("pid")})
         elif state == "silent":
             self._finding("rank_silent", p["last_step"], rank, f"rank {rank}",
                           f"{desc} stopped reporting: {reason}",

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from hooks.batch import Batch, BatchError, from_factory, select_loss
+from hooks.errors import ModelRaisedError, describe_error
 from hooks.runs.checkpoint import (
     checkpoint_mismatch,
     load_checkpoint,
@@ -549,7 +550,8 @@ class RunSession:
             status = "failed"
             reason = f"step {step} not recorded: {_one_line(exc)}"
         else:
-            status, reason = "failed", f"at step {step + 1}: {type(exc).__name__}: {_one_line(exc)}"
+            model = getattr(self.trainer, "model", None)
+            status, reason = "failed", f"at step {step + 1}: {describe_error(exc, model)}"
         # only a step the database holds may be checkpointed (a resume continues after it)
         if step == recorded and step != self.last_checkpoint_step:
             if _disk_full(exc):
@@ -974,9 +976,9 @@ class ModelOverfitSession(RunSession):
                 choice = select_loss(out, self.loss_fn, batch)
         except BatchError as exc:
             raise ValueError(f"--model {self.options.model}: {exc}") from None
-        except Exception as exc:  # the user's forward: their error, on one line
-            raise ValueError(f"--model {self.options.model}: the forward pass raised "
-                             f"{type(exc).__name__}: {_one_line(exc)}") from None
+        except Exception as exc:  # the user's forward: their error, on one line, located
+            raise ModelRaisedError(f"--model {self.options.model}: "
+                                   + describe_error(exc, model, "the forward pass")) from None
         finally:
             model.train(was_training)
         if choice.fallback:

@@ -185,11 +185,11 @@ def _job_end(status: str, reason: str | None,
             who += f" ({where})"
         step = e.get("last_step", 0)
         if e["state"] == "dead":
-            parts.append(f"{who} died after step {step}")
+            parts.append(f"{who} died (last step reported: {step})")
         elif e["state"] == "failed":
             parts.append(f"{who} failed after step {step}: {e.get('reason') or 'no reason'}")
         else:
-            parts.append(f"{who} stopped reporting after step {step}")
+            parts.append(f"{who} stopped reporting (last step reported: {step})")
     if not parts:
         return status, reason
     if status != "finished":

@@ -1040,6 +1040,8 @@ def _open(path: Path, *, create: bool) -> _Opened:
     """Open ``path`` in autocommit mode with the store's pragmas; never creates unless asked."""
     if path.is_dir():
         raise RunStoreError(f"{path} is a directory, not a run database")
+    if path.exists() and not path.is_file():  # a FIFO, /dev/zero: never opened (it may block)
+        raise RunStoreError(f"{path} is not a run database: not a regular file")
     if create:
         if path.exists() and not _is_writable(path):
             raise RunStoreError(

@@ -221,8 +221,36 @@ def make_plan(args: argparse.Namespace) -> Plan:
             raise MdbError(str(exc)) from None
         options.append({**opts.to_dict(), "ablation": v.choices})
     jobs = args.jobs or min(len(variants), os.cpu_count() or 1)
-    return Plan(db, variants, options, lengths, max(1, min(jobs, len(variants))),
+    jobs = max(1, min(jobs, len(variants)))
+    _check_memory(variants, text, int(d["batch_size"]), seq, jobs)
+    return Plan(db, variants, options, lengths, jobs,
                 threads=args.threads, heartbeat=args.heartbeat)
+
+
+def _check_memory(variants, text: str, batch_size: int, seq: int, jobs: int) -> None:
+    """Refuse, before any worker starts or any run is created, a variant that cannot fit in
+    memory, or ``jobs`` variants that cannot fit together (the largest ones running at once).
+
+    Raises:
+        MdbError: naming the variant and how much it needs.
+    """
+    from tui.commands._common import available_memory, check_memory, human_bytes, step_memory
+
+    vocab = max(1, len(set(text)))  # the vocabulary becomes the text's characters
+    needs = []
+    for v in variants:
+        cfg = v.config.replace(vocab_size=vocab)
+        try:
+            check_memory(cfg, batch_size, seq)
+        except MdbError as exc:
+            raise MdbError(f"variant {v.label}: {exc}") from None
+        needs.append(sum(step_memory(cfg, batch_size, seq)))
+    together = sum(sorted(needs, reverse=True)[:jobs])
+    free = available_memory()
+    if jobs > 1 and free is not None and together > free:
+        raise MdbError(f"{jobs} variants at once need at least {human_bytes(together)}; this "
+                       f"machine has {human_bytes(free)} available: give --jobs 1 or a smaller "
+                       "config")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -173,6 +173,9 @@ def _check_and_report(args: argparse.Namespace, workload, only) -> int:
             status.stop()
     total = time.perf_counter() - t0
     info = summary(results, total)
+    broken = None
+    if not args.tui and any("exception" in (r.data or {}) for r in results):
+        broken = _model_error(workload)  # did the model raise on its own batch too?
     if args.json:
         doc = {"model": workload.description, "kind": kind.to_dict(),
                "results": [r.to_dict() for r in results], "summary": info}
@@ -181,7 +184,38 @@ def _check_and_report(args: argparse.Namespace, workload, only) -> int:
         return _run_tui(workload, results, info)
     else:
         _print_table(workload.description, kind.describe(), results, info, args.wide)
+    if broken is not None:  # the same line as mdb summary/capture/step, and exit 1
+        print(f"mdb: error: {broken}", file=sys.stderr)
+        return 1
     return 1 if info["failed"] else 0
+
+
+def _model_error(workload) -> str | None:
+    """The one line of :func:`hooks.errors.describe_error` when the model's forward, its loss
+    or its backward raises on the user's own batch (a check's resized batch may make a correct
+    model raise: that stays a skip), else ``None``. The RNG state and the gradients are left
+    as they were."""
+    import torch
+
+    from hooks.batch import BatchError, select_loss
+    from hooks.errors import describe_error
+
+    model, batch = workload.model, workload.batch
+    doing = "the forward pass"
+    try:
+        with torch.random.fork_rng(devices=[]), contextlib.redirect_stdout(sys.stderr):
+            out = batch.call(model)
+            doing = "loss_fn"
+            choice = select_loss(out, workload.loss_fn, batch)
+            doing = "the backward pass"
+            choice.loss.backward()
+    except BatchError:
+        return None  # reported by the checks themselves
+    except Exception as exc:
+        return describe_error(exc, model, doing)
+    finally:
+        model.zero_grad(set_to_none=True)
+    return None
 
 
 def _print_table(description: str, kind: str, results, info: dict, wide: bool = False) -> None:

@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from tui.commands._common import nonneg_int, positive_float, positive_int, seed_int
-from tui.errors import MdbError
+from tui.errors import MdbError, ModelError
 from tui.run_end import EXIT_FAILED, end_of_run
 
 HELP = (
@@ -110,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="run it as a DDP job of N processes through torchrun (gloo backend, "
                         "CPU), each rank on its own seeded windows of the text (--seq-len, "
                         "default half the text); one run, every rank in `mdb watch`")
-    x.add_argument("--gather-every", type=positive_int, default=10, metavar="N",
+    x.add_argument("--gather-every", type=positive_int, default=None, metavar="N",
                    help="with --nproc: every rank's steps reach rank 0 (and the run store) "
                         "every N steps (default 10)")
     x.add_argument("--heartbeat", type=positive_float, default=1.0, help=argparse.SUPPRESS)
@@ -274,6 +274,10 @@ def build_session(args: argparse.Namespace, control=None):
                 store.close()
             if isinstance(exc, MdbError):
                 raise
+            from hooks.errors import ModelRaisedError
+
+            if isinstance(exc, ModelRaisedError):  # the user's code raised: exit 1
+                raise ModelError(str(exc)) from None
             raise MdbError(str(exc)) from None
     if control is not None:
         session.control = control
@@ -532,9 +536,11 @@ def run_headless(session, args: argparse.Namespace | None = None) -> int:
               f"{session.store.path} failed: {exc}; {_recorded(session)}", file=sys.stderr)
         return EXIT_FAILED
     except Exception as exc:  # the user's model, a loss_fn: one line, the run marked failed
+        from hooks.errors import describe_error
+
+        where = describe_error(exc, getattr(session.trainer, "model", None))
         print(f"mdb: error: run {session.name} failed at step {session.trainer.step + 1}: "
-              f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}; "
-              f"{_recorded(session)}", file=sys.stderr)
+              f"{where}; {_recorded(session)}", file=sys.stderr)
         return EXIT_FAILED
     finally:
         restore()
@@ -602,7 +608,11 @@ def run(args: argparse.Namespace) -> int:
     from hooks.runs.trainer import TrainControl, install_stop_signals
 
     if getattr(args, "nproc", None) is not None:
+        if args.gather_every is None:
+            args.gather_every = 10
         return _run_nproc(args)
+    if getattr(args, "gather_every", None) is not None:
+        raise MdbError("--gather-every applies only with --nproc (a DDP job of N processes)")
 
     control = TrainControl()
     building = [True]
