@@ -71,6 +71,9 @@ def main() -> None:
                 torch.stack([q.grad.norm() for q in ddp.parameters()]))
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if "nanweight" in scenario and step == 18 and rank == 1:
+                with torch.no_grad():  # rank 1 alone: its next forward goes non-finite
+                    model[0].weight[0, 0] = float("nan")
             if "perturb" in scenario and step == 10 and rank == 1:
                 with torch.no_grad():
                     model[2].bias.add_(1e-3)

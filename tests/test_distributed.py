@@ -410,16 +410,40 @@ def test_a_rank_that_stops_reporting_is_named_with_its_host_and_pid(tmp_path):
                            or 0) >= 10, 300, "rank 1's 10th step", proc)
         pid1, _ = _reference(tmp_path, 1)
         os.kill(pid1, signal.SIGSTOP)  # hung: alive, silent
-        _wait_for(lambda: any(f.kind == "rank_silent" for f in
-                              _query(db, lambda s: s.findings(s.run("hang").id)) or []),
-                  120, "rank 1 to be reported silent", proc)
-        with RunStore(db) as store:
-            run = store.run("hang")
-            f = next(f for f in store.findings(run.id) if f.kind == "rank_silent")
-            r1 = store.ranks(run.id)[1]
+        try:
+            _wait_for(lambda: any(f.kind == "rank_silent" for f in
+                                  _query(db, lambda s: s.findings(s.run("hang").id)) or []),
+                      120, "rank 1 to be reported silent", proc)
+            with RunStore(db) as store:
+                run = store.run("hang")
+                f = next(f for f in store.findings(run.id) if f.kind == "rank_silent")
+                r1 = store.ranks(run.id)[1]
+        finally:  # torchrun may be gone already: the stopped rank is ended by its pid
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid1, signal.SIGKILL)
     assert f.rank == 1 and f"rank 1 (pid {pid1} on {socket.gethostname()})" in f.line
     assert "stopped reporting" in f.line and "process still exists" in f.line
     assert r1.state == "silent"
+
+
+@pytest.mark.slow
+def test_the_first_non_finite_rank_is_named_with_its_module_from_its_capture(tmp_path):
+    """Rank 1's first Linear gets a NaN weight after step 18: its step 19 is non-finite (rank
+    0's only at step 20, once the all-reduced NaN gradient reached it); rank 1's capture of
+    step 20 (``watch(every=10)``) names the module where the NaN first appeared."""
+    db = tmp_path / "m.sqlite"
+    with _job(tmp_path, "--db", str(db), "--name", "nanw", "--out", str(tmp_path),
+              "--steps", "24", "--every", "5", "--watch-every", "10",
+              "--scenario", "nanweight") as proc:
+        rc = proc.wait(600)
+    assert rc == 0, proc.log.read_text(errors="replace")[-3000:]
+    _, ref1 = _reference(tmp_path, 1)
+    assert math.isnan(ref1[19]["loss"]) and not math.isnan(ref1[18]["loss"])
+    with RunStore(db) as store:
+        run = store.run("nanw")
+    assert run.nonfinite == {"step": 19, "metric": "loss", "module": "0",
+                             "direction": "forward", "rank": 1}, run.nonfinite
+    assert "on rank 1" in run.nonfinite_line() and "0 (forward)" in run.nonfinite_line()
 
 
 @pytest.mark.slow
