@@ -7,6 +7,7 @@ import copy
 import math
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -426,6 +427,13 @@ def test_overfit_session_writes_every_step_and_resumes(tmp_path):
     assert ce_a == ce_b
 
 
+def _line_of(code: str) -> str:
+    """``test_training.py:N: CODE`` for the first line of this file that holds ``code``."""
+    lines = Path(__file__).read_text(encoding="utf-8").splitlines()
+    n = next(i for i, x in enumerate(lines, 1) if x.strip() == code)
+    return f"{Path(__file__).name}:{n}: {code}"
+
+
 def _crash_at(session, step: int, exc: BaseException) -> None:
     """Make the batch of ``step`` raise ``exc`` (the loop itself raises, not the model)."""
     original = session.trainer.batch
@@ -446,7 +454,9 @@ def test_a_loop_that_raises_is_failed_with_a_checkpoint_of_the_last_recorded_ste
         session.run()
     run = store.run("crash")
     assert (run.status, run.last_step, run.checkpoint_step) == ("failed", 4, 4)
-    assert run.reason == "at step 5: RuntimeError: the data loader broke"
+    # the exception and where it was raised (hooks.errors.describe_error: the user's line)
+    line = _line_of("raise exc")
+    assert run.reason == f"at step 5: RuntimeError: the data loader broke — at {line}"
     # the crash checkpoint holds the weights after step 4, and a resume continues from it
     fresh = MiniLLM(session.config)
     meta = load_checkpoint(session.checkpoint_path, fresh)
@@ -477,8 +487,9 @@ def test_a_crash_checkpoint_that_cannot_be_written_is_said_in_the_run(tmp_path, 
         session.run()
     run = store.run("crash")
     assert (run.status, run.last_step, run.checkpoint_step) == ("failed", 4, 0)
-    assert run.reason == ("at step 5: RuntimeError: the data loader broke; checkpoint of step 4 "
-                          "failed: Read-only file system, a resume starts from step 0")
+    assert run.reason == (f"at step 5: RuntimeError: the data loader broke — at "
+                          f"{_line_of('raise exc')}; checkpoint of step 4 failed: Read-only file "
+                          "system, a resume starts from step 0")
     assert session.checkpoint_error == "checkpoint of step 4 failed: Read-only file system"
 
 
