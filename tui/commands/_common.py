@@ -12,6 +12,7 @@ import argparse
 import importlib
 import importlib.util
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -522,3 +523,18 @@ def _step_into(trace, workload: Workload, patterns: list[str]) -> None:
             trace.locate_backward_origin(lambda out: select_loss(out, loss_fn, batch).loss)
         except Exception as exc:
             trace.meta["backward_origin_error"] = f"{type(exc).__name__}: {exc}"
+
+
+def release_stop_signals(control, restore) -> None:
+    """End a run's signal handling (``restore`` from
+    :func:`hooks.runs.trainer.install_stop_signals`): the previous handlers come back, unless a
+    signal stopped the run. The process then exits with 128 + n right away, and a signal
+    repeated meanwhile is ignored, so that no ``KeyboardInterrupt`` reaches an atexit handler
+    (a traceback on stderr)."""
+    if control.stop_reason in ("SIGINT", "SIGTERM", "SIGHUP"):
+        for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                signal.signal(sig, signal.SIG_IGN)
+    else:
+        restore()

@@ -433,13 +433,9 @@ def _worker(args: argparse.Namespace) -> int:
         ns = argparse.Namespace(heartbeat=float(spec.get("heartbeat", 1.0)), db=spec["db"])
         return run_headless(session, ns)
     finally:
-        if control.stop_reason in ("SIGINT", "SIGTERM", "SIGHUP"):
-            for name in ("SIGINT", "SIGTERM", "SIGHUP"):
-                sig = getattr(signal, name, None)
-                if sig is not None:
-                    signal.signal(sig, signal.SIG_IGN)
-        else:
-            restore()
+        from tui.commands._common import release_stop_signals
+
+        release_stop_signals(control, restore)
 
 
 # ---------------------------------------------------------------------------------------------

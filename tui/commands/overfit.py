@@ -643,12 +643,6 @@ def run(args: argparse.Namespace) -> int:
         return run_live(session, args)
     finally:
         building[0] = False
-        if control.stop_reason in ("SIGINT", "SIGTERM", "SIGHUP"):
-            # the process exits with 128 + n right after this: a signal repeated meanwhile
-            # must not raise KeyboardInterrupt into an atexit handler (a traceback on stderr)
-            for name in ("SIGINT", "SIGTERM", "SIGHUP"):
-                sig = getattr(signal, name, None)
-                if sig is not None:
-                    signal.signal(sig, signal.SIG_IGN)
-        else:
-            restore()
+        from tui.commands._common import release_stop_signals
+
+        release_stop_signals(control, restore)
