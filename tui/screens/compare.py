@@ -49,6 +49,7 @@ from tui.screens.compare_data import (
 )
 from tui.screens.help import HelpScreen, help_text
 from tui.screens.live_chart import LineChart, Series
+from tui.store_handle import StoreHandle
 
 #: Columns between two markers of one line.
 MARK_EVERY = 10
@@ -157,7 +158,7 @@ class CompareScreen(MdbScreen):
         self.polls = 0
         self.log_scale = True
         self.error: str | None = None
-        self._store = None
+        self._store = StoreHandle(self.db)
         self._dirty = True
         self._next_table = 0.0
         self._next_chart = 0.0
@@ -224,20 +225,18 @@ class CompareScreen(MdbScreen):
     @work(thread=True, exclusive=True, exit_on_error=False, group="poll",
           description="read the compared runs from the run store")
     def _poll(self, targets: list[tuple[str, int, bool]]) -> None:
-        from hooks.runs.store import RunStore
-
-        if self._store is None:
-            self._store = RunStore(self.db)
-        store = self._store
-        runs = store.runs()
-        by_name = {r.name: r for r in runs}
-        updates, last_rows = {}, {}
-        for name, cursor, last in targets:
-            run = by_name.get(name)
-            if run is not None:
-                updates[name] = store.poll(run.id, cursor)
-                if last and updates[name].run.status != "running":
-                    last_rows[name] = store.last_metrics(run.id)
+        with self._store.use() as store:
+            if store is None:  # the screen is gone
+                return
+            runs = store.runs()
+            by_name = {r.name: r for r in runs}
+            updates, last_rows = {}, {}
+            for name, cursor, last in targets:
+                run = by_name.get(name)
+                if run is not None:
+                    updates[name] = store.poll(run.id, cursor)
+                    if last and updates[name].run.status != "running":
+                        last_rows[name] = store.last_metrics(run.id)
         self.post_message(ComparePolled(runs, updates, last_rows))
 
     def on_compare_polled(self, message: ComparePolled) -> None:
@@ -281,12 +280,11 @@ class CompareScreen(MdbScreen):
         exc = event.worker.error
         self.error = f"cannot read {self.db}: {type(exc).__name__}: {exc}".splitlines()[0]
         self.hint(self.error[:200] + " · retrying")
-        self._store = None
+        self._store.reset()
         self.set_timer(1.0, self._start_poll)
 
     def on_unmount(self) -> None:
-        if self._store is not None:
-            self._store.close()
+        self._store.close()  # waits for a poll in progress (tui.store_handle)
 
     # -- drawing (throttled) ---------------------------------------------------------------------
     def _changed(self) -> None:

@@ -298,6 +298,10 @@ class LiveScreen(MdbScreen):
             raise ValueError("LiveScreen needs a session (training) or a store and run (watch)")
         self.session = session
         self.store = store
+        # held while a worker reads the store: unmounting waits for it, so that the caller
+        # can close the store once the app returned (tui.store_handle explains why)
+        self._store_lock = threading.Lock()
+        self._unmounted = False
         self.run = run
         self.watch = session is None
         self.heartbeat = heartbeat
@@ -599,8 +603,15 @@ class LiveScreen(MdbScreen):
     @work(thread=True, exclusive=True, exit_on_error=False, group="poll",
           description="read new steps from the run database")
     def _poll(self) -> None:
-        update = self.store.poll(self.run.id, self._cursor)
+        with self._store_lock:
+            if self._unmounted:
+                return
+            update = self.store.poll(self.run.id, self._cursor)
         self.post_message(messages.RunPolled(update))
+
+    def on_unmount(self) -> None:
+        with self._store_lock:
+            self._unmounted = True
 
     def on_run_polled(self, message: messages.RunPolled) -> None:
         message.stop()

@@ -41,6 +41,7 @@ from tui.screens.live_ranks_data import (
     rank_label,
     summarise_states,
 )
+from tui.store_handle import StoreHandle
 
 #: Band lines: (label, style, marker) of the max, median and min over the ranks.
 BAND = (("max", "red", "▲"), ("med", "cyan", "●"), ("min", "green", "▼"))
@@ -108,7 +109,7 @@ class RanksSummary(Static):
         self.polls = 0
         self._cursor: dict[int, int] = {}
         self._findings_after = 0
-        self._store: Any = None
+        self._store = StoreHandle(self.store_path) if self.store_path is not None else None
         self.display = bool(world) and self.store_path is not None
 
     def on_mount(self) -> None:
@@ -120,11 +121,10 @@ class RanksSummary(Static):
     @work(thread=True, exclusive=True, exit_on_error=False, group="ranks-poll",
           description="see whether the run is a torchrun job")
     def _look(self) -> None:
-        from hooks.runs.store import RunStore
-
-        if self._store is None:
-            self._store = RunStore(self.store_path)
-        run = self._store.run(self.run.id)
+        with self._store.use() as store:
+            if store is None:  # unmounted
+                return
+            run = store.run(self.run.id)
         if run.world_size:
             self.post_message(RanksPolled(run, [], [], [], []))
         elif run.status == "running":
@@ -132,24 +132,22 @@ class RanksSummary(Static):
 
     def on_unmount(self) -> None:
         if self._store is not None:
-            self._store.close()
-            self._store = None
+            self._store.close()  # waits for a poll in progress (tui.store_handle)
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="ranks-poll",
           description="read the ranks of the run")
     def _poll(self) -> None:
-        from hooks.runs.store import RunStore
-
-        if self._store is None:
-            self._store = RunStore(self.store_path)
-        store, rid = self._store, self.run.id
-        run = store.run(rid)
-        ranks = store.ranks(rid)
-        rows = []
-        for r in range(run.world_size or 1):
-            rows += store.rank_steps(rid, after_step=self._cursor.get(r, 0), rank=r)
-        findings = store.findings(rid, after_id=self._findings_after)
-        checks = store.checks(rid)
+        rid = self.run.id
+        with self._store.use() as store:
+            if store is None:  # unmounted
+                return
+            run = store.run(rid)
+            ranks = store.ranks(rid)
+            rows = []
+            for r in range(run.world_size or 1):
+                rows += store.rank_steps(rid, after_step=self._cursor.get(r, 0), rank=r)
+            findings = store.findings(rid, after_id=self._findings_after)
+            checks = store.checks(rid)
         self.post_message(RanksPolled(run, ranks, rows, findings, checks))
 
     def on_ranks_polled(self, message: RanksPolled) -> None:
@@ -183,6 +181,7 @@ class RanksSummary(Static):
             exc = event.worker.error
             self.update(Text(f"ranks: cannot read {self.store_path}: "
                              f"{type(exc).__name__}: {exc}"[:200], style="red"))
+            self._store.reset()  # reopened at the next poll
             self.set_timer(2.0, self._poll)
 
     # -- the two lines ---------------------------------------------------------------------------
