@@ -31,7 +31,6 @@ import dataclasses
 import math
 import os
 import shutil
-import sqlite3
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -50,7 +49,7 @@ from hooks.runs.checkpoint import (
     read_checkpoint_meta,
     save_checkpoint,
 )
-from hooks.runs.reserve import DiskReserve, rollback_if_open
+from hooks.runs.reserve import DiskReserve, finish_run
 from hooks.runs.store import DamagedRunError, RunStore, RunWriter, checkpoint_dir
 from hooks.runs.trainer import (
     StepReport,
@@ -453,15 +452,9 @@ class RunSession:
         return self._reserve is not None and self._reserve.release()
 
     def _finish(self, status: str, **fields: Any) -> None:
-        """Set the run's final status. A write that fails (``database or disk is full``) is
-        retried once after the reserve is given back, so the run is not left "running"."""
-        try:
-            self.writer.finish(status, **fields)
-        except sqlite3.Error:
-            rollback_if_open(self.store.connection)  # SQLITE_FULL may leave it open
-            if not self._drop_reserve():
-                raise
-            self.writer.finish(status, **fields)
+        """Set the run's final status (:func:`hooks.runs.reserve.finish_run`: a write refused
+        for want of space is retried once after the reserve is given back)."""
+        finish_run(self.writer, self._reserve, status, **fields)
         self._finished = True
         self._drop_reserve()
 

@@ -74,6 +74,28 @@ class DiskReserve:
         return True
 
 
+def finish_run(writer, reserve: DiskReserve | None, status: str, **fields) -> None:
+    """``writer.finish(status, **fields)``; when SQLite refuses that write (``database or disk
+    is full``, or ``attempt to write a readonly database`` once the shared-memory file could not
+    grow), the open transaction is rolled back, ``reserve`` is given back and the write is
+    retried once on a connection of its own (the failed one may stay unusable).
+
+    Raises:
+        sqlite3.Error: The write failed and there was no reserve to give back, or the retry
+            failed too.
+    """
+    from hooks.runs.store import RunStore, RunWriter
+
+    try:
+        writer.finish(status, **fields)
+    except sqlite3.Error:
+        rollback_if_open(writer.store.connection)
+        if reserve is None or not reserve.release():
+            raise
+        with RunStore(writer.store.path) as fresh:
+            RunWriter(fresh, writer.run_id, writer.name).finish(status, **fields)
+
+
 def rollback_if_open(conn: sqlite3.Connection) -> None:
     """Roll back a transaction that a failed write (``SQLITE_FULL``) may have left open."""
     if conn.in_transaction:

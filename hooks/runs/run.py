@@ -70,7 +70,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hooks.runs.reserve import DiskReserve, rollback_if_open
+from hooks.runs.reserve import DiskReserve, finish_run
 from hooks.runs.store import (
     RunExistsError,
     RunStore,
@@ -881,17 +881,9 @@ class Run:
                 self._finish_writer(writer, "failed", self.error)
 
     def _finish_writer(self, writer: RunWriter, status: str, reason: str | None) -> None:
-        """Write the run's status; a write refused for want of space is retried once after
-        the reserve is given back, so a full disk does not leave the run "running"."""
-        import sqlite3
-
-        try:
-            writer.finish(status, reason=reason)
-        except sqlite3.Error:
-            rollback_if_open(writer.store.connection)  # SQLITE_FULL may leave it open
-            if self._reserve is None or not self._reserve.release():
-                raise
-            writer.finish(status, reason=reason)
+        """Write the run's status, with the reserve to fall back on (a full disk must not leave
+        the run "running": :func:`hooks.runs.reserve.finish_run`)."""
+        finish_run(writer, self._reserve, status, reason=reason)
 
     def _write_final(self, writer: RunWriter) -> None:
         final = self._final
