@@ -216,22 +216,27 @@ def bench_store(args, tmp: Path) -> None:
     s.store.close()
 
 
-def bench_watch_latency(args, tmp: Path) -> None:
-    print("\n== watcher latency: writer subprocess, reader polling every 100 ms ==")
-    db = tmp / "watch.sqlite"
-    toml = tmp / "tiny.toml"
+def _start_writer(args, toml: Path, db: Path, *extra: str) -> subprocess.Popen:
+    """``mdb overfit --headless`` of a one-layer model for ``--watch-steps`` steps, run ``w``
+    in ``db``, as a subprocess (the writer a watcher follows)."""
     toml.write_text(
         "vocab_size = 256\nhidden_size = 16\nintermediate_size = 32\nnum_hidden_layers = 1\n"
         "num_attention_heads = 2\nnum_key_value_heads = 1\nnum_local_experts = 2\n"
         "num_experts_per_tok = 1\nmax_position_embeddings = 128\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-m", "tui.cli", "overfit", "--headless", "--config", str(toml),
          "--steps", str(args.watch_steps), "--db", str(db), "--run", "w", "--every", "0",
-         "--sample-every", "0"],
+         *extra],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
     )
+
+
+def bench_watch_latency(args, tmp: Path) -> None:
+    print("\n== watcher latency: writer subprocess, reader polling every 100 ms ==")
+    db = tmp / "watch.sqlite"
+    proc = _start_writer(args, tmp / "tiny.toml", db, "--sample-every", "0")
     from hooks.runs.store import RunStore
 
     while True:
@@ -266,19 +271,8 @@ def bench_watch_screen_latency(args, tmp: Path) -> None:
     from tui.live_app import make_watch_app
 
     db = tmp / "watch-screen.sqlite"
-    toml = tmp / "tiny-screen.toml"
-    toml.write_text(
-        "vocab_size = 256\nhidden_size = 16\nintermediate_size = 32\nnum_hidden_layers = 1\n"
-        "num_attention_heads = 2\nnum_key_value_heads = 1\nnum_local_experts = 2\n"
-        "num_experts_per_tok = 1\nmax_position_embeddings = 128\n"
-    )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tui.cli", "overfit", "--headless", "--config", str(toml),
-         "--steps", str(args.watch_steps), "--db", str(db), "--run", "w", "--every", "0",
-         "--sample-every", "10", "--heartbeat", "0.2"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-    )
+    proc = _start_writer(args, tmp / "tiny-screen.toml", db, "--sample-every", "10",
+                         "--heartbeat", "0.2")
     while True:
         try:
             with RunStore(db) as probe:
