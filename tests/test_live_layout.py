@@ -150,7 +150,8 @@ async def test_every_hint_of_the_training_screen_fits_one_line(tmp_path):
     from tui.screens.live import LiveScreen
     from tui.screens.step import StepScreen
 
-    session = tiny_session(tmp_path, steps=400, name=NAME)
+    # far more steps than any machine runs while the keys are pressed: the run ends by ``x``
+    session = tiny_session(tmp_path, steps=10**7, name=NAME)
     app = make_overfit_app(session, chart_interval=0.1)
     screen = app.live
     said: list[str] = []
@@ -173,6 +174,7 @@ async def test_every_hint_of_the_training_screen_fits_one_line(tmp_path):
             await pilot.press("q")
             await wait_until(pilot, lambda: app.screen is screen)
             await pilot.press("p", "m", "o", "l", "e", "p")
+            await wait_until(pilot, lambda: screen.state == "paused")
             await pilot.press("x")
             await wait_until(pilot, lambda: screen.ended is not None)
             await drawn(pilot, app.live)
@@ -183,6 +185,7 @@ async def test_every_hint_of_the_training_screen_fits_one_line(tmp_path):
         LiveScreen.hint = original
     assert len(said) >= 10
     assert [h for h in said if len(h) > 78] == []
+    assert screen.ended.status == "interrupted"  # a stopped run says how to continue it
     assert f"continue: mdb overfit --resume {NAME} --db" in note
 
 
