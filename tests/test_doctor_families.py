@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -162,10 +163,53 @@ def test_nanogpt_eager_softmax_names_both_autocast_rules():
     assert "fp32 under CUDA autocast" in r.evidence and "bf16 under CPU autocast" in r.evidence
 
 
-def test_lstm_under_cpu_autocast_is_a_skip_naming_the_module():
+def _lstm_runs_under_cpu_autocast() -> bool:
+    """Whether this machine's PyTorch runs ``nn.LSTM`` under CPU bf16 autocast: it depends on
+    the CPU and the build (some raise, others run it in bf16)."""
+    lstm = torch.nn.LSTM(32, 32, num_layers=2, batch_first=True)
+    try:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            lstm(torch.randn(1, 8, 32))
+    except RuntimeError:
+        return False
+    return True
+
+
+def test_lstm_under_cpu_autocast_is_a_skip_naming_the_module_or_n_a_where_it_runs():
     r = results("lstm")["numerics"]
-    assert r.status == "skip"
-    assert "CPU bf16 autocast" in r.evidence and "inside lstm (LSTM)" in r.evidence
+    if not _lstm_runs_under_cpu_autocast():
+        assert r.status == "skip", r.evidence
+        assert "under CPU bf16 autocast the model raised" in r.evidence
+        assert "inside lstm (LSTM)" in r.evidence
+        return
+    # it ran: no attention and no norm, nothing whose precision the check judges
+    assert r.status == "n/a", r.evidence
+    assert "no attention and no RMSNorm/LayerNorm modules" in r.evidence
+    bf16, fp32 = map(float, re.search(r"loss (\S+) vs (\S+) fp32", r.evidence).groups())
+    assert fp32 > 0 and bf16 == pytest.approx(fp32, rel=0.05)
+
+
+class _LSTMWithoutBf16(torch.nn.LSTM):
+    """``nn.LSTM`` as PyTorch builds without a CPU bf16 kernel for it run it: it raises under
+    CPU autocast."""
+
+    def forward(self, *args, **kwargs):
+        if torch.is_autocast_enabled("cpu"):
+            raise RuntimeError("lstm: no CPU kernel for BFloat16")
+        return super().forward(*args, **kwargs)
+
+
+def test_an_lstm_that_cpu_autocast_cannot_run_is_a_skip_naming_the_module():
+    """The skip branch on every machine, whatever its own LSTM does."""
+    model, batch = families.lstm()
+    model.lstm = _LSTMWithoutBf16(32, 32, num_layers=2, batch_first=True)
+    model, batch, loss_fn = hooks.from_factory((model, batch))
+    work = SimpleNamespace(model=model, batch=batch, loss_fn=loss_fn)
+    (r,) = run_checks(work, only="numerics")
+    assert r.status == "skip", r.evidence
+    assert "under CPU bf16 autocast the model raised RuntimeError: lstm: no CPU kernel" in (
+        r.evidence)
+    assert "inside lstm (_LSTMWithoutBf16)" in r.evidence
 
 
 def test_deepseek_v3_aux_free_routing_is_not_a_missing_aux_loss():
