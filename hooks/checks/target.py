@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hooks.batch import Batch, BatchError, LossChoice, LossFn, select_loss
+from hooks.batch import ROLE_NAMES, Batch, BatchError, LossChoice, LossFn, select_loss
 from hooks.checks.kind import ModelKind, detect_kind
 
 
@@ -188,6 +188,7 @@ class Target:
         self._vocab: int | None = None
         self._kind: ModelKind | None = None
         self._attn: list[AttentionInfo] | None = None
+        self._positions: tuple[bool, str] | None = None
 
     @classmethod
     def from_any(cls, model: Any, batch: Any = None) -> Target:
@@ -296,20 +297,92 @@ class Target:
         """The batch on other ids (``ids``, or uniformly random ids of ``shape``), every
         argument kept consistent (:meth:`hooks.Batch.resized`).
 
+        ``targets`` is ``"rewrite"`` or ``"drop"`` (:meth:`hooks.Batch.resized`), or
+        ``"logits"``: what makes the model return logits at every position, ``"drop"`` for
+        most models, ``"rewrite"`` for one that returns them only with its targets
+        (:meth:`logits_need_targets`); such a batch without targets then gets next-token
+        targets (the ids rolled by one) for the forward's targets parameter.
+
         Raises:
             SkipCheck: the adapter cannot build it (the message says what the batch needs).
             NotApplicable: the batch has no token ids.
         """
         self.need_ids()
+        add = targets == "logits" and self.logits_need_targets()
+        if targets == "logits":
+            targets = "rewrite" if add else "drop"
         b, t = shape if shape is not None else (None, None)
         try:
             vocab = self.vocab_size if ids is None or self.batch.target_layout(
                 self.model).kind in ("shifted", "seq2seq") else self._vocab
-            return self.batch.resized(self.model, ids=ids, batch_size=b, seq_len=t,
-                                      vocab_size=vocab, seed=seed, targets=targets,
-                                      decoder_ids=decoder_ids)
+            out = self.batch.resized(self.model, ids=ids, batch_size=b, seq_len=t,
+                                     vocab_size=vocab, seed=seed, targets=targets,
+                                     decoder_ids=decoder_ids)
         except BatchError as exc:
             raise SkipCheck(str(exc)) from None
+        return self._with_targets(out) if add else out
+
+    def _targets_param(self) -> str | None:
+        """The forward's parameter that takes targets (``targets``, ``labels``...), or None."""
+        return next((n for n in self._params if n in ROLE_NAMES["targets"]), None)
+
+    def _with_targets(self, batch: Batch) -> Batch:
+        """``batch``, or, when it has no targets argument, ``batch`` with next-token targets
+        (its ids rolled left by one) passed as the forward's targets keyword."""
+        name = self._targets_param()
+        if name is None or batch.slot("targets", self.model) is not None:
+            return batch
+        ids = batch.ids(self.model)
+        return batch.replace(kwargs={**batch.kwargs, name: torch.roll(ids, -1, dims=1)})
+
+    def logits_need_targets(self) -> bool:
+        """Whether the model returns logits at every position only when it is given targets.
+
+        karpathy's nanoGPT returns ``lm_head(x[:, [-1], :])``, the last position's logits, when
+        ``targets`` is None (a shortcut for generation), and every position's with targets.
+        Measured once, in eval mode without gradients, on the first row of the batch: the
+        number of logit positions without targets, and, when that is fewer than the row's T,
+        with them. False for an encoder-decoder and for a model without logits.
+        """
+        return self._measure_positions()[0]
+
+    def few_positions(self) -> str:
+        """Why the logits cover fewer positions than the batch, in words ("" when they cover
+        every position, with or without targets)."""
+        return self._measure_positions()[1]
+
+    def _measure_positions(self) -> tuple[bool, str]:
+        if self._positions is not None:
+            return self._positions
+        self._positions = (False, "")
+        ids = self.input_ids
+        if ids is None or ids.shape[1] < 2 or self.kind.kind == "encoder-decoder":
+            return self._positions
+        row, n_ids = ids[:1], ids.shape[1]
+        try:
+            plain = self.batch.resized(self.model, ids=row, vocab_size=int(ids.max()) + 1,
+                                       targets="drop")
+            n = self._logit_positions(plain)
+            if n is None or n == n_ids:
+                return self._positions
+            with_t = self._with_targets(self.batch.resized(
+                self.model, ids=row, vocab_size=int(ids.max()) + 1, targets="rewrite"))
+            m = self._logit_positions(with_t) if with_t.slot("targets", self.model) else None
+        except Exception:  # the checks' own calls raise it again, where it is reported
+            return self._positions
+        if m == n_ids:
+            self._positions = (True, "")
+        else:
+            also = (f"and {m} with its targets" if m is not None else
+                    "and its forward takes no targets to ask for all of them")
+            self._positions = (False, f"the model returns logits for {n} of {n_ids} positions "
+                                      f"without targets {also}")
+        return self._positions
+
+    def _logit_positions(self, batch: Batch) -> int | None:
+        with self.mode(False), torch.no_grad():
+            lg = self.logits(self.run(batch, use_cache=False))
+        return None if lg is None else int(lg.shape[1])
 
     def run(self, batch: Batch | None = None, **extra: Any) -> Any:
         """``model(*batch.args, **batch.kwargs, **extra)``; ``extra`` keywords only where the
@@ -347,11 +420,22 @@ class Target:
             return lg
         return None
 
-    def need_logits(self, output: Any) -> torch.Tensor:
+    def need_logits(self, output: Any, positions: int | None = None) -> torch.Tensor:
+        """The (B, T, V) logits of ``output``, covering ``positions`` positions when given.
+
+        Raises:
+            SkipCheck: no logits, or fewer (or more) positions than ``positions`` (the message
+                says how many and what to return).
+        """
         lg = self.logits(output)
         if lg is None:
             raise SkipCheck("the model's output has no (B, T, V) logits: return them "
                             "(out.logits, out['logits'] or the first element of a tuple)")
+        if positions is not None and lg.shape[1] != positions:
+            why = self.few_positions() or (f"the model returned logits for {lg.shape[1]} of "
+                                           f"{positions} positions")
+            raise SkipCheck(f"{why}; this check compares every position: return (B, T, V) "
+                            "logits (for all positions) when mdb passes targets or none")
         return lg
 
     @staticmethod
