@@ -471,9 +471,9 @@ class TargetLayout:
     where: int | str | None = None
 
     def describe(self) -> str:
-        """One phrase, e.g. ``labels equal the input ids (the model shifts them)``."""
+        """One phrase, e.g. ``targets are the input ids shifted by one (next-token targets)``."""
         return {
-            "aligned": "labels equal the input ids (the model shifts them inside, HF style)",
+            "aligned": "labels equal the input ids (HF style, for a model that shifts them inside)",
             "shifted": "targets are the input ids shifted by one (next-token targets)",
             "masked": f"labels hold {self.ignore} except where they equal the ids (masked LM)",
             "seq2seq": "labels are the decoder's targets (encoder-decoder)",

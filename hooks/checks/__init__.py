@@ -14,7 +14,8 @@ UI-free: never imports textual, rich or tui.
 ====  ==========  =============================================================================
  id   key         what is measured
 ====  ==========  =============================================================================
- 1    init-loss   CE on uniformly random tokens vs ln V (too-wide init / logit scale)
+ 1    init-loss   CE on uniformly random tokens vs ln V (too-wide init / logit scale); the
+                  targets train the next token (not a copy of the input, not two ahead)
  2    causality   outputs at ≤ c unchanged when tokens > c change (decoders; the decoder of
                   an encoder-decoder; n/a for bidirectional encoders)
  3    rope        layer-0 scores depend on i-j only over every position up to

@@ -10,6 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from hooks.checks.labels import measure_label_alignment
 from hooks.checks.registry import DoctorOptions, check
 from hooks.checks.result import Outcome
 from hooks.checks.target import NotApplicable, SkipCheck, Target, fmt
@@ -48,6 +49,37 @@ def _aligned_ce(t: Target, logits: torch.Tensor, batch, ids: torch.Tensor) -> tu
 EXCESS_WARN = 1.0
 
 
+def _random_token_loss(t: Target, shape: tuple[int, int],
+                       seed: int) -> tuple[float, str, float, int]:
+    """(loss, alignment in words, logits std, V) on uniformly random ids of ``shape``: the
+    cross-entropy of the logits at every position (asked for with targets when the model
+    returns them only then) against the tokens they predict; without such logits, the model's
+    own loss on targets rewritten for those ids (logits std NaN).
+
+    Raises:
+        SkipCheck: neither logits at every position nor a loss of its own (says which).
+    """
+    enc_dec = t.kind.kind == "encoder-decoder"
+    batch = t.batch_with(shape=shape, seed=seed, targets="rewrite" if enc_dec else "logits")
+    with t.mode(False), torch.no_grad():
+        logits = t.logits(t.run(batch, use_cache=False))
+        if logits is not None and not enc_dec and logits.shape[1] != shape[1]:
+            logits = None  # fewer positions than tokens: judged by its own loss below
+        if logits is not None:
+            logits = logits.float()
+            ce, align = _aligned_ce(t, logits, batch, batch.ids(t.model))
+            return ce, align, float(logits.std()), logits.shape[-1]
+        batch = t.batch_with(shape=shape, seed=seed, targets="rewrite")
+        choice = t.loss(t.run(batch, use_cache=False), batch)
+    if choice.fallback:
+        short = t.few_positions()
+        raise SkipCheck(f"{short}, and no loss of its own: return logits at every position (or "
+                        "a loss with targets in the batch)" if short else
+                        "the model returns neither (B, T, V) logits nor a loss: return "
+                        "logits (or a loss with targets in the batch)")
+    return float(choice.loss), f"the model's own loss ({choice.source})", math.nan, t.vocab_size
+
+
 @check(1, "init-loss", "Initial loss vs ln(V)")
 def init_loss(t: Target, o: DoctorOptions) -> Outcome:
     """Cross-entropy on uniformly random tokens, against ln V.
@@ -59,31 +91,18 @@ def init_loss(t: Target, o: DoctorOptions) -> Outcome:
     same position for a masked LM, the labels for an encoder-decoder); a model that returns no
     logits is judged by its own loss on targets rewritten for the random tokens. Fails above
     1.5·ln V; warns more than :data:`EXCESS_WARN` nats above ln V or below 0.9·ln V.
+
+    Also fails when the batch's targets train the model on another task than the next token,
+    whatever the loss's value (:func:`hooks.checks.labels.measure_label_alignment`): targets
+    equal to the inputs on a model that does not shift them (it learns to copy its input), or
+    shifted targets on a model that shifts them again (the token two ahead).
     """
     ids = t.need_ids()
     b, seq = ids.shape
     if t.max_positions:  # without a known limit only the batch's own length is known to fit
         seq = min(max(seq, 32), t.max_positions)
     shape = (max(b, 4), seq)
-    enc_dec = t.kind.kind == "encoder-decoder"
-    batch = t.batch_with(shape=shape, seed=o.seed + 1, targets="rewrite" if enc_dec else "drop")
-    with t.mode(False), torch.no_grad():
-        out = t.run(batch, use_cache=False)
-        logits = t.logits(out)
-        rnd = batch.ids(t.model)
-        if logits is not None:
-            logits = logits.float()
-            ce, align = _aligned_ce(t, logits, batch, rnd)
-            std = float(logits.std())
-            v = logits.shape[-1]
-        else:  # the model's own loss on rewritten targets
-            batch = t.batch_with(shape=shape, seed=o.seed + 1, targets="rewrite")
-            choice = t.loss(t.run(batch, use_cache=False), batch)
-            if choice.fallback:
-                raise SkipCheck("the model returns neither (B, T, V) logits nor a loss: return "
-                                "logits (or a loss with targets in the batch)")
-            ce, align, std, v = float(choice.loss), f"the model's own loss ({choice.source})", \
-                math.nan, t.vocab_size
+    ce, align, std, v = _random_token_loss(t, shape, o.seed + 1)
     ln_v = math.log(v)
     data = dict(loss=ce, ln_v=ln_v, logits_std=std, tokens=shape[0] * shape[1], vocab_size=v,
                 alignment=align, kind=t.kind.kind)
@@ -98,6 +117,11 @@ def init_loss(t: Target, o: DoctorOptions) -> Outcome:
           f"{ln_v:.3f} (×{ratio:.2f}){std_txt}")
     hint = ("logits too large at init: embedding/LM head initialised too wide (nn.Embedding's "
             "default N(0,1) with a tied head gives logits std ≈ √D); use N(0, 0.02²)")
+    labels = measure_label_alignment(t, shape, o.seed + 1)
+    if labels is not None:
+        data["labels"] = labels.to_dict()
+        if (found := labels.finding()) is not None:
+            return Outcome.fail(f"{found[0]}; {ev}", found[1], None, **data)
     if ratio > 1.5:
         return Outcome.fail(ev, hint, module, **data)
     if ce - ln_v > EXCESS_WARN:
@@ -170,7 +194,7 @@ def causality(t: Target, o: DoctorOptions) -> Outcome:
     def batch_of(x):
         if enc_dec:
             return t.batch_with(ids=enc_ids, targets="drop", decoder_ids=x)
-        return t.batch_with(ids=x, targets="drop")
+        return t.batch_with(ids=x, targets="logits")
 
     runs = []
     with t.mode(False), torch.no_grad():
@@ -178,11 +202,11 @@ def causality(t: Target, o: DoctorOptions) -> Outcome:
             bx = batch_of(x)
             rec = _Recorder(t.model, (b, seq), cut)
             try:
-                logits = t.need_logits(t.run(bx, use_cache=False))
+                logits = t.need_logits(t.run(bx, use_cache=False), seq)
             finally:
                 rec.close()
             runs.append((logits, rec.calls))
-        past_logits = t.need_logits(t.run(batch_of(past), use_cache=False))
+        past_logits = t.need_logits(t.run(batch_of(past), use_cache=False), seq)
     (base, base_calls), (fut, fut_calls) = runs
     if not (torch.isfinite(base).all() and torch.isfinite(fut).all()):
         raise SkipCheck("the logits are not finite (see the non-finite check)")
