@@ -326,6 +326,7 @@ class Run:
         self._capture_step: int | None = None
         self._step_trace: Any = None  # the trace of the current step, if it was captured
         self._locate_pending = False
+        self._sentinel: Any = None  # hooks.runs.origin.NonFiniteSentinel while watching
         self._nf_order: tuple[int, int] | None = None
         self._sample: tuple[int, str, str] | None = None
         # rank 0 / one process: room for the final status once the disk is full
@@ -473,7 +474,9 @@ class Run:
                 bad = key
         new = not self._logged or step != self.step
         trace = None
+        found = None
         if new:
+            found = self._sentinel.take() if self._sentinel is not None else None
             self._step_trace = None
             if self._capture is not None:
                 trace = self._end_capture(step, values)
@@ -490,9 +493,9 @@ class Run:
         if self._sample is not None and self._sample[0] == step:
             sample, self._sample = self._sample[1:], None
         self._enqueue(("step", step, wall, values, trace, load, sample))
-        if bad is not None and self.nonfinite is None:
-            self._nf_order = (step, list(values).index(bad))
-            self._found_nonfinite(step, bad)
+        if self.nonfinite is None and (bad is not None or found is not None):
+            self._nf_order = (step, list(values).index(bad) if bad is not None else len(values))
+            self._found_nonfinite(step, bad or found[0], found)
         elif self._locate_pending and trace is not None:
             self._locate(trace)
         if (
@@ -531,30 +534,50 @@ class Run:
         q.append(item)
 
     # -- non-finite values -------------------------------------------------------------------------
-    def _found_nonfinite(self, step: int, metric: str) -> None:
+    def _found_nonfinite(self, step: int, metric: str, found: Any = None) -> None:
+        """Record the first non-finite value: where it started, from what the sentinel saw
+        while the weights were still the forward's (``found``), else this step's capture, else
+        the next step's capture, if the weights are still finite now."""
+        from hooks.runs.origin import parameter_origin, trace_origin
+
         self.nonfinite = {"step": step, "metric": metric, "module": None, "direction": None}
-        trace = self._step_trace
-        if trace is not None:
-            self._locate(trace)
-            return
-        self._publish_nonfinite()
-        if self._model is not None:
+        origin = found[1] if found is not None else None
+        if origin is None and self._step_trace is not None:
+            origin = trace_origin(self._step_trace)
+        if origin is not None:
+            self._set_origin(origin)
+        elif self._step_trace is not None:
+            self.nonfinite["detail"] = (f"no module output or gradient in the capture of step "
+                                        f"{step} was non-finite (a loss computed outside the "
+                                        "model?)")
+        elif self._model is not None and parameter_origin(self._model) is not None:
+            self.nonfinite["detail"] = (
+                f"step {step} was not captured, and the weights already hold NaN/Inf (an "
+                "optimizer step applied it), so the first module cannot be told; "
+                "run.watch(model, optimizer=opt) finds it before the update")
+        elif self._model is not None:
             self._locate_pending = True  # capture the next step to find the module
+        self._publish_nonfinite()
+
+    def _set_origin(self, origin: Any) -> None:
+        nf = self.nonfinite
+        nf.update(module=origin.module, direction=origin.direction, detail=origin.detail)
+        if origin.note:
+            nf["note"] = origin.note
 
     def _locate(self, trace: Any) -> None:
+        from hooks.runs.origin import trace_origin
+
         self._locate_pending = False
-        nf = self.nonfinite
-        if nf is None:
+        if self.nonfinite is None:
             return
-        for direction in ("forward", "backward"):
-            try:
-                hit = trace.first_nonfinite(direction)
-            except Exception:  # a trace that cannot answer locates nothing
-                hit = None
-            if hit is not None:
-                nf["module"] = hit.module
-                nf["direction"] = direction
-                break
+        origin = None
+        with contextlib.suppress(Exception):  # a trace that cannot answer locates nothing
+            origin = trace_origin(trace)
+        if origin is not None:
+            self._set_origin(origin)
+            self.nonfinite["detail"] = (f"{origin.detail} (at step {trace.step}, the next "
+                                        "step, captured to locate it)")
         self._publish_nonfinite()
 
     def _publish_nonfinite(self) -> None:
@@ -565,7 +588,8 @@ class Run:
             self._enqueue(("nonfinite", nf))
 
     # -- watch -------------------------------------------------------------------------------------
-    def watch(self, model: Any, every: int = 50, **capture_options: Any) -> None:
+    def watch(self, model: Any, every: int = 50, *, optimizer: Any = None,
+              **capture_options: Any) -> None:
         """Record the internals of every ``every``-th step of ``model`` in the run store.
 
         Steps ``every``, ``2·every``, … are run under :func:`hooks.capture` (statistics of
@@ -574,20 +598,37 @@ class Run:
         the recorded step's ``log()``, so the other steps run with none. ``mdb watch`` opens the
         latest stored capture with ``c``; ``mdb step --run NAME@STEP`` opens any.
 
+        Every step, watched or not, the root module's output is checked for NaN/Inf (and, with
+        ``optimizer``, the gradients before the optimizer applies them): the first non-finite
+        value is located at once, while the weights are still the ones that forward used
+        (:class:`hooks.runs.origin.NonFiniteSentinel`: a weight that holds NaN, else the first
+        non-finite output of a replay of that forward under :func:`hooks.capture`), and
+        recorded with the step it was logged at (:attr:`nonfinite`).
+
         Args:
             model: The ``torch.nn.Module`` being trained.
             every: Record every ``every``-th step (1 = every step).
+            optimizer: The loop's ``torch.optim.Optimizer``: a NaN in the gradients is then
+                located before it reaches the weights, also when the loss stayed finite (a
+                kernel that returns finite values for NaN inputs).
             **capture_options: Passed to :func:`hooks.capture` (``include``, ``exclude``,
                 ``attention=True`` …).
 
         Raises:
-            TypeError: ``model`` is not an ``nn.Module``, or ``every`` is not an integer.
+            TypeError: ``model`` is not an ``nn.Module``, ``optimizer`` not a
+                ``torch.optim.Optimizer``, or ``every`` is not an integer.
             ValueError: ``every < 1``.
         """
+        import torch
         from torch import nn
+
+        from hooks.runs.origin import NonFiniteSentinel
 
         if not isinstance(model, nn.Module):
             raise TypeError(f"watch expects a torch.nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"watch(optimizer=...) expects a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}")
         every = operator.index(every)
         if every < 1:
             raise ValueError(f"watch(every={every}): must be 1 or more")
@@ -603,6 +644,10 @@ class Run:
             inner = getattr(model, "module", None)
             if isinstance(inner, nn.Module) and type(model).__name__ == "DistributedDataParallel":
                 self._model = inner  # captured under the user's own module names
+        if self._sentinel is not None:
+            self._sentinel.remove()
+        self._sentinel = NonFiniteSentinel(self._model, lambda: self._capture is not None,
+                                           optimizer)
         if not self._closed and nxt % every == 0:
             self._start_capture(nxt)
 
@@ -669,6 +714,9 @@ class Run:
             with contextlib.suppress(Exception):
                 cap.stop()
         self._model = None
+        if self._sentinel is not None:
+            self._sentinel.remove()
+            self._sentinel = None
         if self._link is not None:
             ends = self._link.finish(status, reason, self.step)
             self._learn_name()

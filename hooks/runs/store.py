@@ -412,20 +412,41 @@ def _nonfinite_from_failure(
     status: str, reason: str | None, fail_step: int | None, fail_module: str | None
 ) -> dict[str, Any] | None:
     """The :attr:`RunInfo.nonfinite` finding of a run that :class:`hooks.runs.trainer.Trainer`
-    stopped as failed: its reason starts ``non-finite loss`` (the loss, ``total``, seen in the
-    forward pass) or ``non-finite gradient`` (``grad_norm``, backward)."""
+    stopped as failed: its reason starts ``non-finite loss`` (the loss, ``total``) or
+    ``non-finite gradient`` (``grad_norm``) and names where it started, ``first in MODULE
+    (DIRECTION)`` (:meth:`hooks.runs.trainer.NonFiniteInfo.describe`)."""
     if status != "failed" or fail_step is None or not reason:
         return None
-    if reason.startswith("non-finite loss"):
-        return {"step": fail_step, "metric": "total", "module": fail_module,
-                "direction": "forward"}
-    if reason.startswith("non-finite gradient"):
-        return {"step": fail_step, "metric": "grad_norm", "module": fail_module,
-                "direction": "backward"}
-    return None
+    metric = {"non-finite loss": "total", "non-finite gradient": "grad_norm"}.get(
+        " ".join(reason.split()[:2]))
+    if metric is None:
+        return None
+    m = re.search(r"first in .*? \((forward|backward|parameter|gradient)\)", reason)
+    return {"step": fail_step, "metric": metric, "module": fail_module,
+            "direction": m.group(1) if m else None}
 
 
-_NONFINITE_KEYS = ("step", "metric", "module", "direction")
+def nonfinite_sentence(nf: Mapping[str, Any]) -> str:
+    """A non-finite finding (:attr:`RunInfo.nonfinite`) as one sentence, what, when and where:
+    ``non-finite loss at step 131, first in blocks.1.mlp.0 (parameter): its weight holds 1 NaN
+    of 4096 values``; ``non-finite loss at step 7 (module not located: …)``."""
+    what = f"non-finite {nf.get('metric') or 'value'} at step {nf.get('step')}"
+    if nf.get("rank") is not None:
+        what += f" on rank {nf['rank']}"
+    module, detail = nf.get("module"), nf.get("detail")
+    if module is None:
+        return f"{what} (module not located" + (f": {detail})" if detail else ")")
+    text = f"{what}, first in {module or 'the root module'}"
+    if nf.get("direction"):
+        text += f" ({nf['direction']})"
+    if detail:
+        text += f": {detail}"
+    return text + (f"; {nf['note']}" if nf.get("note") else "")
+
+
+_NONFINITE_KEYS = ("step", "metric", "module", "direction", "detail", "note")
+#: Where a non-finite value started (:attr:`hooks.runs.origin.Origin.direction`).
+_DIRECTIONS = (None, "forward", "backward", "parameter", "gradient")
 
 
 def _nonfinite_from_json(text: str | None) -> dict[str, Any] | None:
@@ -438,10 +459,15 @@ def _nonfinite_from_json(text: str | None) -> dict[str, Any] | None:
     if not isinstance(d, dict) or not isinstance(d.get("step"), int):
         return None
     out = {k: d.get(k) for k in _NONFINITE_KEYS}
-    for key in ("metric", "module"):
+    for key in ("metric", "module", "detail", "note"):
         if not isinstance(out[key], (str, type(None))):
             out[key] = str(out[key])
-    if out["direction"] not in (None, "forward", "backward"):
+        if isinstance(out[key], str) and len(out[key]) > 500:
+            out[key] = out[key][:500] + "…"
+    for key in ("detail", "note"):
+        if out[key] is None:
+            del out[key]
+    if out["direction"] not in _DIRECTIONS:
         out["direction"] = None
     if isinstance(d.get("rank"), int):  # a distributed run: the rank that logged it
         out["rank"] = d["rank"]
@@ -584,21 +610,8 @@ class RunInfo:
         return state
 
     def nonfinite_line(self) -> str:
-        """The non-finite finding in words, ``""`` without one: ``non-finite loss at step 7,
-        first in model.fc2 (forward)``, ``non-finite loss at step 7 (module not located: no
-        capture of that step or the next)``."""
-        nf = self.nonfinite
-        if not nf:
-            return ""
-        what = f"non-finite {nf.get('metric') or 'value'} at step {nf['step']}"
-        if nf.get("rank") is not None:
-            what += f" on rank {nf['rank']}"
-        module = nf.get("module")
-        if module is not None:
-            name = module or "the root module"
-            direction = nf.get("direction")
-            return f"{what}, first in {name}" + (f" ({direction})" if direction else "")
-        return f"{what} (module not located)"
+        """The non-finite finding in words, ``""`` without one (:func:`nonfinite_sentence`)."""
+        return nonfinite_sentence(self.nonfinite) if self.nonfinite else ""
 
     def to_dict(self) -> dict[str, Any]:
         """The run as a JSON-serialisable dict."""
@@ -2228,7 +2241,9 @@ class RunWriter:
 
         Args:
             nonfinite: ``{"step": int, "metric": str | None, "module": str | None,
-                "direction": "forward" | "backward" | None}``, or ``None`` to clear it.
+                "direction": "forward" | "backward" | "parameter" | "gradient" | None}``, and
+                optionally ``"detail"`` and ``"note"`` (strings, see
+                :class:`hooks.runs.origin.Origin`), or ``None`` to clear it.
 
         Raises:
             ValueError: No integer ``step``, or an unknown ``direction``.
@@ -2240,8 +2255,11 @@ class RunWriter:
                 nf["rank"] = int(nonfinite["rank"])
             if not isinstance(nf["step"], int):
                 raise ValueError(f"nonfinite needs an integer step, got {nf['step']!r}")
-            if nf["direction"] not in (None, "forward", "backward"):
-                raise ValueError(f"direction must be forward/backward/None, not "
+            for key in ("detail", "note"):
+                if nf[key] is None:
+                    del nf[key]
+            if nf["direction"] not in _DIRECTIONS:
+                raise ValueError(f"direction must be one of {_DIRECTIONS}, not "
                                  f"{nf['direction']!r}")
             text = json.dumps(nf)
         with self.store._transaction() as conn:

@@ -38,6 +38,14 @@ from torch import nn
 from hooks.batch import Batch, BatchError, LossChoice, select_loss
 from hooks.capture import capture as _capture
 from hooks.norms import total_norm  # the global gradient norm (re-exported)
+from hooks.runs.origin import (
+    Origin,
+    first_nonfinite_tensor,
+    gradient_origin,
+    nonfinite_counts,
+    parameter_origin,
+    trace_origin,
+)
 from hooks.runs.store import MetricRow, RunStore
 
 __all__ = [
@@ -255,20 +263,24 @@ def install_stop_signals(
 
 @dataclass
 class NonFiniteInfo:
-    """Where a non-finite value first appeared in a failed step.
+    """Where a non-finite value first appeared in a failed step (see :mod:`hooks.runs.origin`).
 
     Attributes:
         step: The step whose loss or gradient was non-finite.
-        what: ``"loss"`` (forward) or ``"gradient"`` (backward).
-        module: Qualified name of the module whose output (forward) or gradient (backward)
-            was first non-finite, or a parameter name for a gradient; ``None`` if not located.
-        detail: One line describing the offending tensor.
-        located_by: Which locator answered: ``"capture"`` (the step under :func:`hooks.capture`,
-            its own capture or a rerun), ``"forward hooks"`` (:func:`locate_nonfinite`, when the
-            capture could not answer), ``"gradients"`` (the first parameter whose gradient is
-            non-finite), or ``None`` (not located).
+        what: The symptom: ``"loss"`` (non-finite loss) or ``"gradient"`` (finite loss,
+            non-finite gradients).
+        module: Qualified name of the module where it started (``""`` the root module), or
+            ``None`` if not located.
+        detail: What was non-finite there, e.g. ``its weight holds 1 NaN of 4096 values``.
+        located_by: Which locator answered: ``"parameters"`` (a weight held NaN/Inf),
+            ``"capture"`` (the step under :func:`hooks.capture`, its own capture or a rerun),
+            ``"forward hooks"`` (:func:`locate_nonfinite`, when the capture could not answer),
+            ``"gradients"`` (the first parameter whose gradient is non-finite), or ``None``.
         capture_error: One line when the rerun under the capture engine raised (the other
             locators then answered), else ``None``.
+        direction: :attr:`hooks.runs.origin.Origin.direction` (``parameter``, ``forward``,
+            ``backward``, ``gradient``), ``None`` if not located.
+        note: Why the loss stayed finite although a forward output was not, else ``None``.
     """
 
     step: int
@@ -277,16 +289,23 @@ class NonFiniteInfo:
     detail: str
     located_by: str | None = None
     capture_error: str | None = None
+    direction: str | None = None
+    note: str | None = None
 
     def describe(self) -> str:
-        """One line, e.g. ``non-finite loss at step 7, first in model.layers.1.mlp (...)``;
-        when the capture engine could not answer, which locator did and why."""
-        where = f", first in {self.module}" if self.module else ""
-        how = ""
+        """One sentence, what, where and when: ``non-finite loss at step 7, first in
+        model.layers.1.mlp (forward): its output out[0] (Linear, call 0) holds 4 NaN of 64
+        values``; when the capture engine could not answer, which locator did and why."""
+        head = f"non-finite {self.what} at step {self.step}"
+        if self.module is not None:
+            origin = Origin(self.module, self.direction or "?", self.detail, self.note)
+            text = f"{head}, {origin.sentence()}"
+        else:
+            text = f"{head} (not located: {self.detail})"
         if self.capture_error is not None:
-            how = (f" (located by {self.located_by or 'nothing'}: the capture raised "
-                   f"{self.capture_error})")
-        return f"non-finite {self.what} at step {self.step}{where}: {self.detail}{how}"
+            text += (f" (located by {self.located_by or 'nothing'}: the capture raised "
+                     f"{self.capture_error})")
+        return text
 
 
 @dataclass
@@ -420,30 +439,6 @@ def _router_logits(output: Any) -> tuple[torch.Tensor, ...]:
     return tuple(t for t in value if isinstance(t, torch.Tensor) and t.dim() == 2)
 
 
-def _first_nonfinite_tensor(obj: Any) -> torch.Tensor | None:
-    if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point() and not bool(torch.isfinite(obj).all()):
-            return obj
-        return None
-    if isinstance(obj, Mapping):
-        obj = list(obj.values())
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        obj = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
-    if isinstance(obj, (list, tuple)):
-        for item in obj:
-            t = _first_nonfinite_tensor(item)
-            if t is not None:
-                return t
-    return None
-
-
-def _describe_tensor(t: torch.Tensor) -> str:
-    t = t.detach()
-    nan = int(torch.isnan(t).sum())
-    inf = int(torch.isinf(t).sum())
-    return f"{nan} NaN, {inf} Inf of {t.numel()} in a {tuple(t.shape)} tensor"
-
-
 def locate_nonfinite(
     model: nn.Module, forward: Callable[[], Any]
 ) -> tuple[str | None, str]:
@@ -467,9 +462,10 @@ def locate_nonfinite(
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if found:
                 return
-            bad = _first_nonfinite_tensor(output)
+            bad = first_nonfinite_tensor(output)
             if bad is not None:
-                found.append((name, f"output of {type(module).__name__}: " + _describe_tensor(bad)))
+                found.append((name, f"its output ({type(module).__name__}) holds "
+                                    + nonfinite_counts(bad)))
 
         return hook
 
@@ -553,17 +549,6 @@ def _trace_to_internals(trace: Any) -> dict[str, Any] | None:
             records = list(records.values())
         out[attr] = [r.to_dict() if hasattr(r, "to_dict") else r for r in records]
     return out
-
-
-def _trace_first_nonfinite(trace: Any, direction: str) -> tuple[str | None, str] | None:
-    fn = getattr(trace, "first_nonfinite", None)
-    if not callable(fn):
-        return None
-    nf = fn(direction)
-    if nf is None:
-        return None
-    describe = getattr(nf, "describe", None)
-    return getattr(nf, "module", None), describe() if callable(describe) else str(nf)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -827,45 +812,44 @@ class Trainer:
             step == self.total_steps
         )
 
-    def _first_nonfinite_grad(self) -> tuple[str, str] | None:
-        """The first parameter (in ``named_parameters`` order) whose gradient is non-finite."""
-        for name, p in self.model.named_parameters():
-            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-                return name, "gradient of parameter: " + _describe_tensor(p.grad)
-        return None
-
     def _locate_failure(
         self, step: int, batch: Batch, loss_ok: bool, trace: Any
     ) -> NonFiniteInfo:
+        """Where the failed step's NaN/Inf started (:mod:`hooks.runs.origin`'s order): a
+        parameter, else the first non-finite forward output (also when the loss stayed finite),
+        else the first non-finite gradient. The update was not applied, so the weights are the
+        ones the forward used."""
         what = "gradient" if loss_ok else "loss"
-        direction = "backward" if loss_ok else "forward"
-        # the gradients of this step, read before a rerun (or zero_grad) replaces them
-        bad_param = self._first_nonfinite_grad() if loss_ok else None
-        located = _trace_first_nonfinite(trace, direction) if trace is not None else None
-        by = "capture" if located is not None else None
+        stayed = "the loss" if loss_ok else None
+        grad_origin = gradient_origin(self.model) if loss_ok else None  # before a rerun
+        origin, by = parameter_origin(self.model), "parameters"
         capture_error = None
-        if located is None:
+        if origin is None and trace is not None:
+            origin, by = trace_origin(trace, stayed_finite=stayed), "capture"
+        if origin is None and trace is None:
             try:
                 with _maybe_capture(self.model, step) as tr:
                     out = batch.call(self.model)
                     if loss_ok:
                         self._loss(out, batch).loss.backward()
-                located = _trace_first_nonfinite(tr, direction)
-                by = "capture" if located is not None else None
+                origin, by = trace_origin(tr, stayed_finite=stayed), "capture"
             except Exception as exc:  # a broken capture must not hide the failure itself
                 capture_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}" \
                     if str(exc) else type(exc).__name__
             self.optimizer.zero_grad(set_to_none=True)
-        if located is None and not loss_ok:
-            located = locate_nonfinite(self.model, lambda: batch.call(self.model))
-            by = "forward hooks" if located[0] is not None else None
-        if located is None:
-            located = bad_param or (
-                None, "every gradient is finite, but their global norm exceeds float64's range")
-            by = "gradients" if bad_param else None
-        module, detail = located
-        return NonFiniteInfo(step=step, what=what, module=module, detail=detail, located_by=by,
-                             capture_error=capture_error)
+        if origin is None:  # a forward origin comes first, also when the loss stayed finite
+            module, detail = locate_nonfinite(self.model, lambda: batch.call(self.model))
+            if module is not None:
+                note = ("the loss stayed finite: a later operation returned finite values from "
+                        "it" if loss_ok else None)
+                origin, by = Origin(module, "forward", detail, note), "forward hooks"
+        if origin is None and grad_origin is not None:
+            origin, by = grad_origin, "gradients"
+        if origin is None:
+            return NonFiniteInfo(step, what, None, "every gradient is finite, but their global "
+                                 "norm exceeds float64's range", None, capture_error)
+        return NonFiniteInfo(step, what, origin.module, origin.detail, by, capture_error,
+                             origin.direction, origin.note)
 
     # -- the loop ------------------------------------------------------------------------------
 

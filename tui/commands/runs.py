@@ -111,7 +111,9 @@ def detail_lines(run, record: dict, now: float, db: str | None = None) -> list[s
         lines[-1] += f" · checkpoint @ step {run.checkpoint_step}"
     elif state == "failed":
         line = run.status_line(now)
-        if run.reason and not line.endswith(f"({run.reason})"):
+        if run.reason and run.reason.startswith("non-finite"):
+            line = f"failed: {run.reason}"  # one sentence: what, where, when
+        elif run.reason and not line.endswith(f"({run.reason})"):
             line += f": {run.reason}"
         lines.append(line)
     nf = run.nonfinite

@@ -63,6 +63,7 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, ProgressBar, Static
 from textual.worker import Worker, WorkerState
 
+from hooks.runs.store import nonfinite_sentence
 from tui import messages
 from tui.screens.base import MdbScreen
 from tui.screens.help import HelpScreen, binding_lines
@@ -176,13 +177,9 @@ def nonfinite_of(run) -> dict[str, Any] | None:
 
 
 def describe_nonfinite(nf: Mapping[str, Any]) -> str:
-    """``non-finite val_loss at step 7, first in model.layers.1.mlp (backward)``."""
-    what = nf.get("metric") or "value"
-    if nf.get("rank") is not None:  # a torchrun job: the rank that logged it
-        what += f" on rank {nf['rank']}"
-    where = f", first in {nf['module']}" if nf.get("module") else ""
-    direction = f" ({nf['direction']})" if nf.get("direction") else ""
-    return f"non-finite {what} at step {nf['step']}{where}{direction}"
+    """``non-finite val_loss at step 7, first in model.layers.1.mlp (backward): …``, worded
+    once for every view (:func:`hooks.runs.store.nonfinite_sentence`)."""
+    return nonfinite_sentence(nf)
 
 
 #: Actions that drive training: shown and acted on only by ``mdb overfit``, not ``mdb watch``.

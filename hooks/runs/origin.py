@@ -1,0 +1,318 @@
+"""Where a non-finite value started: a parameter, a forward call, or a gradient.
+
+One answer for every path that meets a NaN or an Inf (:class:`hooks.runs.trainer.Trainer`,
+``mdb overfit``, :func:`hooks.run`'s ``watch``), looked for in this order:
+
+1. **A parameter that holds NaN/Inf** (read while the weights are still the ones the forward
+   used, i.e. before an optimizer applies a non-finite gradient): the module that owns it.
+2. **The first non-finite forward output**, whether or not the loss is finite
+   (:meth:`hooks.Trace.first_nonfinite`): a kernel can return finite values for non-finite
+   inputs (on some CPUs the fused ``F.scaled_dot_product_attention`` returns 0 for a query row
+   of NaN), leaving the loss finite and the gradients NaN; the origin is still the forward
+   call, and :attr:`Origin.note` names the enclosing call that returned finite values.
+3. **The first non-finite gradient** in the order autograd produced them.
+
+This module never imports textual, rich or tui.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hooks.capture import capture
+from hooks.ops import Replay
+
+__all__ = [
+    "Origin",
+    "NonFiniteSentinel",
+    "first_nonfinite_tensor",
+    "gradient_origin",
+    "nonfinite_counts",
+    "parameter_origin",
+    "replay_origin",
+    "trace_origin",
+]
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a non-finite value started.
+
+    Attributes:
+        module: Qualified name of the module (``""`` for the root module).
+        direction: ``"parameter"`` (the module's own weight held NaN/Inf), ``"forward"`` (its
+            output was non-finite while its inputs were finite), ``"backward"`` (the gradient
+            of its output was the first non-finite gradient) or ``"gradient"`` (only the
+            parameters' gradients were seen: ``module`` owns the first non-finite one).
+        detail: What was non-finite, without the module's name, e.g. ``its weight holds 1 NaN
+            of 4096 values``.
+        note: When the loss stayed finite although a forward output was not: which enclosing
+            call returned finite values from it; else ``None``.
+    """
+
+    module: str
+    direction: str
+    detail: str
+    note: str | None = None
+
+    def sentence(self) -> str:
+        """``first in blocks.1.mlp.0 (parameter): its weight holds 1 NaN of 4096 values``, with
+        the note after a semicolon."""
+        text = f"first in {self.module or 'the root module'} ({self.direction}): {self.detail}"
+        return f"{text}; {self.note}" if self.note else text
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-serialisable dict."""
+        return dataclasses.asdict(self)
+
+
+def _output(path: str) -> str:
+    """``output`` for a call's only output (``out``), ``output out[1]`` for one of several."""
+    return "output" if path == "out" else f"output {path}"
+
+
+def _stats_phrase(stats: Any) -> str:
+    return _phrase(stats.nan_count, stats.inf_count, stats.numel)
+
+
+def _phrase(nan: int, inf: int, numel: int) -> str:
+    parts = [f"{nan} NaN"] if nan else []
+    parts += [f"{inf} Inf"] if inf else []
+    return f"{' and '.join(parts) or 'no NaN/Inf'} of {numel} values"
+
+
+def nonfinite_counts(t: torch.Tensor) -> str:
+    """``1 NaN of 4096 values``, ``2 NaN and 1 Inf of 64 values``."""
+    t = t.detach()
+    return _phrase(int(torch.isnan(t).sum()), int(torch.isinf(t).sum()), t.numel())
+
+
+def first_nonfinite_tensor(obj: Any) -> torch.Tensor | None:
+    """The first floating-point tensor in ``obj`` (a tensor, or nested tuples, lists, mappings
+    and dataclasses of them) that holds NaN or ±Inf; ``None`` when all are finite."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point() and not bool(torch.isfinite(obj).all()):
+            return obj
+        return None
+    if isinstance(obj, Mapping):
+        obj = list(obj.values())
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        obj = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            t = first_nonfinite_tensor(item)
+            if t is not None:
+                return t
+    return None
+
+
+def parameter_origin(model: nn.Module) -> Origin | None:
+    """The module whose own parameter holds NaN/Inf, first in ``named_parameters`` order.
+
+    Only meaningful while the weights are the ones the failing forward used (before an
+    optimizer applied a non-finite gradient, which spreads NaN into every weight).
+
+    Args:
+        model: The model.
+
+    Returns:
+        The origin (``direction="parameter"``), the other bad parameters counted in ``detail``;
+        ``None`` when every parameter is finite.
+    """
+    bad = [(name, p) for name, p in model.named_parameters()
+           if p.is_floating_point() and not bool(torch.isfinite(p.detach()).all())]
+    if not bad:
+        return None
+    name, p = bad[0]
+    module, _, leaf = name.rpartition(".")
+    more = f" (and {len(bad) - 1} more parameters)" if len(bad) > 1 else ""
+    return Origin(module, "parameter", f"its {leaf} holds {nonfinite_counts(p)}{more}")
+
+
+def _swallow_note(trace: Any, module: str, stayed: str) -> str:
+    """Why ``stayed`` (``"the loss"``) is finite although ``module``'s output was not: the
+    innermost recorded call enclosing ``module`` whose outputs are all finite."""
+    ancestors = [r for r in trace.forward if module.startswith(r.module + ".") or (
+        r.module == "" and module)]
+    finite = [r for r in ancestors
+              if all(t.stats is None or t.stats.finite for t in r.outputs)]
+    if finite:
+        inner = max(finite, key=lambda r: len(r.module))
+        where = f"{inner.module or 'the root module'} ({inner.module_type})"
+        return (f"{stayed} stayed finite: {where} returned finite values from it (a kernel "
+                f"such as fused attention can drop NaN)")
+    return f"{stayed} stayed finite: a later operation returned finite values from it"
+
+
+def trace_origin(trace: Any, *, stayed_finite: str | None = None) -> Origin | None:
+    """The origin a capture shows: its first non-finite forward output, else its first
+    non-finite gradient (:meth:`hooks.Trace.first_nonfinite`).
+
+    Args:
+        trace: A :class:`hooks.Trace` of the failing step.
+        stayed_finite: What stayed finite although a forward output was not (``"the loss"``):
+            a forward origin then gets the note that names the call that returned finite
+            values from it.
+
+    Returns:
+        The origin, or ``None`` when the trace holds nothing non-finite.
+    """
+    hit = trace.first_nonfinite("forward")
+    if hit is not None:
+        rec = trace.forward[hit.index]
+        fed = next((t for t in rec.inputs if t.stats is not None and not t.stats.finite), None)
+        detail = (f"its {_output(hit.tensor)} ({hit.module_type}, call {hit.call_index}) holds "
+                  f"{_stats_phrase(hit.stats)}")
+        if fed is not None:  # no recorded call made it: it came in with the inputs
+            detail += (f", and its input {fed.path} already held {_stats_phrase(fed.stats)} "
+                       "(non-finite values in the data given to the model?)")
+        elif rec.inputs:
+            detail += " while its inputs were finite"
+        note = _swallow_note(trace, hit.module, stayed_finite) if stayed_finite else None
+        return Origin(hit.module, "forward", detail, note)
+    hit = trace.first_nonfinite("backward")
+    if hit is not None:
+        detail = (f"the gradient of its {_output(hit.tensor)} ({hit.module_type}, call "
+                  f"{hit.call_index}) holds {_stats_phrase(hit.stats)}")
+        return Origin(hit.module, "backward", detail)
+    return None
+
+
+def gradient_origin(model: nn.Module) -> Origin | None:
+    """The module owning the first parameter (``named_parameters`` order) whose ``.grad``
+    holds NaN/Inf, when nothing else could be located; ``None`` if every gradient is finite."""
+    for name, p in model.named_parameters():
+        g = p.grad
+        if g is not None and not bool(torch.isfinite(g).all()):
+            module, _, leaf = name.rpartition(".")
+            detail = f"the gradient of its {leaf} holds {nonfinite_counts(g)}"
+            return Origin(module, "gradient", detail)
+    return None
+
+
+def replay_origin(replay: Replay, *, stayed_finite: str | None = None) -> Origin | None:
+    """Find the origin of a forward that is over: a non-finite parameter, else the first
+    non-finite output of a re-run of that forward under :func:`hooks.capture` (same arguments,
+    same RNG state, no autograd; the caller's random stream is left as it was).
+
+    Args:
+        replay: The forward's root call (:class:`hooks.ops.Replay`).
+        stayed_finite: Passed to :func:`trace_origin`.
+
+    Returns:
+        The origin, or ``None`` when the parameters and the re-run forward are all finite.
+    """
+    found = parameter_origin(replay.model)
+    if found is not None:
+        return found
+    with capture(replay.model, grads=False, params=False, probes=False) as trace:
+        replay.run()
+    return trace_origin(trace, stayed_finite=stayed_finite)
+
+
+class NonFiniteSentinel:
+    """Finds where a NaN/Inf started in a training loop that is not ours (``hooks.run``'s
+    ``watch``), at the moment the weights are still the ones the failing forward used.
+
+    * A forward pre-hook on the root module keeps the call's arguments and RNG state
+      (references, and a copy of the CPU RNG state: a few microseconds a step).
+    * A forward hook checks the root's output (one ``isfinite().all()`` per floating-point
+      tensor); when one is non-finite it locates the origin at once: :func:`replay_origin`, or
+      only :func:`parameter_origin` while ``busy()`` says a capture records this forward (its
+      trace answers for the rest).
+    * With ``optimizer``, a step pre-hook (``Optimizer.register_step_pre_hook``) checks the
+      gradients (one ``torch._foreach_norm``, the slow check only when a norm is not finite)
+      before they are applied, and locates the origin the same way, else
+      :func:`gradient_origin`: this catches a kernel that dropped the NaN from the output.
+
+    :meth:`take` hands the finding to the caller (``hooks.run``'s ``log()``).
+
+    Args:
+        model: The root module.
+        busy: Returns True while the forward is being captured anyway.
+        optimizer: The loop's ``torch.optim.Optimizer``, or ``None``.
+    """
+
+    def __init__(self, model: nn.Module, busy: Callable[[], bool] = lambda: False,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
+        self.model = model
+        self._busy = busy
+        self._replay: Replay | None = None
+        self._inside = False
+        self._found: tuple[str, Origin | None] | None = None
+        self._handles = [
+            model.register_forward_pre_hook(self._pre, with_kwargs=True),
+            model.register_forward_hook(self._post, with_kwargs=True),
+        ]
+        if optimizer is not None:
+            self._handles.append(optimizer.register_step_pre_hook(self._before_update))
+
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self._inside and self._found is None:
+            self._replay = Replay.at(module, args, kwargs)
+
+    def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self._inside or self._found is not None:
+            return
+        try:
+            if first_nonfinite_tensor(output) is not None:
+                self._found = ("model output", self._locate(None))
+        except Exception:  # never break the user's forward
+            self._found = None
+
+    def _before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._found is not None:
+            return
+        try:
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"]
+                     if p.grad is not None and p.grad.is_floating_point()]
+            if not grads or not _any_nonfinite(grads):
+                return
+            origin = self._locate("the model's output") or gradient_origin(self.model)
+            self._found = ("gradient", origin)
+        except Exception:  # never break the user's step
+            self._found = None
+
+    def _locate(self, stayed_finite: str | None) -> Origin | None:
+        if self._busy() or self._replay is None:
+            return parameter_origin(self.model)
+        self._inside = True
+        try:
+            return replay_origin(self._replay, stayed_finite=stayed_finite)
+        finally:
+            self._inside = False
+            self._replay = None
+
+    def take(self) -> tuple[str, Origin | None] | None:
+        """``(symptom, origin)`` found since the last call, and forget it: the symptom is
+        ``"model output"`` or ``"gradient"``; the origin is ``None`` when it could not be
+        located. ``None`` when nothing non-finite was seen."""
+        found, self._found = self._found, None
+        return found
+
+    def remove(self) -> None:
+        """Detach the hooks."""
+        for h in self._handles:
+            with contextlib.suppress(Exception):
+                h.remove()
+        self._handles = []
+
+
+def _any_nonfinite(tensors: list[torch.Tensor]) -> bool:
+    """Whether any tensor holds NaN/Inf: one fused norm per tensor, and the exact check only
+    for a tensor whose norm is not finite (finite values can overflow a norm)."""
+    if len({t.device for t in tensors}) > 1:
+        return any(not bool(torch.isfinite(t).all()) for t in tensors)
+    norms = torch._foreach_norm([t.detach() for t in tensors])
+    bad = ~torch.isfinite(torch.stack([n.float() for n in norms]))
+    if not bool(bad.any()):
+        return False
+    return any(not bool(torch.isfinite(tensors[i]).all())
+               for i in bad.nonzero().flatten().tolist())
