@@ -6,7 +6,8 @@ Usage: ``python benchmarks/bench_run.py [--rounds 8] [--block 100] [--every 50]`
 Goals (issue 11):
 
 * ``run.log`` ≤ 50 µs median on the caller's thread (three scalars, one a 0-dim tensor);
-* a loop watched with ``every=50`` keeps ≥ 0.98× the steps/s of the same loop without mdb —
+* a loop watched with ``every=50`` (and ``optimizer=``: the NaN checks of the root's output
+  and of the gradients before every update) keeps ≥ 0.98× the steps/s of the same loop without mdb —
   the model is the sample's tiny GPT (``samples/own_loop.py``), whose step takes about 10 ms on
   one CPU thread; the three loops (plain, logged, logged + watched) run in interleaved blocks of
   ``--block`` steps, their order flipped every round, and the medians of the blocks' steps/s
@@ -86,8 +87,8 @@ def bench_steps(db: Path, rounds: int, block: int, every: int) -> dict[str, floa
         model = TinyGPT(len(chars), block=seq)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         run = None if name == "plain" else hooks.run(f"bench-{name}", db=db)
-        if name == "watched":
-            run.watch(model, every=every)
+        if name == "watched":  # as samples/own_loop.py does: the NaN checks on every step
+            run.watch(model, every=every, optimizer=opt)
         sides[name] = (model, opt, run)
 
     step_times: dict[bool, list[float]] = {True: [], False: []}  # watched loop: captured?
@@ -185,7 +186,7 @@ def bench_memory(db: Path, steps: int, every: int) -> dict[int, int]:
     marks = {}
     tracemalloc.start()
     with hooks.run("bench-memory", db=db) as run:
-        run.watch(model, every=every)
+        run.watch(model, every=every, optimizer=opt)
         for s in range(1, steps + 1):
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()

@@ -59,7 +59,9 @@ def main() -> None:
     config = {"lr": 3e-3, "batch": 16, "block": 32, "steps": args.steps}
 
     with hooks.run("own-loop", db=args.db, config=config, total_steps=args.steps) as run:
-        run.watch(model, every=50)  # the internals of steps 50, 100, ... go to the run store
+        # the internals of steps 50, 100, ... go to the run store; with the optimizer, a NaN
+        # is traced to where it started before the update spreads it into every weight
+        run.watch(model, every=50, optimizer=opt)
         for step in range(1, args.steps + 1):
             lr = 3e-3 * 0.5 * (1 + math.cos(math.pi * step / args.steps))  # cosine decay
             for group in opt.param_groups:

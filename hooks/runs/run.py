@@ -22,13 +22,18 @@ What it does, and what it costs the loop:
   When the queue is full (the disk is slower than the loop) ``log`` waits for it.
 * :meth:`Run.watch` attaches :func:`hooks.capture` only for the steps it records: after the
   ``log()`` of the step before a recorded one, removed again at the recorded step's ``log()``;
-  the other steps run with no hook at all. The capture covers everything the model runs
+  the other steps run with only the NaN sentinel's two hooks on the root module (below). The
+  capture covers everything the model runs
   between those two ``log()`` calls. The trace is serialised on the writer thread.
 * The first logged value that is NaN or ±Inf records ``{"step", "metric", "module",
-  "direction"}`` in the run row (:attr:`hooks.runs.store.RunInfo.nonfinite`). With ``watch``,
-  the capture of that step — or, when that step was not captured, of the next step, captured
-  for this purpose — names the first module whose output (forward) or output gradient
-  (backward) was non-finite (:meth:`hooks.Trace.first_nonfinite`).
+  "direction", "detail"}`` in the run row (:attr:`hooks.runs.store.RunInfo.nonfinite`). With
+  ``watch``, where it started (:mod:`hooks.runs.origin`) is found while the weights are still
+  the ones the failing forward used: the root module's output is checked on every step and,
+  with ``watch(optimizer=opt)``, the gradients before the optimizer applies them; a weight
+  that holds NaN is named, else the first non-finite output of a replay of that forward under
+  the capture, else the first non-finite gradient. When that moment was missed (no
+  ``optimizer=`` and a loss that stayed finite), the next step is captured to locate it if the
+  weights are still finite, and otherwise the finding says the module cannot be told.
 * SIGINT, SIGTERM and SIGHUP mark the run ``interrupted``: the handlers this module installs
   note the signal and call the handler that was there before (Python's ``KeyboardInterrupt``
   for SIGINT, your own handler if you installed one first); where that was the default action
@@ -474,9 +479,8 @@ class Run:
                 bad = key
         new = not self._logged or step != self.step
         trace = None
-        found = None
+        found = self._sentinel.take() if self._sentinel is not None else None
         if new:
-            found = self._sentinel.take() if self._sentinel is not None else None
             self._step_trace = None
             if self._capture is not None:
                 trace = self._end_capture(step, values)
@@ -595,7 +599,8 @@ class Run:
         Steps ``every``, ``2·every``, … are run under :func:`hooks.capture` (statistics of
         every module call's inputs and outputs, their gradients, parameter gradients, MoE
         routing); the hooks are attached after the ``log()`` of the step before and removed at
-        the recorded step's ``log()``, so the other steps run with none. ``mdb watch`` opens the
+        the recorded step's ``log()``, so the other steps run with none but the sentinel's two
+        on the root module (below). ``mdb watch`` opens the
         latest stored capture with ``c``; ``mdb step --run NAME@STEP`` opens any.
 
         Every step, watched or not, the root module's output is checked for NaN/Inf (and, with
