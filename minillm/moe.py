@@ -16,8 +16,8 @@ from minillm.config import MiniLLMConfig
 class MiniLLMMLP(nn.Module):
     """SwiGLU feed-forward: ``down_proj(silu(gate_proj(x)) * up_proj(x))`` (Shazeer 2020).
 
-    silu(z) = z·σ(z). (Not ``sigmoid(1.702·z)``: 1.702 belongs to the sigmoid approximation
-    of GELU; see ``shared/seeds/NOTES.md`` #4.)
+    silu(z) = z·σ(z). (Not ``sigmoid(1.702·z)``, as one tutorial has it: 1.702 belongs to the
+    sigmoid approximation of GELU.)
 
     Shape:
         x (..., D) -> (..., D).

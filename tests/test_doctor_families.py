@@ -1,7 +1,7 @@
 """``mdb doctor`` on real models: the 20 correct families of ``tests/families.py`` draw no
 failure, no error and no warning, every check that does not apply says why; broken variants of
 models that are not minillm are caught by their own check and by no other; the user cases of
-``/work/shared/cases`` run. Each model is built and checked once per module (a busy 2-core CI
+``samples/user_gpt.py`` run. Each model is built and checked once per module (a busy 2-core CI
 machine runs this; the whole battery takes well under 0.5 s per model)."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import re
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -19,12 +18,13 @@ import torch.nn.functional as F
 import hooks
 from hooks.checks import STATUSES, Target, run_checks
 from tests import families, zoo
+from tests.conftest import SAMPLES
 from tests.families import FAMILIES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 HAS_HF = importlib.util.find_spec("transformers") is not None
-CASES = Path("/work/shared/cases/user_gpt.py")
+CASES = SAMPLES / "user_gpt.py"
 
 #: Families whose attention groups KV heads (H=4, Hkv=2): the GQA check measures them.
 GQA = {"llama", "mistral", "qwen3", "gemma", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
@@ -319,8 +319,6 @@ def test_detached_router_has_no_gradient():
 
 # -- the user cases ----------------------------------------------------------------------------
 def _case(name: str):
-    if not CASES.exists():
-        pytest.skip(f"{CASES} not present")
     spec = importlib.util.spec_from_file_location("_mdb_case_user_gpt", CASES)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa_alias
 
 import hooks
 import hooks.attention as attention
+from tests.conftest import SAMPLES
 from tests.families import FAMILIES, nanogpt
 
 DENSE = ["llama", "mistral", "qwen3", "gemma", "phi3", "gpt2", "bert"]
@@ -338,9 +338,7 @@ def test_checkpoint_recomputation_is_not_recorded_twice():
 
 
 def test_user_gpt_nan_case_row_zero_of_layer_one_is_nan_and_fully_masked():
-    path = Path("/work/shared/cases/user_gpt.py")
-    if not path.exists():
-        pytest.skip("shared cases not present")
+    path = SAMPLES / "user_gpt.py"
     sys.path.insert(0, str(path.parent))
     try:
         import user_gpt

@@ -15,9 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 import hooks
 
-CASES = Path("/work/shared/cases/user_gpt.py")
-if not CASES.exists():
-    CASES = Path(__file__).resolve().parents[2] / "shared" / "cases" / "user_gpt.py"
+CASES = Path(__file__).resolve().parents[1] / "samples" / "user_gpt.py"
 
 
 def _user_gpt():
@@ -43,7 +41,6 @@ def _capture(model, *args, backward=True, **kwargs):
     return trace
 
 
-@pytest.mark.skipif(not CASES.exists(), reason="shared/cases not available")
 def test_nanogpt_nan_first_nonfinite_op_is_the_softmax_of_an_all_minus_inf_row():
     ug = _user_gpt()
     model, (idx, tgt) = ug.nanogpt_nan()
@@ -102,9 +99,7 @@ class _Counter(TorchFunctionMode):
 
 
 def test_op_count_equals_an_independent_function_mode_count():
-    ug = _user_gpt() if CASES.exists() else None
-    if ug is None:
-        pytest.skip("shared/cases not available")
+    ug = _user_gpt()
     model, (idx, tgt) = ug.nanogpt_tuple()
     trace = _capture(model, idx, tgt, backward=False)
     attn = model.h[0].attn
@@ -187,8 +182,6 @@ def test_backward_origin_names_the_forward_op_and_its_line():
 
 
 def test_ops_round_trip_through_save_and_a_loaded_trace_cannot_replay(tmp_path):
-    if not CASES.exists():
-        pytest.skip("shared/cases not available")
     model, (idx, tgt) = _user_gpt().nanogpt_nan()
     trace = _capture(model, idx, tgt)
     ot = trace.ops("h.1.attn", 0)
@@ -205,8 +198,6 @@ def test_ops_round_trip_through_save_and_a_loaded_trace_cannot_replay(tmp_path):
 
 
 def test_capture_step_records_the_first_nonfinite_calls_ops(tmp_path, capsys):
-    if not CASES.exists():
-        pytest.skip("shared/cases not available")
     from tui.cli import main
 
     out = tmp_path / "nan.mdbtrace"

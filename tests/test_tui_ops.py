@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-import pytest
 import torch
 from textual.widgets import DataTable, Static
 
@@ -15,7 +14,6 @@ from tui.app import make_step_app
 from tui.screens.ops import OpsScreen
 from tui.screens.step import StepScreen
 
-pytestmark = pytest.mark.skipif(not CASES.exists(), reason="shared/cases not available")
 SIZE = (80, 24)
 
 

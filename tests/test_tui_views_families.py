@@ -8,13 +8,13 @@ from the widgets under test.
 from __future__ import annotations
 
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 from textual.widgets import DataTable, Static
 
 import hooks
+from tests.conftest import SAMPLES
 from tests.test_hooks_routing import OneHotBlock
 from tui.app import make_step_app
 from tui.commands._common import capture_step, load_user_workload
@@ -93,9 +93,7 @@ async def test_attention_header_lists_hf_ids_with_separators_and_gqa_from_the_ca
 
 
 async def test_attention_view_shows_the_fully_masked_nan_row_of_user_gpt():
-    path = Path("/work/shared/cases/user_gpt.py")
-    if not path.exists():
-        pytest.skip("shared cases not present")
+    path = SAMPLES / "user_gpt.py"
     trace, workload = trace_of(f"{path}:nanogpt_nan")
     t = workload.input_ids.shape[1]
     app = make_step_app(trace)
