@@ -33,3 +33,26 @@ def test_hf_mixtral_workload_records_routing_for_every_layer():
     for rec in trace.routing:
         assert rec.top_k_ids.shape == (64, 2)
         assert int(rec.tokens_per_expert.sum()) == 64 * 2
+
+
+def test_a_model_file_imports_the_module_beside_it(tmp_path, monkeypatch, capsys):
+    """``--model path/file.py:fn`` runs the file with its folder on the import path, as
+    ``python path/file.py`` would: ``from myloop_model import Net`` finds myloop_model.py."""
+    import sys
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "myloop_model", raising=False)
+    folder = tmp_path / "proj"
+    folder.mkdir()
+    (folder / "myloop_model.py").write_text(
+        "from torch import nn\n\n\nclass Net(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n"
+        "        self.fc = nn.Linear(4, 3)\n\n"
+        "    def forward(self, x):\n        return self.fc(x)\n")
+    (folder / "factory.py").write_text(
+        "import torch\n\nfrom myloop_model import Net\n\n\n"
+        "def build():\n    return Net(), torch.ones(2, 4)\n")
+    monkeypatch.chdir(tmp_path)  # the folder is not the current directory
+    assert main(["summary", "--model", "proj/factory.py:build"]) == 0
+    out = capsys.readouterr()
+    assert "Net from factory.py:build" in out.out and "fc" in out.out and out.err == ""

@@ -379,6 +379,11 @@ def load_user_workload(spec: str) -> Workload:
             path = Path(module_name)
             if not path.exists():
                 raise MdbError(f"--model {spec}: no such file {path}")
+            # the file's folder first on sys.path, and left there as `python FILE` does: the
+            # file and its factory import the modules beside it
+            folder = str(path.resolve().parent)
+            if folder not in sys.path:
+                sys.path.insert(0, folder)
             module_spec = importlib.util.spec_from_file_location(f"_mdb_model_{path.stem}",
                                                                  path)
             module = importlib.util.module_from_spec(module_spec)
