@@ -73,8 +73,8 @@ async def test_watch_follows_a_real_writer_then_sees_it_finish(tmp_path):
             await drawn(pilot, app.live)
             status = str(app.screen.query_one("#live-status").render())
             assert "finished" in status and f"step {steps}/{steps}" in status
-            # read-only: the keys that drive training are neither shown nor acted on
-            assert "read-only" in str(app.screen.query_one("#title").render())
+            # the run has ended: the keys that drive training are neither shown nor acted on
+            assert str(app.screen.query_one("#title").render()).startswith("mdb watch · run w")
             footer = " ".join(str(k.render()) for k in app.screen.query("FooterKey"))
             assert "pause" not in footer and "stop" not in footer and "step view" in footer
             hint_before = str(app.screen.query_one("#hint").render())

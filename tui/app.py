@@ -21,6 +21,7 @@ from textual.app import App
 
 from tui import messages
 from tui.errors import MdbError
+from tui.screens.base import CTRL_C_QUITS
 
 
 class MdbApp(App[int]):
@@ -42,6 +43,7 @@ class MdbApp(App[int]):
     CSS_PATH = "app.tcss"
     TITLE = "mdb"
     ENABLE_COMMAND_PALETTE = False
+    BINDINGS = [CTRL_C_QUITS]
 
     def __init__(self, trace=None, *, loader: Callable[[], object] | None = None,
                  loading_text: str = "capturing one forward and backward pass…",
@@ -149,6 +151,7 @@ class DiffApp(App[int]):
     CSS_PATH = "app.tcss"
     TITLE = "mdb diff"
     ENABLE_COMMAND_PALETTE = False
+    BINDINGS = [CTRL_C_QUITS]
 
     def __init__(self, a, b, diff, name_a: str, name_b: str) -> None:
         super().__init__()

@@ -21,6 +21,7 @@ from textual.app import App
 
 from tui import messages
 from tui.run_end import end_of_run
+from tui.screens.base import CTRL_C_QUITS
 
 
 class LiveApp(App[int]):
@@ -33,6 +34,7 @@ class LiveApp(App[int]):
     CSS_PATH = ["app.tcss", "screens/live.tcss", "screens/live_ranks.tcss"]
     TITLE = "mdb"
     ENABLE_COMMAND_PALETTE = False
+    BINDINGS = [CTRL_C_QUITS]
 
     def __init__(self, screen) -> None:
         super().__init__()

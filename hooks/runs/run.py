@@ -75,6 +75,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hooks.runs.control import ControlPoller, RunControls
 from hooks.runs.reserve import DiskReserve, finish_run
 from hooks.runs.store import (
     RunExistsError,
@@ -212,7 +213,7 @@ def _last_line(exc: BaseException) -> str:
     return line[:500]
 
 
-class Run:
+class Run(RunControls):
     """One training run being recorded: :func:`run` returns it.
 
     Use it as a context manager (the run finishes when the block ends) or call :meth:`finish`.
@@ -332,6 +333,11 @@ class Run:
         self._step_trace: Any = None  # the trace of the current step, if it was captured
         self._locate_pending = False
         self._sentinel: Any = None  # hooks.runs.origin.NonFiniteSentinel while watching
+        # mdb stop / pause / resume (hooks.runs.control), read by a poller thread
+        self._stop_asked = False
+        self._resumed = threading.Event()
+        self._resumed.set()
+        self._poller: Any = None
         self._nf_order: tuple[int, int] | None = None
         self._sample: tuple[int, str, str] | None = None
         # rank 0 / one process: room for the final status once the disk is full
@@ -346,6 +352,7 @@ class Run:
                 target=self._writer_main, name=f"mdb-run-writer-{self.id}", daemon=True
             )
             self._thread.start()
+            self._poller = ControlPoller(self.db, self.id, self._on_request).start()
         if job is not None:
             self.rank, self.world_size = job.rank, job.world_size
             link = self._link or self._make_link(job, gather_every)
@@ -502,6 +509,8 @@ class Run:
             self._found_nonfinite(step, bad or found[0], found)
         elif self._locate_pending and trace is not None:
             self._locate(trace)
+        if not self._resumed.is_set():
+            self._wait_while_paused()
         if (
             self._model is not None
             and self._capture is None
@@ -712,8 +721,12 @@ class Run:
             raise ValueError(f"status must be finished/interrupted/failed, not {status!r}")
         if self._closed:
             return
+        if status == "finished" and self._stop_asked and not self._reached_total():
+            status, reason = "interrupted", reason or "stopped"
         self._finishing = True
         self._closed = True
+        if self._poller is not None:
+            self._poller.close()
         cap, self._capture = self._capture, None
         if cap is not None:  # attached for a step that was never logged: nothing to store
             with contextlib.suppress(Exception):
@@ -885,6 +898,8 @@ class Run:
                 self._say(f"run {self.name}: {f['line']}")
         elif kind == "checks":
             writer.add_checks(item[1])
+        elif kind == "paused":
+            writer.set_paused(item[1])
 
     def _commit(self, writer: RunWriter, steps: list[tuple]) -> None:
         """Commit ``steps``; when the disk is full, commit as many of them as still fit (in

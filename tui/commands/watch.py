@@ -1,4 +1,6 @@
-"""``mdb watch [RUN]``: follow a recorded run from its database, read-only, on the live screen.
+"""``mdb watch [RUN]``: follow a recorded run from its database on the live screen; of a run
+that is training, ``p`` pauses or resumes it, ``x`` stops it, ``d`` (or Ctrl-C) detaches and
+``q`` asks which (:mod:`tui.screens.live_controls`).
 
 Any number of watchers may follow a run at once, from any terminal (an SSH session opened after
 the run started sees every step from the first). A new step shows within ~0.3 s of being
@@ -11,12 +13,13 @@ it. A run whose rows were changed outside mdb ends the watch with one line (exit
 from __future__ import annotations
 
 import argparse
+import sys
 
 from tui.commands._common import require_terminal
 from tui.errors import MdbError
 
-HELP = ("follow a run live from the run database, read-only (default: the latest run); "
-        "replays a finished one")
+HELP = ("follow a run live from the run database (default: the latest run); p pauses, x "
+        "stops, d detaches; replays a finished one")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,8 +72,27 @@ def run(args: argparse.Namespace) -> int:
 
         app = make_watch_app(store, info, poll_interval=args.poll)
         app.run()
+        if app.live.fatal:  # the run's rows cannot be read: one line, no screen left to say it
+            raise MdbError(app.live.fatal)
+        return after_viewer(app.live, store, args.db)
     finally:
         store.close()
-    if app.live.fatal:  # the run's rows cannot be read: one line, no screen left to say it
-        raise MdbError(app.live.fatal)
+
+
+def after_viewer(screen, store, db: str | None) -> int:
+    """What the terminal says once a viewer closed: detached (the run goes on; the command
+    that re-attaches), stopped (waits for the run's checkpoint and says what became of it), or
+    nothing when the run had ended. Returns the exit status (0)."""
+    from tui.commands.stop import ended_line, wait_until_stopped
+    from tui.screens.live_controls import DETACHED, STOPPED
+
+    run = screen.run
+    where = f" --db {db}" if db else ""
+    if screen.outcome == DETACHED:
+        print(f"mdb: detached; run {run.name} goes on training (pid {run.pid}) · re-attach: "
+              f"mdb watch {run.name}{where} · stop it: mdb stop {run.name}{where}")
+    elif screen.outcome == STOPPED:
+        print(f"mdb: asked run {run.name} to stop; waiting for its checkpoint…",
+              file=sys.stderr)
+        print(ended_line(wait_until_stopped(store, run.name, 300.0), db))
     return 0

@@ -13,8 +13,13 @@
 
 from __future__ import annotations
 
+from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Static
+
+#: Every mdb app quits on Ctrl-C (Textual's default only says "press ctrl+q to quit"); a
+#: screen with its own Ctrl-C (the live screen detaches, mdb ablate stops its workers) wins.
+CTRL_C_QUITS = Binding("ctrl+c", "quit", "quit", show=False, id="app.ctrl_c")
 
 MIN_WIDTH = 80
 MIN_HEIGHT = 24

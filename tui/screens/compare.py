@@ -38,7 +38,7 @@ from textual.widgets import DataTable, Footer, SelectionList, Static
 from textual.widgets.selection_list import Selection
 from textual.worker import Worker, WorkerState
 
-from tui.screens.base import MdbScreen
+from tui.screens.base import CTRL_C_QUITS, MdbScreen
 from tui.screens.compare_data import (
     MAX_RUNS,
     RunView,
@@ -449,6 +449,7 @@ class CompareApp(App[int]):
     CSS_PATH = ["../app.tcss", "compare.tcss"]
     TITLE = "mdb compare"
     ENABLE_COMMAND_PALETTE = False
+    BINDINGS = [CTRL_C_QUITS]
 
     def __init__(self, screen: CompareScreen) -> None:
         super().__init__()

@@ -68,6 +68,7 @@ from tui import messages
 from tui.screens.base import MdbScreen
 from tui.screens.help import HelpScreen, binding_lines
 from tui.screens.live_chart import LineChart, Series
+from tui.screens.live_controls import ViewerControls
 from tui.screens.live_data import FIXED_METRICS, RunSeries, display_name, format_duration
 from tui.screens.live_ranks import RanksSummary, open_ranks
 
@@ -182,10 +183,6 @@ def describe_nonfinite(nf: Mapping[str, Any]) -> str:
     return nonfinite_sentence(nf)
 
 
-#: Actions that drive training: shown and acted on only by ``mdb overfit``, not ``mdb watch``.
-TRAINING_ACTIONS = ("pause", "step", "stop")
-
-
 class LiveHelpScreen(HelpScreen):
     """The live screen's keys (generated from its bindings; watching, without the keys that
     drive training), closed like the step view's help. The prose is whole paragraphs that the
@@ -198,10 +195,11 @@ class LiveHelpScreen(HelpScreen):
     def help_text(self) -> str:
         """What the box shows."""
         bindings = [b for b in LiveScreen.BINDINGS
-                    if not (self.watch and b.action in TRAINING_ACTIONS)]
+                    if not (self.watch and b.action == "step")
+                    and not (not self.watch and b.action == "detach")]
         lines = [
-            "mdb watch · read-only · every action has a letter key." if self.watch else
-            "mdb overfit live screen · every action has a letter key.",
+            "mdb watch · a viewer of the run · every action has a letter key." if self.watch
+            else "mdb overfit live screen · every action has a letter key.",
             "",
             *binding_lines(bindings),
             "",
@@ -216,9 +214,13 @@ class LiveHelpScreen(HelpScreen):
         ]
         if self.watch:
             lines += [
-                "mdb watch only reads the run database: pause, step and stop the run in the"
-                " terminal that runs it, or stop it with kill -TERM <pid>. When the writer has"
-                " stopped or is gone, the line under the charts says how to continue it.",
+                "Training runs in a process of its own; this screen is a view of it. While"
+                " the run trains, p pauses or resumes it and x stops it with a checkpoint"
+                " (asked through the run database: mdb overfit runs and hooks.run loops that"
+                " check run.should_stop obey). d detaches: the screen closes, training goes"
+                " on, and mdb watch re-attaches from any terminal; Ctrl-C detaches too, and"
+                " q asks whether to detach or stop. When the writer has stopped or is gone,"
+                " the line under the charts says how to continue it.",
                 "",
                 "c opens the run's latest stored capture in the step view (mdb overfit records"
                 " one every --every steps, run.watch(model, every=N) every N); q there comes"
@@ -244,7 +246,7 @@ class LiveHelpScreen(HelpScreen):
             yield Static(self.help_text(), id="help-text", markup=False)
 
 
-class LiveScreen(MdbScreen):
+class LiveScreen(ViewerControls, MdbScreen):
     """Charts and numbers of one training run, live (training) or read-only (watching).
 
     Build it with :meth:`training` or :meth:`watching` rather than directly.
@@ -275,6 +277,7 @@ class LiveScreen(MdbScreen):
         Binding("s", "step", "step", id="live.step"),
         Binding("c", "capture", "step view", id="live.capture"),
         Binding("x", "stop", "stop", id="live.stop"),
+        Binding("d", "detach", "detach", id="live.detach"),
         Binding("m", "next_metric", "chart: losses / one metric", show=False,
                 id="live.metric"),
         Binding("o", "next_other", "table: mark the next metric", show=False,
@@ -284,7 +287,8 @@ class LiveScreen(MdbScreen):
         Binding("k", "ranks", "ranks of a torchrun job", show=False, id="live.ranks"),
         Binding("question_mark", "help", "keys", key_display="?", id="live.help"),
         Binding("q", "quit_live", "quit", id="live.quit"),
-        Binding("ctrl+c", "quit_live", "quit (as q)", show=False, id="live.interrupt"),
+        Binding("ctrl+c", "interrupt", "quit (as q; watching: detach)", show=False,
+                id="live.interrupt"),
     ]
 
     def __init__(self, *, session=None, store=None, run=None, heartbeat: float = 1.0,
@@ -382,7 +386,7 @@ class LiveScreen(MdbScreen):
 
     def _title(self) -> str:
         if self.watch:
-            return f"mdb watch · run {self.run_name} · read-only · {self.store.path}"
+            return f"mdb watch · run {self.run_name} · {self.store.path}"
         s = self.session
         return f"mdb overfit · run {s.name} · {s.describe()} · {s.store.path}"
 
@@ -642,6 +646,8 @@ class LiveScreen(MdbScreen):
             state = "paused"
         changed = state != self.state
         self.state = state
+        if changed:
+            self.refresh_bindings()  # p, x, d only while the run trains
         if u.metrics or changed or self.polls == 1 or getattr(u, "spikes", None):
             self._data_changed()
         # An ended run may still be resumed by `mdb overfit --resume`: keep looking, less often.
@@ -1037,10 +1043,18 @@ class LiveScreen(MdbScreen):
 
     # -- actions ---------------------------------------------------------------------------------
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """Watching, the keys that drive training are hidden from the footer and do nothing;
-        every key but quitting does nothing while the terminal is too small."""
-        if self.watch and action in ("pause", "step", "stop"):
-            return False
+        """The keys that drive training are shown only while they can act: watching, ``p``,
+        ``x`` and ``d`` of a running run (``s`` never); training here, ``p``, ``s``, ``x``
+        until the run ended (``d`` never). Every key but leaving does nothing while the
+        terminal is too small."""
+        if action in ("interrupt", "quit_live", "detach") and self.has_class("-too-small"):
+            return True
+        if action in ("pause", "step", "stop", "detach"):
+            if self.watch:
+                if action == "step" or not self.viewing_live_run():
+                    return False
+            elif action == "detach" or self.ended is not None or self.error is not None:
+                return False
         return super().check_action(action, parameters)
 
     def _read_only(self) -> bool:
@@ -1050,6 +1064,9 @@ class LiveScreen(MdbScreen):
         return False
 
     def action_pause(self) -> None:
+        if self.watch:
+            self.watch_pause()
+            return
         if self._read_only():
             return
         paused = self.session.control.toggle_pause()
@@ -1083,6 +1100,9 @@ class LiveScreen(MdbScreen):
         self.hint(f"capturing step {self.series.step + 1}; its step view opens when it is done")
 
     def action_stop(self) -> None:
+        if self.watch:
+            self.watch_stop()
+            return
         if self._read_only():
             return
         self.session.control.stop("stopped from the live screen")
@@ -1131,9 +1151,19 @@ class LiveScreen(MdbScreen):
     def action_help(self) -> None:
         self.app.push_screen(LiveHelpScreen(self.watch))
 
+    def action_interrupt(self) -> None:
+        """Ctrl-C: watching, detach (and the command says so); training here, as ``q``."""
+        if self.watch:
+            self.watch_interrupt()
+        else:
+            self.action_quit_live()
+
     def action_quit_live(self) -> None:
-        if self.watch or self.ended is not None or self.error is not None:
-            self.app.exit(return_code=self.exit_code() if not self.watch else 0)
+        if self.watch:
+            self.watch_quit()
+            return
+        if self.ended is not None or self.error is not None:
+            self.app.exit(return_code=self.exit_code())
             return
         if self._quitting:  # q again while the step does not end: leave it behind
             self.quit_now = True

@@ -1,0 +1,173 @@
+"""``mdb overfit`` with the trainer in a process of its own: ``--detach``, and the live screen.
+
+The trainer is ``mdb overfit --headless`` with the same options, started in a session of its
+own (``start_new_session``): the terminal's SIGHUP (an SSH link dropping) and its Ctrl-C do not
+reach it. Its output goes to ``trainer.log`` in the run's checkpoint folder. Once its run is in
+the database:
+
+* ``--detach`` prints the run's name, the trainer's pid and the ``mdb watch`` line, and returns;
+* the live screen is ``mdb watch``'s viewer of that run, with its keys (``d`` detach, ``p``
+  pause, ``x`` stop, ``q`` asks, Ctrl-C detaches): losing the terminal loses only the view.
+
+Until the run exists (the model is being built), Ctrl-C stops the trainer and nothing is
+recorded; a trainer that exits before its run exists is said with its last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tui.errors import MdbError
+
+#: Seconds between two looks at the database while the trainer builds the model.
+WAIT_POLL_S = 0.2
+
+
+def trainer_argv(args: argparse.Namespace, name: str, db: Path) -> list[str]:
+    """The command line of the trainer process: the user's options, headless, with the run
+    name and the database made explicit (the last ``--run``/``--db`` given wins)."""
+    argv = [a for a in getattr(args, "_argv", []) if a not in ("--detach",)]
+    if "overfit" in argv:
+        argv = argv[argv.index("overfit") + 1:]
+    argv = ["overfit", *argv, "--headless", "--db", str(db)]
+    if not args.resume:
+        argv += ["--run", name]
+    return [sys.executable, "-m", "tui.cli", *argv]
+
+
+def _run_name(args: argparse.Namespace) -> tuple[str, Path]:
+    from tui.commands.overfit import _default_run_name, _open_store
+
+    store = _open_store(args, create=True)
+    try:
+        path = Path(store.path).resolve()
+        if args.resume:
+            info = store.run(args.resume)
+            if info.writer_state() == "running":
+                raise MdbError(f"run {info.name} is still running (pid {info.pid}): watch it "
+                               f"with `mdb watch {info.name}` or stop it with `mdb stop "
+                               f"{info.name}` first")
+            return info.name, path
+        name = args.run or _default_run_name(store)
+        if any(r.name == name for r in store.runs()):
+            raise MdbError(f"a run named {name!r} already exists in {store.path} (choose "
+                           "another --run)")
+        return name, path
+    except Exception as exc:
+        from hooks.runs.store import RunStoreError
+
+        if isinstance(exc, RunStoreError):
+            raise MdbError(str(exc)) from None
+        raise
+    finally:
+        store.close()
+
+
+def start_trainer(args: argparse.Namespace) -> tuple[subprocess.Popen, str, Path, Path]:
+    """Start the trainer process; returns ``(process, run name, database, log file)``."""
+    from hooks.runs.store import checkpoint_dir
+
+    name, db = _run_name(args)
+    log = checkpoint_dir(db, name) / "trainer.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(trainer_argv(args, name, db), stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ, MDB_TRAINER="1"))
+    return proc, name, db, log
+
+
+def _last_line(log: Path) -> str:
+    with contextlib.suppress(OSError):
+        lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+        if lines:
+            return lines[-1].removeprefix("mdb: error: ")
+    return "(no output)"
+
+
+def wait_for_run(proc: subprocess.Popen, name: str, db: Path, log: Path):
+    """Wait until the trainer's run is in the database, written by that process; return its
+    :class:`hooks.runs.store.RunInfo`.
+
+    Raises:
+        MdbError: The trainer exited first (its last line, its exit code), or Ctrl-C here
+            (the trainer is stopped; nothing was recorded).
+    """
+    from hooks.runs.store import RunStore, RunStoreError
+
+    try:
+        while True:
+            code = proc.poll()
+            if code is not None:
+                err = MdbError(f"the trainer exited ({code}) before its run started: "
+                               f"{_last_line(log)}")
+                err.exit_code = code or 1
+                raise err
+            with contextlib.suppress(RunStoreError, OSError), RunStore(db) as store:
+                info = store.run(name)
+                if info.pid == proc.pid and info.status == "running":
+                    return info
+            time.sleep(WAIT_POLL_S)
+    except KeyboardInterrupt:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+        proc.wait()
+        err = MdbError("stopped while building the model; nothing was recorded")
+        err.exit_code = 130
+        raise err from None
+
+
+def run_detached(args: argparse.Namespace) -> int:
+    """``mdb overfit --detach``: start the trainer, wait for its run, say how to follow it."""
+    proc, name, db, log = start_trainer(args)
+    if sys.stderr.isatty():
+        print("mdb: building the model… (Ctrl-C stops)", file=sys.stderr)
+    wait_for_run(proc, name, db, log)
+    where = f" --db {args.db}" if args.db else ""
+    print(f"run {name} is training in the background (pid {proc.pid}); follow it: mdb watch "
+          f"{name}{where} · stop it: mdb stop {name}{where} · log: {log}")
+    return 0
+
+
+def run_viewer(args: argparse.Namespace) -> int:
+    """The live ``mdb overfit``: start the trainer, then view its run until the viewer is
+    closed; returns the exit status (0 detached or stopped; the trainer's when the run ended
+    on its own: 0 finished, 1 failed)."""
+    from hooks.runs.store import RunStore
+    from tui.commands.stop import ended_line
+    from tui.live_app import make_watch_app
+    from tui.screens.live_controls import CLOSED, DETACHED, STOPPED
+
+    proc, name, db, log = start_trainer(args)
+    print("mdb: building the model… (Ctrl-C stops)", file=sys.stderr)
+    info = wait_for_run(proc, name, db, log)
+    where = f" --db {args.db}" if args.db else ""
+    with RunStore(db) as store:
+        app = make_watch_app(store, info, heartbeat=getattr(args, "heartbeat", 1.0))
+        app.run()
+        screen = app.live
+        if screen.fatal:
+            raise MdbError(f"{screen.fatal} (the trainer goes on: pid {proc.pid})")
+        if screen.outcome not in (STOPPED, CLOSED):  # d, Ctrl-C, q → d
+            assert screen.outcome in (None, DETACHED)
+            print(f"mdb: detached; run {name} goes on training (pid {proc.pid}) · re-attach: "
+                  f"mdb watch {name}{where} · stop it: mdb stop {name}{where}")
+            return 0
+        if screen.outcome == STOPPED:
+            print(f"mdb: asked run {name} to stop; waiting for its checkpoint…",
+                  file=sys.stderr)
+        code = proc.wait()
+        final = store.run(name)
+    line = ended_line(final, args.db)
+    if final.status == "failed":
+        print(f"mdb: error: {line}: {final.reason}", file=sys.stderr)
+        return 1
+    print(line)
+    return 0 if screen.outcome == STOPPED or final.status == "finished" else code

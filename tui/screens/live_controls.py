@@ -1,0 +1,104 @@
+"""The keys of a viewer of a running run (``mdb watch``, and ``mdb overfit``'s live screen,
+which is a viewer of the trainer process it started).
+
+* ``d`` detaches: the screen exits, training goes on; the closing line is the command that
+  re-attaches.
+* ``p`` pauses or resumes the run, ``x`` stops it (after asking) with a checkpoint: both are
+  requests through the run store (:mod:`hooks.runs.control`), acted on by the process that
+  trains, whichever terminal started it.
+* ``q`` asks whether to detach (the default) or to stop; Ctrl-C detaches, and says so.
+
+Of a run that is not running (finished, failed, gone), ``q`` and Ctrl-C just close the viewer.
+"""
+
+from __future__ import annotations
+
+from tui.screens.choice import ChoiceScreen
+
+#: :attr:`ViewerControls.outcome` values, read by the command once the app has exited.
+DETACHED, STOPPED, CLOSED = "detached", "stopped", "closed"
+
+
+class ViewerControls:
+    """Mixed into :class:`tui.screens.live.LiveScreen` for its watching mode.
+
+    Uses the screen's ``run`` (the :class:`hooks.runs.store.RunInfo` of the latest poll),
+    ``store``, ``state``, ``hint`` and ``app``; sets :attr:`outcome`.
+    """
+
+    outcome: str | None = None
+
+    def viewing_live_run(self) -> bool:
+        """Whether this viewer follows a run whose trainer is alive (running or paused)."""
+        return self.watch and self.run is not None and self.state in ("running", "paused")
+
+    def _leave(self, outcome: str) -> None:
+        if not (outcome == CLOSED and self.outcome == STOPPED):  # x, then q once it ended
+            self.outcome = outcome
+        self.app.exit(return_code=0)
+
+    def action_detach(self) -> None:
+        """``d``: close the viewer, training goes on."""
+        if not self.viewing_live_run():
+            self._leave(CLOSED)
+            return
+        self._leave(DETACHED)
+
+    def watch_interrupt(self) -> None:
+        """Ctrl-C in a viewer: detach (a running run goes on), else close."""
+        self.action_detach()
+
+    def watch_quit(self) -> None:
+        """``q``: of a running run, ask whether to detach (default) or stop."""
+        if not self.viewing_live_run():
+            self._leave(CLOSED)
+            return
+
+        def answered(value: str | None) -> None:
+            if value == DETACHED:
+                self._leave(DETACHED)
+            elif value == STOPPED:
+                self._request("stop", then_leave=True)
+
+        self.app.push_screen(ChoiceScreen(
+            f"run {self.run.name} is still training. Leave it training, or stop it?",
+            [("d", "detach: it goes on", DETACHED),
+             ("x", "stop it with a checkpoint", STOPPED)], DETACHED), answered)
+
+    def watch_pause(self) -> None:
+        """``p``: ask the trainer to pause, or to resume a paused run."""
+        if not self.viewing_live_run():
+            self.hint(f"the run is not training ({self.state}): nothing to pause")
+            return
+        self._request("resume" if self.state == "paused" else "pause")
+
+    def watch_stop(self) -> None:
+        """``x``: after asking, ask the trainer to stop after its step with a checkpoint."""
+        if not self.viewing_live_run():
+            self.hint(f"the run is not training ({self.state}): nothing to stop")
+            return
+
+        def answered(value: str | None) -> None:
+            if value == STOPPED:
+                self._request("stop")
+
+        self.app.push_screen(ChoiceScreen(
+            f"stop run {self.run.name} after its current step, with a checkpoint?",
+            [("y", "stop it", STOPPED), ("n", "keep training", "")], STOPPED), answered)
+
+    def _request(self, command: str, then_leave: bool = False) -> None:
+        from hooks.runs.control import request
+
+        try:
+            request(self.store.path, self.run.id, command)
+        except Exception as exc:  # a read-only or locked database: say it, keep the view
+            self.hint(f"could not ask the run to {command}: {exc}")
+            return
+        said = {"stop": "asked the run to stop after its step (it writes a checkpoint)…",
+                "pause": "asked the run to pause after its step · p resumes",
+                "resume": "asked the run to resume · p pauses"}
+        self.hint(said[command])
+        if then_leave:
+            self._leave(STOPPED)
+        elif command == "stop":
+            self.outcome = STOPPED
