@@ -24,6 +24,7 @@ from textual.binding import Binding
 from textual.containers import ScrollableContainer
 from textual.widgets import Footer, Static
 
+from hooks.attention import DEFAULT_ATTENTION_BYTES
 from tui.screens.view import VIEW_BINDINGS, LayerViewScreen
 from tui.widgets import fmt
 
@@ -124,12 +125,23 @@ def grid_text(matrix: list[list[float]], labels: list[str], key_labels: list[str
 
 
 def empty_reason(trace) -> list[str]:
-    """Why a trace holds no attention probabilities: the capture's notes, or that attention was
-    not requested."""
+    """Why a trace holds no attention probabilities: the capture's notes, else that attention
+    was not requested, with the way to request it where the trace came from: ``run.watch`` of
+    ``hooks.run`` (its captures carry ``meta["logged"]``, the values of that step's ``log()``),
+    else ``hooks.capture`` / ``mdb capture``."""
     notes = [(f"{n.module}: " if n.module else "") + n.message
              for n in trace.notes if n.kind == "attention"]
     if notes:
         return notes
+    meta = getattr(trace, "meta", None) or {}
+    if "logged" in meta:
+        run = f" of run {meta['run']}" if meta.get("run") else ""
+        return [f"step {meta.get('step', '?')}{run} was recorded by hooks.run's run.watch, "
+                "which records attention probabilities only when asked: "
+                "run.watch(model, every=50, attention=True) (each recorded step then stores "
+                f"at most attention_bytes of them, {DEFAULT_ATTENTION_BYTES >> 20} MiB by "
+                "default; attention_bytes=... sets "
+                "the budget, attention=['pattern'] a subset of the modules)"]
     return ["this trace was captured without attention probabilities "
             "(hooks.capture(model, attention=True); mdb capture without --no-attention)"]
 
