@@ -489,10 +489,16 @@ def _progress(plan: Plan) -> str:
 
 
 def _exit_code(workers: Workers, views) -> int:
+    """The exit status of ``mdb ablate``: a stop by a signal is 128 + its number (SIGINT 130,
+    SIGTERM 143, SIGHUP 129); a stop from the screen (``x``, Ctrl-C, or ``q`` while workers run)
+    sent every worker SIGINT and interrupted their runs, so it is 130 as Ctrl-C is; a stop by
+    an error is 1. Otherwise 1 when a worker failed or a run did not finish, else 0."""
     from hooks.runs.trainer import signal_exit_code
 
     if workers.stop_reason is not None:
-        return signal_exit_code(workers.stop_reason) or 0
+        if workers.stop_reason == "error":
+            return 1
+        return signal_exit_code(workers.stop_reason) or 128 + signal.SIGINT
     failed = any(j.code not in (0, None) for j in workers.jobs) or any(
         v.info is None or v.info.status != "finished" for v in views)
     return 1 if failed else 0
