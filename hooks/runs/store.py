@@ -104,6 +104,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hooks.runs.listing import latest_names
 from hooks.runs.spikes import Spike, SpikeDetector
 
 __all__ = [
@@ -1380,7 +1381,7 @@ class RunStore:
         """One run by name (``str``) or id (``int``).
 
         Raises:
-            RunNotFoundError: No such run; the message lists up to five existing names.
+            RunNotFoundError: No such run; the message names the latest 5 runs (… for more).
         """
         if isinstance(name_or_id, int):
             row = self.connection.execute(
@@ -1391,9 +1392,8 @@ class RunStore:
                 "SELECT * FROM runs WHERE name = ?", (name_or_id,)
             ).fetchone()
         if row is None:
-            names = [r.name for r in self.runs()][-5:]
-            known = f" (runs: {', '.join(names)})" if names else " (the database has no runs)"
-            raise RunNotFoundError(f"no run named {name_or_id!r} in {self.path}{known}")
+            known = latest_names([r.name for r in self.runs()])  # the latest 5 of N, …
+            raise RunNotFoundError(f"no run named {name_or_id!r} in {self.path} ({known})")
         return _run_from_row(row)
 
     def latest_run(self) -> RunInfo | None:
