@@ -266,3 +266,32 @@ async def test_ablation_controller_statuses_and_stop_keys(db):
         assert "stop all" not in footer
         await pilot.press("q")
     assert app.return_code == 0
+
+
+async def test_picker_tells_chosen_runs_from_the_others_without_colour(db, monkeypatch):
+    """Under NO_COLOR the picker's boxes still differ: ▐✓▌ for a run shown, ▐ ▌ for one not."""
+    monkeypatch.setenv("NO_COLOR", "1")
+    with RunStore(db) as store:
+        w, _ = _minillm_run(store, "abl-attention=mqa", 10, kv=1)
+        w.finish("finished")
+    screen = CompareScreen(db, ["abl-attention=mha", "own-loop"], poll_interval=0.05)
+    app = CompareApp(screen)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_until(pilot, lambda: screen.polls >= 1 and len(screen.runs) == 3)
+        await pilot.press("a")
+        await wait_until(pilot, lambda: isinstance(app.screen, RunPicker))
+        picker = app.screen.query_one("#pick-list")
+
+        def lines() -> dict[str, str]:
+            rows = [picker.render_line(y).text for y in range(3)]
+            return {row[4:].split()[0]: row[:3] for row in rows}
+
+        assert lines() == {"abl-attention=mha": "▐✓▌", "own-loop": "▐✓▌",
+                           "abl-attention=mqa": "▐ ▌"}
+        await pilot.press("down", "down", "space")  # choose mqa, the third row
+        await pilot.pause()
+        assert lines()["abl-attention=mqa"] == "▐✓▌"
+        await pilot.press("up", "space")  # and drop own-loop
+        await pilot.pause()
+        assert lines()["own-loop"] == "▐ ▌"
+        await pilot.press("q")

@@ -28,13 +28,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from rich.segment import Segment
 from rich.text import Text
 from textual import on, work
 from textual.app import App
 from textual.binding import Binding
 from textual.message import Message
 from textual.screen import ModalScreen
-from textual.widgets import DataTable, Footer, SelectionList, Static
+from textual.strip import Strip
+from textual.widgets import Checkbox, DataTable, Footer, SelectionList, Static
+from textual.widgets.option_list import OptionDoesNotExist
 from textual.widgets.selection_list import Selection
 from textual.worker import Worker, WorkerState
 
@@ -81,6 +84,26 @@ class ComparePolled(Message):
     last_rows: dict
 
 
+class RunChoices(SelectionList):
+    """A :class:`SelectionList` whose box reads ``▐✓▌`` for a chosen run and ``▐ ▌`` for the
+    others: the choice shows without colour too (``NO_COLOR``, a text capture), where
+    Textual's own box is ``▐X▌`` either way and differs only by its colour."""
+
+    def render_line(self, y: int) -> Strip:
+        strip = super().render_line(y)
+        segments = list(strip)
+        if len(segments) < 3 or segments[1].text != Checkbox.BUTTON_INNER:
+            return strip  # not an option's line
+        try:
+            option = self.get_option_at_index(self.scroll_offset.y + y)
+        except OptionDoesNotExist:
+            return strip
+        inner = segments[1]
+        mark = "✓" if option.value in self.selected else " "
+        segments[1] = Segment(mark, inner.style, inner.control)
+        return Strip(segments, strip.cell_length)
+
+
 class RunPicker(ModalScreen[list[str] | None]):
     """Choose the runs of the store to compare (space toggles, Enter applies, q cancels)."""
 
@@ -102,7 +125,7 @@ class RunPicker(ModalScreen[list[str] | None]):
                                    r.name in self.shown))
         yield Static(f"compare which runs? (at most {MAX_RUNS}) · space toggles · Enter "
                      "applies · q cancels", id="pick-title", markup=False)
-        yield SelectionList(*items, id="pick-list")
+        yield RunChoices(*items, id="pick-list")
 
     def action_apply(self) -> None:
         chosen = list(self.query_one("#pick-list", SelectionList).selected)
