@@ -175,3 +175,41 @@ async def test_step_title_of_a_tuple_returning_model_shows_its_own_loss_and_j_sc
         await pilot.press("K")
         await pilot.pause()
         assert details.scroll_y == 0
+
+
+def _screen_lines(app) -> list[str]:
+    """The terminal's lines as the user sees them (the composited screen, as plain text)."""
+    return [strip.text for strip in app.screen._compositor.render_strips()]
+
+
+@pytest.mark.parametrize("size", [SIZE, (120, 30)])
+async def test_step_view_of_an_hf_model_keeps_output_columns_apart_and_roots_on_the_logits(size):
+    """HF Mixtral returns loss, aux_loss, logits, router_logits: at the root call the output
+    statistics have one heading per column, apart, and the root node shows the logits' shape
+    (the output), never the loss's ``()``."""
+    pytest.importorskip("transformers")
+    trace, workload = trace_of(f"{SAMPLES / 'user_models.py'}:hf_mixtral")
+    with torch.no_grad():
+        logits = "×".join(map(str, workload.batch.call(workload.model).logits.shape))
+    app = make_step_app(trace)
+    async with app.run_test(size=size) as pilot:
+        await pilot.press("t")  # the first record: the root call
+        await pilot.pause()
+        lines = _screen_lines(app)
+        pane = [line.split("▕", 1)[1] for line in lines if "▕" in line]
+        (heads,) = [p for p in pane if p.split()[:1] == ["stat"]][:1]
+        assert heads.split() == ["stat", "loss", "aux_loss", "logits"]
+        root = next(line for line in lines if "▕" in line and "MixtralForCausalLM" in
+                    line.split("▕")[0])
+        tree_part = root.split("▕")[0]
+        assert "()" not in tree_part
+        if size[0] >= 120:
+            assert logits in tree_part
+        else:
+            assert tree_part.rstrip().endswith("…")  # the shape does not fit: left out
+        await pilot.press("n")  # model: last_hidden_state and the two router_logits
+        await pilot.pause()
+        pane = [line.split("▕", 1)[1] for line in _screen_lines(app) if "▕" in line]
+        heads = next(p for p in pane if p.split()[:1] == ["stat"]).split()
+        assert len(heads) == 4 and heads[2] != heads[3]  # router_logits[0] and [1] apart
+        assert heads[2].endswith("[0]") and heads[3].endswith("[1]")

@@ -15,6 +15,7 @@ from textual.containers import VerticalScroll
 from textual.widgets import Static
 
 from tui.widgets import fmt
+from tui.widgets.module_tree import main_output
 
 #: Rows of the statistics table: label, TensorStats attribute.
 STAT_ROWS = (
@@ -60,8 +61,9 @@ def stats_table(columns: list[tuple[str, object]], col_width: int = 12) -> Text:
     """
     out = Text()
     out.append(_pad("stat", 9), style="dim")
-    for heading, _ in columns:
-        out.append(_pad(heading, col_width, right=True), style="bold")
+    for heading, _ in columns:  # one cell apart, a long path cut in the middle
+        out.append(" " + _pad(fmt.middle(heading, col_width - 1), col_width - 1, right=True),
+                   style="bold")
     labels = [label for label, _ in STAT_ROWS] + ["zeros", "nan/inf"]
     cols = [_stat_values(stats) for _, stats in columns]
     for i, label in enumerate(labels):
@@ -176,11 +178,13 @@ class CallDetails(VerticalScroll):
             shown = [t for t in call.outputs if t.stats is not None][:MAX_STAT_COLUMNS]
             parts.append(section("statistics of the outputs"))
             if shown:
-                parts.append(stats_table([(t.path, t.stats) for t in shown]))
+                # under "statistics of the outputs" the common "out." goes: loss, logits
+                parts.append(stats_table([(t.path.removeprefix("out."), t.stats)
+                                          for t in shown]))
                 extra = len(call.outputs) - len(shown)
                 if extra > 0:
                     parts.append(Text(f"… {extra} more output(s)", style="dim"))
-                main = shown[0]
+                main = main_output(shown)
                 hist = histogram_block(f"values of {main.path} {fmt.shape(main.shape)}",
                                        main.stats)
             else:

@@ -26,7 +26,8 @@ def fit_label(leaf: str, calls: str, shape: str, width: int | None, *, called: b
     Args:
         leaf: the module's own name.
         calls: ``" ×3"`` when called more than once, else ``""``.
-        shape: the first call's output shape (``2×64×256``), or ``""``.
+        shape: the first call's output shape (``2×64×256``; of :func:`main_output`), or
+            ``""``.
         width: cells the label may take.
         called: False for a module never called (dim, ``[n]`` children or ``not called``).
         n_children: children of a module never called (a container).
@@ -55,6 +56,13 @@ def fit_label(leaf: str, calls: str, shape: str, width: int | None, *, called: b
     if shape_part:
         text.append(shape_part, style="dim" if shape_part == " …" else "")
     return text
+
+
+def main_output(outputs):
+    """The output a call's one shape stands for: the first one with a dimension (HF's
+    ``out.logits`` after the 0-dim ``out.loss`` and ``out.aux_loss``), else the first; ``None``
+    for a call without tensor outputs."""
+    return next((t for t in outputs if len(t.shape) > 0), outputs[0] if outputs else None)
 
 
 def _parent_name(name: str) -> str:
@@ -94,7 +102,8 @@ class ModuleTree(Tree[str]):
         for rec in trace.forward:
             calls[rec.module] = calls.get(rec.module, 0) + 1
             if rec.module not in first_out:
-                first_out[rec.module] = rec.outputs[0].shape if rec.outputs else None
+                main = main_output(rec.outputs)
+                first_out[rec.module] = main.shape if main is not None else None
 
         def parts(leaf: str, name: str) -> tuple[str, str, str, bool, int]:
             n = calls.get(name, 0)
