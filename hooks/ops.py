@@ -8,9 +8,9 @@ and records, per operation that returns a tensor:
 * the function's qualified name (``torch.nn.functional.softmax``);
 * the innermost module running (module forward pre/post hooks keep a stack);
 * the frame that issued it: the innermost frame outside torch's own machinery and outside
-  ``hooks`` — the user's ``file:line`` and that line's text (a module's ``forward`` in
-  ``torch/nn/modules`` counts as source, so stepping into an ``nn.Linear`` shows its
-  ``F.linear`` line);
+  ``hooks`` — the user's ``file:line`` and that line's text (the ``forward`` of a torch
+  module with children, in ``torch/nn/modules``, counts as source; the op of a module without
+  children, ``F.linear`` of an ``nn.Linear``, is placed where the model called that module);
 * input and output shapes, dtypes and the same statistics as module outputs
   (:class:`hooks.stats.TensorStats`).
 
@@ -68,9 +68,20 @@ def recorded(output: Any) -> bool:
     return isinstance(output, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in output)
 
 
+def _leaf_module_frame(f) -> bool:
+    """Whether frame ``f`` runs a method of a torch module without children (``nn.Linear``,
+    ``nn.LayerNorm``, ``nn.Embedding``...): its one functional call says nothing the op's name
+    does not, the line that called the module does."""
+    owner = f.f_locals.get("self")
+    return isinstance(owner, nn.Module) and next(owner.children(), None) is None
+
+
 def _user_frame(start) -> tuple[str, int, str]:
     """``(file, line, text)`` of the innermost frame that issued the op: not in ``hooks`` and
-    not in torch, except module ``forward``s in ``torch/nn/modules`` (not ``module.py``)."""
+    not in torch, except the methods of torch modules with children in ``torch/nn/modules``
+    (``nn.TransformerEncoderLayer``, ``nn.Sequential``; not ``module.py``). An op of a torch
+    module without children (``F.linear`` of an ``nn.Linear``) is placed at the line that
+    called that module: ``q, k, v = self.qkv(x).split(...)`` in the model, not ``linear.py``."""
     f = start
     while f is not None:
         path = f.f_code.co_filename
@@ -79,6 +90,7 @@ def _user_frame(start) -> tuple[str, int, str]:
             continue
         if path.startswith(_TORCH_DIR) and not (
             path.startswith(_MODULES_DIR) and not path.endswith("module.py")
+            and not _leaf_module_frame(f)
         ):
             f = f.f_back
             continue

@@ -66,3 +66,26 @@ async def test_a_loaded_trace_says_why_there_are_no_ops(tmp_path):
         await wait_until(pilot, lambda: isinstance(app.screen, OpsScreen)
                          and "not recorded" in _text(app, "#ops-status"))
         assert "loaded from disk" in _text(app, "#ops-status")
+
+
+async def test_the_where_column_names_the_models_line_that_called_a_linear():
+    """Stepping into the user's attention: ``self.qkv(x)`` and ``self.proj(y)`` (nn.Linear)
+    are placed at those lines of user_gpt.py, not at torch's ``linear.py``."""
+    model, (idx, tgt) = _user_gpt().nanogpt_tuple()
+    trace = _capture(model, idx, tgt, backward=False)
+    app = make_step_app(trace)
+    qkv = _line_of(Path(CASES), "self.qkv(x).split(D, dim=2)")
+    proj = _line_of(Path(CASES), "return self.proj(y)")
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: isinstance(app.screen, StepScreen))
+        await pilot.press("slash")
+        await pilot.press(*"h.0.attn", "enter")
+        await wait_until(pilot, lambda: app.screen.stepper.module == "h.0.attn")
+        await pilot.press("i")
+        await wait_until(pilot, lambda: isinstance(app.screen, OpsScreen)
+                         and app.screen.optrace is not None)
+        table = app.screen.query_one("#ops", DataTable)
+        rows = [[str(c) for c in table.get_row_at(r)] for r in range(table.row_count)]
+        linear = [r for r in rows if r[1] == "linear"]
+        assert [r[2] for r in linear] == [f"user_gpt.py:{qkv}", f"user_gpt.py:{proj}"]
+        assert not any("linear.py" in r[2] for r in rows)
