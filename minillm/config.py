@@ -56,8 +56,9 @@ class MiniLLMConfig:
             or the learned position table's size). Longer inputs raise ``ValueError``.
         rms_norm_eps: epsilon inside RMSNorm's square root.
         rope_theta: RoPE base θ (10,000 as in RoFormer; Llama 3 uses 500,000).
-        rope_scaling: ``None`` or ``{"rope_type": "linear" | "dynamic", "factor": f}`` with an
-            optional ``"original_max_position_embeddings"`` (default: max_position_embeddings / f).
+        rope_scaling: ``None`` or ``{"rope_type": "linear" | "dynamic", "factor": f}`` (a finite
+            f in [1, max_position_embeddings]) with an optional positive integer
+            ``"original_max_position_embeddings"`` (default: max_position_embeddings / f).
             ``linear`` is position interpolation (Chen et al. 2023, arXiv:2306.15595): every
             position is divided by f. ``dynamic`` is dynamic NTK scaling (as HF's
             ``_compute_dynamic_ntk_parameters``): up to the original length RoPE is unchanged;
@@ -190,13 +191,28 @@ class MiniLLMConfig:
                 f"rope_scaling.rope_type must be one of {ROPE_SCALING_TYPES}, got {kind!r}"
             )
         factor = rs.get("factor")
-        if not isinstance(factor, (int, float)) or factor < 1:
-            raise ValueError(f"rope_scaling.factor must be a number >= 1, got {factor!r}")
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) \
+                or not math.isfinite(factor) or factor < 1:
+            raise ValueError(f"rope_scaling.factor must be a finite number >= 1, got {factor!r}")
         if self.position_embedding != "rope":
             raise ValueError("rope_scaling needs position_embedding = 'rope'")
         unknown = set(rs) - {"rope_type", "type", "factor", "original_max_position_embeddings"}
         if unknown:
             raise ValueError(f"rope_scaling has unknown keys {sorted(unknown)}")
+        if factor > self.max_position_embeddings:
+            raise ValueError(
+                f"rope_scaling.factor ({factor:g}) must be at most max_position_embeddings "
+                f"({self.max_position_embeddings}): the original context it stretches, "
+                f"max_position_embeddings / factor, keeps at least one position")
+        orig = rs.get("original_max_position_embeddings")
+        if orig is not None and (not isinstance(orig, int) or isinstance(orig, bool)
+                                 or orig <= 0):
+            raise ValueError(f"rope_scaling.original_max_position_embeddings must be a "
+                             f"positive integer, got {orig!r}")
+        if kind == "dynamic" and self.hidden_size // self.num_attention_heads < 4:
+            raise ValueError("dynamic rope_scaling needs head_dim = hidden_size / "
+                             "num_attention_heads of at least 4 (its θ grows with the exponent "
+                             "head_dim / (head_dim - 2))")
 
     # ------------------------------------------------------------------ derived
     @property
