@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,9 @@ from hooks.records import (
 SCHEMA_VERSION = 1
 JSON_NAME = "trace.json"
 TENSORS_NAME = "tensors.safetensors"
+#: Largest trace.json :meth:`Trace.load` reads (bytes): a captured step of a 4-layer model
+#: writes about 0.4 MB; a few hundred MB would take gigabytes of memory to parse.
+MAX_JSON_BYTES = 512 << 20
 
 
 class TraceFormatError(ValueError):
@@ -293,17 +297,21 @@ class Trace:
 
         Raises:
             FileNotFoundError: nothing at ``path``.
-            TraceFormatError: not a trace, or a schema version this code cannot read.
+            TraceFormatError: not a trace, or a schema version this code cannot read; a
+                trace.json or tensors file that is not a regular file (a FIFO, a device such
+                as ``/dev/zero``), or a trace.json larger than :data:`MAX_JSON_BYTES`.
+            OSError: a file cannot be read.
         """
         from safetensors.torch import load_file
 
         p = Path(path)
-        d = p.parent if p.is_file() else p
+        named = p.name == JSON_NAME and p.exists() and not p.is_dir()  # a FIFO trace.json too
+        d = p.parent if p.is_file() or named else p
         jpath = d / JSON_NAME
         if not jpath.exists():
             raise FileNotFoundError(f"no {JSON_NAME} in {d}")
         try:
-            data = json.loads(jpath.read_text(encoding="utf-8"))
+            data = json.loads(_read_capped(jpath, MAX_JSON_BYTES).decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise TraceFormatError(f"{jpath} is not valid JSON: {exc}") from None
         except RecursionError:
@@ -311,6 +319,8 @@ class Trace:
         if not isinstance(data, dict) or data.get("kind") != "mdb-trace":
             raise TraceFormatError(f"{jpath} is not an mdb trace")
         tpath = d / TENSORS_NAME
+        if tpath.exists():
+            _read_capped(tpath, 0)  # a regular file, not a FIFO that would block the read
         try:
             tensors = load_file(str(tpath)) if tpath.exists() else {}
         except Exception as exc:  # safetensors raises its own error types for corrupt files
@@ -368,6 +378,32 @@ class Trace:
     def nbytes_json(self) -> int:
         """Size in bytes of the JSON part as :meth:`save` writes it."""
         return len(json.dumps(self.to_dict(), allow_nan=False, separators=(",", ":")))
+
+
+def _read_capped(path: Path, limit: int) -> bytes:
+    """The bytes of ``path``, which must be a regular file of at most ``limit`` bytes
+    (``limit`` 0: only check that it is a regular file and return nothing). The file is opened
+    without blocking, so a FIFO is refused instead of waiting for a writer.
+
+    Raises:
+        TraceFormatError: not a regular file, or larger than ``limit``.
+        OSError: it cannot be opened or read.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise TraceFormatError(f"{path} is not a regular file (a FIFO, socket or device); "
+                                   "a trace is a directory of files written by mdb capture")
+        if not limit:
+            return b""
+        if st.st_size > limit:
+            raise TraceFormatError(f"{path} has {st.st_size:,} bytes, more than a trace "
+                                   f"holds (at most {limit:,})")
+        data = f.read(limit + 1)
+    if len(data) > limit:  # grew while being read
+        raise TraceFormatError(f"{path} has more than {limit:,} bytes, more than a trace holds")
+    return data
 
 
 def _op_traces(items: list[dict[str, Any]],
