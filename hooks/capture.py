@@ -256,6 +256,12 @@ class Capture:
         tr.captured = self.sampled
         if not tr.captured:
             return tr
+        no_data = next((n for n, t in (*self.model.named_parameters(),
+                                       *self.model.named_buffers()) if t.is_meta), None)
+        if no_data is not None:
+            raise ValueError(f"the model has no data: {no_data} is on the meta device; "
+                             "materialise it first: model.to_empty(device='cpu'), then "
+                             "initialise or load its weights")
         self._batch = StatsBatch(bins=self.bins)
         self._pending: list[tuple[Any, int]] = []  # (TensorInfo | GradRecord, slot)
         self._cache: dict[Any, tuple[weakref.ref, int, int]] = {}
@@ -1058,21 +1064,11 @@ def capture(
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
-        ValueError: ``every < 1``, ``keep_bytes < 0`` or ``attention_bytes < 0``.
+        ValueError: ``every < 1``, ``keep_bytes < 0`` or ``attention_bytes < 0``; on entry, a
+            model with no data (a parameter or buffer on the ``meta`` device): the message
+            says how to materialise it.
     """
-    return Capture(
-        model,
-        keep_bytes=keep_bytes,
-        include=include,
-        exclude=exclude,
-        inputs=inputs,
-        grads=grads,
-        params=params,
-        attention=attention,
-        attention_bytes=attention_bytes,
-        probes=probes,
-        step=step,
-        every=every,
-        meta=meta,
-        bins=bins,
-    )
+    return Capture(model, keep_bytes=keep_bytes, include=include, exclude=exclude,
+                   inputs=inputs, grads=grads, params=params, attention=attention,
+                   attention_bytes=attention_bytes, probes=probes, step=step, every=every,
+                   meta=meta, bins=bins)

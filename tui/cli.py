@@ -12,7 +12,7 @@ import importlib
 import sys
 
 from tui import __version__
-from tui.errors import MdbError
+from tui.errors import MdbError, clip
 
 #: Subcommand name -> module under ``tui.commands``, in the order ``mdb --help`` lists them.
 COMMANDS: dict[str, str] = {
@@ -35,7 +35,7 @@ class _Parser(argparse.ArgumentParser):
     block: ``mdb step: error: argument --seq-len: 'abc' is not an integer (see mdb step -h)``."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
+        self.exit(2, f"{self.prog}: error: {clip(message)} (see {self.prog} -h)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,6 +60,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Options that name a file or directory, checked by :func:`check_common_options`.
+PATH_OPTIONS = ("db", "config", "text", "trace", "out")
+
+
+def check_common_options(args: argparse.Namespace) -> None:
+    """Checks every subcommand shares, made before it creates or opens anything: ``--threads``
+    (at most the machine's CPUs, :func:`tui.commands._common.check_threads`) and the file
+    options of :data:`PATH_OPTIONS` (a name too long for the file system, a symbolic-link
+    loop: :func:`tui.commands._common.check_path`).
+
+    Raises:
+        MdbError: the first option that fails, in one line.
+    """
+    from tui.commands._common import check_path, check_threads
+
+    threads = getattr(args, "threads", None)
+    if isinstance(threads, int):
+        check_threads(threads)
+    for name in PATH_OPTIONS:
+        value = getattr(args, name, None)
+        if isinstance(value, str) and value:
+            check_path(f"--{name}", value)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``mdb`` console script; returns the process exit code."""
     parser = build_parser()
@@ -68,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        check_common_options(args)
         return int(args._run(args) or 0)
     except MdbError as exc:
         print(f"mdb: error: {exc}", file=sys.stderr)

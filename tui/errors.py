@@ -1,14 +1,63 @@
-"""The exceptions the CLI turns into a single line on stderr, never a traceback."""
+"""The exceptions the CLI turns into a single line on stderr, never a traceback, and
+:func:`clip`, which keeps that line short whatever input it repeats."""
+
+from __future__ import annotations
+
+import re
+
+#: Characters of a quoted value (or of an unbroken run of non-space characters, a path) that an
+#: error line repeats; the rest is cut and counted.
+MAX_QUOTED = 200
+#: Longest error line: above this the middle of the line is cut (a long value that is neither
+#: quoted nor a single word, e.g. a list).
+MAX_LINE = 2000
+
+# A Python repr of a string (an opening quote not preceded by a word character, so the
+# apostrophe of "model's" opens nothing; escaped characters; the same quote closing it), else
+# an unbroken run of non-space characters longer than MAX_QUOTED.
+_LONG = re.compile(r"""(?<![\w\\])(?:'([^'\\]*(?:\\.[^'\\]*)*)'|"([^"\\]*(?:\\.[^"\\]*)*)")|\S{%d,}"""
+                   % (MAX_QUOTED + 1), re.DOTALL)
+
+
+def _cut(text: str, keep: int) -> str:
+    return f"{text[:keep]}…[{len(text):,} characters]"
+
+
+def _shorten(m: re.Match) -> str:
+    if m.group(1) is None and m.group(2) is None:  # a word: a path, maybe with a colon after
+        word = m.group(0).rstrip(":,;.)")
+        return _cut(word, MAX_QUOTED) + m.group(0)[len(word):]
+    quote, inner = ("'", m.group(1)) if m.group(1) is not None else ('"', m.group(2))
+    return m.group(0) if len(inner) <= MAX_QUOTED else f"{quote}{_cut(inner, MAX_QUOTED)}{quote}"
+
+
+def clip(message: str) -> str:
+    """``message`` with every quoted value longer than :data:`MAX_QUOTED` characters cut to
+    its first :data:`MAX_QUOTED` (``'aaaa…[10,000,000 characters]'``), likewise every other
+    run of non-space characters (a path), and the line cut in the middle to at most about
+    :data:`MAX_LINE` characters. Short messages are returned unchanged."""
+    if len(message) <= MAX_QUOTED:
+        return message
+    message = _LONG.sub(_shorten, message)
+    if len(message) > MAX_LINE:
+        half = MAX_LINE // 2
+        message = (f"{message[:half]} …[{len(message) - 2 * half:,} characters cut]… "
+                   f"{message[-half:]}")
+    return message
 
 
 class MdbError(Exception):
     """Bad input or an unusable environment: shown as ``mdb: error: <message>``, exit code 2.
 
     Raise it with a message that names what is wrong and how to fix it; the CLI prints no
-    traceback for it.
+    traceback for it. The message is :func:`clip`'d: a value it repeats is cut to
+    :data:`MAX_QUOTED` characters.
     """
 
     exit_code = 2
+
+    def __init__(self, message: object = "", *args: object) -> None:
+        super().__init__(clip(str(message)), *args)
 
 
 class ModelError(MdbError):

@@ -9,6 +9,8 @@ raises :class:`tui.errors.MdbError` with one line that says what to fix.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import importlib
 import importlib.util
 import os
@@ -128,6 +130,86 @@ def seed_int(text: str) -> int:
 def positive_float(text: str) -> float:
     """argparse type: a finite number > 0."""
     return _number(text, float, lambda v: 0 < v < float("inf"), "a positive number")
+
+
+def cpu_count() -> int:
+    """Logical CPUs of this machine (``os.cpu_count()``, 1 when unknown)."""
+    return os.cpu_count() or 1
+
+
+def check_threads(threads: int) -> None:
+    """Refuse a ``--threads`` above the machine's CPUs (:func:`cpu_count`): more threads than
+    CPUs only slow torch down, and thousands crash it (``--threads 10000`` ended in a
+    segmentation fault). 0 (torch's default) and negative values are left to each command.
+
+    Raises:
+        MdbError: ``--threads 10000: more than this machine's 2 CPUs; give at most 2``.
+    """
+    cpus = cpu_count()
+    if threads > cpus:
+        raise MdbError(f"--threads {threads}: more than this machine's {cpus} CPUs; give at "
+                       f"most {cpus}")
+
+
+def check_path(option: str, value: str) -> None:
+    """Refuse a path no file can have: a name longer than the file system allows
+    (``ENAMETOOLONG``), a loop of symbolic links (``ELOOP``) or a NUL character. A path that
+    does not exist, or any other problem, passes: the command says what it needs.
+
+    Args:
+        option: the option, e.g. ``"--db"`` (``""`` for a positional argument).
+        value: the path given.
+
+    Raises:
+        MdbError: one line naming ``option`` and what is wrong with ``value``.
+    """
+    where = f"{option} {value}" if option else value
+    try:
+        os.stat(value)
+    except ValueError:  # embedded NUL
+        raise MdbError(f"{where}: a file name cannot contain a NUL character") from None
+    except OSError as exc:
+        if exc.errno == errno.ENAMETOOLONG:
+            longest = max((len(os.fsencode(part)) for part in Path(value).parts), default=0)
+            raise MdbError(
+                f"{where}: file name too long ({len(os.fsencode(value)):,} bytes, the longest "
+                f"part {longest:,}; file systems allow about 255 per part and 4,096 in all)"
+            ) from None
+        if exc.errno == errno.ELOOP:
+            raise MdbError(f"{where}: a loop of symbolic links (a link that leads back to "
+                           "itself); give a real file") from None
+
+
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """Send whatever is written to stdout to stderr while the block runs: ``sys.stdout``
+    (``print``) and file descriptor 1 itself (``os.write(1, …)``, a C extension's ``printf``,
+    a child process), so that stdout carries only what mdb writes there afterwards (the
+    table, the JSON document). Both are restored on exit, also when the block raises."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no descriptor 1 (closed): only sys.stdout can be redirected
+        saved = None
+    try:
+        if saved is not None:
+            os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        if saved is not None:
+            _flush_c_stdio()  # what C code buffered for descriptor 1 belongs to stderr too
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def _flush_c_stdio() -> None:
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
 
 
 @dataclass
@@ -369,53 +451,39 @@ def build_workload(args: argparse.Namespace, *, default_text: Path | None = None
 
 def load_user_workload(spec: str) -> Workload:
     """Import ``module:function`` (a module name or a ``path/to/file.py``), call it, and check
-    that it returned ``(model, batch)``."""
+    that it returned ``(model, batch)`` with a model that holds data.
 
+    Raises:
+        MdbError: a malformed ``spec``; a module that cannot be imported or has no such
+            function; a result that is not ``(model, batch)``; a model on the ``meta`` device
+            (no data: the line says how to materialise it).
+        ModelError: the function raised, or the module or the function exited
+            (``sys.exit(n)``, ``os._exit(n)``) instead of returning; the line gives the code.
+    """
     module_name, sep, func_name = spec.partition(":")
     if not sep or not module_name or not func_name:
         raise MdbError(f"--model {spec!r}: expected MODULE:FUNCTION, e.g. mymodels:build")
-    try:
-        if module_name.endswith(".py") or os.sep in module_name:
-            path = Path(module_name)
-            if not path.exists():
-                raise MdbError(f"--model {spec}: no such file {path}")
-            # the file's folder first on sys.path, and left there as `python FILE` does: the
-            # file and its factory import the modules beside it
-            folder = str(path.resolve().parent)
-            if folder not in sys.path:
-                sys.path.insert(0, folder)
-            module_spec = importlib.util.spec_from_file_location(f"_mdb_model_{path.stem}",
-                                                                 path)
-            module = importlib.util.module_from_spec(module_spec)
-            # registered while it runs: dataclasses and pickle look the module up by name
-            sys.modules[module_spec.name] = module
-            module_spec.loader.exec_module(module)
-        else:
-            if "" not in sys.path and os.getcwd() not in sys.path:
-                sys.path.insert(0, os.getcwd())
-            module = importlib.import_module(module_name)
-    except MdbError:
-        raise
-    except Exception as exc:  # the user's code: any failure is theirs to see, on one line
-        raise MdbError(
-            f"--model {spec}: cannot import {module_name}: {type(exc).__name__}: {exc}"
-        ) from None
+    with exits_reported(f"--model {spec}: importing {module_name}",
+                        f"instead of defining {func_name}"):
+        module = _import_factory_module(spec, module_name)
     func = getattr(module, func_name, None)
     if not callable(func):
         raise MdbError(f"--model {spec}: {module_name} has no function {func_name}")
-    try:
-        result = func()
-    except Exception as exc:
-        from hooks.errors import describe_error
+    with exits_reported(f"--model {spec}: {func_name}()"):
+        try:
+            result = func()
+        except Exception as exc:
+            from hooks.errors import describe_error
 
-        raise ModelError(f"--model {spec}: {func_name}() raised "
-                         f"{describe_error(exc)}") from None
+            raise ModelError(f"--model {spec}: {func_name}() raised "
+                             f"{describe_error(exc)}") from None
     from hooks.batch import BatchError, from_factory
 
     try:
         model, batch, loss_fn = from_factory(result)
     except BatchError as exc:
         raise MdbError(f"--model {spec}: {func_name}() {exc}") from None
+    check_has_data(model, f"--model {spec}: {func_name}()")
     from hooks.capture import unwrap_compiled
 
     n_params = sum(p.numel() for p in model.parameters())
@@ -430,6 +498,99 @@ def load_user_workload(spec: str) -> Workload:
                     f"{func_name} · {human_count(n_params)} params",
         tokenizer=batch.tokenizer,
     )
+
+
+def _import_factory_module(spec: str, module_name: str):
+    """The module of ``--model``: a ``.py`` file (or a path) run as a module, with the file's
+    folder put first on ``sys.path`` (and left there, as ``python FILE`` does) so that it and
+    its factory import the modules beside it; else imported by name from the current directory
+    or ``sys.path``. Any failure -> one MdbError line."""
+    try:
+        if module_name.endswith(".py") or os.sep in module_name:
+            path = Path(module_name)
+            if not path.exists():
+                raise MdbError(f"--model {spec}: no such file {path}")
+            folder = str(path.resolve().parent)
+            if folder not in sys.path:
+                sys.path.insert(0, folder)
+            module_spec = importlib.util.spec_from_file_location(f"_mdb_model_{path.stem}",
+                                                                 path)
+            module = importlib.util.module_from_spec(module_spec)
+            # registered while it runs: dataclasses and pickle look the module up by name
+            sys.modules[module_spec.name] = module
+            module_spec.loader.exec_module(module)
+            return module
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        return importlib.import_module(module_name)
+    except MdbError:
+        raise
+    except Exception as exc:  # the user's code: any failure is theirs to see, on one line
+        raise MdbError(
+            f"--model {spec}: cannot import {module_name}: {type(exc).__name__}: {exc}"
+        ) from None
+
+
+def check_has_data(model, what: str) -> None:
+    """Refuse a model whose parameters or buffers are on PyTorch's ``meta`` device: they have
+    shapes but no values, so nothing can be measured.
+
+    Raises:
+        MdbError: ``{what} returned a model with no data: <name> is on the meta device; …``
+            with how to materialise it.
+    """
+    on_meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if on_meta:
+        more = f" (and {len(on_meta) - 1} more)" if len(on_meta) > 1 else ""
+        raise MdbError(f"{what} returned a model with no data: {on_meta[0]}{more} is on the "
+                       "meta device; materialise it before returning it: "
+                       "model.to_empty(device='cpu'), then initialise its weights (e.g. "
+                       "model.apply(init_fn)) or load them (model.load_state_dict(...))")
+
+
+class _Exited(BaseException):
+    """Raised by the stand-in of ``os._exit`` (:func:`exits_reported`) with its code."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+@contextlib.contextmanager
+def exits_reported(what: str, instead: str = "instead of returning (model, batch)"):
+    """Run the user's code of the block (a factory, its module) so that its exiting is said.
+
+    ``sys.exit(n)`` (``SystemExit``) and ``os._exit(n)`` become a :class:`ModelError`:
+    ``{what} called sys.exit(7) at model.py:12 {instead}``. A real
+    ``os._exit`` ends the process at once (no handler, no ``finally``, no atexit runs), so for
+    the block ``os._exit`` is replaced by a stand-in that raises; in a forked child or another
+    thread it exits as asked.
+
+    Raises:
+        ModelError: the block exited.
+    """
+    import threading
+
+    real_exit, pid, main = os._exit, os.getpid(), threading.main_thread()
+
+    def stand_in(code: int) -> None:
+        if os.getpid() != pid or threading.current_thread() is not main:
+            real_exit(code)
+        raise _Exited(code)
+
+    os._exit = stand_in
+    try:
+        yield
+    except (SystemExit, _Exited) as exc:
+        from hooks.errors import locate_error
+
+        code = "" if exc.code is None else repr(exc.code)
+        call = f"sys.exit({code})" if isinstance(exc, SystemExit) else f"os._exit({code})"
+        where = locate_error(exc).where
+        raise ModelError(f"{what} called {call}{f' at {where}' if where else ''} {instead}") \
+            from None
+    finally:
+        os._exit = real_exit
 
 
 def capture_step(workload: Workload, *, attention: bool = True, keep_bytes: int = 0,

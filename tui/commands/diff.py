@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from tui.commands._common import check_path, nonneg_int
 from tui.errors import MdbError
 
 HELP = "compare two captured steps (trace directories or RUN@STEP), call by call"
@@ -28,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--table", action="store_true",
                         help="print the table even in a terminal")
     parser.add_argument("--json", action="store_true", help="print the diff as JSON")
-    parser.add_argument("--limit", type=int, default=40, metavar="N",
+    parser.add_argument("--limit", type=nonneg_int, default=40, metavar="N",
                         help="rows of the printed table (default 40; 0: all)")
 
 
@@ -37,12 +38,17 @@ def resolve_trace(spec: str, db: str | None = None):
     else ``RUN@STEP`` of the run store.
 
     Raises:
-        MdbError: neither, or the run/step/file cannot be read.
+        MdbError: neither (also a name too long to be a file, or a symbolic-link loop), or the
+            run/step/file cannot be read (a trace.json that is a FIFO or a device, too big).
     """
     from hooks import Trace, TraceFormatError
 
     path = Path(spec)
-    if path.exists():
+    try:
+        exists = path.exists()
+    except (OSError, ValueError):  # a name too long for a file: RUN@STEP, or said below
+        exists = False
+    if exists:
         try:
             return Trace.load(path)
         except FileNotFoundError:
@@ -53,6 +59,7 @@ def resolve_trace(spec: str, db: str | None = None):
             raise MdbError(f"{spec}: cannot read ({exc.strerror or exc})") from None
     name, sep, step = spec.rpartition("@")
     if not sep or not name or not step.isdigit():
+        check_path("", spec)  # a name too long, a symbolic-link loop: say that
         raise MdbError(f"{spec}: no such trace directory, and not RUN@STEP")
     from tui.commands.step import load_run_trace
 

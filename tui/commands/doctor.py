@@ -6,21 +6,21 @@ through the model's behaviour and reports a status, the evidence with numbers, a
 hint at the cause; a check that does not apply to the kind of model (decoder-only,
 bidirectional encoder, encoder-decoder, not a sequence model) says ``n/a`` and why. Output: a
 Rich table on stdout at the terminal's width (plain text when piped, at ``$COLUMNS`` or full
-width; ``--wide``: full width), ``--json`` for machines (stdout holds the JSON
-document only: whatever the user's factory or forward prints goes to stderr), ``--tui`` to
-browse the results in the step debugger's doctor view. Exit code 1 when a check fails (or
-crashes in mdb), 2 on bad input, else 0; ``n/a``, ``skip`` and ``warn`` do not change it.
+width; ``--wide``: full width), ``--json`` for machines (stdout holds the JSON document only:
+whatever the user's factory or forward writes to stdout, also straight to file descriptor 1,
+goes to stderr), ``--tui`` to browse the results in the step debugger's doctor view. Exit code
+1 when a check fails (or crashes in mdb), 2 on bad input, else 0; ``n/a``, ``skip`` and
+``warn`` do not change it.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
 
-from tui.commands._common import add_model_arguments, positive_int
+from tui.commands._common import add_model_arguments, positive_int, stdout_to_stderr
 from tui.errors import MdbError
 
 HELP = "check a model for common build mistakes (init, mask, RoPE, GQA, gradients, routing...)"
@@ -130,9 +130,9 @@ def run(args: argparse.Namespace) -> int:
         raise MdbError(f"--only: {exc}") from None
     from tui.commands._common import build_workload, require_terminal
 
-    # stdout carries the table or the JSON document only: what the user's code prints (the
-    # factory, the forward) goes to stderr
-    with contextlib.redirect_stdout(sys.stderr):
+    # stdout carries the table or the JSON document only: what the user's code writes to it
+    # (the factory, the forward: print, os.write(1, ...), C code) goes to stderr
+    with stdout_to_stderr():
         workload = build_workload(args)
     if args.tui:  # after the input checks: bad input is reported as such either way
         require_terminal("mdb doctor --tui", "`mdb doctor` for the table or `--json`")
@@ -164,7 +164,7 @@ def _check_and_report(args: argparse.Namespace, workload, only) -> int:
 
     t0 = time.perf_counter()
     try:
-        with contextlib.redirect_stdout(sys.stderr):
+        with stdout_to_stderr():
             kind = target.kind
             results = run_checks(target, only=only, overfit=args.overfit, options=opts,
                                  on_result=progress)
@@ -203,7 +203,7 @@ def _model_error(workload) -> str | None:
     model, batch = workload.model, workload.batch
     doing = "the forward pass"
     try:
-        with torch.random.fork_rng(devices=[]), contextlib.redirect_stdout(sys.stderr):
+        with torch.random.fork_rng(devices=[]), stdout_to_stderr():
             out = batch.call(model)
             doing = "loss_fn"
             choice = select_loss(out, workload.loss_fn, batch)
@@ -265,7 +265,7 @@ def _run_tui(workload, results, info: dict) -> int:
     """Capture one step of the workload and open the step app with the doctor view on top."""
     from tui.commands._common import capture_step
 
-    with contextlib.redirect_stdout(sys.stderr):
+    with stdout_to_stderr():
         trace = capture_step(workload, attention=True)
     app = make_doctor_app(trace, results, title=f"mdb doctor · {workload.description}")
     app.run()

@@ -39,11 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_threads_argument(parser: argparse.ArgumentParser) -> None:
     """``--threads N``: torch CPU threads for the captured step (shared by step/summary/capture)."""
+    from tui.commands._common import nonneg_int
+
     parser.add_argument(
-        "--threads", type=int, default=1, metavar="N",
-        help="torch CPU threads for the captured step (default 1: the small default model runs "
-             "fastest on one thread, above all on a busy machine, and the statistics do not "
-             "depend on the machine's core count; 0 = torch's default)",
+        "--threads", type=nonneg_int, default=1, metavar="N",
+        help="torch CPU threads for the captured step, at most the machine's CPUs (default 1: "
+             "the small default model runs fastest on one thread, above all on a busy machine, "
+             "and the statistics do not depend on the machine's core count; 0 = torch's "
+             "default)",
     )  # fmt: skip
 
 
@@ -173,8 +176,6 @@ def precheck(args: argparse.Namespace) -> None:
         raise MdbError(f"--trace {args.trace}: no such file or directory")
     if args.config and not Path(args.config).exists():
         raise MdbError(f"--config {args.config}: no such file")
-    if args.threads < 0:
-        raise MdbError(f"--threads {args.threads}: must be 0 (torch's default) or more")
 
 
 def run(args: argparse.Namespace) -> int:
