@@ -94,8 +94,8 @@ def test_nan_run_is_marked_failed_with_step_and_module(tmp_path, tiny, capsys):
     rc = main(["overfit", "--headless", "--config", str(tiny), "--steps", "10", "--db", str(db),
                "--run", "n", "--debug-nan-at", "4", "--sample-every", "0"])
     assert rc == 1
-    out = capsys.readouterr().out
-    assert "run n failed: non-finite loss at step 4" in out
+    err = capsys.readouterr().err
+    assert "mdb: error: run n failed: non-finite loss at step 4" in err
     with RunStore(db) as store:
         run = store.run("n")
         assert (run.status, run.fail_step, run.last_step) == ("failed", 4, 4)

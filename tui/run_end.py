@@ -18,9 +18,11 @@ def end_of_run(
 ) -> tuple[str, bool, int]:
     """What to print when a run ends: ``(line, is_error, exit status)``.
 
-    ``is_error`` lines go to stderr with the ``mdb: error:`` prefix. The line says "checkpoint"
-    only about a checkpoint that exists: when the last one failed (disk full, read-only
-    directory), it says so, and which step a resume would start from.
+    ``is_error`` lines go to stderr with the ``mdb: error:`` prefix: a failed run (a
+    non-finite value, ``run n failed: non-finite loss at step 4 …``) and a run whose last
+    checkpoint could not be written; the lines of a finished or interrupted run go to stdout.
+    The line says "checkpoint" only about a checkpoint that exists: when the last one failed
+    (disk full, read-only directory), it says so, and which step a resume would start from.
 
     Args:
         session: The :class:`hooks.runs.overfit.RunSession` that ran.
@@ -48,8 +50,8 @@ def end_of_run(
     if result.status == "finished":
         return (f"run {name} finished: step {result.last_step}/{session.trainer.total_steps}"
                 f"{loss}; checkpoint in {session.checkpoint_path}", False, 0)
-    if result.status == "failed":
-        return f"run {name} failed: {result.reason}", False, EXIT_FAILED
+    if result.status == "failed":  # a non-finite value: an error, as the model raising is
+        return f"run {name} failed: {result.reason}", True, EXIT_FAILED
     return (f"run {name} interrupted ({result.reason}) after step {result.last_step}{loss}; "
             f"checkpoint written; continue with: {resume}", False,
             signal_exit_code(result.reason) or 130)
