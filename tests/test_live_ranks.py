@@ -171,3 +171,49 @@ async def test_a_single_process_run_has_no_ranks_line(tmp_path):
             await pilot.press("k")
             await pilot.pause(0.1)
             assert app.screen is app.live
+
+
+def _rank_rows(w, steps):
+    for step in steps:
+        w.log_step({"step": step, "wall": float(step), "loss": 2.0 / step, "grad_norm": 0.5})
+        for rank in (0, 1):
+            w.log_rank_steps(rank, [{"step": step, "wall": float(step), "step_time": 0.1,
+                                     "values": {"loss": 2.0 / step, "grad_norm": 0.5}}])
+
+
+@pytest.mark.asyncio
+async def test_the_ranks_line_never_stays_behind_a_finished_status(tmp_path, monkeypatch):
+    """The status line and the ranks line come from two reads of the store: once the screen
+    says "✓ finished", the ranks line shows the ranks' final state at once (or says it is
+    reading it), not a step of before with a rank still running."""
+    from tui.live_app import make_watch_app
+    from tui.screens.live_ranks import RanksSummary
+
+    monkeypatch.setattr(RanksSummary, "POLL_INTERVAL", 30.0)  # its own reads: far apart
+    db = tmp_path / "d.sqlite"
+    with RunStore(db, create=True) as store:
+        w = store.create_run("ddp", {"gather_every": 10}, total_steps=30, kind="api")
+        w.set_world_size(2)
+        w.set_ranks([{"rank": r, "host": "h", "pid": 4241 + r, "local_rank": r}
+                     for r in (0, 1)])
+        _rank_rows(w, range(1, 21))
+        w.set_ranks([{"rank": 0, "state": "finished", "reason": None}])
+        with RunStore(db) as reader:
+            app = make_watch_app(reader, reader.run("ddp"))
+            async with app.run_test(size=(80, 24)) as pilot:
+                summary = app.live.query_one(RanksSummary)
+                await wait_until(pilot, lambda: summary.polls >= 1
+                                 and summary.series.step == 20)
+                first = summary.summary().plain.splitlines()[0]
+                assert "(1 finished · 1 running)" in first and "@20" in first
+                _rank_rows(w, range(21, 31))
+                w.set_ranks([{"rank": 1, "state": "finished", "reason": None}])
+                w.finish("finished")
+                await wait_until(pilot, lambda: app.live.state == "finished")
+                await pilot.pause(0.3)
+                first = summary.summary().plain.splitlines()[0]
+                assert "running" not in first and "@20" not in first
+                await wait_until(pilot, lambda: "@30" in summary.summary().plain, timeout=5)
+                first = summary.summary().plain.splitlines()[0]
+                assert first.startswith("2 ranks (2 finished) · @30")
+                await pilot.press("q")

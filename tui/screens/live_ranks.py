@@ -99,6 +99,10 @@ class RanksSummary(Static):
 
     #: Seconds between two reads of the run store.
     POLL_INTERVAL = 0.5
+    #: Seconds between two looks at the screen's own reading of the run (:meth:`_follow_screen`).
+    FOLLOW_INTERVAL = 0.1
+    #: The screen states of a run that has ended (``LiveScreen.state`` in ``mdb watch``).
+    ENDED = ("finished", "interrupted", "failed")
 
     def __init__(self, store_path: str | Path | None, run: Any, **kwargs: Any) -> None:
         super().__init__("", id="live-ranks", markup=False, **kwargs)
@@ -111,8 +115,19 @@ class RanksSummary(Static):
         self._findings_after = 0
         self._store = StoreHandle(self.store_path) if self.store_path is not None else None
         self.display = bool(world) and self.store_path is not None
+        #: The screen says the run ended while this widget's last read had it running: the
+        #: line says it is reading the ranks' final state until the next read lands.
+        self.catching_up = False
+        self._next_poll: Any = None
+
+    def _poll_in(self, delay: float) -> None:
+        """The next read in ``delay`` s: one timer at a time, whatever asked for a read."""
+        if self._next_poll is not None:
+            self._next_poll.stop()
+        self._next_poll = self.set_timer(delay, self._poll)
 
     def on_mount(self) -> None:
+        self.set_interval(self.FOLLOW_INTERVAL, self._follow_screen)
         if self.display:
             self._poll()
         elif self.store_path is not None and getattr(self.run, "status", "") == "running":
@@ -129,6 +144,19 @@ class RanksSummary(Static):
             self.post_message(RanksPolled(run, [], [], [], []))
         elif run.status == "running":
             self.app.call_from_thread(self.set_timer, 2.0, self._look)
+
+    def _follow_screen(self) -> None:
+        """Read the ranks again at once when the screen's status line has the run ended and
+        this widget's last read had it running: the two reads are apart by up to a poll, and
+        "✓ finished 300/300" must not sit beside a ranks line of step 290 with a rank running."""
+        shown = getattr(self.screen, "state", None)
+        if (not self.display or self._store is None or shown not in self.ENDED
+                or getattr(self.run, "status", None) != "running"):
+            return
+        if not self.catching_up:
+            self.catching_up = True
+            self.update(self.summary())
+        self._poll()
 
     def on_unmount(self) -> None:
         if self._store is not None:
@@ -172,9 +200,10 @@ class RanksSummary(Static):
             s.findings += message.findings
             self._findings_after = message.findings[-1].id
         s.checks = message.checks
+        self.catching_up = message.run.status == "running" and self.catching_up
         self.update(self.summary())
         ended = message.run.status != "running"
-        self.set_timer(self.POLL_INTERVAL * (4 if ended else 1), self._poll)
+        self._poll_in(self.POLL_INTERVAL * (4 if ended else 1))
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         if event.worker.group == "ranks-poll" and event.state == WorkerState.ERROR:
@@ -182,7 +211,7 @@ class RanksSummary(Static):
             self.update(Text(f"ranks: cannot read {self.store_path}: "
                              f"{type(exc).__name__}: {exc}"[:200], style="red"))
             self._store.reset()  # reopened at the next poll
-            self.set_timer(2.0, self._poll)
+            self._poll_in(2.0)
 
     # -- the two lines ---------------------------------------------------------------------------
     def summary(self) -> Text:
@@ -191,6 +220,10 @@ class RanksSummary(Static):
         text = Text(no_wrap=True, overflow="ellipsis")
         n = s.world_size
         text.append(f"{n} ranks", style="bold")
+        if self.catching_up:  # the screen has the run ended: no step nor state of before
+            text.append(" · reading their final state…", style="dim")
+            text.append("\n")
+            return text
         states = {r.state for r in s.ranks.values()}
         if s.ranks and states != {"running"}:
             bad = states & {"dead", "silent", "failed", "absent"}
