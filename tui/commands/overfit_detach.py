@@ -43,9 +43,13 @@ def trainer_argv(args: argparse.Namespace, name: str, db: Path) -> list[str]:
 
 
 def _run_name(args: argparse.Namespace) -> tuple[str, Path]:
+    from hooks.runs.store import default_db_path
     from tui.commands.overfit import _default_run_name, _open_store
 
-    store = _open_store(args, create=True)
+    path = Path(args.db if args.db else default_db_path())
+    if not args.resume and not path.exists():  # nothing to open: the trainer creates it
+        return args.run or time.strftime("overfit-%Y%m%d-%H%M%S"), path.resolve()
+    store = _open_store(args, create=False)
     try:
         path = Path(store.path).resolve()
         if args.resume:
@@ -92,6 +96,14 @@ def _last_line(log: Path) -> str:
     return "(no output)"
 
 
+def _forget_log(log: Path) -> None:
+    """A trainer that never started its run leaves nothing behind (its last line was said)."""
+    with contextlib.suppress(OSError):
+        log.unlink()
+        log.parent.rmdir()  # only when empty: never a run's checkpoints
+        log.parent.parent.rmdir()
+
+
 def wait_for_run(proc: subprocess.Popen, name: str, db: Path, log: Path):
     """Wait until the trainer's run is in the database, written by that process; return its
     :class:`hooks.runs.store.RunInfo`.
@@ -108,6 +120,7 @@ def wait_for_run(proc: subprocess.Popen, name: str, db: Path, log: Path):
             if code is not None:
                 err = MdbError(f"the trainer exited ({code}) before its run started: "
                                f"{_last_line(log)}")
+                _forget_log(log)
                 err.exit_code = code or 1
                 raise err
             with contextlib.suppress(RunStoreError, OSError), RunStore(db) as store:
@@ -119,6 +132,7 @@ def wait_for_run(proc: subprocess.Popen, name: str, db: Path, log: Path):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGINT)
         proc.wait()
+        _forget_log(log)
         err = MdbError("stopped while building the model; nothing was recorded")
         err.exit_code = 130
         raise err from None
@@ -134,6 +148,17 @@ def run_detached(args: argparse.Namespace) -> int:
     print(f"run {name} is training in the background (pid {proc.pid}); follow it: mdb watch "
           f"{name}{where} · stop it: mdb stop {name}{where} · log: {log}")
     return 0
+
+
+def _wait_for_trainer(proc: subprocess.Popen, name: str) -> int | None:
+    """The trainer's exit status once it has ended; ``None`` after Ctrl-C here (it goes on in
+    the background, and is said so)."""
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        print(f"mdb: run {name} stops after its current step (it goes on in the background "
+              f"until then: pid {proc.pid})", file=sys.stderr)
+        return None
 
 
 def run_viewer(args: argparse.Namespace) -> int:
@@ -163,7 +188,9 @@ def run_viewer(args: argparse.Namespace) -> int:
         if screen.outcome == STOPPED:
             print(f"mdb: asked run {name} to stop; waiting for its checkpoint…",
                   file=sys.stderr)
-        code = proc.wait()
+        code = _wait_for_trainer(proc, name)
+        if code is None:
+            return 130
         final = store.run(name)
     line = ended_line(final, args.db)
     if final.status == "failed":

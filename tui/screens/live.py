@@ -408,12 +408,13 @@ class LiveScreen(ViewerControls, MdbScreen):
             self._schedule_redraw()
 
     def _slow_step(self) -> float | None:
-        """Training: seconds the step after the last one has been running, when that is long
-        (more than :data:`SLOW_STEP_S` and :data:`SLOW_STEP_FACTOR` times the usual step),
-        else None."""
+        """Training (here, or an ``mdb overfit`` run watched): seconds the step after the last
+        one has been running, when that is long (more than :data:`SLOW_STEP_S` and
+        :data:`SLOW_STEP_FACTOR` times the usual step), else None."""
         s = self.series
-        if self.watch or s.last is None or self.state != "running":
-            return None  # watching, a gap may be the user's loop evaluating: not a step
+        if s.last is None or self.state != "running" or (
+                self.watch and getattr(self.run, "kind", None) != "overfit"):
+            return None  # a user's loop: a gap may be it evaluating, not a step
         usual = s.seconds_per_step() or 0.0
         waited = time.time() - s.last.wall
         if waited > max(SLOW_STEP_S, SLOW_STEP_FACTOR * usual):
