@@ -72,6 +72,8 @@ def main() -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
             run.log(loss=loss, lr=lr, grad_norm=grad_norm)  # any names; the step counts itself
+            if run.should_stop:  # `mdb stop own-loop`, or x in `mdb watch`
+                break
             if step % 50 == 0:  # validation, added to the same step
                 model.eval()
                 with torch.no_grad():
