@@ -145,6 +145,21 @@ def _attention_named(m: nn.Module) -> bool:
     return isinstance(m, nn.MultiheadAttention) or "Attention" in cls or "Attn" in cls
 
 
+def _fused_by_shape(m: nn.Module, heads: int | None,
+                    kv: int | None) -> tuple[str, nn.Module] | None:
+    """The one linear child of ``m`` whose outputs are a q|k|v split of its inputs:
+    (H + 2·Hkv)·Dh outputs for D = H·Dh inputs when the heads are known, else 3·D."""
+    hits = []
+    for n, c in m.named_children():
+        fo, fi = _out_features(c), _in_features(c)
+        if not (_linear_like(c) and fo and fi):
+            continue
+        want = (heads + 2 * kv) * (fi // heads) if heads and kv and fi % heads == 0 else 3 * fi
+        if fo == want:
+            hits.append((n, c))
+    return hits[0] if len(hits) == 1 else None
+
+
 def _int_attr(objs: tuple[Any, ...], names: tuple[str, ...]) -> int | None:
     for o in objs:
         if o is None:
@@ -188,6 +203,8 @@ class Target:
         self._vocab: int | None = None
         self._kind: ModelKind | None = None
         self._attn: list[AttentionInfo] | None = None
+        #: (H, Hkv) of the attention calls recorded in a module (:meth:`_recorded_attention`)
+        self._recorded_heads: dict[str, tuple[int | None, int | None]] = {}
         self._positions: tuple[bool, str] | None = None
 
     @classmethod
@@ -489,7 +506,10 @@ class Target:
     # -- structure ------------------------------------------------------------------------------
     def attention_layers(self) -> list[AttentionInfo]:
         """Every attention module, innermost (a wrapper like HF's ``BertAttention`` around
-        ``BertSelfAttention`` is left out), with its head layout (:class:`AttentionInfo`)."""
+        ``BertSelfAttention`` is left out), with its head layout (:class:`AttentionInfo`): the
+        modules named like attention or with q/k/v children, else those in which
+        :func:`hooks.capture` records attention probabilities on the batch
+        (:meth:`_recorded_attention`)."""
         if self._attn is not None:
             return self._attn
         found: list[tuple[str, nn.Module]] = []
@@ -498,6 +518,8 @@ class Target:
             fused = _child(m, FUSED_NAMES)
             if (q and k and v) or (fused and _attention_named(m)) or _attention_named(m):
                 found.append((name, m))
+        if not found:
+            found = self._recorded_attention()
         names = [n for n, _ in found]
         out = []
         for name, m in found:
@@ -509,6 +531,25 @@ class Target:
         self._attn = out
         return out
 
+    def _recorded_attention(self) -> list[tuple[str, nn.Module]]:
+        """The modules whose forward made the attention calls :func:`hooks.capture` records
+        (an SDPA call, a softmax over the keys of a 4-D score tensor: what the step view's
+        attention view shows), in the order they ran, on the batch in eval mode without
+        gradients; [] when the forward raises (the checks that run it say why)."""
+        from hooks.capture import capture
+
+        try:
+            with self.mode(False), torch.no_grad(), capture(
+                    self.model, include=[], inputs=False, grads=False, params=False,
+                    attention=True) as trace:
+                self.run(self.batch, use_cache=False)
+        except Exception:
+            return []
+        modules = dict(self.model.named_modules())
+        for a in trace.attention:
+            self._recorded_heads.setdefault(a.module, (a.num_heads, a.num_kv_heads))
+        return [(n, modules[n]) for n in self._recorded_heads if n in modules]
+
     def attention_modules(self) -> list[AttentionInfo]:
         """The attention modules whose KV head grouping can be measured (``separate`` and
         ``fused`` layouts)."""
@@ -516,10 +557,11 @@ class Target:
 
     def _attention_info(self, name: str, m: nn.Module) -> AttentionInfo:
         cls = type(m).__name__
+        rec_heads, rec_kv = self._recorded_heads.get(name, (None, None))
         heads = _int_attr((m, self.config), ("num_heads", "num_attention_heads", "n_head",
-                                            "n_heads"))
+                                            "n_heads")) or rec_heads
         kv_cfg = _int_attr((m, self.config), ("num_key_value_heads", "num_kv_heads",
-                                             "n_kv_heads"))
+                                             "n_kv_heads")) or rec_kv
         if isinstance(m, nn.MultiheadAttention):
             return AttentionInfo(name, m, m.num_heads, m.num_heads, m.head_dim, "mha",
                                  why=f"nn.MultiheadAttention: {m.num_heads} heads for queries, "
@@ -551,7 +593,7 @@ class Target:
                 k_site = (norm, 0)  # perturb after the norm (OLMoE's k_norm spans every head)
             return AttentionInfo(name, m, qo // hd, ko // hd, hd, "separate", k_site,
                                  (v[1], 0), o[1])
-        fused = _child(m, FUSED_NAMES)
+        fused = _child(m, FUSED_NAMES) or _fused_by_shape(m, heads, kv_cfg)
         if fused is not None:
             fo, fi = _out_features(fused[1]), _in_features(fused[1])
             hd = getattr(m, "head_dim", None)
