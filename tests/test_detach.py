@@ -312,3 +312,52 @@ def test_ctrl_c_quits_mdb_step_in_a_pty():
     finally:
         child.close()
     assert child.exitstatus == 0
+
+
+_GATED = textwrap.dedent("""
+    import os, sys, time, hooks
+    db, gate = sys.argv[1], sys.argv[2]
+    with hooks.run("gated", db=db, total_steps=10**6) as run:
+        while not os.path.exists(gate):  # the run exists, no step written yet
+            time.sleep(0.05)
+        for step in range(10**6):
+            run.log(loss=1.0 / (step + 1))
+            time.sleep(0.01)
+""")
+
+
+def test_two_viewers_from_before_the_first_step_until_the_writer_is_killed(tmp_path):
+    """Two ``mdb watch`` in real terminals, started while the run has no step yet: both follow
+    its steps, and both say ``writer gone`` with its last step after ``kill -9``."""
+    pexpect = pytest.importorskip("pexpect")
+    db, gate = tmp_path / "r.sqlite", tmp_path / "gate"
+    script = tmp_path / "gated.py"
+    script.write_text(_GATED)
+    loop = subprocess.Popen([sys.executable, str(script), str(db), str(gate)], env=ENV,
+                            stderr=subprocess.DEVNULL, preexec_fn=terminal_signals)
+    viewers = []
+    try:
+        _wait(lambda: _info(db, "gated"), what="the run")
+        for _ in range(2):
+            v = pexpect.spawn(sys.executable, ["-m", "tui.cli", "watch", "gated", "--db",
+                                               str(db)], env=dict(ENV, TERM="xterm"),
+                              dimensions=(24, 80), encoding="utf-8", timeout=60)
+            v.expect("step 0")
+            viewers.append(v)
+        gate.touch()
+        for v in viewers:
+            v.expect(r"step [1-9]\d*")
+        _wait(lambda: _info(db, "gated").last_step >= 20, what="20 steps")
+        loop.kill()
+        loop.wait()
+        last = _info(db, "gated").last_step
+        for v in viewers:
+            v.expect("writer gone", timeout=60)
+            v.expect(f"step {last}")
+            v.send("q")  # a run that is not training: q closes at once
+            v.expect(pexpect.EOF)
+    finally:
+        loop.kill()
+        for v in viewers:
+            v.close(force=True)
+    assert [v.exitstatus for v in viewers] == [0, 0]

@@ -306,3 +306,26 @@ def test_ctrl_c_while_the_model_is_built_ends_at_once_and_records_nothing(tmp_pa
     assert "mdb: error: stopped while building the model; nothing was recorded" in out
     assert "Traceback" not in out and child.exitstatus == 130
     assert not db.exists() and not (tmp_path / "mdb-checkpoints").exists()
+
+
+async def test_the_viewer_at_40x12_says_too_small_and_shows_nothing_else(tmp_path):
+    """The panels the live screen shows for a run's data (MoE load, the sample) are hidden
+    with the rest while the terminal is too small, and come back at 80×24."""
+    from tui.commands.watch import open_run
+    from tui.live_app import make_watch_app
+
+    store, run = open_run(str(_watched_db(tmp_path, layers=2)), NAME)
+    app = make_watch_app(store, run)
+    async with app.run_test(size=(40, 12)) as pilot:
+        await wait_until(pilot, lambda: app.live.polls >= 1)
+        await drawn(pilot, app.live)
+        screen = app.screen
+        visible = [w.id for w in screen.children if w.display and w.id != "too-small"]
+        assert screen.has_class("-too-small") and visible == []
+        assert "terminal too small (40×12)" in _text(screen.query_one("#too-small"))
+        await pilot.resize_terminal(80, 24)
+        await wait_until(pilot, lambda: not screen.has_class("-too-small"))
+        await drawn(pilot, app.live)
+        assert all(screen.query_one(w).display for w in ("#live-experts", "#live-status"))
+        await pilot.press("q")
+    store.close()

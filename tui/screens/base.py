@@ -37,6 +37,16 @@ def key_label(key: str) -> str:
     return names.get(key, key)
 
 
+def show(widget, visible: bool) -> None:
+    """Show or hide a direct child of an :class:`MdbScreen`: hidden by an inline ``display:
+    none``, shown by removing it, so that the too-small rule of ``app.tcss`` (``Screen.-too-small
+    > * { display: none }``) still hides it (an inline ``display: block`` would win over it)."""
+    if visible:
+        widget.styles.clear_rule("display")
+    else:
+        widget.display = False
+
+
 #: Actions that still work while the terminal is too small (leaving must always be possible).
 ALWAYS_ALLOWED = frozenset({"quit", "quit_view", "app.quit"})
 

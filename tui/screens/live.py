@@ -65,7 +65,7 @@ from textual.worker import Worker, WorkerState
 
 from hooks.runs.store import nonfinite_sentence
 from tui import messages
-from tui.screens.base import MdbScreen
+from tui.screens.base import MdbScreen, show
 from tui.screens.help import HelpScreen, binding_lines
 from tui.screens.live_chart import LineChart, Series
 from tui.screens.live_controls import ViewerControls
@@ -433,10 +433,10 @@ class LiveScreen(ViewerControls, MdbScreen):
         self._display("#live-progress", bool(s.total_steps))
         self._display("#live-note", bool(self._notes()))
 
-    def _display(self, selector: str, show: bool) -> None:
+    def _display(self, selector: str, visible: bool) -> None:
         widget = self.query_one(selector)
-        if widget.display != show:
-            widget.display = show
+        if widget.display != visible or (visible and self.has_class("-too-small")):
+            show(widget, visible)
 
     def on_screen_resume(self) -> None:
         self._dirty_text = self._dirty_charts = True

@@ -32,7 +32,7 @@ from textual.message import Message
 from textual.widgets import Footer, Static
 from textual.worker import Worker, WorkerState
 
-from tui.screens.base import MdbScreen
+from tui.screens.base import MdbScreen, show
 from tui.screens.live_chart import LineChart, Series
 from tui.screens.live_ranks_data import (
     RankSeries,
@@ -114,7 +114,9 @@ class RanksSummary(Static):
         self._cursor: dict[int, int] = {}
         self._findings_after = 0
         self._store = StoreHandle(self.store_path) if self.store_path is not None else None
-        self.display = bool(world) and self.store_path is not None
+        #: Shown: a torchrun job (known at start, or from the first read of its ranks).
+        self.shown = bool(world) and self.store_path is not None
+        show(self, self.shown)
         #: The screen says the run ended while this widget's last read had it running: the
         #: line says it is reading the ranks' final state until the next read lands.
         self.catching_up = False
@@ -128,7 +130,7 @@ class RanksSummary(Static):
 
     def on_mount(self) -> None:
         self.set_interval(self.FOLLOW_INTERVAL, self._follow_screen)
-        if self.display:
+        if self.shown:
             self._poll()
         elif self.store_path is not None and getattr(self.run, "status", "") == "running":
             self.set_timer(2.0, self._look)  # a row read before its world size was written
@@ -150,7 +152,7 @@ class RanksSummary(Static):
         this widget's last read had it running: the two reads are apart by up to a poll, and
         "✓ finished 300/300" must not sit beside a ranks line of step 290 with a rank running."""
         shown = getattr(self.screen, "state", None)
-        if (not self.display or self._store is None or shown not in self.ENDED
+        if (not self.shown or self._store is None or shown not in self.ENDED
                 or getattr(self.run, "status", None) != "running"):
             return
         if not self.catching_up:
@@ -180,8 +182,9 @@ class RanksSummary(Static):
 
     def on_ranks_polled(self, message: RanksPolled) -> None:
         message.stop()
-        if not self.display:  # it turned out to be a torchrun job
-            self.display = True
+        if not self.shown:  # it turned out to be a torchrun job
+            self.shown = True
+            show(self, True)
             self.run = message.run
             self.series = RankSeries(message.run.world_size)
             self._poll()
