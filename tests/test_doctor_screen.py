@@ -10,6 +10,7 @@ from textual.widgets import DataTable, Static
 from hooks.checks import CheckResult
 from tui import messages
 from tui.screens.doctor import DoctorScreen, summary_line
+from tui.screens.doctor_evidence import EvidenceScreen
 
 RESULTS = [
     CheckResult(1, "init-loss", "Initial loss vs ln(V)", "pass", "loss 5.5 vs ln(V) 5.5",
@@ -57,9 +58,17 @@ async def test_an_na_row_shows_its_reason_and_does_not_jump():
         assert str(table.get_row_at(0)[2]) == "n/a"
         detail = str(app.screen.query_one("#doctor-detail", Static).render())
         assert "n/a" in detail and "bidirectional encoder by design" in detail
-        await pilot.press("enter")
+        await pilot.press("enter")  # its evidence in full; nothing to jump to
         await pilot.pause()
-        assert isinstance(app.screen, DoctorScreen) and app.jumps == []
+        assert isinstance(app.screen, EvidenceScreen) and app.jumps == []
+        assert "bidirectional encoder by design" in str(
+            app.screen.query_one("#evidence", Static).render())
+        await pilot.press("enter")  # names no module: Enter does nothing
+        await pilot.pause()
+        assert isinstance(app.screen, EvidenceScreen) and app.jumps == []
+        await pilot.press("escape")
+        await pilot.pause()
+        assert isinstance(app.screen, DoctorScreen)
 
 
 def test_summary_line_counts_statuses():
@@ -97,12 +106,20 @@ async def test_enter_on_a_failure_posts_the_jump_and_dismisses():
         assert not isinstance(app.screen, DoctorScreen)
 
 
-async def test_enter_on_a_pass_or_a_finding_without_module_stays():
+async def test_enter_on_a_pass_or_a_finding_without_module_opens_its_evidence():
     app = Host(RESULTS)
     async with app.run_test(size=(100, 30)) as pilot:
         await pilot.pause()
         await pilot.press("up", "enter")          # row 0: pass
+        await pilot.pause()
+        assert isinstance(app.screen, EvidenceScreen)
+        assert "loss 5.5 vs ln(V) 5.5" in str(app.screen.query_one("#evidence").render())
+        await pilot.press("escape")
         await pilot.press("down", "down", "enter")  # row 2: warn without a module
+        await pilot.pause()
+        assert isinstance(app.screen, EvidenceScreen)
+        assert "load ×3.5" in str(app.screen.query_one("#evidence").render())
+        await pilot.press("escape")
         await pilot.pause()
         assert isinstance(app.screen, DoctorScreen)
         assert app.dismissed == [] and app.jumps == []
@@ -170,6 +187,39 @@ async def test_doctor_app_opens_on_the_doctor_view(tiny_trace_and_results):
         await pilot.press("d")
         await pilot.pause()
         assert isinstance(app.screen, DoctorScreen)
+
+
+async def test_doctor_tui_enter_on_a_passing_row_opens_its_evidence_then_its_module(
+        tiny_trace_and_results):
+    """`mdb doctor --tui`: Enter on a passing check shows what it measured (its evidence and
+    numbers), and Enter there opens the module it measured in the step view."""
+    from tui.commands.doctor import make_doctor_app
+    from tui.screens.step import StepScreen
+
+    trace, results = tiny_trace_and_results
+    tied = results[1].to_dict()
+    assert tied["status"] == "pass" and tied["module"] and tied["data"]
+    app = make_doctor_app(trace, results, title="t")
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        assert isinstance(app.screen, DoctorScreen)
+        detail = str(app.screen.query_one("#doctor-detail", Static).render())
+        await pilot.press("down")  # the first failure, then the passing tied-weights row
+        await pilot.pause()
+        detail = str(app.screen.query_one("#doctor-detail", Static).render())
+        assert "Enter: the evidence in full" in detail
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(app.screen, EvidenceScreen)
+        shown = str(app.screen.query_one("#evidence", Static).render())
+        assert tied["evidence"] in " ".join(shown.split()) or tied["evidence"][:40] in shown
+        assert "measured" in shown and f"module: {tied['module']}" in shown
+        first_key = next(iter(tied["data"]))
+        assert f"{first_key}:" in shown
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(app.screen, StepScreen)
+        assert app.screen.stepper.call.module == tied["module"]
 
 
 # -- keys, as in the step debugger's other views ----------------------------------------------

@@ -83,7 +83,8 @@ class DoctorScreen(MdbScreen):
 
     BINDINGS = [
         Binding("enter", "jump", "jump", key_display="Enter", id="doctor.jump", priority=True,
-                tooltip="open the highlighted finding's module in the step view"),
+                tooltip="open the highlighted finding's module in the step view, or a "
+                        "passing check's evidence"),
         Binding("s,escape,d", "close", "step", key_display="s", id="doctor.close",
                 tooltip="close the doctor view: back to the step view"),
         Binding("r", "view('router')", "router", id="doctor.router", tooltip="router view"),
@@ -222,8 +223,10 @@ class DoctorScreen(MdbScreen):
         if module is not None:
             text.append("\nmodule: ", style="bold")
             text.append(module or "<root>")
-            if r["status"] in JUMPABLE:
-                text.append("  (Enter opens it in the step view)", style="dim")
+        if r["status"] in JUMPABLE and module is not None:
+            text.append("  (Enter opens it in the step view)", style="dim")
+        else:
+            text.append("\nEnter: the evidence in full, with what was measured", style="dim")
         self.query_one("#doctor-detail", Static).update(text)
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
@@ -238,7 +241,9 @@ class DoctorScreen(MdbScreen):
         self.choose(self.query_one("#doctor-table", DataTable).cursor_row)
 
     def choose(self, index: int) -> bool:
-        """Act on row ``index``: jump when it is a finding naming a module.
+        """Act on row ``index``: jump when it is a finding naming a module, else open the
+        check's evidence in full (:class:`tui.screens.doctor_evidence.EvidenceScreen`),
+        from which Enter opens the module it measured.
 
         Returns:
             True when the screen was dismissed with a module to jump to.
@@ -247,17 +252,22 @@ class DoctorScreen(MdbScreen):
             return False
         r = self.rows[index]
         module = r.get("module")
-        if r["status"] not in JUMPABLE:
-            self.notify(f"{r.get('name', 'this check')}: {r['status']}, nothing to open",
-                        timeout=3)
+        if r["status"] not in JUMPABLE or module is None:
+            from tui.screens.doctor_evidence import EvidenceScreen
+
+            def opened(module: str | None) -> None:
+                if module is not None:
+                    self._jump(module)
+
+            self.app.push_screen(EvidenceScreen(r, STATUS_STYLE), opened)
             return False
-        if module is None:
-            self.notify(f"{r.get('name', 'this check')} names no module", timeout=3)
-            return False
+        self._jump(module)
+        return True
+
+    def _jump(self, module: str) -> None:
         app = self.app
         self.dismiss(module)
         app.post_message(self.JumpToModule(module))
-        return True
 
     def action_close(self) -> None:
         self.dismiss(None)
