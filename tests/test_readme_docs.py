@@ -61,3 +61,12 @@ def test_the_readme_explains_its_terms():
                 assert "tutorial" in paragraph, f"{term.pattern} unexplained: {paragraph[:200]}"
     samples_readme = (SAMPLES / "README.md").read_text(encoding="utf-8")
     assert not terms[0].search(samples_readme)
+
+
+def test_mdb_ablate_help_says_what_it_does_without_the_tutorials_names(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["ablate", "--help"])
+    assert done.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "a controlled-variable experiment in one command" in out
+    assert "seed 000" not in out.lower()

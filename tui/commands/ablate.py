@@ -41,7 +41,8 @@ from typing import Any
 from tui.commands._common import nonneg_int, positive_float, positive_int, seed_int
 from tui.errors import MdbError
 
-HELP = ("seed 000's ablation in one command: one run per --vary variant (attention=mha,gqa,mqa, "
+HELP = ("a controlled-variable experiment in one command: one run per --vary variant "
+        "(attention=mha,gqa,mqa, "
         "positions=rope,learned, ffn=moe,dense, rope_scaling=none,linear,dynamic), in "
         "parallel, then compared")
 
