@@ -13,8 +13,12 @@ number of runs. One process writes a run (:class:`RunWriter`), any number of pro
   nothing that was committed, a power cut may lose the last few steps but never corrupts the file
   (SQLite's WAL guarantees);
 * every connection sets ``busy_timeout``, so the short moments where two writers overlap (the
-  heartbeat thread, a resumed run, a WAL checkpoint) wait instead of failing with
-  ``database is locked``.
+  heartbeat thread, a resumed run, a WAL checkpoint) wait instead of failing; a lock another
+  process keeps longer than that (10 s, ``$MDB_LOCK_WAIT``) raises
+  :class:`~hooks.runs.sqlite_open.DatabaseLockedError`, one line naming the process;
+* a database that ``PRAGMA quick_check`` finds damaged is read as far as it can be, never
+  written to (:meth:`RunStore.damage`); opening, locks and damage are in
+  :mod:`hooks.runs.sqlite_open`.
 
 The writer's liveness is recorded as ``pid``, ``host`` and a ``heartbeat`` timestamp refreshed by
 a background thread (:meth:`RunWriter.start_heartbeat`), so a reader can tell a run that is
@@ -96,7 +100,6 @@ import re
 import shutil
 import socket
 import sqlite3
-import tempfile
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -106,6 +109,21 @@ from typing import Any
 
 from hooks.runs.listing import latest_names
 from hooks.runs.spikes import Spike, SpikeDetector
+from hooks.runs.sqlite_open import (
+    DEFAULT_DB_ENV,
+    DamagedDatabaseError,
+    DatabaseLockedError,
+    RunStoreError,
+    Transaction,
+    damaged_error,
+    find_damage,
+    is_locked,
+    lock_wait,
+    locked_error,
+    not_a_store,
+    open_copy,
+    open_database,
+)
 
 __all__ = [
     "APPLICATION_ID",
@@ -127,6 +145,8 @@ __all__ = [
     "RunStore",
     "RunStoreError",
     "DamagedRunError",
+    "DamagedDatabaseError",
+    "DatabaseLockedError",
     "RunUpdate",
     "RunWriter",
     "SampleRow",
@@ -144,16 +164,15 @@ SCHEMA_VERSION = 3
 APPLICATION_ID = int.from_bytes(b"mdbR", "big")
 #: Value of ``meta.format`` in an mdb run store.
 FORMAT_NAME = "mdb-runstore"
-#: Environment variable overriding the default database path.
-DEFAULT_DB_ENV = "MDB_DB"
 #: Default database path, relative to the current directory.
 DEFAULT_DB_PATH = Path("runs") / "mdb.sqlite"
 #: A running run whose heartbeat is older than this many seconds is reported "gone".
 DEFAULT_STALE_AFTER = 15.0
+#: How long a connection waits for a lock another process holds, in milliseconds, unless
+#: ``$MDB_LOCK_WAIT`` (seconds) says otherwise (:func:`hooks.runs.sqlite_open.lock_wait`).
+BUSY_TIMEOUT_MS = 10_000
 #: Run statuses as stored in ``runs.status``.
 STATUSES = ("running", "finished", "interrupted", "failed")
-#: Busy timeout of every connection, in milliseconds.
-BUSY_TIMEOUT_MS = 10_000
 #: The metrics ``mdb overfit`` logs every step, in the order it logs them; they are also
 #: :class:`MetricRow` attributes.
 FIXED_METRICS = (
@@ -311,13 +330,6 @@ _TABLES = {
 _RANK_TABLES = ("ranks", "rank_steps", "rank_scalars", "rank_internals", "findings", "checks")
 
 
-class RunStoreError(Exception):
-    """The database is missing, unreadable, not an mdb run store, or was used wrongly.
-
-    The message is one line meant for the user (the CLI prints it as ``mdb: error: ...``).
-    """
-
-
 class RunNotFoundError(RunStoreError):
     """No run with the requested name (or id) exists in the database."""
 
@@ -334,6 +346,12 @@ class DamagedRunError(RunStoreError):
 
 class WriterBusyError(RunStoreError):
     """A run cannot be resumed because its writer is still alive."""
+
+
+def _lock_wait() -> float:
+    """Seconds to wait for a lock another process holds (``$MDB_LOCK_WAIT``, else
+    :data:`BUSY_TIMEOUT_MS`)."""
+    return lock_wait(BUSY_TIMEOUT_MS / 1000)
 
 
 def default_db_path(environ: Mapping[str, str] | None = None) -> Path:
@@ -368,8 +386,12 @@ def validate_run_name(name: str) -> str:
     ``mdb ablate`` name a run after its variant, ``abl-attention=mha+ffn=dense``).
     """
     if not isinstance(name, str) or not _RUN_NAME_RE.match(name):
+        shown = repr(name)
+        if len(shown) > 120:  # a name of 10,000 characters is not repeated in full
+            n = len(name) if isinstance(name, str) else len(shown)
+            shown = f"{shown[:110]}… ({n:,} characters)"
         raise RunStoreError(
-            f"invalid run name {name!r}: use 1-100 characters from A-Z a-z 0-9 . _ - = + "
+            f"invalid run name {shown}: use 1-100 characters from A-Z a-z 0-9 . _ - = + "
             "starting with a letter or digit"
         )
     return name
@@ -902,205 +924,6 @@ def _run_from_row(row: sqlite3.Row) -> RunInfo:
 
 
 # ---------------------------------------------------------------------------------------------
-# Opening a database
-# ---------------------------------------------------------------------------------------------
-
-
-def _uri_path(path: Path) -> str:
-    # Percent-encode the characters that are special in an SQLite URI.
-    s = str(path.resolve())
-    return s.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
-
-
-def _sqlite_connect(uri: str, path: Path) -> sqlite3.Connection:
-    try:
-        conn = sqlite3.connect(
-            uri,
-            uri=True,
-            timeout=BUSY_TIMEOUT_MS / 1000,
-            isolation_level=None,
-            check_same_thread=False,
-        )
-    except sqlite3.Error as exc:
-        raise RunStoreError(f"cannot open the run database {path}: {exc}") from exc
-    conn.row_factory = sqlite3.Row
-    return conn
-
-
-def _configure(conn: sqlite3.Connection, path: Path, *, read_only: bool) -> None:
-    try:
-        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-        conn.execute("PRAGMA foreign_keys = ON")
-        if not read_only:
-            # WAL + NORMAL: a commit appends to the WAL without fsync (fsync at checkpoints).
-            conn.execute("PRAGMA synchronous = NORMAL")
-        # The first read opens the file for real (and the -wal/-shm files in WAL mode): a
-        # file that is not a database, or cannot be opened, fails here.
-        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
-    except sqlite3.DatabaseError:
-        conn.close()
-        raise
-
-
-def _cannot_open(exc: sqlite3.Error) -> bool:
-    """Whether ``exc`` says the file (or its -wal/-shm) could not be opened or written, rather
-    than that it is not a database."""
-    text = str(exc).lower()
-    return any(
-        s in text
-        for s in ("unable to open", "readonly", "read-only", "disk i/o error", "locking protocol")
-    )
-
-
-def _is_writable(path: Path) -> bool:
-    """Whether this process may change ``path`` and create its ``-wal``/``-shm`` beside it
-    (``access(2)`` says no on a read-only mount, also to root)."""
-    return os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)
-
-
-def _wal_has_content(path: Path) -> bool:
-    wal = Path(str(path) + "-wal")
-    try:
-        return wal.stat().st_size > 0
-    except OSError:
-        return False
-
-
-class _Opened:
-    """What :func:`_open` found: the connection, whether it is read-only, a note for the
-    user, and the private copy's directory (deleted on close)."""
-
-    def __init__(
-        self,
-        conn: sqlite3.Connection,
-        read_only: bool,
-        note: str | None = None,
-        copy_dir: str | None = None,
-    ) -> None:
-        self.conn = conn
-        self.read_only = read_only
-        self.note = note
-        self.copy_dir = copy_dir
-
-
-def _open_read_only(path: Path, reason: str) -> _Opened:
-    """Open ``path`` without writing anything next to it (see the module docstring)."""
-    try:
-        conn = _sqlite_connect(f"file:{_uri_path(path)}?mode=ro", path)
-        _configure(conn, path, read_only=True)
-        return _Opened(conn, True, f"{path} is read-only ({reason}): reading it without writing")
-    except sqlite3.DatabaseError as exc:
-        if not _cannot_open(exc):
-            raise RunStoreError(f"{path} is not an mdb run database ({exc})") from exc
-    if not _wal_has_content(path):
-        # No write-ahead log to read: the main file holds every committed transaction, and
-        # immutable=1 reads it without the -shm file it cannot create.
-        try:
-            conn = _sqlite_connect(f"file:{_uri_path(path)}?mode=ro&immutable=1", path)
-            _configure(conn, path, read_only=True)
-        except sqlite3.DatabaseError as exc:
-            raise RunStoreError(f"{path} is not an mdb run database ({exc})") from exc
-        return _Opened(
-            conn, True,
-            f"{path} is read-only ({reason}): reading it as an unchanging file (a writer "
-            "elsewhere would not be seen)",
-        )  # fmt: skip
-    return _open_copy(
-        path,
-        f"{path} is read-only ({reason}) and has an unfinished write-ahead log: reading a "
-        f"private copy made at {time.strftime('%H:%M:%S')}",
-    )
-
-
-def _open_copy(path: Path, note: str) -> _Opened:
-    """Copy the database and its ``-wal`` into a private directory and open the copy (SQLite
-    replays the log into it), read-write so that it can be migrated."""
-    tmp = tempfile.mkdtemp(prefix="mdb-ro-")
-    try:
-        dest = Path(tmp) / path.name
-        shutil.copyfile(path, dest)
-        wal = Path(str(path) + "-wal")
-        if wal.exists():
-            shutil.copyfile(wal, Path(str(dest) + "-wal"))
-        conn = _sqlite_connect(f"file:{_uri_path(dest)}?mode=rw", path)
-        _configure(conn, path, read_only=False)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise RunStoreError(
-            f"{path} is read-only and cannot be copied to read it: {exc.strerror or exc}"
-        ) from exc
-    except sqlite3.DatabaseError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise RunStoreError(f"{path} is not an mdb run database ({exc})") from exc
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return _Opened(conn, True, note, copy_dir=tmp)
-
-
-def _read_only_reason(path: Path) -> str:
-    probe = path if path.exists() else path.parent
-    try:
-        if os.statvfs(probe).f_flag & os.ST_RDONLY:
-            return "a read-only file system"
-    except (OSError, AttributeError):
-        pass
-    if not os.access(path, os.W_OK):
-        return "the file is not writable"
-    return "its directory is not writable"
-
-
-def _open(path: Path, *, create: bool) -> _Opened:
-    """Open ``path`` in autocommit mode with the store's pragmas; never creates unless asked."""
-    if path.is_dir():
-        raise RunStoreError(f"{path} is a directory, not a run database")
-    if path.exists() and not path.is_file():  # a FIFO, /dev/zero: never opened (it may block)
-        raise RunStoreError(f"{path} is not a run database: not a regular file")
-    if create:
-        if path.exists() and not _is_writable(path):
-            raise RunStoreError(
-                f"cannot record a run in {path}: it is read-only ({_read_only_reason(path)}); "
-                f"`mdb runs` and `mdb watch` can still read it (pass another --db / set "
-                f"{DEFAULT_DB_ENV} to record)"
-            )
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise RunStoreError(
-                f"cannot create the run database {path}: {exc.strerror or exc}"
-            ) from exc
-        conn = _sqlite_connect(f"file:{_uri_path(path)}?mode=rwc", path)
-        try:
-            _configure(conn, path, read_only=False)
-        except sqlite3.DatabaseError as exc:
-            if not _cannot_open(exc):
-                raise RunStoreError(f"{path} is not an mdb run database ({exc})") from exc
-            why = str(exc)
-            if not os.access(path.parent, os.W_OK):
-                why = f"it is read-only ({_read_only_reason(path)})"
-            raise RunStoreError(f"cannot create the run database {path}: {why}") from exc
-        return _Opened(conn, False)
-    if not path.exists():
-        raise RunStoreError(
-            f"no run database at {path} (start a run with `mdb overfit` or `hooks.run`, or "
-            f"pass --db / set {DEFAULT_DB_ENV})"
-        )
-    if not os.access(path, os.R_OK):
-        raise RunStoreError(f"cannot read the run database {path}: permission denied")
-    if path.stat().st_size == 0:
-        raise RunStoreError(f"{path} is an empty database with no runs in it")
-    if _is_writable(path):
-        conn = _sqlite_connect(f"file:{_uri_path(path)}?mode=rw", path)
-        try:
-            _configure(conn, path, read_only=False)
-            return _Opened(conn, False)
-        except sqlite3.DatabaseError as exc:
-            if not _cannot_open(exc):
-                raise RunStoreError(f"{path} is not an mdb run database ({exc})") from exc
-    return _open_read_only(path, _read_only_reason(path))
-
-
-# ---------------------------------------------------------------------------------------------
 # Schema versions
 # ---------------------------------------------------------------------------------------------
 
@@ -1223,16 +1046,22 @@ class RunStore:
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, create: bool = False):
         self.path = Path(path) if path is not None else default_db_path()
-        opened = _open(self.path, create=create)
+        opened = open_database(self.path, create=create, wait=_lock_wait())
         self._conn: sqlite3.Connection | None = opened.conn
         self.read_only = opened.read_only
         self.note = opened.note
         self._copy_dir = opened.copy_dir
         self._names: dict[int, dict[int, str]] = {}
+        self._sound = False  # quick_check passed (checked before the first write)
+        t0 = time.monotonic()
         try:
             self._check_or_init(create)
         except sqlite3.Error as exc:
             self.close()
+            if isinstance(exc, RunStoreError):  # DatabaseLockedError
+                raise
+            if is_locked(exc):
+                raise locked_error(self.path, time.monotonic() - t0) from exc
             raise RunStoreError(f"cannot use the run database {self.path}: {exc}") from exc
         except BaseException:
             self.close()
@@ -1263,7 +1092,8 @@ class RunStore:
             raise RunStoreError(f"the run database {self.path} is closed")
         return self._conn
 
-    def _check_or_init(self, create: bool) -> None:
+    def _header(self) -> tuple[int, set[str]]:
+        """``PRAGMA application_id`` and the names of the tables."""
         conn = self.connection
         try:
             app_id = conn.execute("PRAGMA application_id").fetchone()[0]
@@ -1272,12 +1102,19 @@ class RunStore:
                 for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
             }
         except sqlite3.DatabaseError as exc:
-            raise RunStoreError(f"{self.path} is not an mdb run database ({exc})") from exc
+            if is_locked(exc):
+                raise
+            raise not_a_store(self.path, exc) from exc
+        return app_id, tables
+
+    def _check_or_init(self, create: bool) -> None:
+        app_id, tables = self._header()
         if not tables and app_id == 0:
             if not create:
                 raise RunStoreError(f"{self.path} is an empty database with no runs in it")
-            self._init_schema()
-            return
+            if self._init_schema():
+                return
+            app_id, tables = self._header()  # another process created it meanwhile
         version = self._version(app_id, tables)
         if version > SCHEMA_VERSION:
             raise RunStoreError(
@@ -1317,8 +1154,9 @@ class RunStore:
             )
         if self.read_only and self._copy_dir is None:
             self.connection.close()
-            opened = _open_copy(self.path, (self.note or f"{self.path} is read-only") +
-                                f"; its schema {version} is upgraded in a private copy")
+            opened = open_copy(self.path, (self.note or f"{self.path} is read-only") +
+                                f"; its schema {version} is upgraded in a private copy",
+                               _lock_wait())
             self._conn, self.note, self._copy_dir = opened.conn, opened.note, opened.copy_dir
         conn = self.connection
         with self._transaction():
@@ -1331,37 +1169,25 @@ class RunStore:
                 _MIGRATIONS[v](conn)
                 v += 1
 
-    def _init_schema(self) -> None:
+    def _init_schema(self) -> bool:
+        """Create the schema of a new database, in one write transaction that first looks
+        again whether another process created it meanwhile (writers creating one database
+        at once): whether this process created it."""
         conn = self.connection
         mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if str(mode).lower() != "wal":
             raise RunStoreError(f"cannot put {self.path} in WAL mode (got {mode!r})")
         with self._transaction():
+            if conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
+                return False
             _create_schema(conn)
+        return True
 
-    class _Txn:
-        def __init__(self, conn: sqlite3.Connection, immediate: bool):
-            self.conn = conn
-            self.immediate = immediate
-
-        def __enter__(self) -> sqlite3.Connection:
-            self.conn.execute("BEGIN IMMEDIATE" if self.immediate else "BEGIN")
-            return self.conn
-
-        def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-            if exc_type is None:
-                self.conn.execute("COMMIT")
-            else:
-                try:
-                    self.conn.execute("ROLLBACK")
-                except sqlite3.Error:
-                    pass
-
-    def _transaction(self, immediate: bool = True) -> RunStore._Txn:
-        """A transaction: ``BEGIN IMMEDIATE`` for writes (takes the write lock up front, so
-        the busy timeout applies at BEGIN rather than failing at COMMIT), ``BEGIN`` for a
-        consistent multi-statement read."""
-        return RunStore._Txn(self.connection, immediate)
+    def _transaction(self, immediate: bool = True) -> Transaction:
+        """A transaction (:class:`hooks.runs.sqlite_open.Transaction`): ``BEGIN IMMEDIATE``
+        for writes, ``BEGIN`` for a consistent multi-statement read; a write lock another
+        process holds past the lock wait raises :class:`DatabaseLockedError`."""
+        return Transaction(self.connection, self.path, immediate)
 
     def _require_writable(self) -> None:
         if self.read_only:
@@ -1369,6 +1195,17 @@ class RunStore:
                 f"cannot write to {self.path}: it is read-only (`mdb runs` and `mdb watch` "
                 "can still read it)"
             )
+        if not self._sound:  # never write to a damaged file: checked once per store
+            problem = find_damage(self.connection)
+            if problem is not None:
+                raise damaged_error(self.path, problem)
+            self._sound = True
+
+    def damage(self) -> str | None:
+        """How the database file is damaged, from ``PRAGMA quick_check``
+        (:func:`hooks.runs.sqlite_open.find_damage`): ``None`` for a sound one. A store
+        refuses to create or resume a run in a damaged one (:class:`DamagedDatabaseError`)."""
+        return find_damage(self.connection)
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -1750,8 +1587,10 @@ class RunStore:
         *,
         total_steps: int | None = None,
         stale_after: float = DEFAULT_STALE_AFTER,
+        restart: bool = False,
     ) -> RunWriter:
-        """Take over an ended run (or one whose writer is gone) from its last checkpoint.
+        """Take over an ended run (or one whose writer is gone) from its last checkpoint, or
+        with ``restart`` one that has no checkpoint from step 0.
 
         In one write transaction (``BEGIN IMMEDIATE``: the write lock is taken before the run
         row is read, so of two processes resuming at once the second sees the first as a live
@@ -1764,12 +1603,14 @@ class RunStore:
             name: The run to resume.
             total_steps: New step target (``None`` keeps the stored one).
             stale_after: Heartbeat age after which a ``running`` writer counts as gone.
+            restart: A run without a checkpoint (its writer killed before its first one
+                was written) starts again from step 0: every row it recorded is deleted.
 
         Raises:
             RunNotFoundError: No such run.
             WriterBusyError: Its writer is still alive.
-            RunStoreError: It has no checkpoint, it already finished all its steps, or the
-                database is read-only.
+            RunStoreError: It has no checkpoint (without ``restart``), it already finished
+                all its steps, or the database is read-only or damaged.
         """
         self._require_writable()
         with self._transaction() as conn:
@@ -1780,29 +1621,16 @@ class RunStore:
                 raise WriterBusyError(
                     f"run {name!r} is still being written by pid {run.pid} on {run.host}"
                 )
-            if run.checkpoint_step is None:
+            if run.checkpoint_step is None and not restart:
                 raise RunStoreError(f"run {name!r} has no checkpoint to resume from")
             target = total_steps if total_steps is not None else run.total_steps
-            if target is not None and run.checkpoint_step >= target:
+            ckpt = run.checkpoint_step if run.checkpoint_step is not None else -1
+            if target is not None and ckpt >= target:
                 raise RunStoreError(
                     f"run {name!r} already reached step {run.checkpoint_step} of {target} "
                     "(pass a larger --steps to continue it)"
                 )
-            ckpt = run.checkpoint_step
-            for table in ("metrics", "scalars", "internals", "samples", "spikes", "rank_steps",
-                          "rank_scalars", "rank_internals"):
-                conn.execute(f"DELETE FROM {table} WHERE run_id = ? AND step > ?", (run.id, ckpt))
-            names = self._metric_names(run.id, refresh=True)
-            last_loss = None
-            key = loss_metric(names.values())
-            if key is not None:
-                ids = [i for i, n in names.items() if n == key]
-                row = conn.execute(
-                    "SELECT value FROM scalars WHERE run_id = ? AND metric = ? AND step <= ?"
-                    " ORDER BY step DESC LIMIT 1",
-                    (run.id, ids[0], ckpt),
-                ).fetchone()
-                last_loss = row[0] if row is not None else None
+            last_loss = self._rewind(conn, run.id, ckpt)
             nonfinite = run.nonfinite if run.nonfinite and run.nonfinite["step"] <= ckpt else None
             now = time.time()
             conn.execute(
@@ -1814,7 +1642,7 @@ class RunStore:
                     os.getpid(),
                     socket.gethostname(),
                     now,
-                    ckpt,
+                    max(ckpt, 0),
                     last_loss,
                     target,
                     json.dumps(nonfinite) if nonfinite else None,
@@ -1822,6 +1650,25 @@ class RunStore:
                 ),
             )
         return RunWriter(self, run.id, name)
+
+
+    def _rewind(self, conn: sqlite3.Connection, run_id: int, step: int) -> float | None:
+        """Delete the run's rows after ``step`` (inside the caller's write transaction); the
+        loss of the last step left, ``None`` when there is none."""
+        for table in ("metrics", "scalars", "internals", "samples", "spikes", "rank_steps",
+                      "rank_scalars", "rank_internals"):
+            conn.execute(f"DELETE FROM {table} WHERE run_id = ? AND step > ?", (run_id, step))
+        names = self._metric_names(run_id, refresh=True)
+        key = loss_metric(names.values())
+        if key is None:
+            return None
+        ids = [i for i, n in names.items() if n == key]
+        row = conn.execute(
+            "SELECT value FROM scalars WHERE run_id = ? AND metric = ? AND step <= ?"
+            " ORDER BY step DESC LIMIT 1",
+            (run_id, ids[0], step),
+        ).fetchone()
+        return row[0] if row is not None else None
 
 
 def _metric_mapping(metrics: MetricRow | Mapping[str, Any]) -> tuple[int, Any, Any, dict]:
@@ -2325,7 +2172,10 @@ class RunWriter:
         run_id = self.run_id
 
         def beat() -> None:
-            conn = _open(path, create=False).conn
+            try:
+                conn = open_database(path, create=False, wait=_lock_wait()).conn
+            except (RunStoreError, sqlite3.Error):  # locked, or gone: the writer's own writes say
+                return
             try:
                 while not self._hb_stop.wait(interval):
                     try:
