@@ -8,6 +8,11 @@ resume after ``kill -9``) sees either the previous checkpoint or the new one::
     checkpoint.json        step, seed, RNG state (hex), optimizer param_groups and non-tensor
                            state values, and any caller-supplied fields
 
+For tests, ``$MDB_TEST_HOLD_CHECKPOINT`` names a FIFO: the first checkpoint a process saves
+waits there, its files written and not yet renamed into place, until a byte arrives or the
+FIFO's writer closes it (:func:`hold_point`). A test opens the FIFO to know that the process is
+inside its checkpoint, then kills or signals it there, without guessing a time.
+
 This module never imports textual, rich or tui.
 """
 
@@ -35,6 +40,22 @@ __all__ = [
 
 #: ``checkpoint.json``'s ``format`` value.
 CHECKPOINT_FORMAT = "mdb-checkpoint-1"
+#: Environment variable naming the FIFO of :func:`hold_point` (tests only).
+HOLD_ENV = "MDB_TEST_HOLD_CHECKPOINT"
+_held = [False]
+
+
+def hold_point() -> None:
+    """Where a test holds a checkpoint being saved (``$MDB_TEST_HOLD_CHECKPOINT``, see the
+    module docstring): once per process, open that FIFO for reading (which waits for a
+    writer) and read one byte (which waits for it, or for the writer to close). Nothing
+    happens when the variable is unset."""
+    fifo = os.environ.get(HOLD_ENV)
+    if not fifo or _held[0]:
+        return
+    _held[0] = True
+    with open(fifo, "rb") as f:
+        f.read(1)
 
 
 def _encode_json(value: Any) -> Any:
@@ -99,6 +120,7 @@ def save_checkpoint(
     tmp.mkdir(parents=True)
     try:
         _write_checkpoint_files(tmp, model, optimizer, step, extra)
+        hold_point()
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a disk-full write leaves nothing behind
         raise

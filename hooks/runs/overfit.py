@@ -50,7 +50,7 @@ from hooks.runs.checkpoint import (
     save_checkpoint,
 )
 from hooks.runs.reserve import DiskReserve, finish_run
-from hooks.runs.store import DamagedRunError, RunStore, RunWriter, checkpoint_dir
+from hooks.runs.store import DamagedRunError, RunStore, RunStoreError, RunWriter, checkpoint_dir
 from hooks.runs.trainer import (
     StepReport,
     TrainControl,
@@ -285,6 +285,8 @@ class RunSession:
         result: The :class:`TrainResult` once :meth:`run` returned.
         checkpoint_error: One line while the latest checkpoint could not be written.
         recorded_step: The last step whose row the store committed.
+        restarted: A resumed run that had no checkpoint (its writer was killed before the
+            first one was written): it starts again from step 0.
         on_warning: Called (in the training thread) with one line when something goes wrong
             that does not stop the run — a checkpoint that could not be written.
     """
@@ -308,6 +310,7 @@ class RunSession:
         self.last_checkpoint: Path | None = Path(checkpoint) if checkpoint is not None else None
         self.last_checkpoint_step: int | None = start_step if checkpoint is not None else None
         self.recorded_step = int(start_step)
+        self.restarted = False
         self._finished = False
         self._reserve: DiskReserve | None = None
 
@@ -683,7 +686,8 @@ class OverfitSession(RunSession):
 
     @classmethod
     def resume(cls, store: RunStore, name: str, steps: int | None = None) -> OverfitSession:
-        """Continue run ``name`` from its last checkpoint (model, optimizer, RNG, step).
+        """Continue run ``name`` from its last checkpoint (model, optimizer, RNG, step); a run
+        that has none starts again from step 0 with its stored settings (:attr:`restarted`).
 
         Args:
             store: The store holding the run.
@@ -808,7 +812,8 @@ def _resume(store: RunStore, name: str, options_cls: Any, steps: int | None,
             make: Callable[[Any, int, Path], Any]) -> Any:
     """What both sessions' ``resume`` do: options from the stored config (a new ``steps``),
     the checkpoint checked, the session built by ``make(options, step, checkpoint)`` (which
-    raises when it does not fit), then the store's run taken over and its config updated."""
+    raises when it does not fit; ``(options, 0, None)`` for a run without a checkpoint, which
+    starts again), then the store's run taken over and its config updated."""
     run = store.run(name)
     if run.damaged:
         raise DamagedRunError(f"cannot resume: {run.damaged}")
@@ -816,24 +821,28 @@ def _resume(store: RunStore, name: str, options_cls: Any, steps: int | None,
     if steps is not None:
         options.steps = int(steps)
     options.validate()
-    ckpt, step = _resumable_checkpoint(store, run, options.steps)
+    ckpt, step = _resumable_checkpoint(store, run)
     try:
         session = make(options, step, ckpt)
     except (TypeError, KeyError, AttributeError, IndexError, RuntimeError, OverflowError) as exc:
         # a stored config that passed the checks above but does not rebuild the model
         raise ValueError(f"its stored config does not rebuild the run: {type(exc).__name__}: "
                          f"{_one_line(exc)}") from None
-    writer = store.resume_run(name, total_steps=options.steps)
-    session.writer, session.name = writer, name
+    writer = store.resume_run(name, total_steps=options.steps, restart=ckpt is None)
+    session.writer, session.name, session.restarted = writer, name, ckpt is None
     writer.update_config(session._config())
     return session
 
 
-def _resumable_checkpoint(store: RunStore, run: Any, steps: int) -> tuple[Path, int]:
+def _resumable_checkpoint(store: RunStore, run: Any) -> tuple[Path | None, int]:
     """The checkpoint a resume of ``run`` loads, checked before the store is changed (a missing
-    or corrupt one leaves the run as it was)."""
-    if run.checkpoint_path is None:  # resume_run says why it cannot go on
-        store.resume_run(run.name, total_steps=steps)
+    or corrupt one leaves the run as it was); ``(None, 0)`` when the run has none: its writer
+    was killed before the first one was written (the step-0 checkpoint a run starts with), and
+    the run starts again from step 0, as seeded as the first time."""
+    if run.checkpoint_path is None:
+        if run.kind != "overfit":  # hooks.run's runs: nothing of them to rebuild here
+            raise RunStoreError(f"run {run.name!r} has no checkpoint to resume from")
+        return None, 0
     ckpt = Path(run.checkpoint_path or "")
     if not ckpt.is_absolute():
         ckpt = store.path.parent / ckpt
@@ -1009,7 +1018,8 @@ class ModelOverfitSession(RunSession):
     def resume(cls, store: RunStore, name: str, build: WorkloadBuilder,
                steps: int | None = None) -> ModelOverfitSession:
         """Continue run ``name``: rebuild the model from the same factory (the stored
-        ``model_path``), check it still matches the checkpoint, load it (model, optimizer, RNG).
+        ``model_path``), check it still matches the checkpoint, load it (model, optimizer, RNG);
+        a run without a checkpoint starts again from step 0 (:attr:`restarted`).
 
         Raises:
             hooks.runs.store.RunStoreError: No such run, its writer is alive, no checkpoint, or

@@ -7,7 +7,9 @@ Every run is written to the run store (``--db``, ``$MDB_DB``, default ``./runs/m
 by step, so ``mdb watch`` in another terminal (or after an SSH reconnect) sees all of it, and
 ``mdb runs`` lists it. SIGINT, SIGTERM and SIGHUP stop the run after the current step, write a
 checkpoint, mark it interrupted and exit 130 / 143 / 129 (a second Ctrl-C while it stops changes
-nothing: the checkpoint is still written); ``mdb overfit --resume RUN`` continues.
+nothing: the checkpoint is still written); ``mdb overfit --resume RUN`` continues (a run killed
+before its first checkpoint starts again from step 0). A signal the process was started with
+ignored (``nohup`` ignores SIGHUP) stays ignored: the run goes on.
 
 ``--nproc N`` runs the built-in overfit as a DDP job of N processes through ``torchrun`` (gloo
 on CPU), each rank on its own seeded windows of the text, recorded as one run
@@ -209,34 +211,12 @@ def build_session(args: argparse.Namespace, control=None):
     """
     import torch
 
-    from hooks.runs.overfit import ModelOverfitSession, OverfitSession, resume_session
+    from hooks.runs.overfit import ModelOverfitSession, OverfitSession
     from hooks.runs.store import RunStoreError, validate_run_name
 
     torch.set_num_threads(args.threads)
     if args.resume:
-        given = [
-            f"--{k.replace('_', '-')}"
-            for k in ("text", "preset", "config", "model", "lr", "seq_len", "batch_size", "seed",
-                      "run", "every", "sample_every", "checkpoint_every")
-            if getattr(args, k, None) is not None
-        ]
-        if given:
-            raise MdbError(
-                f"--resume continues a run with its own settings; drop {', '.join(given)}"
-            )
-        store = _open_store(args, create=False)
-        try:
-            session = resume_session(store, args.resume, steps=args.steps,
-                                     build=_build_workload)
-        except RunStoreError as exc:
-            store.close()
-            raise MdbError(str(exc)) from None
-        except MdbError as exc:
-            store.close()
-            raise MdbError(f"cannot resume {args.resume!r}: {exc}") from None
-        except (ValueError, FileNotFoundError) as exc:
-            store.close()
-            raise MdbError(f"cannot resume {args.resume!r}: {exc}") from None
+        session = _resumed_session(args)
     else:
         if getattr(args, "model", None):
             given = [f"--{k.replace('_', '-')}" for k in _MINILLM_ONLY
@@ -283,6 +263,42 @@ def build_session(args: argparse.Namespace, control=None):
         session.control = control
     if args.debug_nan_at is not None:
         _arm_nan(session, args.debug_nan_at)
+    return session
+
+
+def _resumed_session(args: argparse.Namespace):
+    """``--resume RUN``: the run's session from its checkpoint, or from step 0 (said on
+    stderr) when it has none.
+
+    Raises:
+        MdbError: Options that do not apply, a database or run that cannot be resumed.
+    """
+    from hooks.runs.overfit import resume_session
+    from hooks.runs.store import RunStoreError
+
+    given = [
+        f"--{k.replace('_', '-')}"
+        for k in ("text", "preset", "config", "model", "lr", "seq_len", "batch_size", "seed",
+                  "run", "every", "sample_every", "checkpoint_every")
+        if getattr(args, k, None) is not None
+    ]
+    if given:
+        raise MdbError(
+            f"--resume continues a run with its own settings; drop {', '.join(given)}"
+        )
+    store = _open_store(args, create=False)
+    try:
+        session = resume_session(store, args.resume, steps=args.steps, build=_build_workload)
+    except RunStoreError as exc:
+        store.close()
+        raise MdbError(str(exc)) from None
+    except (MdbError, ValueError, FileNotFoundError) as exc:
+        store.close()
+        raise MdbError(f"cannot resume {args.resume!r}: {exc}") from None
+    if session.restarted:
+        _stderr_line(f"mdb: run {args.resume} has no checkpoint (its writer stopped before "
+                     "the first one was written): it starts again from step 0, with its own "
+                     "settings and seed")
     return session
 
 
@@ -492,6 +508,19 @@ class _Reporter:
             self.line(f"step {m.step}/{self.total}  {stats}")
 
 
+def stop_signals() -> list[str]:
+    """The signals that stop a run: SIGINT, SIGTERM and SIGHUP, except those this process
+    ignores. ``nohup`` starts a command with SIGHUP ignored (and a shell's ``&`` one with
+    SIGINT ignored) to ask that the terminal going away does not stop it: such a signal stays
+    ignored."""
+    names = []
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+        sig = getattr(signal, name, None)
+        if sig is not None and signal.getsignal(sig) is not signal.SIG_IGN:
+            names.append(name)
+    return names
+
+
 def _stderr_line(text: str) -> None:
     """One line on stderr with a plain ``os.write`` (safe inside a signal handler)."""
     try:
@@ -512,8 +541,9 @@ def _say_already_stopping(session):
 def run_headless(session, args: argparse.Namespace | None = None) -> int:
     """Run ``session`` to its end with progress output; return the exit status.
 
-    Installs SIGINT/SIGTERM/SIGHUP handlers (main thread) that stop the run gracefully; a signal
-    while it stops (a second Ctrl-C) only says that it is stopping. A checkpoint that cannot be
+    Installs SIGINT/SIGTERM/SIGHUP handlers (main thread) that stop the run gracefully, for
+    those of them this process does not ignore (:func:`stop_signals`); a signal while it stops
+    (a second Ctrl-C) only says that it is stopping. A checkpoint that cannot be
     written is said at once on stderr (``mdb: warning: ...``) and the run goes on.
 
     Returns:
@@ -524,7 +554,8 @@ def run_headless(session, args: argparse.Namespace | None = None) -> int:
     """
     from hooks.runs.trainer import install_stop_signals
 
-    restore = install_stop_signals(session.control, on_repeat=_say_already_stopping(session))
+    restore = install_stop_signals(session.control, stop_signals(),
+                                   on_repeat=_say_already_stopping(session))
     reporter = _Reporter(session)
     session.on_warning = lambda line: _stderr_line(f"mdb: warning: {line}")
     heartbeat = getattr(args, "heartbeat", 1.0) if args is not None else 1.0
@@ -630,7 +661,7 @@ def run(args: argparse.Namespace) -> int:
 
     # Signals arriving just after the model is built stop the run before its first step; the
     # handlers stay until the run's own are installed, so no signal finds Python's default.
-    restore = install_stop_signals(control, on_signal=on_signal)
+    restore = install_stop_signals(control, stop_signals(), on_signal=on_signal)
     try:
         if sys.stderr.isatty() and not args.headless:
             _stderr_line("mdb: building the model… (Ctrl-C stops)")

@@ -6,7 +6,13 @@ it failed, that its writer is gone and how to resume it, a non-finite value, a l
 to the width (``--json`` has every line in full). Piped, nothing is cut.
 
 A run whose row cannot be read (the database was changed outside mdb) is listed as ``damaged``
-with one ``mdb: error:`` line naming the field; the exit status is then 1.
+with one ``mdb: error:`` line naming the field; the exit status is then 1. A database file that
+``PRAGMA quick_check`` finds damaged (``database disk image is malformed``) is listed as far as
+it can be read, with one ``mdb: error:`` line saying so (mdb will not write to it), exit 1.
+
+A run of ``mdb overfit`` that was stopped before its first checkpoint (its writer killed while
+writing it) cannot be continued, but it can start again: its line says
+``restart from step 0: mdb overfit --resume NAME``.
 """
 
 from __future__ import annotations
@@ -66,7 +72,9 @@ def run_record(run, store, now: float) -> dict:
     ``line``; empty for a single process) and ``details`` (the lines the table prints under
     the run, uncut).
     """
-    from hooks.runs.store import RunStoreError
+    import sqlite3
+
+    from hooks.runs.store import DatabaseLockedError, RunStoreError
 
     d = run.to_dict()
     d.pop("config", None)
@@ -85,8 +93,12 @@ def run_record(run, store, now: float) -> dict:
             ranks=[r.to_dict() for r in store.ranks(run.id)],
             findings=[f.to_dict() for f in store.findings(run.id)],
         )
+    except DatabaseLockedError:
+        raise
     except RunStoreError as exc:  # a damaged metric row: the run is listed, said damaged
         d["damaged"] = d["damaged"] or str(exc)
+    except sqlite3.DatabaseError as exc:  # a damaged page of the file: the same
+        d["damaged"] = d["damaged"] or f"run {run.name!r}: its rows cannot be read ({exc})"
     d["details"] = detail_lines(run, d, now)
     return d
 
@@ -94,7 +106,9 @@ def run_record(run, store, now: float) -> dict:
 def detail_lines(run, record: dict, now: float, db: str | None = None) -> list[str]:
     """What the table says under a run, one line each (none when there is nothing to say): why
     it ended or where it failed, a gone writer, a non-finite value, the largest loss spike, and
-    the command that continues an interrupted run or one whose writer is gone."""
+    the command that continues an interrupted run or one whose writer is gone (``continue:
+    ...``), or restarts one that has no checkpoint to continue from (``restart from step 0:
+    ...``)."""
     from hooks.runs.spikes import Spike
 
     if record.get("damaged"):
@@ -105,10 +119,11 @@ def detail_lines(run, record: dict, now: float, db: str | None = None) -> list[s
         lines.append(run.gone_reason(now).removeprefix("writer "))
     elif state == "interrupted":
         lines.append(run.status_line(now))
-    resumable = run.kind == "overfit" and run.checkpoint_step is not None and state in (
-        "gone", "interrupted")
-    if resumable:
-        lines[-1] += f" · checkpoint @ step {run.checkpoint_step}"
+    stopped = run.kind == "overfit" and state in ("gone", "interrupted")
+    resumable = stopped and run.checkpoint_step is not None
+    if stopped:
+        lines[-1] += (f" · checkpoint @ step {run.checkpoint_step}" if resumable
+                      else " · no checkpoint")
     elif state == "failed":
         line = run.status_line(now)
         if run.reason and run.reason.startswith("non-finite"):
@@ -130,8 +145,9 @@ def detail_lines(run, record: dict, now: float, db: str | None = None) -> list[s
         lines.append(f"{run.world_size} ranks" + (f" · {len(found)} finding(s)" if found else
                                                   ""))
         lines += [f["line"] for f in found]
-    if resumable:
-        lines.append(f"continue: mdb overfit --resume {run.name}" + (f" --db {db}" if db else ""))
+    if stopped:
+        how = "continue" if resumable else "restart from step 0"
+        lines.append(f"{how}: mdb overfit --resume {run.name}" + (f" --db {db}" if db else ""))
     return lines
 
 
@@ -219,26 +235,50 @@ def table_lines(runs, records: list[dict], now: float, width: int | None,
         lines.append(line)
         for detail in detail_lines(r, d, now, db):
             # a command to copy is never cut
-            room = None if width is None or detail.startswith("continue: ") else width - 4
+            command = detail.startswith(("continue: ", "restart from step 0: "))
+            room = None if width is None or command else width - 4
             lines.append(Text("  └ " + _cut(detail, room), style="dim"))
     return lines
 
 
-def run(args: argparse.Namespace) -> int:
-    """Entry point of ``mdb runs``."""
-    from hooks.runs.store import RunStore, RunStoreError, default_db_path
+def _read_all(path, now: float) -> tuple[list, list[dict], str | None]:
+    """The runs of the database, their records, and how the file is damaged (``None``: it is
+    sound); one line (:class:`MdbError`) when not even the list of runs can be read."""
+    import sqlite3
 
-    path = args.db if args.db else default_db_path()
-    now = time.time()
+    from hooks.runs.sqlite_open import damaged_error
+    from hooks.runs.store import RunStore, RunStoreError
+
     try:
         with RunStore(path) as store:
             if store.note:
                 print(f"mdb: note: {store.note}", file=sys.stderr)
-            runs = store.runs()
+            problem = store.damage()
+            try:
+                runs = store.runs()
+            except sqlite3.DatabaseError as exc:
+                if problem is None:
+                    raise
+                raise MdbError(f"{damaged_error(store.path, problem)}; not even its list of "
+                               f"runs can be read ({exc})") from None
             records = [run_record(r, store, now) for r in runs]
     except RunStoreError as exc:
         raise MdbError(str(exc)) from None
+    return runs, records, problem
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``mdb runs``."""
+    from hooks.runs.sqlite_open import damaged_error
+    from hooks.runs.store import default_db_path
+
+    path = args.db if args.db else default_db_path()
+    now = time.time()
+    runs, records, problem = _read_all(path, now)
     damaged = [d["damaged"] for d in records if d.get("damaged")]
+    if problem is not None:  # one line for the file, not one per run it made unreadable
+        damaged = [str(damaged_error(path, problem))] + [
+            line for line in damaged if "its rows cannot be read" not in line]
     if args.json:
         for d in records:
             print(json.dumps(d, sort_keys=True))
