@@ -63,6 +63,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import json
 import math
 import operator
 import os
@@ -108,8 +109,8 @@ def run(
         name: Run name (1-100 characters from ``A-Z a-z 0-9 . _ -``). ``None``:
             ``run-YYYYMMDD-HHMMSS``. A name already in the database gets a ``-2``, ``-3`` …
             suffix (said on stderr).
-        db: The database file (created if missing). ``None``: ``$MDB_DB``, else
-            ``./runs/mdb.sqlite``.
+        db: The database file (created if missing). ``None`` or ``""``: ``$MDB_DB``, else
+            ``./runs/mdb.sqlite`` (as ``--db ""`` in the CLI).
         config: Your run's configuration (hyper-parameters), stored as JSON (other values as
             ``str``); ``mdb runs --json`` does not print it, the database keeps it.
         total_steps: The number of steps you intend to run, if known (progress and ETA in
@@ -123,9 +124,13 @@ def run(
 
     Raises:
         hooks.runs.store.RunStoreError: Invalid name, or a database that cannot be written
-            (one line).
-        TypeError: ``config`` is not a mapping.
-        ValueError: ``gather_every < 1``.
+            (one line): locked by another process past the lock wait
+            (:class:`~hooks.runs.sqlite_open.DatabaseLockedError`), or damaged
+            (:class:`~hooks.runs.sqlite_open.DamagedDatabaseError`). An invalid name creates
+            no database.
+        TypeError: ``config`` is not a mapping, or has keys JSON cannot store.
+        ValueError: ``gather_every < 1``, or ``config`` cannot be stored as JSON (a value that
+            contains itself): nothing is created either.
     """
     return Run(name, db=db, config=config, total_steps=total_steps, gather_every=gather_every)
 
@@ -161,19 +166,110 @@ def _to_float(name: str, value: Any) -> float:
                         f"got {type(value).__name__}") from None
 
 
+_LOAD_WANTED = ("run.log(expert_load=...): expected per MoE layer, per expert, the share of "
+                "routed slots (a 2-D tensor or nested lists of numbers)")
+
+
+def _load_row(row: Any) -> list[float]:
+    if isinstance(row, (str, bytes)):
+        raise TypeError(f"{_LOAD_WANTED}, got a row that is {type(row).__name__}")
+    try:
+        items = list(row)
+    except TypeError:
+        raise TypeError(f"{_LOAD_WANTED}, got a row that is {type(row).__name__}") from None
+    for x in items:
+        if isinstance(x, (str, bytes)) or not isinstance(x, (int, float)) and not hasattr(
+                x, "__float__"):
+            raise TypeError(f"{_LOAD_WANTED}, got a share that is {type(x).__name__}")
+    return [float(x) for x in items]
+
+
 def _expert_load(value: Any) -> list[list[float]] | None:
     """``run.log(expert_load=...)`` as nested lists (L, E), or ``None`` for a scalar (logged
-    as a scalar named ``expert_load``, as before the argument existed)."""
+    as a scalar named ``expert_load``, as before the argument existed).
+
+    Raises:
+        TypeError: Text, or a table whose rows or shares are not numbers (one line naming
+            the argument).
+        ValueError: No layer, a layer without experts, or layers with different numbers of
+            experts (a ragged table).
+    """
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{_LOAD_WANTED}, got {type(value).__name__}")
     tolist = getattr(value, "tolist", None)
     rows = tolist() if callable(tolist) else value
     if isinstance(rows, (int, float)) or getattr(value, "ndim", None) == 0:
         return None
     try:
-        out = [[float(x) for x in row] for row in rows]
+        rows = list(rows)
     except TypeError:
-        raise TypeError("run.log(expert_load=...): expected per MoE layer, per expert, the "
-                        "share of routed slots (a 2-D tensor or nested lists)") from None
+        raise TypeError(f"{_LOAD_WANTED}, got {type(value).__name__}") from None
+    out = [_load_row(row) for row in rows]
+    if not out:
+        raise ValueError("run.log(expert_load=...): no MoE layer in it; leave it out for a "
+                         "model without experts")
+    widths = [len(row) for row in out]
+    if min(widths) == 0 or len(set(widths)) > 1:
+        raise ValueError(f"run.log(expert_load=...): its layers have {widths[:8]} experts"
+                         f"{' …' if len(widths) > 8 else ''}: every MoE layer needs one share "
+                         "per expert, the same number in each (an (L, E) table)")
     return out
+
+
+def _checked_counts(total_steps: Any, gather_every: Any) -> tuple[int | None, int]:
+    """``hooks.run``'s ``total_steps`` and ``gather_every`` as integers, checked."""
+    if total_steps is not None:
+        total_steps = operator.index(total_steps)
+        if not 0 < total_steps < 2**63:
+            raise ValueError(f"total_steps must be a positive integer below 2**63, got "
+                             f"{total_steps}")
+    gather_every = operator.index(gather_every)
+    if gather_every < 1:
+        raise ValueError(f"gather_every={gather_every}: must be 1 or more")
+    return total_steps, gather_every
+
+
+def _job() -> Any:
+    """The ``torchrun`` job this process is a rank of (:func:`hooks.runs.distributed.job`),
+    ``None`` without one."""
+    if "torch.distributed" not in sys.modules:  # a job's process group exists only if imported
+        return None
+    from hooks.runs import distributed
+
+    return distributed.job()
+
+
+def _say_world_size(job: Any) -> None:
+    """A ``WORLD_SIZE`` above 1 without a process group: say that this process is a run of
+    its own."""
+    world_env = os.environ.get("WORLD_SIZE", "").strip()
+    if job is None and world_env.isdigit() and int(world_env) > 1:
+        print(f"mdb: WORLD_SIZE={world_env} but no torch.distributed process group is "
+              "initialised: this process is recorded as a run of its own (call "
+              "init_process_group before hooks.run to record the job as one run)",
+              file=sys.stderr)
+
+
+def _config_checked(config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``config`` as a dict that the store can write as JSON (as ``create_run`` writes it),
+    checked before any database is opened.
+
+    Raises:
+        TypeError: Not a mapping, or keys JSON cannot store.
+        ValueError: A value that contains itself (``Circular reference detected``) or nests
+            too deep.
+    """
+    if config is not None and not isinstance(config, Mapping):
+        raise TypeError(f"config must be a mapping (a dict), got {type(config).__name__}")
+    config = dict(config or {})
+    try:
+        json.dumps(config, sort_keys=True, default=str)
+    except TypeError as exc:
+        raise TypeError(f"hooks.run(config=...) cannot be stored as JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        why = " (a value in it contains itself)" if "ircular" in str(exc) else ""
+        raise ValueError(f"hooks.run(config=...) cannot be stored as JSON: {exc}{why}") from None
+    return config
 
 
 def _job_end(status: str, reason: str | None,
@@ -258,17 +354,13 @@ class Run(RunControls):
         gather_every: int = 50,
         kind: str = "api",
     ) -> None:
-        if config is not None and not isinstance(config, Mapping):
-            raise TypeError(f"config must be a mapping (a dict), got {type(config).__name__}")
-        if total_steps is not None:
-            total_steps = operator.index(total_steps)
-            if not 0 < total_steps < 2**63:
-                raise ValueError(f"total_steps must be a positive integer below 2**63, got "
-                                 f"{total_steps}")
-        gather_every = operator.index(gather_every)
-        if gather_every < 1:
-            raise ValueError(f"gather_every={gather_every}: must be 1 or more")
-        self.db = Path(db) if db is not None else default_db_path()
+        # every argument checked before any database exists: a refusal creates none
+        config = _config_checked(config)
+        if name is not None:
+            validate_run_name(name)
+        total_steps, gather_every = _checked_counts(total_steps, gather_every)
+        # None or "" (as --db "" in the CLI): the default database
+        self.db = Path(db) if db is not None and os.fspath(db) != "" else default_db_path()
         self.total_steps = total_steps
         self.step = 0
         self.status = "running"
@@ -277,40 +369,13 @@ class Run(RunControls):
         self.error: str | None = None
         self.rank, self.world_size = 0, 1
         self._link: Any = None
-        job = None
-        if "torch.distributed" in sys.modules:  # a job's process group exists only if imported
-            from hooks.runs import distributed
-
-            job = distributed.job()
-        requested = name
+        # rank 0 / one process: room for the final status once the disk is full
+        self._reserve: DiskReserve | None = None
+        job = _job()
+        self.name, self.id = None, None  # on ranks other than 0: rank 0's, once it says
         if job is None or job.rank == 0:
-            try:
-                with RunStore(self.db, create=True) as store:
-                    writer = self._create(store, name, dict(config or {}), kind,
-                                          job.world_size if job is not None else None)
-            except Exception as exc:
-                if job is not None:  # the other ranks learn it rather than wait
-                    with contextlib.suppress(Exception):
-                        self._make_link(job, gather_every).publish_run({"error": str(exc)})
-                raise
-            self.name: str | None = writer.name
-            self.id: int | None = writer.run_id
-            if requested is not None and requested != self.name:
-                print(f"mdb: a run named {requested!r} exists in {self.db}: recording this one "
-                      f"as {self.name!r}", file=sys.stderr)
-            db_opt = "" if self.db == default_db_path() else f" --db {self.db}"
-            ranks = f" ({job.world_size} ranks)" if job is not None else ""
-            print(f"mdb: recording run {self.name}{ranks} in {self.db} (follow it: mdb watch "
-                  f"{self.name}{db_opt})", file=sys.stderr)
-        else:
-            self.name, self.id = None, None  # rank 0's, once it says
-        world_env = os.environ.get("WORLD_SIZE", "").strip()
-        if job is None and world_env.isdigit() and int(world_env) > 1:
-            print(f"mdb: WORLD_SIZE={world_env} but no torch.distributed process group is "
-                  "initialised: this process is recorded as a run of its own (call "
-                  "init_process_group before hooks.run to record the job as one run)",
-                  file=sys.stderr)
-
+            self._create_run(name, config, kind, job, gather_every)
+        _say_world_size(job)
         self._logged = False
         self._queue: collections.deque = collections.deque()
         self._traces_in = 0  # written by the caller's thread only
@@ -340,12 +405,6 @@ class Run(RunControls):
         self._poller: Any = None
         self._nf_order: tuple[int, int] | None = None
         self._sample: tuple[int, str, str] | None = None
-        # rank 0 / one process: room for the final status once the disk is full
-        self._reserve: DiskReserve | None = None
-        if job is None or job.rank == 0:
-            self._reserve = DiskReserve(checkpoint_dir(self.db, self.name) / ".mdb-reserve")
-            self._reserve.make()
-
         self._thread: threading.Thread | None = None
         if job is None or job.rank == 0:
             self._thread = threading.Thread(
@@ -364,6 +423,31 @@ class Run(RunControls):
         self._prev_excepthook = sys.excepthook
         sys.excepthook = self._excepthook
         atexit.register(self._atexit)
+
+    def _create_run(self, name: str | None, config: dict[str, Any], kind: str, job: Any,
+                    gather_every: int) -> None:
+        """Create the run in the store (rank 0, or a single process), set its disk reserve
+        aside and say where it is recorded; a failure is told to the other ranks of a job,
+        then raised."""
+        try:
+            with RunStore(self.db, create=True) as store:
+                writer = self._create(store, name, config, kind,
+                                      job.world_size if job is not None else None)
+        except Exception as exc:
+            if job is not None:  # the other ranks learn it rather than wait
+                with contextlib.suppress(Exception):
+                    self._make_link(job, gather_every).publish_run({"error": str(exc)})
+            raise
+        self.name, self.id = writer.name, writer.run_id
+        if name is not None and name != self.name:
+            print(f"mdb: a run named {name!r} exists in {self.db}: recording this one "
+                  f"as {self.name!r}", file=sys.stderr)
+        db_opt = "" if self.db == default_db_path() else f" --db {self.db}"
+        ranks = f" ({job.world_size} ranks)" if job is not None else ""
+        print(f"mdb: recording run {self.name}{ranks} in {self.db} (follow it: mdb watch "
+              f"{self.name}{db_opt})", file=sys.stderr)
+        self._reserve = DiskReserve(checkpoint_dir(self.db, self.name) / ".mdb-reserve")
+        self._reserve.make()
 
     def _make_link(self, job: Any, every: int) -> Any:
         from hooks.runs import distributed
