@@ -74,9 +74,9 @@ class DatabaseLockedError(RunStoreError, sqlite3.OperationalError):
         waited: Seconds mdb waited.
     """
 
-    def __init__(self, message: str, pids: list[int], waited: float) -> None:
-        super().__init__(message)
-        self.pids = pids
+    def __init__(self, message: str, pids: list[int] | None = None, waited: float = 0.0) -> None:
+        super().__init__(message)  # (message,): it pickles, as an exception must
+        self.pids = list(pids or [])
         self.waited = waited
 
 
