@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "overfit": "overfit",
     "watch": "watch",
     "runs": "runs",
+    "stop": "stop",
     "export": "export",
     "doctor": "doctor",
     "diff": "diff",
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``mdb`` console script; returns the process exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args._argv = list(argv) if argv is not None else sys.argv[1:]  # the trainer's, for --detach
     if not getattr(args, "_run", None):
         parser.print_help()
         return 0

@@ -30,6 +30,7 @@ import time
 from typing import Any
 
 from tui.commands._common import nonneg_int, positive_float, positive_int, seed_int
+from tui.commands.overfit_detach import default_run_name, open_store
 from tui.errors import MdbError, ModelError
 from tui.run_end import EXIT_FAILED, end_of_run
 
@@ -105,6 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="no UI: one progress line on a terminal, plain lines otherwise (for "
                         "nohup, tmux, batch jobs); also used when stdin or stdout is not a "
                         "terminal")
+    x.add_argument("--detach", action="store_true",
+                   help="start the run in the background and return at once (its name, pid "
+                        "and the `mdb watch` line are printed); `mdb stop RUN` stops it")
     x.add_argument("--threads", type=positive_int, default=1,
                    help="torch CPU threads (default 1: small models train fastest on one); "
                         "with --nproc, per rank")
@@ -121,25 +125,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-
-
-def _open_store(args: argparse.Namespace, *, create: bool):
-    from hooks.runs.store import RunStore, RunStoreError, default_db_path
-
-    path = args.db if args.db else default_db_path()
-    try:
-        return RunStore(path, create=create)
-    except RunStoreError as exc:
-        raise MdbError(str(exc)) from None
-
-
-def _default_run_name(store) -> str:
-    base = time.strftime("overfit-%Y%m%d-%H%M%S")
-    names = {r.name for r in store.runs()}
-    name, i = base, 2
-    while name in names:
-        name, i = f"{base}-{i}", i + 1
-    return name
 
 
 def _options_from_args(args: argparse.Namespace):
@@ -233,11 +218,11 @@ def build_session(args: argparse.Namespace, control=None):
         opened = []
 
         def open_store():
-            opened.append(_open_store(args, create=True))
+            opened.append(open_store(args, create=True))
             return opened[-1]
 
         def name_in(store) -> str:
-            return args.run or _default_run_name(store)
+            return args.run or default_run_name(store)
 
         try:
             if getattr(args, "model", None):
@@ -286,7 +271,7 @@ def _resumed_session(args: argparse.Namespace):
         raise MdbError(
             f"--resume continues a run with its own settings; drop {', '.join(given)}"
         )
-    store = _open_store(args, create=False)
+    store = open_store(args, create=False)
     try:
         session = resume_session(store, args.resume, steps=args.steps, build=_build_workload)
     except RunStoreError as exc:
@@ -556,6 +541,7 @@ def run_headless(session, args: argparse.Namespace | None = None) -> int:
 
     restore = install_stop_signals(session.control, stop_signals(),
                                    on_repeat=_say_already_stopping(session))
+    poller = _control_poller(session)
     reporter = _Reporter(session)
     session.on_warning = lambda line: _stderr_line(f"mdb: warning: {line}")
     heartbeat = getattr(args, "heartbeat", 1.0) if args is not None else 1.0
@@ -574,6 +560,7 @@ def run_headless(session, args: argparse.Namespace | None = None) -> int:
               f"{where}; {_recorded(session)}", file=sys.stderr)
         return EXIT_FAILED
     finally:
+        poller.close()
         restore()
         session.store.close()
     line, is_error, code = end_of_run(session, result, reporter.last_metrics,
@@ -583,6 +570,18 @@ def run_headless(session, args: argparse.Namespace | None = None) -> int:
     else:
         reporter.line(line)
     return code
+
+
+def _control_poller(session):
+    """Act on ``mdb stop`` and the viewers' ``p``/``x`` (requests in the run store's control
+    table, :mod:`hooks.runs.control`): stop after the step with a checkpoint, pause, resume."""
+    from hooks.runs.control import ControlPoller
+
+    control = session.control
+    actions = {"stop": lambda: control.stop("stopped"), "pause": control.pause,
+               "resume": control.resume}
+    return ControlPoller(session.store.path, session.writer.run_id,
+                         lambda command: actions[command]()).start()
 
 
 def _recorded(session) -> str:
@@ -616,9 +615,9 @@ def _run_nproc(args: argparse.Namespace) -> int:
         options.validate()
     except ValueError as exc:
         raise MdbError(str(exc)) from None
-    store = _open_store(args, create=True)
+    store = open_store(args, create=True)
     try:
-        name = args.run or _default_run_name(store)
+        name = args.run or default_run_name(store)
         if args.run and any(r.name == name for r in store.runs()):
             raise MdbError(f"a run named {name!r} already exists in {store.path} (choose "
                            "another --run)")
@@ -639,11 +638,23 @@ def run(args: argparse.Namespace) -> int:
     from hooks.runs.trainer import TrainControl, install_stop_signals
 
     if getattr(args, "nproc", None) is not None:
+        if args.detach:
+            raise MdbError("--detach does not apply with --nproc (a DDP job runs in the "
+                           "foreground; start it under nohup, it is recorded as one run)")
         if args.gather_every is None:
             args.gather_every = 10
         return _run_nproc(args)
     if getattr(args, "gather_every", None) is not None:
         raise MdbError("--gather-every applies only with --nproc (a DDP job of N processes)")
+    if args.detach and args.headless:
+        raise MdbError("--detach and --headless exclude each other: --detach runs headless in "
+                       "the background, --headless in the foreground (for nohup and batch jobs)")
+    from tui.commands import overfit_detach
+
+    if args.detach:
+        return overfit_detach.run_detached(args)
+    if not args.headless and sys.stdin.isatty() and sys.stdout.isatty():
+        return overfit_detach.run_viewer(args)  # the trainer in a process of its own
 
     control = TrainControl()
     building = [True]

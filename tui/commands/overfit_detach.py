@@ -42,14 +42,35 @@ def trainer_argv(args: argparse.Namespace, name: str, db: Path) -> list[str]:
     return [sys.executable, "-m", "tui.cli", *argv]
 
 
+def open_store(args: argparse.Namespace, *, create: bool):
+    """The run database of ``args.db`` (else the default), as one ``mdb: error:`` line when it
+    cannot be used."""
+    from hooks.runs.store import RunStore, RunStoreError, default_db_path
+
+    path = args.db if args.db else default_db_path()
+    try:
+        return RunStore(path, create=create)
+    except RunStoreError as exc:
+        raise MdbError(str(exc)) from None
+
+
+def default_run_name(store) -> str:
+    """``overfit-YYYYmmdd-HHMMSS``, with ``-2``, ``-3`` … when the database has it already."""
+    base = time.strftime("overfit-%Y%m%d-%H%M%S")
+    names = {r.name for r in store.runs()}
+    name, i = base, 2
+    while name in names:
+        name, i = f"{base}-{i}", i + 1
+    return name
+
+
 def _run_name(args: argparse.Namespace) -> tuple[str, Path]:
     from hooks.runs.store import default_db_path
-    from tui.commands.overfit import _default_run_name, _open_store
 
     path = Path(args.db if args.db else default_db_path())
     if not args.resume and not path.exists():  # nothing to open: the trainer creates it
         return args.run or time.strftime("overfit-%Y%m%d-%H%M%S"), path.resolve()
-    store = _open_store(args, create=False)
+    store = open_store(args, create=False)
     try:
         path = Path(store.path).resolve()
         if args.resume:
@@ -59,7 +80,7 @@ def _run_name(args: argparse.Namespace) -> tuple[str, Path]:
                                f"with `mdb watch {info.name}` or stop it with `mdb stop "
                                f"{info.name}` first")
             return info.name, path
-        name = args.run or _default_run_name(store)
+        name = args.run or default_run_name(store)
         if any(r.name == name for r in store.runs()):
             raise MdbError(f"a run named {name!r} already exists in {store.path} (choose "
                            "another --run)")
