@@ -30,7 +30,8 @@ import time
 from typing import Any
 
 from tui.commands._common import nonneg_int, positive_float, positive_int, seed_int
-from tui.commands.overfit_detach import default_run_name, open_store
+from tui.commands.overfit_detach import default_run_name
+from tui.commands.overfit_detach import open_store as open_run_store
 from tui.errors import MdbError, ModelError
 from tui.run_end import EXIT_FAILED, end_of_run
 
@@ -218,7 +219,7 @@ def build_session(args: argparse.Namespace, control=None):
         opened = []
 
         def open_store():
-            opened.append(open_store(args, create=True))
+            opened.append(open_run_store(args, create=True))
             return opened[-1]
 
         def name_in(store) -> str:
@@ -271,7 +272,7 @@ def _resumed_session(args: argparse.Namespace):
         raise MdbError(
             f"--resume continues a run with its own settings; drop {', '.join(given)}"
         )
-    store = open_store(args, create=False)
+    store = open_run_store(args, create=False)
     try:
         session = resume_session(store, args.resume, steps=args.steps, build=_build_workload)
     except RunStoreError as exc:
@@ -615,7 +616,7 @@ def _run_nproc(args: argparse.Namespace) -> int:
         options.validate()
     except ValueError as exc:
         raise MdbError(str(exc)) from None
-    store = open_store(args, create=True)
+    store = open_run_store(args, create=True)
     try:
         name = args.run or default_run_name(store)
         if args.run and any(r.name == name for r in store.runs()):
