@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 import warnings
 from pathlib import Path
@@ -41,6 +42,30 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+#: The signals that stop a command, with the dispositions a user's shell gives a command it runs
+#: in the foreground. ``nohup … &`` (and some CI runners) ignore SIGINT and SIGHUP, and an
+#: ignored signal stays ignored in every child, across exec.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
+def terminal_signals() -> None:
+    """``preexec_fn`` of a child process that a test sends signals to: the stop signals at their
+    defaults, as in a terminal, whatever this process inherited. A Python child then raises
+    ``KeyboardInterrupt`` on SIGINT (Python installs that handler only for a SIGINT that was not
+    ignored when it started)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+
+
+@pytest.fixture
+def terminal_sigint():
+    """This process's SIGINT as Python sets it up in a terminal (``KeyboardInterrupt``) for the
+    test, whatever it inherited (ignored under ``nohup … &``); restored after."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 def pytest_configure(config):

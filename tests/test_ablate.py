@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from hooks.runs.ablate import AblateError, expand_variants, parse_vary
 from hooks.runs.store import RunStore
 from minillm import CharTokenizer, MiniLLM, MiniLLMConfig, load_preset
-from tests.conftest import REPO, SAMPLES, TINY_TOML
+from tests.conftest import REPO, SAMPLES, TINY_TOML, terminal_signals
 from tui.cli import main
 
 # -- variants -----------------------------------------------------------------------------------
@@ -156,7 +156,8 @@ def _ablate(tmp_path, *args, steps=20, timeout=240, **popen):
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
     if popen:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True), db
+                                stderr=subprocess.PIPE, text=True,
+                                preexec_fn=terminal_signals), db
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)
     return proc, db

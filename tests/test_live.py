@@ -213,6 +213,7 @@ async def test_nonfinite_loss_shows_failed_with_step_and_module(tmp_path):
     del argparse
 
 
+@pytest.mark.slow
 async def test_keys_do_nothing_while_the_live_screen_is_too_small(tmp_path):
     """At 60x20 ``p`` (pause) and ``x`` (stop) must not act unseen; once the terminal is large
     enough again, ``p`` pauses."""

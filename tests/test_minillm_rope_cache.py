@@ -101,6 +101,7 @@ def test_padded_rows_past_the_length_equal_each_row_alone(impl):
     torch.testing.assert_close(batch[1, 5:], alone1[0], atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_greedy_generate_with_cache_equals_recomputation_on_20_seeds(impl):
     model = _model(impl)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hooks.runs.store import RunStore
-from tests.conftest import REPO, TINY_TOML
+from tests.conftest import REPO, TINY_TOML, terminal_signals
 from tui.cli import main
 
 
@@ -171,6 +171,7 @@ def _spawn(args, tmp_path: Path, tag: str) -> tuple[subprocess.Popen, Path]:
         stdout=f,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
+        preexec_fn=terminal_signals,  # the tests send it signals
     )
     f.close()
     return proc, log

@@ -24,7 +24,7 @@ from torch import nn
 
 import hooks
 from hooks.runs.store import RunStore, RunStoreError, checkpoint_dir
-from tests.conftest import REPO, SAMPLES
+from tests.conftest import REPO, SAMPLES, terminal_signals
 from tui.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -152,6 +152,7 @@ def test_exception_reason_is_the_last_line(db):
     assert _read(db, "exc2")[0].reason == "RuntimeError: shapes do not match"
 
 
+@pytest.mark.slow
 def test_import_hooks_does_not_load_the_run_store():
     code = "import sys, hooks; print('hooks.runs.run' in sys.modules, hooks.run.__module__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -453,7 +454,8 @@ print("mine called", len(calls), "restored", signal.getsignal(signal.SIGTERM) is
 def _child(tmp_path: Path, mode: str):
     db = tmp_path / f"{mode}.sqlite"
     proc = subprocess.Popen([sys.executable, "-c", _CHILD, mode, str(db)], env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=terminal_signals)
     _wait(lambda: db.exists() and _last_step(db) >= 3, what=f"{mode}: 3 steps")
     return proc, db
 
@@ -476,6 +478,7 @@ def _finish(proc, db: Path):
     return proc.returncode, out, err, info
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
 def test_default_terminating_signal_saves_the_run_then_terminates(tmp_path, sig):
     proc, db = _child(tmp_path, "plain")
@@ -486,6 +489,7 @@ def test_default_terminating_signal_saves_the_run_then_terminates(tmp_path, sig)
     assert "mine called" not in out  # nothing after the with block ran
 
 
+@pytest.mark.slow
 def test_sigint_raises_keyboardinterrupt_and_marks_interrupted(tmp_path):
     proc, db = _child(tmp_path, "plain")
     proc.send_signal(signal.SIGINT)
@@ -494,6 +498,7 @@ def test_sigint_raises_keyboardinterrupt_and_marks_interrupted(tmp_path):
     assert (info.status, info.reason) == ("interrupted", "SIGINT")
 
 
+@pytest.mark.slow
 def test_two_sigints_50ms_apart_still_save_the_run(tmp_path):
     proc, db = _child(tmp_path, "plain")
     proc.send_signal(signal.SIGINT)
@@ -505,6 +510,7 @@ def test_two_sigints_50ms_apart_still_save_the_run(tmp_path):
     assert (info.status, info.reason) == ("interrupted", "SIGINT")
 
 
+@pytest.mark.slow
 def test_the_users_own_handler_is_called_and_restored(tmp_path):
     proc, db = _child(tmp_path, "user-handler")
     proc.send_signal(signal.SIGTERM)
@@ -514,6 +520,7 @@ def test_the_users_own_handler_is_called_and_restored(tmp_path):
     assert (info.status, info.reason) == ("interrupted", "SIGTERM")
 
 
+@pytest.mark.slow
 def test_an_ignored_sighup_stays_ignored(tmp_path):
     proc, db = _child(tmp_path, "ignored-hup")
     proc.send_signal(signal.SIGHUP)
@@ -549,6 +556,7 @@ def test_export_csv_and_jsonl(db, capsys):
         assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_export_into_a_closed_pipe_is_quiet(db):
     with hooks.run("pipe", db=db) as run:
         for i in range(20000):
@@ -587,6 +595,7 @@ async def test_watch_c_opens_the_stored_capture_of_an_api_run(db):
         await pilot.press("q")
 
 
+@pytest.mark.slow
 def test_the_readme_sample_runs_and_reads_back(tmp_path, capsys):
     db = tmp_path / "mdb.sqlite"
     p = subprocess.run([sys.executable, str(SAMPLES / "own_loop.py"), "--db", str(db),
@@ -622,7 +631,8 @@ def test_the_readme_shows_the_sample_complete():
     compile(block, "README.md", "exec")  # a whole module: no indented start, no missing class
 
 
-def test_nested_runs_chain_their_handlers_and_a_finished_one_passes_signals_on(db):
+def test_nested_runs_chain_their_handlers_and_a_finished_one_passes_signals_on(db,
+                                                                             terminal_sigint):
     outer = hooks.run("outer", db=db)
     inner = hooks.run("inner", db=db)
     assert signal.getsignal(signal.SIGINT) == inner._on_signal
@@ -636,7 +646,6 @@ def test_nested_runs_chain_their_handlers_and_a_finished_one_passes_signals_on(d
     with pytest.raises(KeyboardInterrupt):
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(5)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     assert _read(db, "outer")[0].status == "finished"
     assert (_read(db, "inner")[0].status, _read(db, "inner")[0].reason) == ("interrupted",
                                                                            "SIGINT")

@@ -550,6 +550,7 @@ sys.stdin.read()  # stay alive, a live writer, until the test has looked
 """
 
 
+@pytest.mark.slow
 def test_resume_run_takes_a_run_over_in_one_process_only(db, tmp_path):
     """resume_run checks the writer's liveness inside its write transaction: of processes
     resuming at once, exactly one takes the run over (the check before the transaction let
