@@ -104,7 +104,10 @@ def test_nan_run_is_marked_failed_with_step_and_module(tmp_path, tiny, capsys):
         assert store.last_metrics(run.id).ce is None  # NaN is stored as NULL
     assert main(["runs", "--db", str(db)]) == 0
     table = capsys.readouterr().out
-    assert "failed @ step 4" in table and "v_proj" in table
+    # one sentence under the row: what, where, when (the module named once)
+    assert ("└ failed: non-finite loss at step 4, first in model.layers.0.self_attn.v_proj "
+            "(parameter): its weight holds 1 NaN of 128 values") in table
+    assert table.count("v_proj") == 1
 
 
 @pytest.mark.parametrize(
