@@ -42,13 +42,19 @@ def _mlp() -> nn.Sequential:
 
 
 def _hook_count(model: nn.Module) -> int:
-    """Forward, forward-pre and parameter post-accumulate hooks attached to ``model``."""
+    """Forward, forward-pre and parameter post-accumulate hooks attached to ``model``'s
+    submodules and parameters (the root module carries the NaN sentinel's two hooks on every
+    watched step: :func:`_root_hooks`)."""
     n = 0
-    for m in model.modules():
+    for m in list(model.modules())[1:]:
         n += len(m._forward_hooks) + len(m._forward_pre_hooks)
     for p in model.parameters():
         n += len(getattr(p, "_post_accumulate_grad_hooks", None) or {})
     return n
+
+
+def _root_hooks(model: nn.Module) -> int:
+    return len(model._forward_hooks) + len(model._forward_pre_hooks)
 
 
 def _wait(cond, timeout: float = 120.0, what: str = "condition"):
@@ -174,6 +180,8 @@ def test_watch_hooks_only_the_recorded_steps_and_stores_what_the_model_computed(
         for step in range(1, 11):
             if _hook_count(model):
                 hooked_during.append(step)
+            # the NaN sentinel's two on every step; the capture's own on the recorded ones
+            assert _root_hooks(model) == 2 if step % 3 else _root_hooks(model) > 2
             out = model(x)
             loss = nn.functional.mse_loss(out, y)
             loss.backward()
@@ -184,7 +192,7 @@ def test_watch_hooks_only_the_recorded_steps_and_stores_what_the_model_computed(
             opt.zero_grad()
             run.log(loss=loss)
         assert _hook_count(model) == 0  # step 11 is not recorded: nothing attached after log(10)
-    assert hooked_during == [3, 6, 9]
+    assert hooked_during == [3, 6, 9] and _root_hooks(model) == 0  # all removed at the end
     info, _, _, steps = _read(db, "w")
     assert steps == [3, 6, 9]
     from hooks.runs.trainer import load_trace
@@ -277,27 +285,32 @@ def _poisoned_loop(db, name, *, every, poison_at, steps=12, watch=True):
     return run
 
 
-def test_nonfinite_step_not_captured_is_located_in_the_next_step(db, capsys):
+def test_nonfinite_step_not_captured_is_located_at_that_step(db, capsys):
+    """The NaN weight is found by the forward of step 7 itself (not captured), while the
+    weights are the ones it used: no extra capture is needed."""
     run = _poisoned_loop(db, "nan-next", every=5, poison_at=7)
-    expected = {"step": 7, "metric": "loss", "module": "2", "direction": "forward"}
+    expected = {"step": 7, "metric": "loss", "module": "2", "direction": "parameter",
+                "detail": "its weight holds 1 NaN of 8 values"}
     assert run.nonfinite == expected
     info, _, _, steps = _read(db, "nan-next")
     assert info.nonfinite == expected and info.status == "finished"
-    assert steps == [5, 8, 10]  # 8: captured to locate the NaN of step 7
-    assert info.nonfinite_line() == "non-finite loss at step 7, first in 2 (forward)"
+    assert steps == [5, 10]
+    line = "non-finite loss at step 7, first in 2 (parameter): its weight holds 1 NaN of 8 values"
+    assert info.nonfinite_line() == line
     assert main(["runs", "--json", "--db", str(db)]) == 0
     (rec,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert rec["nonfinite"] == expected and rec["metrics"] == ["loss", "lr"]
     assert (rec["name"], rec["status"], rec["steps"], rec["captures"]) == ("nan-next", "finished",
-                                                                          12, 3)
+                                                                          12, 2)
     assert main(["runs", "--db", str(db)]) == 0
     table = capsys.readouterr().out
-    assert "└ non-finite loss at step 7, first in 2 (forward)" in table
+    assert f"└ {line}" in table
 
 
 def test_nonfinite_on_a_captured_step_and_without_watch(db):
     assert _poisoned_loop(db, "nan-here", every=5, poison_at=5).nonfinite == {
-        "step": 5, "metric": "loss", "module": "2", "direction": "forward"}
+        "step": 5, "metric": "loss", "module": "2", "direction": "parameter",
+        "detail": "its weight holds 1 NaN of 8 values"}
     assert _read(db, "nan-here")[3] == [5, 10]
     assert _poisoned_loop(db, "nan-blind", every=5, poison_at=7, watch=False).nonfinite == {
         "step": 7, "metric": "loss", "module": None, "direction": None}
@@ -318,7 +331,8 @@ def test_nonfinite_gradient_is_located_backward(db):
     # forward all finite; the first NaN gradient autograd produced is that of module 0's
     # output (what _BadBackward passes back to it)
     assert run.nonfinite == {"step": 1, "metric": "grad_norm", "module": "0",
-                             "direction": "backward"}
+                             "direction": "backward", "detail": "the gradient of its output "
+                             "(Linear, call 0) holds 128 NaN of 128 values"}
     assert _read(db, "nan-bwd")[0].nonfinite == run.nonfinite
 
 
