@@ -1,4 +1,5 @@
-"""``mdb overfit``: memorise one batch (seed 000's test C) as a recorded, resumable run.
+"""``mdb overfit``: memorise one batch (the overfit test: a short text, or your --model's batch)
+as a recorded, resumable run.
 
 By default minillm memorises a short text; ``--model module:function`` trains the user's own
 model on the batch its factory returns (``(model, batch)`` or ``(model, batch, loss_fn)``).
@@ -36,7 +37,7 @@ from tui.errors import MdbError, ModelError
 from tui.run_end import EXIT_FAILED, end_of_run
 
 HELP = (
-    "memorise one batch (seed 000's test C: a short text, or your --model's batch) as a "
+    "memorise one batch (the overfit test: a short text, or your --model's batch) as a "
     "recorded run, on a live screen (or --headless); watch it from elsewhere with `mdb watch`"
 )
 
