@@ -680,11 +680,7 @@ def run(args: argparse.Namespace) -> int:
             _stderr_line("mdb: building the model… (Ctrl-C stops)")
         session = build_session(args, control=control)
         building[0] = False
-        if args.headless or not (sys.stdin.isatty() and sys.stdout.isatty()):
-            return run_headless(session, args)
-        from tui.live_app import run_live
-
-        return run_live(session, args)
+        return run_headless(session, args)  # (live, it runs as the viewer's trainer process)
     finally:
         building[0] = False
         from tui.commands._common import release_stop_signals
