@@ -44,6 +44,7 @@ __all__ = [
     "lock_wait",
     "locked_error",
     "open_database",
+    "set_wal",
 ]
 
 #: Environment variable overriding the default database path.
@@ -210,6 +211,31 @@ class Transaction:
                 self.conn.execute("ROLLBACK")
             except sqlite3.Error:
                 pass
+
+
+def set_wal(conn: sqlite3.Connection, path: Path, wait: float) -> str:
+    """``PRAGMA journal_mode = WAL`` on a new database; the mode it is in after.
+
+    Switching a file to WAL takes an exclusive lock that SQLite does not wait for (its busy
+    timeout does not apply): while other processes open the same new file it answers
+    ``database is locked`` at once. It is tried again, up to ``wait`` seconds.
+
+    Raises:
+        DatabaseLockedError: Still locked after ``wait`` seconds.
+    """
+    t0 = time.monotonic()
+    pause = 0.001
+    while True:
+        try:
+            return str(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0])
+        except sqlite3.OperationalError as exc:
+            waited = time.monotonic() - t0
+            if not is_locked(exc):
+                raise
+            if waited >= wait:
+                raise locked_error(path, waited) from exc
+        time.sleep(min(pause, max(0.0, wait - waited)))
+        pause = min(pause * 2, 0.05)
 
 
 # ---------------------------------------------------------------------------------------------

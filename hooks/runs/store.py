@@ -123,6 +123,7 @@ from hooks.runs.sqlite_open import (
     not_a_store,
     open_copy,
     open_database,
+    set_wal,
 )
 
 __all__ = [
@@ -1093,14 +1094,16 @@ class RunStore:
         return self._conn
 
     def _header(self) -> tuple[int, set[str]]:
-        """``PRAGMA application_id`` and the names of the tables."""
+        """``PRAGMA application_id`` and the names of the tables, read in one transaction (a
+        process creating the schema meanwhile is seen before or after, never half-way)."""
         conn = self.connection
         try:
-            app_id = conn.execute("PRAGMA application_id").fetchone()[0]
-            tables = {
-                r[0]
-                for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
-            }
+            with self._transaction(immediate=False):
+                app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+                tables = {
+                    r[0]
+                    for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+                }
         except sqlite3.DatabaseError as exc:
             if is_locked(exc):
                 raise
@@ -1174,8 +1177,8 @@ class RunStore:
         again whether another process created it meanwhile (writers creating one database
         at once): whether this process created it."""
         conn = self.connection
-        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-        if str(mode).lower() != "wal":
+        mode = set_wal(conn, self.path, _lock_wait())
+        if mode.lower() != "wal":
             raise RunStoreError(f"cannot put {self.path} in WAL mode (got {mode!r})")
         with self._transaction():
             if conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
