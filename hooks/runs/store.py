@@ -446,8 +446,11 @@ def _nonfinite_from_failure(
     if metric is None:
         return None
     m = re.search(r"first in .*? \((forward|backward|parameter|gradient)\)", reason)
+    # a reason written before the origin named its direction: the locator of the time looked
+    # forward for a non-finite loss and backward for a non-finite gradient
+    legacy = "forward" if metric == "total" else "backward"
     return {"step": fail_step, "metric": metric, "module": fail_module,
-            "direction": m.group(1) if m else None}
+            "direction": m.group(1) if m else legacy}
 
 
 def nonfinite_sentence(nf: Mapping[str, Any]) -> str:
