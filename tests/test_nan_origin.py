@@ -329,3 +329,4 @@ def test_the_next_step_locates_it_when_the_weights_stayed_finite(tmp_path):
     assert (nf["step"], nf["metric"], nf["module"], nf["direction"]) == (
         7, "grad_norm", "blocks.1.attn.q_proj", "forward")
     assert nf["detail"].endswith("(at step 8, the next step, captured to locate it)")
+

@@ -648,3 +648,25 @@ def test_nonfinite_gradient_is_found_before_anything_clears_it(monkeypatch):
                                                               "gradient")
     assert f.located_by == "gradients"  # the first parameter with a NaN gradient: a.weight
     assert f.detail == "the gradient of its weight holds 9 NaN of 9 values"
+
+
+def test_install_stop_signals_leaves_an_ignored_signal_ignored():
+    """``nohup`` (SIGHUP) and ``&`` (SIGINT) ask a process to ignore them: every mdb run (the
+    headless trainer, mdb ablate's workers) keeps them ignored, and restores what was there."""
+    import signal
+
+    from hooks.runs.trainer import TrainControl, install_stop_signals
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGHUP, signal.SIGTERM)}
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        control = TrainControl()
+        restore = install_stop_signals(control)
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN, signal.SIG_DFL)
+        restore()
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is before[signal.SIGTERM]
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)

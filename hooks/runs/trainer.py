@@ -220,6 +220,9 @@ def install_stop_signals(
     way finishes; ``kill -9`` still ends the process at once, and the run then resumes from its
     last recorded checkpoint.
 
+    A signal this process ignores (``SIG_IGN``: ``nohup`` starts a command with SIGHUP ignored,
+    a shell's ``&`` with SIGINT ignored) is left ignored: it was asked not to stop anything.
+
     Args:
         control: The controls to stop.
         signals: Signal names; names this platform lacks are skipped.
@@ -244,8 +247,8 @@ def install_stop_signals(
 
     for name in signals:
         sig = getattr(signal, name, None)
-        if sig is None:
-            continue
+        if sig is None or signal.getsignal(sig) is signal.SIG_IGN:
+            continue  # nohup's SIGHUP (a shell's & SIGINT): asked to be ignored, it stays so
         previous[sig] = signal.signal(sig, handler)
 
     def restore() -> None:
