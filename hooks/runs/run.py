@@ -63,7 +63,6 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
-import json
 import math
 import operator
 import os
@@ -77,6 +76,7 @@ from pathlib import Path
 from typing import Any
 
 from hooks.runs.control import ControlPoller, RunControls
+from hooks.runs.log_values import checked_counts, config_checked, expert_load_table, to_float
 from hooks.runs.reserve import DiskReserve, finish_run
 from hooks.runs.store import (
     RunExistsError,
@@ -135,100 +135,6 @@ def run(
     return Run(name, db=db, config=config, total_steps=total_steps, gather_every=gather_every)
 
 
-def _to_float(name: str, value: Any) -> float:
-    """A logged value as a Python float: a number, or a one-element tensor / numpy value."""
-    if type(value) is float:
-        return value
-    if isinstance(value, (int, float)):
-        try:
-            return float(value)
-        except OverflowError:  # an int beyond float64's range
-            raise ValueError(f"run.log({name}=...): an integer of {int(value).bit_length()} bits "
-                             "does not fit a float64") from None
-    if isinstance(value, (str, bytes)):
-        raise TypeError(f"run.log({name}=...): expected a number or a one-element tensor, "
-                        f"got {type(value).__name__}")
-    item = getattr(value, "item", None)
-    if callable(item):
-        try:
-            x = item()
-        except (RuntimeError, ValueError) as exc:
-            shape = tuple(getattr(value, "shape", ()))
-            raise ValueError(
-                f"run.log({name}=...): expected a scalar, got a tensor of shape {shape}"
-            ) from exc
-        if isinstance(x, (int, float)):
-            return float(x)
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"run.log({name}=...): expected a number or a one-element tensor, "
-                        f"got {type(value).__name__}") from None
-
-
-_LOAD_WANTED = ("run.log(expert_load=...): expected per MoE layer, per expert, the share of "
-                "routed slots (a 2-D tensor or nested lists of numbers)")
-
-
-def _load_row(row: Any) -> list[float]:
-    if isinstance(row, (str, bytes)):
-        raise TypeError(f"{_LOAD_WANTED}, got a row that is {type(row).__name__}")
-    try:
-        items = list(row)
-    except TypeError:
-        raise TypeError(f"{_LOAD_WANTED}, got a row that is {type(row).__name__}") from None
-    for x in items:
-        if isinstance(x, (str, bytes)) or not isinstance(x, (int, float)) and not hasattr(
-                x, "__float__"):
-            raise TypeError(f"{_LOAD_WANTED}, got a share that is {type(x).__name__}")
-    return [float(x) for x in items]
-
-
-def _expert_load(value: Any) -> list[list[float]] | None:
-    """``run.log(expert_load=...)`` as nested lists (L, E), or ``None`` for a scalar (logged
-    as a scalar named ``expert_load``, as before the argument existed).
-
-    Raises:
-        TypeError: Text, or a table whose rows or shares are not numbers (one line naming
-            the argument).
-        ValueError: No layer, a layer without experts, or layers with different numbers of
-            experts (a ragged table).
-    """
-    if isinstance(value, (str, bytes)):
-        raise TypeError(f"{_LOAD_WANTED}, got {type(value).__name__}")
-    tolist = getattr(value, "tolist", None)
-    rows = tolist() if callable(tolist) else value
-    if isinstance(rows, (int, float)) or getattr(value, "ndim", None) == 0:
-        return None
-    try:
-        rows = list(rows)
-    except TypeError:
-        raise TypeError(f"{_LOAD_WANTED}, got {type(value).__name__}") from None
-    out = [_load_row(row) for row in rows]
-    if not out:
-        raise ValueError("run.log(expert_load=...): no MoE layer in it; leave it out for a "
-                         "model without experts")
-    widths = [len(row) for row in out]
-    if min(widths) == 0 or len(set(widths)) > 1:
-        raise ValueError(f"run.log(expert_load=...): its layers have {widths[:8]} experts"
-                         f"{' …' if len(widths) > 8 else ''}: every MoE layer needs one share "
-                         "per expert, the same number in each (an (L, E) table)")
-    return out
-
-
-def _checked_counts(total_steps: Any, gather_every: Any) -> tuple[int | None, int]:
-    """``hooks.run``'s ``total_steps`` and ``gather_every`` as integers, checked."""
-    if total_steps is not None:
-        total_steps = operator.index(total_steps)
-        if not 0 < total_steps < 2**63:
-            raise ValueError(f"total_steps must be a positive integer below 2**63, got "
-                             f"{total_steps}")
-    gather_every = operator.index(gather_every)
-    if gather_every < 1:
-        raise ValueError(f"gather_every={gather_every}: must be 1 or more")
-    return total_steps, gather_every
-
-
 def _job() -> Any:
     """The ``torchrun`` job this process is a rank of (:func:`hooks.runs.distributed.job`),
     ``None`` without one."""
@@ -248,28 +154,6 @@ def _say_world_size(job: Any) -> None:
               "initialised: this process is recorded as a run of its own (call "
               "init_process_group before hooks.run to record the job as one run)",
               file=sys.stderr)
-
-
-def _config_checked(config: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``config`` as a dict that the store can write as JSON (as ``create_run`` writes it),
-    checked before any database is opened.
-
-    Raises:
-        TypeError: Not a mapping, or keys JSON cannot store.
-        ValueError: A value that contains itself (``Circular reference detected``) or nests
-            too deep.
-    """
-    if config is not None and not isinstance(config, Mapping):
-        raise TypeError(f"config must be a mapping (a dict), got {type(config).__name__}")
-    config = dict(config or {})
-    try:
-        json.dumps(config, sort_keys=True, default=str)
-    except TypeError as exc:
-        raise TypeError(f"hooks.run(config=...) cannot be stored as JSON: {exc}") from None
-    except (ValueError, RecursionError) as exc:
-        why = " (a value in it contains itself)" if "ircular" in str(exc) else ""
-        raise ValueError(f"hooks.run(config=...) cannot be stored as JSON: {exc}{why}") from None
-    return config
 
 
 def _job_end(status: str, reason: str | None,
@@ -355,10 +239,10 @@ class Run(RunControls):
         kind: str = "api",
     ) -> None:
         # every argument checked before any database exists: a refusal creates none
-        config = _config_checked(config)
+        config = config_checked(config)
         if name is not None:
             validate_run_name(name)
-        total_steps, gather_every = _checked_counts(total_steps, gather_every)
+        total_steps, gather_every = checked_counts(total_steps, gather_every)
         # None or "" (as --db "" in the CLI): the default database
         self.db = Path(db) if db is not None and os.fspath(db) != "" else default_db_path()
         self.total_steps = total_steps
@@ -539,32 +423,16 @@ class Run(RunControls):
         """
         load = None
         if expert_load is not None:
-            load = _expert_load(expert_load)
+            load = expert_load_table(expert_load)
             if load is None:
                 scalars["expert_load"] = expert_load
         if self._closed:
             raise RuntimeError(f"run {self.name} is finished: log() after finish()")
-        if step is None:
-            step = self.step + 1 if self._logged else 1
-        else:
-            try:
-                step = operator.index(step)
-            except TypeError:
-                raise TypeError(f"run.log(step=...): expected an integer, got "
-                                f"{type(step).__name__}") from None
-            if step < 0:
-                raise ValueError(f"run.log(step={step}): steps are counted from 0")
-            if step >= 2**63:  # SQLite's INTEGER: the writer thread could not store it
-                raise ValueError(f"run.log(step={step}): steps go up to 2**63 - 1")
-            if self._logged and step < self.step:
-                raise ValueError(
-                    f"run.log(step={step}): step {step} is before the last step logged "
-                    f"({self.step}); steps must not go back"
-                )
+        step = self._next_step(step)
         values: dict[str, float] = {}
         bad = None
         for key, value in scalars.items():
-            x = _to_float(key, value)
+            x = to_float(key, value)
             values[key] = x
             if bad is None and not math.isfinite(x):
                 bad = key
@@ -603,6 +471,26 @@ class Run(RunControls):
             and (self._locate_pending or (step + 1) % self._every == 0)
         ):
             self._start_capture(step + 1)
+
+    def _next_step(self, step: Any) -> int:
+        """The step a ``log(step=...)`` call is for (see :meth:`log`)."""
+        if step is None:
+            return self.step + 1 if self._logged else 1
+        try:
+            step = operator.index(step)
+        except TypeError:
+            raise TypeError(f"run.log(step=...): expected an integer, got "
+                            f"{type(step).__name__}") from None
+        if step < 0:
+            raise ValueError(f"run.log(step={step}): steps are counted from 0")
+        if step >= 2**63:  # SQLite's INTEGER: the writer thread could not store it
+            raise ValueError(f"run.log(step={step}): steps go up to 2**63 - 1")
+        if self._logged and step < self.step:
+            raise ValueError(
+                f"run.log(step={step}): step {step} is before the last step logged "
+                f"({self.step}); steps must not go back"
+            )
+        return step
 
     def _log_sample(self, step: int, prompt: str, text: str) -> None:
         """mdb's own runs: the model's greedy continuation of ``prompt``, written with step

@@ -1,0 +1,131 @@
+"""The values ``hooks.run`` takes, checked on the caller's thread before anything is stored:
+logged scalars (:func:`to_float`), the per-expert load table (:func:`expert_load_table`), the
+run's ``total_steps``/``gather_every`` and its ``config``. Every error names the argument.
+
+This module never imports textual, rich or tui.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["checked_counts", "config_checked", "expert_load_table", "to_float"]
+
+
+def to_float(name: str, value: Any) -> float:
+    """A logged value as a Python float: a number, or a one-element tensor / numpy value."""
+    if type(value) is float:
+        return value
+    if isinstance(value, (int, float)):
+        try:
+            return float(value)
+        except OverflowError:  # an int beyond float64's range
+            raise ValueError(f"run.log({name}=...): an integer of {int(value).bit_length()} bits "
+                             "does not fit a float64") from None
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"run.log({name}=...): expected a number or a one-element tensor, "
+                        f"got {type(value).__name__}")
+    item = getattr(value, "item", None)
+    if callable(item):
+        try:
+            x = item()
+        except (RuntimeError, ValueError) as exc:
+            shape = tuple(getattr(value, "shape", ()))
+            raise ValueError(
+                f"run.log({name}=...): expected a scalar, got a tensor of shape {shape}"
+            ) from exc
+        if isinstance(x, (int, float)):
+            return float(x)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"run.log({name}=...): expected a number or a one-element tensor, "
+                        f"got {type(value).__name__}") from None
+
+
+_LOAD_WANTED = ("run.log(expert_load=...): expected per MoE layer, per expert, the share of "
+                "routed slots (a 2-D tensor or nested lists of numbers)")
+
+
+def _load_row(row: Any) -> list[float]:
+    if isinstance(row, (str, bytes)):
+        raise TypeError(f"{_LOAD_WANTED}, got a row that is {type(row).__name__}")
+    try:
+        items = list(row)
+    except TypeError:
+        raise TypeError(f"{_LOAD_WANTED}, got a row that is {type(row).__name__}") from None
+    for x in items:
+        if isinstance(x, (str, bytes)) or not isinstance(x, (int, float)) and not hasattr(
+                x, "__float__"):
+            raise TypeError(f"{_LOAD_WANTED}, got a share that is {type(x).__name__}")
+    return [float(x) for x in items]
+
+
+def expert_load_table(value: Any) -> list[list[float]] | None:
+    """``run.log(expert_load=...)`` as nested lists (L, E), or ``None`` for a scalar (logged
+    as a scalar named ``expert_load``, as before the argument existed).
+
+    Raises:
+        TypeError: Text, or a table whose rows or shares are not numbers (one line naming
+            the argument).
+        ValueError: No layer, a layer without experts, or layers with different numbers of
+            experts (a ragged table).
+    """
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{_LOAD_WANTED}, got {type(value).__name__}")
+    tolist = getattr(value, "tolist", None)
+    rows = tolist() if callable(tolist) else value
+    if isinstance(rows, (int, float)) or getattr(value, "ndim", None) == 0:
+        return None
+    try:
+        rows = list(rows)
+    except TypeError:
+        raise TypeError(f"{_LOAD_WANTED}, got {type(value).__name__}") from None
+    out = [_load_row(row) for row in rows]
+    if not out:
+        raise ValueError("run.log(expert_load=...): no MoE layer in it; leave it out for a "
+                         "model without experts")
+    widths = [len(row) for row in out]
+    if min(widths) == 0 or len(set(widths)) > 1:
+        raise ValueError(f"run.log(expert_load=...): its layers have {widths[:8]} experts"
+                         f"{' …' if len(widths) > 8 else ''}: every MoE layer needs one share "
+                         "per expert, the same number in each (an (L, E) table)")
+    return out
+
+
+def checked_counts(total_steps: Any, gather_every: Any) -> tuple[int | None, int]:
+    """``hooks.run``'s ``total_steps`` and ``gather_every`` as integers, checked."""
+    if total_steps is not None:
+        total_steps = operator.index(total_steps)
+        if not 0 < total_steps < 2**63:
+            raise ValueError(f"total_steps must be a positive integer below 2**63, got "
+                             f"{total_steps}")
+    gather_every = operator.index(gather_every)
+    if gather_every < 1:
+        raise ValueError(f"gather_every={gather_every}: must be 1 or more")
+    return total_steps, gather_every
+
+
+def config_checked(config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``config`` as a dict that the store can write as JSON (as ``create_run`` writes it),
+    checked before any database is opened.
+
+    Raises:
+        TypeError: Not a mapping, or keys JSON cannot store.
+        ValueError: A value that contains itself (``Circular reference detected``) or nests
+            too deep.
+    """
+    if config is not None and not isinstance(config, Mapping):
+        raise TypeError(f"config must be a mapping (a dict), got {type(config).__name__}")
+    config = dict(config or {})
+    try:
+        json.dumps(config, sort_keys=True, default=str)
+    except TypeError as exc:
+        raise TypeError(f"hooks.run(config=...) cannot be stored as JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        why = " (a value in it contains itself)" if "ircular" in str(exc) else ""
+        raise ValueError(f"hooks.run(config=...) cannot be stored as JSON: {exc}{why}") from None
+    return config
