@@ -480,3 +480,44 @@ def test_clip_cuts_quoted_values_and_long_words_only():
         f"--db {('/' + 'd/' * 300)[:MAX_QUOTED]}…[601 characters]: no such file")
     spaced = clip("values " + "1, " * 5000)  # neither quoted nor one word: the middle goes
     assert len(spaced) < 2100 and "characters cut]" in spaced
+
+
+# ------------------------------------------------------------------ 16: SIGINT while starting
+
+#: Put first on PYTHONPATH: when ``import torch`` starts, note whether SIGINT is blocked and
+#: send SIGINT to the process, as a Ctrl-C arriving during mdb's start would.
+SIGINT_AT_IMPORT = '''
+import os
+import signal
+import sys
+
+
+class SigintAtTorchImport:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+            with open(os.environ["MDB_TEST_MARK"], "w") as f:
+                f.write("blocked" if blocked else "deliverable")
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+
+sys.meta_path.insert(0, SigintAtTorchImport())
+'''
+
+
+@pytest.mark.skipif(not hasattr(__import__("signal"), "pthread_sigmask"), reason="POSIX only")
+def test_a_sigint_while_torch_imports_is_an_interruption_not_a_traceback(tmp_path):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SIGINT_AT_IMPORT)
+    mark = tmp_path / "mark"
+    env = dict(os.environ, PYTHONPATH=f"{hook}{os.pathsep}{REPO}", MDB_TEST_MARK=str(mark))
+    proc = subprocess.run([sys.executable, "-m", "tui.cli", "runs", "--db",
+                           str(tmp_path / "none.sqlite")], cwd=tmp_path, env=env,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    # blocked: the SIGINT cannot land inside numpy's or torch's C initialisation (it did, once
+    # in 20 SIGINTs to a starting mdb watch: ImportError: cannot load module more than once)
+    assert mark.read_text() == "blocked"
+    assert (proc.returncode, proc.stderr, proc.stdout) == (130, "mdb: interrupted\n", "")
