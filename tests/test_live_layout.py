@@ -120,7 +120,7 @@ async def test_a_gone_writer_keeps_g_whole_and_says_how_to_continue(tmp_path):
 async def test_watch_help_lists_the_viewer_keys_and_wraps_whole_words(tmp_path):
     from tui.commands.watch import open_run
     from tui.live_app import make_watch_app
-    from tui.screens.live import LiveHelpScreen
+    from tui.screens.live_help import LiveHelpScreen
 
     store, run = open_run(str(_watched_db(tmp_path, layers=2)), NAME)
     app = make_watch_app(store, run)

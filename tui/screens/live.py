@@ -53,7 +53,6 @@ import collections
 import math
 import threading
 import time
-from collections.abc import Mapping
 from typing import Any
 
 from rich.text import Text
@@ -66,10 +65,16 @@ from textual.worker import Worker, WorkerState
 from hooks.runs.store import nonfinite_sentence
 from tui import messages
 from tui.screens.base import MdbScreen, show
-from tui.screens.help import HelpScreen, binding_lines
 from tui.screens.live_chart import LineChart, Series
 from tui.screens.live_controls import ViewerControls
-from tui.screens.live_data import FIXED_METRICS, RunSeries, display_name, format_duration
+from tui.screens.live_data import (
+    RunSeries,
+    display_name,
+    format_duration,
+    nonfinite_of,
+    run_declaration,
+)
+from tui.screens.live_help import LiveHelpScreen
 from tui.screens.live_ranks import RanksSummary, open_ranks
 
 #: Columns an expert chart needs to stay legible; fewer layers are shown when narrower.
@@ -131,119 +136,6 @@ def compact(x: float | None, width: int = 7) -> str:
         if len(text) <= width:
             return text
     return text
-
-
-def run_declaration(run) -> dict[str, Any]:
-    """What a stored run says about itself, for the live screen: the metrics it logs
-    (``names``; for a store without ``MetricRow.values``), its losses (``loss_names``), the
-    text it memorises, experts per token, and whether it has MoE layers.
-
-    Only runs of ``mdb overfit`` declare anything (their config is mdb's own); a user's own
-    loop (``hooks.run``) stores the user's config, so nothing is read from it. Runs written
-    before the declaration existed are minillm runs: :data:`FIXED_METRICS`, losses ce/aux/total.
-    """
-    cfg = run.config if isinstance(run.config, Mapping) else {}
-    out: dict[str, Any] = {"names": None, "loss_names": None, "text": "", "top_k": 1,
-                           "moe": False}
-    if getattr(run, "kind", "overfit") != "overfit":
-        return out
-    resolved = cfg.get("resolved_model_config") or cfg.get("model_config") or {}
-    minillm = isinstance(resolved, Mapping) and bool(resolved)
-    names, losses = cfg.get("metrics"), cfg.get("loss_metrics")
-    if not isinstance(names, list) and minillm:
-        names = list(FIXED_METRICS)
-    if not isinstance(losses, list) and minillm:
-        losses = ["ce", "aux", "total"]
-    out["names"] = names if isinstance(names, list) else None
-    out["loss_names"] = losses if isinstance(losses, list) else None
-    out["text"] = cfg.get("text", "") if isinstance(cfg.get("text"), str) else ""
-    top_k = cfg.get("top_k") or (resolved.get("num_experts_per_tok") if minillm else None)
-    out["top_k"] = int(top_k or 1)
-    moe = cfg.get("moe")
-    out["moe"] = bool(moe) if moe is not None else (
-        minillm and bool(resolved.get("num_local_experts", 0)))
-    return out
-
-
-def nonfinite_of(run) -> dict[str, Any] | None:
-    """Where a stored run first logged a non-finite value: ``RunInfo.nonfinite`` where the store
-    has it, else a failed run's ``fail_step``/``fail_module``; ``None`` if nothing was."""
-    nf = getattr(run, "nonfinite", None)
-    if isinstance(nf, Mapping) and nf.get("step") is not None:
-        return dict(nf)
-    if run.status == "failed" and run.fail_step is not None:
-        return {"step": run.fail_step, "metric": None, "module": run.fail_module,
-                "direction": None}
-    return None
-
-
-def describe_nonfinite(nf: Mapping[str, Any]) -> str:
-    """``non-finite val_loss at step 7, first in model.layers.1.mlp (backward): …``, worded
-    once for every view (:func:`hooks.runs.store.nonfinite_sentence`)."""
-    return nonfinite_sentence(nf)
-
-
-class LiveHelpScreen(HelpScreen):
-    """The live screen's keys (generated from its bindings; watching, without the keys that
-    drive training), closed like the step view's help. The prose is whole paragraphs that the
-    box wraps at word boundaries (no word left alone on a line at 80 columns)."""
-
-    def __init__(self, watch: bool) -> None:
-        super().__init__()
-        self.watch = watch
-
-    def help_text(self) -> str:
-        """What the box shows."""
-        bindings = [b for b in LiveScreen.BINDINGS
-                    if not (self.watch and b.action == "step")
-                    and not (not self.watch and b.action == "detach")]
-        lines = [
-            "mdb watch · a viewer of the run · every action has a letter key." if self.watch
-            else "mdb overfit live screen · every action has a letter key.",
-            "",
-            *binding_lines(bindings),
-            "",
-            "The left chart shows the losses together, each line with its own marker; a red !"
-            " marks a loss spike (a jump to several times the running median), and the line"
-            " under the charts says how large the largest was.",
-            "",
-            "m charts one metric at a time instead, any that the run logs, and back. The table"
-            " lists the other metrics (last, min, max); o moves its ▸ mark, and the chart"
-            " below the table shows the marked one.",
-            "",
-        ]
-        if self.watch:
-            lines += [
-                "Training runs in a process of its own; this screen is a view of it. While"
-                " the run trains, p pauses or resumes it and x stops it with a checkpoint"
-                " (asked through the run database: mdb overfit runs and hooks.run loops that"
-                " check run.should_stop obey). d detaches: the screen closes, training goes"
-                " on, and mdb watch re-attaches from any terminal; Ctrl-C detaches too, and"
-                " q asks whether to detach or stop. When the writer has stopped or is gone,"
-                " the line under the charts says how to continue it.",
-                "",
-                "c opens the run's latest stored capture in the step view (mdb overfit records"
-                " one every --every steps, run.watch(model, every=N) every N); q there comes"
-                " back here.",
-            ]
-        else:
-            lines += [
-                "c captures the next step's internals (forward, backward, routing) and opens"
-                " them in the step view; training stays paused there, q in the step view"
-                " comes back here and p resumes.",
-                "",
-                "x stops the run after the current step and writes a checkpoint (continue it"
-                " with mdb overfit --resume RUN); q does the same and quits. A step that does"
-                " not finish (a forward that hangs): q a second time quits at once, and the"
-                " run resumes from its last checkpoint.",
-            ]
-        return "\n".join(lines)
-
-    def compose(self):
-        from textual.containers import VerticalScroll
-
-        with VerticalScroll(id="help-box"):
-            yield Static(self.help_text(), id="help-text", markup=False)
 
 
 class LiveScreen(ViewerControls, MdbScreen):
@@ -836,7 +728,7 @@ class LiveScreen(ViewerControls, MdbScreen):
             notes += self._trained_end()
         nf = nonfinite_of(self.run) if self.watch and self.run is not None else None
         if nf and not (self.state == "failed" and self.run.fail_step == nf.get("step")):
-            notes.append(("⚠ " + describe_nonfinite(nf), "bold red"))
+            notes.append(("⚠ " + nonfinite_sentence(nf), "bold red"))
         spikes = list(self.series.spikes.values())
         if spikes:
             top = max(spikes, key=lambda sp: sp.ratio)
@@ -1150,7 +1042,7 @@ class LiveScreen(ViewerControls, MdbScreen):
         open_ranks(self)
 
     def action_help(self) -> None:
-        self.app.push_screen(LiveHelpScreen(self.watch))
+        self.app.push_screen(LiveHelpScreen(self.watch, self.BINDINGS))
 
     def action_interrupt(self) -> None:
         """Ctrl-C: watching, detach (and the command says so); training here, as ``q``."""

@@ -411,3 +411,47 @@ class RunSeries:
         if spp is None:
             return None
         return max(0, self.total_steps - self.step) * spp
+
+
+def run_declaration(run) -> dict[str, Any]:
+    """What a stored run says about itself, for the live screen: the metrics it logs
+    (``names``; for a store without ``MetricRow.values``), its losses (``loss_names``), the
+    text it memorises, experts per token, and whether it has MoE layers.
+
+    Only runs of ``mdb overfit`` declare anything (their config is mdb's own); a user's own
+    loop (``hooks.run``) stores the user's config, so nothing is read from it. Runs written
+    before the declaration existed are minillm runs: :data:`FIXED_METRICS`, losses ce/aux/total.
+    """
+    cfg = run.config if isinstance(run.config, Mapping) else {}
+    out: dict[str, Any] = {"names": None, "loss_names": None, "text": "", "top_k": 1,
+                           "moe": False}
+    if getattr(run, "kind", "overfit") != "overfit":
+        return out
+    resolved = cfg.get("resolved_model_config") or cfg.get("model_config") or {}
+    minillm = isinstance(resolved, Mapping) and bool(resolved)
+    names, losses = cfg.get("metrics"), cfg.get("loss_metrics")
+    if not isinstance(names, list) and minillm:
+        names = list(FIXED_METRICS)
+    if not isinstance(losses, list) and minillm:
+        losses = ["ce", "aux", "total"]
+    out["names"] = names if isinstance(names, list) else None
+    out["loss_names"] = losses if isinstance(losses, list) else None
+    out["text"] = cfg.get("text", "") if isinstance(cfg.get("text"), str) else ""
+    top_k = cfg.get("top_k") or (resolved.get("num_experts_per_tok") if minillm else None)
+    out["top_k"] = int(top_k or 1)
+    moe = cfg.get("moe")
+    out["moe"] = bool(moe) if moe is not None else (
+        minillm and bool(resolved.get("num_local_experts", 0)))
+    return out
+
+
+def nonfinite_of(run) -> dict[str, Any] | None:
+    """Where a stored run first logged a non-finite value: ``RunInfo.nonfinite`` where the store
+    has it, else a failed run's ``fail_step``/``fail_module``; ``None`` if nothing was."""
+    nf = getattr(run, "nonfinite", None)
+    if isinstance(nf, Mapping) and nf.get("step") is not None:
+        return dict(nf)
+    if run.status == "failed" and run.fail_step is not None:
+        return {"step": run.fail_step, "metric": None, "module": run.fail_module,
+                "direction": None}
+    return None
