@@ -562,27 +562,6 @@ def test_seed_claim_default_overfit_reaches_ce_below_005_by_step_300(tmp_path):
     assert prompt + cont == text[: len(prompt) + len(cont)]
 
 
-@pytest.mark.parametrize(
-    "old, name, new",
-    [
-        ("hooks.training", "Trainer", "hooks.runs.trainer"),
-        ("hooks.training", "OverfitSession", "hooks.runs.overfit"),
-        ("hooks.training", "save_checkpoint", "hooks.runs.checkpoint"),
-        ("hooks.runstore", "RunStore", "hooks.runs.store"),
-        ("hooks.overfit", "OverfitOptions", "hooks.runs.overfit"),
-        ("hooks.checkpoint", "load_checkpoint", "hooks.runs.checkpoint"),
-    ],
-)
-def test_old_import_paths_still_work_with_a_warning(old, name, new):
-    import importlib
-
-    with pytest.warns(DeprecationWarning, match=f"moved to {new}.{name}"):
-        moved = getattr(importlib.import_module(old), name)
-    assert moved is getattr(importlib.import_module(new), name)
-    with pytest.raises(AttributeError):
-        importlib.import_module(old).no_such_name  # noqa: B018
-
-
 # ---------------------------------------------------------------------------------------------
 # Gradient norms that overflow fp32 (`mdb overfit --lr 5`), and the scan before zero_grad
 # ---------------------------------------------------------------------------------------------
