@@ -116,10 +116,6 @@ class Trace:
         """Gradient records of module ``module``'s outputs, in autograd order."""
         return [g for g in self.backward if g.module == module]
 
-    def routing_for(self, module: str) -> list[RoutingRecord]:
-        """Routing records of MoE block (or router) ``module``."""
-        return [r for r in self.routing if module in (r.module, r.router)]
-
     # -- NaN/Inf origin -------------------------------------------------------------------------
     def first_nonfinite(self, direction: str = "forward") -> NonFinite | None:
         """Where NaN/Inf first appeared.
@@ -374,10 +370,6 @@ class Trace:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise TraceFormatError(f"malformed trace: {type(exc).__name__}: {exc}") from None
-
-    def nbytes_json(self) -> int:
-        """Size in bytes of the JSON part as :meth:`save` writes it."""
-        return len(json.dumps(self.to_dict(), allow_nan=False, separators=(",", ":")))
 
 
 def _read_capped(path: Path, limit: int) -> bytes:

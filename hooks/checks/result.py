@@ -128,8 +128,3 @@ class Outcome:
     @classmethod
     def skip(cls, reason: str, **data: Any) -> Outcome:
         return cls("skip", reason, "", None, **data)
-
-    @classmethod
-    def na(cls, reason: str, **data: Any) -> Outcome:
-        """The check does not apply to this model; ``reason`` says why."""
-        return cls("n/a", reason, "", None, **data)

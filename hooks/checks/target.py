@@ -550,11 +550,6 @@ class Target:
             self._recorded_heads.setdefault(a.module, (a.num_heads, a.num_kv_heads))
         return [(n, modules[n]) for n in self._recorded_heads if n in modules]
 
-    def attention_modules(self) -> list[AttentionInfo]:
-        """The attention modules whose KV head grouping can be measured (``separate`` and
-        ``fused`` layouts)."""
-        return [a for a in self.attention_layers() if a.layout in ("separate", "fused")]
-
     def _attention_info(self, name: str, m: nn.Module) -> AttentionInfo:
         cls = type(m).__name__
         rec_heads, rec_kv = self._recorded_heads.get(name, (None, None))
