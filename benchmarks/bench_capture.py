@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -70,6 +71,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     import hooks
+    from hooks.trace import JSON_NAME
     from minillm import MiniLLM, load_preset
 
     cfg = load_preset(args.preset)
@@ -135,10 +137,12 @@ def main() -> None:
         print(
             f"naive per-stat hook ratio: wall median {med['naive per-stat hook'] / med[base]:.3f}"
         )
+    with tempfile.TemporaryDirectory() as tmp:
+        json_bytes = (trace.save(tmp) / JSON_NAME).stat().st_size  # the JSON part save writes
     print(
         f"trace: {len(trace.forward)} forward calls, {len(trace.backward)} gradients, "
         f"{len(trace.params)} params, {len(trace.routing)} MoE layers; "
-        f"JSON {trace.nbytes_json() / 1e6:.2f} MB, routing tensors "
+        f"JSON {json_bytes / 1e6:.2f} MB, routing tensors "
         f"{sum(t.numel() * t.element_size() for t in trace.all_tensors().values()) / 1e6:.2f} MB"
     )
     print(f"gradients identical with and without capture: {same}")

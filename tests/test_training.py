@@ -213,11 +213,15 @@ def test_capture_request_while_paused_runs_exactly_one_captured_step():
     control.request_capture(pause_after=True)
     _wait_for(lambda: bool(reports))
     control.wait_for_wait(waits)  # waiting again after the captured step
-    assert [r.step for r in reports] == [1] and control.paused and not control.capture_pending
+    assert [r.step for r in reports] == [1] and control.paused
     assert reports[0].internals is not None and reports[0].internals["kind"] == "mdb-trace"
+    # the request was consumed: the next step is not captured
+    control.step_once()
+    _wait_for(lambda: len(reports) == 2)
+    assert reports[1].step == 2 and reports[1].internals is None
     control.stop()
     t.join(60)
-    assert len(reports) == 1
+    assert len(reports) == 2
 
 
 def test_capture_every_n():

@@ -157,12 +157,6 @@ class TrainControl:
         with self._cond:
             return self._stop_reason
 
-    @property
-    def capture_pending(self) -> bool:
-        """Whether the next step will be captured on request."""
-        with self._cond:
-            return self._capture
-
     # -- used by the loop --------------------------------------------------------------------
 
     def _decide(self) -> str:
