@@ -507,10 +507,9 @@ def test_the_readme_ddp_sample_is_one_run_of_two_ranks(tmp_path):
             (s, k, 0) for s in (25, 50) for k in ("grads", "params")]
 
 
-def test_the_readme_shows_the_ddp_sample_complete():
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## A torchrun job", 1)[1]
-    block = section.split("```python\n", 1)[1].split("\n```", 1)[0]
+def test_the_torchrun_guide_shows_the_ddp_sample_complete():
+    guide = (REPO / "docs" / "torchrun.md").read_text(encoding="utf-8")
+    block = guide.split("```python\n", 1)[1].split("\n```", 1)[0]
     sample = (REPO / "samples" / "ddp_loop.py").read_text(encoding="utf-8")
     assert block.strip() == sample.split('"""\n', 1)[1].strip()  # all but the docstring
 

@@ -3,12 +3,16 @@ examples that run as printed, and no term left unexplained."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import re
+import shlex
 
 import pytest
 
 from tests.conftest import REPO, SAMPLES
-from tui.cli import main
+from tui.cli import build_parser, main
 
 #: The documents a reader of the repository sees.
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.txt")),
@@ -18,6 +22,14 @@ DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.txt")),
 #: A path of the repository's own folders, as the documents name them.
 _REPO_PATH = re.compile(r"(?<![\w./-])((?:samples|tests|docs|benchmarks|hooks|tui|minillm)/"
                         r"[\w./-]*\w\.(?:py|txt|toml|md|sqlite))")
+
+
+#: The guides in docs/ the README links to (issue 21: the README ≤ 400 lines, the rest there).
+GUIDES = ["own-loop", "torchrun", "doctor", "compare", "models", "runs", "step-view", "measured",
+          "gaps"]
+
+#: The README and its guides.
+MARKDOWN = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 
 def _paragraphs(text: str) -> list[str]:
@@ -33,15 +45,16 @@ def test_documents_refer_only_to_files_in_the_repository(doc):
         assert (REPO / path).exists(), f"{doc.name} names {path}, which is not in the repository"
 
 
-def test_the_step_into_example_of_the_readme_runs_from_the_repository(capsys, monkeypatch,
-                                                                      tmp_path):
-    """The README's step-into screen comes from ``samples/user_gpt.py``: the command it names
-    runs from the repository root, and the op and line it shows are the ones mdb finds."""
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
+def test_the_step_into_example_of_the_step_view_guide_runs_from_the_repository(
+        capsys, monkeypatch, tmp_path):
+    """The step-into screen of docs/step-view.md comes from ``samples/user_gpt.py``: the command
+    it names runs from the repository root, and the op and line it shows are the ones mdb
+    finds."""
+    guide = (REPO / "docs" / "step-view.md").read_text(encoding="utf-8")
     shown = re.search(r"first op creating non-finite values: #16 (\w+) at (user_gpt\.py:\d+)",
-                      readme)
+                      guide)
     assert shown is not None
-    assert "`mdb step --model\nsamples/user_gpt.py:nanogpt_nan`" in readme
+    assert "`mdb step --model\nsamples/user_gpt.py:nanogpt_nan`" in guide
     monkeypatch.chdir(REPO)
     assert main(["capture", "--model", "samples/user_gpt.py:nanogpt_nan", "--out",
                  str(tmp_path / "t.mdbtrace")]) == 0
@@ -51,14 +64,15 @@ def test_the_step_into_example_of_the_readme_runs_from_the_repository(capsys, mo
 
 def test_the_readme_explains_its_terms():
     """ "seed 000", "test B/C" and the seed's "next steps" are names from the tutorial minillm
-    was written from; the README uses them only where it says so."""
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    was written from; the README and its guides use them only where they say so."""
     terms = [re.compile(r"\b[Ss]eed 000\b"), re.compile(r"\btest [ABC]\b"),
              re.compile(r"\b(?:fourth|fifth) next step"), re.compile(r"\b[Ss]eed test\b")]
-    for term in terms:
-        for paragraph in _paragraphs(readme):
-            if term.search(paragraph):
-                assert "tutorial" in paragraph, f"{term.pattern} unexplained: {paragraph[:200]}"
+    for doc in MARKDOWN:
+        for paragraph in _paragraphs(doc.read_text(encoding="utf-8")):
+            for term in terms:
+                if term.search(paragraph):
+                    assert "tutorial" in paragraph, (
+                        f"{doc.name}: {term.pattern} unexplained: {paragraph[:200]}")
     samples_readme = (SAMPLES / "README.md").read_text(encoding="utf-8")
     assert not terms[0].search(samples_readme)
 
@@ -70,3 +84,122 @@ def test_mdb_ablate_help_says_what_it_does_without_the_tutorials_names(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "a controlled-variable experiment in one command" in out
     assert "seed 000" not in out.lower()
+
+
+def _blocks(text: str, lang: str) -> list[str]:
+    """The fenced code blocks of ``lang`` in a Markdown text."""
+    return re.findall(rf"^```{lang}\n(.*?)\n```", text, re.S | re.M)
+
+
+def _command_lines(text: str) -> list[str]:
+    """The command lines of the ``bash`` blocks: comments and redirections cut off."""
+    lines = []
+    for block in _blocks(text, "bash"):
+        for line in block.splitlines():
+            line = re.sub(r"(^|\s+)#.*$", "", line).split(" > ", 1)[0]
+            lines += [part.strip() for part in line.split(" && ") if part.strip()]
+    return lines
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def test_the_readme_is_short_and_links_every_guide():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert readme.count("\n") <= 400
+    for name in GUIDES:
+        assert f"](docs/{name}.md)" in readme, f"the README does not link docs/{name}.md"
+    assert sorted(p.stem for p in (REPO / "docs").glob("*.md")) == sorted(GUIDES)
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("doc", MARKDOWN, ids=lambda p: str(p.relative_to(REPO)))
+def test_the_links_of_the_readme_and_the_guides_lead_somewhere(doc):
+    text = doc.read_text(encoding="utf-8")
+    for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", text):
+        assert not target.startswith(("http:", "https:")), f"{doc.name}: a link out: {target}"
+        linked = (doc.parent / target) if target else doc
+        assert linked.exists(), f"{doc.name} links {target}, which is not there"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", linked.read_text(encoding="utf-8"), re.M)
+            assert anchor in {_slug(h) for h in headings}, f"{doc.name}: no heading #{anchor}"
+
+
+@pytest.mark.parametrize("doc", MARKDOWN, ids=lambda p: str(p.relative_to(REPO)))
+def test_the_python_examples_compile(doc):
+    """Every ``python`` block compiles as printed (the complete samples of docs/own-loop.md and
+    docs/torchrun.md are also compared with samples/ and run by tests of their own)."""
+    for i, block in enumerate(_blocks(doc.read_text(encoding="utf-8"), "python"), 1):
+        compile(block, f"{doc.name}, python block {i}", "exec")
+
+
+@pytest.mark.parametrize("doc", MARKDOWN, ids=lambda p: str(p.relative_to(REPO)))
+def test_the_command_lines_of_the_examples_are_mdb_s_own(doc):
+    """Every ``mdb`` line of a ``bash`` block parses with mdb's own parser (each subcommand,
+    option and value exists; nothing runs); the other lines are python, pytest or torchrun,
+    and the scripts they name exist."""
+    parser = build_parser()
+    lines = _command_lines(doc.read_text(encoding="utf-8"))
+    for line in lines:
+        argv = shlex.split(line)
+        assert argv[0] in {"mdb", "python", "torchrun"}, f"{doc.name}: {line}"
+        for word in argv:
+            if word.endswith(".py"):
+                assert (REPO / word).exists(), f"{doc.name}: {line}: no {word}"
+        if argv[0] != "mdb":
+            continue
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            try:
+                args = parser.parse_args(argv[1:])
+            except SystemExit:
+                pytest.fail(f"{doc.name}: {line}: {err.getvalue().strip()}")
+        assert args.command == argv[1]
+        known = _subcommands()[argv[1]]._option_string_actions  # whole names, no abbreviation
+        for word in argv[2:]:
+            if word.startswith("--"):
+                assert word.split("=", 1)[0] in known, f"{doc.name}: {line}: no {word}"
+
+
+@pytest.mark.parametrize("doc", MARKDOWN, ids=lambda p: str(p.relative_to(REPO)))
+def test_the_mdb_commands_named_in_the_text_exist(doc):
+    """An ``mdb SUBCOMMAND --option`` quoted in the text (not a whole command line: ``mdb stop
+    RUN``, ``mdb overfit --nproc N``) names a subcommand and options mdb has."""
+    subcommands = _subcommands()
+    text = re.sub(r"^```.*?^```", "", doc.read_text(encoding="utf-8"), flags=re.S | re.M)
+    spans = re.findall(r"`(mdb [^`]*)`", text)
+    for span in spans:
+        words = span.split()
+        if words[1].startswith("-"):
+            assert words[1] in {"--help", "--version"}, span
+            continue
+        assert words[1] in subcommands, f"{doc.name}: `{span}`: no subcommand {words[1]}"
+        known = subcommands[words[1]]._option_string_actions
+        for word in words[2:]:
+            option = word.strip("[]").split("=", 1)[0]
+            if option.startswith("-"):
+                assert option in known, f"{doc.name}: `{span}`: mdb {words[1]} has no {option}"
+
+
+def test_the_benchmark_commands_of_the_measured_figures_exist():
+    """Each ``python benchmarks/…`` command of docs/measured.md names a script there, and each
+    option it passes is one the script declares."""
+    text = (REPO / "docs" / "measured.md").read_text(encoding="utf-8")
+    commands = re.findall(r"`((?:python|pytest) [^`]+)`", text)
+    assert len(commands) >= 8
+    for command in commands:
+        words = shlex.split(command)
+        script = next(w for w in words if w.endswith(".py"))
+        assert (REPO / script).exists(), command
+        if words[0] == "python":
+            source = (REPO / script).read_text(encoding="utf-8")
+            for word in words:
+                if word.startswith("--"):
+                    assert f'"{word}"' in source, f"{command}: {script} declares no {word}"

@@ -1,6 +1,7 @@
 """``hooks.run``: any metric names, watch (hooks only on recorded steps), non-finite values,
 signals and exceptions (real processes, real signals), a writer that cannot write, the bounded
-queue, the sample of the README, and ``mdb runs --json`` / ``mdb export`` / ``--run NAME@STEP``.
+queue, the sample of docs/own-loop.md, and ``mdb runs --json`` / ``mdb export`` /
+``--run NAME@STEP``.
 """
 
 from __future__ import annotations
@@ -633,16 +634,16 @@ def test_the_readme_sample_runs_and_reads_back(tmp_path, capsys):
     assert "MultiheadAttention" in capsys.readouterr().out
 
 
-def test_the_readme_shows_the_sample_complete():
-    """The README's "your own training loop" example is samples/own_loop.py, verbatim: the whole
-    file but its docstring, from its imports on, so that it runs as printed."""
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## Your own training loop", 1)[1]
-    block = section.split("```python\n", 1)[1].split("\n```", 1)[0]
+def test_the_own_loop_guide_shows_the_sample_complete():
+    """The example of docs/own-loop.md ("your own training loop") is samples/own_loop.py,
+    verbatim: the whole file but its docstring, from its imports on, so that it runs as
+    printed."""
+    guide = (REPO / "docs" / "own-loop.md").read_text(encoding="utf-8")
+    block = guide.split("```python\n", 1)[1].split("\n```", 1)[0]
     sample = (SAMPLES / "own_loop.py").read_text(encoding="utf-8")
     assert block.strip() == sample.split('"""\n', 1)[1].strip()
     assert block.startswith("import ") and "\nclass TinyGPT(nn.Module):\n" in block
-    compile(block, "README.md", "exec")  # a whole module: no indented start, no missing class
+    compile(block, "docs/own-loop.md", "exec")  # a whole module: no indented start, no class gone
 
 
 def test_nested_runs_chain_their_handlers_and_a_finished_one_passes_signals_on(db,

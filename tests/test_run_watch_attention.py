@@ -67,7 +67,6 @@ async def test_run_watch_with_attention_true_shows_the_attention_grid(tmp_path):
         assert len(rows) >= 10 and rows[0].split("│")[1].strip()  # query 0 sees key 0
 
 
-def test_the_readme_documents_the_run_watch_attention_option():
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## Your own training loop", 1)[1].split("\n## ", 1)[0]
-    assert "run.watch(model, every=50, attention=True)" in section
+def test_the_own_loop_guide_documents_the_run_watch_attention_option():
+    guide = (REPO / "docs" / "own-loop.md").read_text(encoding="utf-8")
+    assert "run.watch(model, every=50, attention=True)" in guide
