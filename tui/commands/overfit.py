@@ -389,6 +389,9 @@ class _Reporter:
         self.sample = ""
         self.last_metrics = None
         self._spikes_said: set[int] = set()
+        from hooks.runs.rates import StepRate
+
+        self.rate = StepRate()  # the speed every view shows (hooks.runs.rates)
 
     def line(self, text: str) -> None:
         self.out.write(text + "\n")
@@ -457,6 +460,7 @@ class _Reporter:
 
         m = report.metrics
         self.last_metrics = m
+        self.rate.add(m.wall)
         self.say_spikes(m.step)
         values = metric_values(m, self.session.metric_names)
         if report.sample is not None:
@@ -465,7 +469,7 @@ class _Reporter:
                            for name in self.session.headline_metrics)
         stats = (
             f"{losses}  |g| {_fmt(values.get('grad_norm'), '.3g')}  "
-            f"{_fmt(values.get('steps_per_s'), '.1f')} steps/s"
+            f"{_fmt(self.rate.steps_per_s(values.get('step_time')), '.1f')} steps/s"
         )
         if self.progress is not None:  # one terminal line: the sample goes last, cut to fit
             stats = stats.replace("  ", " ")

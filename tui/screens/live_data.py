@@ -18,16 +18,12 @@ from __future__ import annotations
 
 import math
 import re
-import statistics
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 #: Buckets kept per series: about two points per column of a full-width chart.
 DEFAULT_CAPACITY = 256
-#: Steps whose wall-clock spacing gives the throughput and the ETA.
-RATE_WINDOW = 20
 #: The fixed metric columns of a run store without ``MetricRow.values`` (and what an
 #: ``mdb overfit`` run of minillm logs), in logging order.
 FIXED_METRICS = ("ce", "aux", "total", "grad_norm", "lr", "step_time", "tokens_per_s",
@@ -265,7 +261,9 @@ class RunSeries:
         self.sample: Sample | None = None
         self.spikes: dict[int, Any] = {}
         self.rows = 0
-        self._walls: deque[float] = deque(maxlen=RATE_WINDOW + 1)
+        from hooks.runs.rates import StepRate  # (hooks imports torch: not at `mdb --help`)
+
+        self._rate = StepRate()
         self._tokens_per_step: float | None = None
         self._empty = Downsampler(capacity)
 
@@ -286,7 +284,7 @@ class RunSeries:
                 self.names.append(name)
             sampler.append(step, value)
             self.stats[name].add(step, value)
-        self._walls.append(row.wall)
+        self._rate.add(row.wall)
         tps, st = values.get("tokens_per_s"), values.get("step_time")
         if tps and st:
             self._tokens_per_step = tps * st
@@ -383,13 +381,9 @@ class RunSeries:
         return "tokens" if self._tokens_per_step else "share"
 
     def seconds_per_step(self) -> float | None:
-        """Median wall-clock spacing of the last :data:`RATE_WINDOW` steps (robust to a pause)."""
-        walls = list(self._walls)
-        if len(walls) < 2:
-            st = self.value("step_time")
-            return float(st) if st else None
-        gaps = [b - a for a, b in zip(walls, walls[1:], strict=False) if b >= a]
-        return statistics.median(gaps) if gaps else None
+        """Median wall-clock spacing of the last steps, robust to a pause
+        (:class:`hooks.runs.rates.StepRate`, the one definition every view shows)."""
+        return self._rate.seconds_per_step(self.value("step_time"))
 
     def steps_per_s(self) -> float | None:
         """End-to-end training steps per second (steps, sampling and recording)."""
