@@ -104,14 +104,16 @@ def import_torch_uninterrupted() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``mdb`` console script; returns the process exit code."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    args._argv = list(argv) if argv is not None else sys.argv[1:]  # the trainer's, for --detach
-    if not getattr(args, "_run", None):
-        parser.print_help()
-        return 0
+    """Entry point of the ``mdb`` console script; returns the process exit code: the
+    command's, 2 with one ``mdb: error:`` line for bad input (:class:`MdbError`), 130 with
+    ``mdb: interrupted`` for a SIGINT at any point, the parser's start included."""
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        args._argv = list(argv) if argv is not None else sys.argv[1:]  # the trainer's
+        if not getattr(args, "_run", None):
+            parser.print_help()
+            return 0
         check_common_options(args)
         import_torch_uninterrupted()
         return int(args._run(args) or 0)
