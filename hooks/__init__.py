@@ -98,12 +98,13 @@ __all__ = [
 
 def __getattr__(name: str):
     # ``hooks.run`` / ``hooks.Run`` (hooks.runs.run: the run store and its writer thread) load
-    # on first use, through importlib like the forwards of hooks._compat: modules that import
-    # this package for the engine (hooks.checks) do not depend on the runs layer.
+    # on first use, so ``import hooks`` for the capture engine stays light. This package is the
+    # facade on top of the engine and the runs: pyproject.toml's contracts let it (and the UI)
+    # import hooks.runs, and no module below it import it.
     if name in ("run", "Run"):
-        import importlib
+        import hooks.runs.run as run_module
 
-        value = getattr(importlib.import_module("hooks.runs.run"), name)
+        value = getattr(run_module, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'hooks' has no attribute {name!r}")

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-import hooks
+from hooks.capture import capture
 from hooks.checks.blame import model_fault, one_line
 from hooks.checks.registry import DoctorOptions, check
 from hooks.checks.result import Outcome
@@ -26,7 +26,7 @@ def _layer0_probs(t: Target, attn: AttentionInfo, ids: torch.Tensor) -> torch.Te
     """(H, T, T) attention probabilities of ``attn`` on ``ids`` (batch row 0), as
     :func:`hooks.capture` records them, or None when it records none for this module."""
     batch = t.batch_with(ids=ids, targets="drop")
-    with t.mode(False), torch.no_grad(), hooks.capture(
+    with t.mode(False), torch.no_grad(), capture(
         t.model, include=[], inputs=False, grads=False, params=False, attention=[attn.name]
     ) as tr:
         t.run(batch, use_cache=False)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-import hooks
+from hooks.capture import capture
 from hooks.checks.registry import DoctorOptions, check
 from hooks.checks.result import Outcome
 from hooks.checks.target import NotApplicable, SkipCheck, Target
@@ -75,7 +75,7 @@ def routing(t: Target, o: DoctorOptions) -> Outcome:
     records = []
 
     def record(batch) -> None:
-        with hooks.capture(t.model, include=[], inputs=False, grads=False, params=False) as tr:
+        with capture(t.model, include=[], inputs=False, grads=False, params=False) as tr:
             t.run(batch, use_cache=False)
         records.extend(tr.routing)
 

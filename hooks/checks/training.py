@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-import hooks
+from hooks.capture import capture
 from hooks.checks.registry import DoctorOptions, check
 from hooks.checks.result import Outcome
 from hooks.checks.target import MoEInfo, SkipCheck, Target, fmt
@@ -264,7 +264,7 @@ def nonfinite(t: Target, o: DoctorOptions) -> Outcome:
                             + (f" (+{len(bad_w) - 1} more tensors)" if len(bad_w) > 1 else ""),
                             "the weights were already broken (a diverged step or a bad load)",
                             n.rpartition(".")[0] or None, weights=[b[0] for b in bad_w])
-    with t.mode(False), hooks.capture(model, inputs=True, grads=True, params=False) as tr:
+    with t.mode(False), capture(model, inputs=True, grads=True, params=False) as tr:
         out = t.run(t.batch)
         choice = t.loss(out)
         loss, src = choice.loss, choice.source

@@ -516,7 +516,7 @@ def load_trace(store: RunStore, run_id: int, step: int):
     Raises:
         hooks.TraceFormatError: The stored internals are not a trace this mdb can read.
     """
-    import hooks
+    from hooks.trace import Trace
 
     data = store.internals(run_id, step)
     if data is None:
@@ -527,7 +527,7 @@ def load_trace(store: RunStore, run_id: int, step: int):
         from safetensors.torch import load
 
         tensors = load(blob)
-    return hooks.Trace.from_dict(data, tensors)
+    return Trace.from_dict(data, tensors)
 
 
 def _trace_to_internals(trace: Any) -> dict[str, Any] | None:
