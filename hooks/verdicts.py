@@ -236,3 +236,29 @@ def expert_loads(assignments: Sequence[int], n_tokens: int, top_k: int,
         t = c if tokens is None else int(tokens[i])
         out.append(ExpertLoad(i, c, t, share, ratio, t / n_tokens if n_tokens else 0.0, flag))
     return out
+
+
+def routing_record_loads(record) -> list[ExpertLoad]:
+    """Each expert's load in one routing record (:class:`hooks.records.RoutingRecord`): the
+    top-k picks it received, its share of the N·k picks against 1/E, its flag, and the tokens
+    that chose it (a token that picked an expert twice counts once).
+
+    Args:
+        record: A routing record: ``top_k_ids`` (N, k), ``tokens_per_expert`` (E,),
+            ``num_experts`` E and ``top_k`` k.
+
+    Returns:
+        One :class:`ExpertLoad` per expert, in expert order (:func:`expert_loads`).
+    """
+    import torch
+
+    ids = record.top_k_ids.long()
+    e = record.num_experts
+    picks = [int(c) for c in record.tokens_per_expert.tolist()]
+    tokens = picks
+    if ids.numel() and ids.shape[-1] > 1:  # tokens choosing an expert twice count once
+        srt = ids.sort(dim=-1).values
+        first = torch.ones_like(srt, dtype=torch.bool)
+        first[:, 1:] = srt[:, 1:] != srt[:, :-1]
+        tokens = torch.bincount(srt[first], minlength=e).tolist()
+    return expert_loads(picks, int(ids.shape[0]), record.top_k, tokens)

@@ -213,3 +213,24 @@ def test_grad_flow_judges_gradients_as_the_gradients_view(scale, status):
         clear = {n for n, (g, w) in norm.items() if w and g / w < VANISHING_RATIO * 1e-2}
         assert clear and set(r.data["vanishing"]) | set(r.data["few_tokens"]) >= clear
         assert "under the vanishing threshold" in r.evidence
+
+
+def test_routing_record_loads_count_a_token_once_per_expert():
+    """The router view's counts, below the UI: picks per expert are the record's, tokens count a
+    token that picked an expert twice once (a Python loop is the reference)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hooks.verdicts import routing_record_loads
+
+    ids = torch.tensor([[0, 0], [1, 2], [2, 1], [3, 3]])
+    rec = SimpleNamespace(top_k_ids=ids, tokens_per_expert=torch.bincount(ids.flatten(),
+                                                                          minlength=5),
+                          num_experts=5, top_k=2)
+    loads = routing_record_loads(rec)
+    picks = [sum(row.count(e) for row in ids.tolist()) for e in range(5)]
+    tokens = [sum(e in row for row in ids.tolist()) for e in range(5)]
+    assert [x.assignments for x in loads] == picks == [2, 2, 2, 2, 0]
+    assert [x.tokens for x in loads] == tokens == [1, 2, 2, 1, 0]
+    assert [x.flag for x in loads][-1] == "dead"

@@ -35,26 +35,11 @@ from tui.widgets import fmt
 
 
 def expert_rows(record) -> list:
-    """Each expert's load in ``record`` (:func:`hooks.verdicts.expert_loads`): tokens that
-    chose it, its share of the N·k picks, that share against 1/E, and its hot/dead flag.
+    """Each expert's load in ``record``, as the doctor counts it
+    (:func:`hooks.verdicts.routing_record_loads`)."""
+    from hooks.verdicts import routing_record_loads
 
-    Returns:
-        list[hooks.verdicts.ExpertLoad]: one per expert, in expert order.
-    """
-    import torch
-
-    from hooks.verdicts import expert_loads
-
-    ids = record.top_k_ids.long()
-    e = record.num_experts
-    picks = [int(c) for c in record.tokens_per_expert.tolist()]
-    tokens = picks
-    if ids.numel() and ids.shape[-1] > 1:  # tokens choosing an expert twice count once
-        srt = ids.sort(dim=-1).values
-        first = torch.ones_like(srt, dtype=torch.bool)
-        first[:, 1:] = srt[:, 1:] != srt[:, :-1]
-        tokens = torch.bincount(srt[first], minlength=e).tolist()
-    return expert_loads(picks, int(ids.shape[0]), record.top_k, tokens)
+    return routing_record_loads(record)
 
 
 def padding(trace) -> tuple[int | None, int] | None:
