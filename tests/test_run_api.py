@@ -372,9 +372,9 @@ c.execute("ROLLBACK")
 
 def test_a_locked_database_stops_recording_once_said_and_the_run_is_marked(db, monkeypatch,
                                                                           capfd):
-    import hooks.runs.store as store_module
+    import hooks.runs.schema as schema_module
 
-    monkeypatch.setattr(store_module, "BUSY_TIMEOUT_MS", 200)
+    monkeypatch.setattr(schema_module, "BUSY_TIMEOUT_MS", 200)
     run = hooks.run("locked", db=db)
     for _ in range(3):
         run.log(loss=1.0)
