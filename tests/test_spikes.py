@@ -162,10 +162,10 @@ def test_a_database_without_the_spikes_table_reads_none_and_a_writer_adds_it(tmp
         w.log_steps([(row, None, None) for row in _loss_rows([1.0] * 30)])
         w.finish("finished")
         store.connection.execute("DROP TABLE spikes")  # as written before the table existed
-    import hooks.runs.store as store_module
+    import hooks.runs.sqlite_open as sqlite_open
 
     with monkeypatch.context() as m:  # a read-only file (root ignores chmod): not added
-        m.setattr(store_module, "_is_writable", lambda path: False)
+        m.setattr(sqlite_open, "_is_writable", lambda path: False)
         with RunStore(db) as store:
             assert store.read_only and store.spikes(store.run("r").id) == []
     with RunStore(db) as store:  # writable: added
