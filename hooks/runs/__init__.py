@@ -1,6 +1,8 @@
 """``hooks.runs``: training runs — what is recorded while a model trains, and how.
 
-* :mod:`hooks.runs.store` — the SQLite run store (one writer, any number of readers);
+* :mod:`hooks.runs.store` — the SQLite run store (one writer, any number of readers): its
+  file format in :mod:`hooks.runs.schema`, its rows in :mod:`hooks.runs.rows`, its writer in
+  :mod:`hooks.runs.writer`, opening and locks in :mod:`hooks.runs.sqlite_open`;
 * :mod:`hooks.runs.spikes` — loss spikes, found by the store's writer as steps are written;
 * :mod:`hooks.runs.run` — ``hooks.run``: record your own training loop (:class:`Run`);
 * :mod:`hooks.runs.trainer` — a UI-free training loop with live controls (:class:`Trainer`);
