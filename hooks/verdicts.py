@@ -24,7 +24,7 @@ Never imports torch, textual, rich or tui; the records are read by attribute.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -262,3 +262,47 @@ def routing_record_loads(record) -> list[ExpertLoad]:
         first[:, 1:] = srt[:, 1:] != srt[:, :-1]
         tokens = torch.bincount(srt[first], minlength=e).tolist()
     return expert_loads(picks, int(ids.shape[0]), record.top_k, tokens)
+
+
+@dataclass(frozen=True)
+class AuxTotal:
+    """A model's total aux loss against the layers' own (``coef × Σ`` of the per-layer
+    Switch losses), as the router view shows it.
+
+    Attributes:
+        total: The model's ``aux_loss``.
+        coef: ``router_aux_loss_coef`` from its config, or ``None``.
+        layer_sum: Σ of the recorded layers' aux losses, or ``None`` when one is missing.
+        consistent: Whether ``total == coef × layer_sum`` (rel 1e-4, abs 1e-7); ``None``
+            when there is no coefficient or layer sum to compare with.
+    """
+
+    total: float
+    coef: float | None
+    layer_sum: float | None
+    consistent: bool | None
+
+
+def aux_total(records: Sequence, meta: Mapping) -> AuxTotal | None:
+    """The model's ``aux_loss`` (``meta["aux_loss"]``) checked against ``coef × Σ`` of the
+    routing records' layer aux losses (HF's ``router_aux_loss_coef``, Switch Transformer
+    eq. 4 per layer); ``None`` when the model reported no total."""
+    total = meta.get("aux_loss")
+    if not isinstance(total, (int, float)):
+        return None
+    coef = (meta.get("config") or {}).get("router_aux_loss_coef")
+    if coef is None or any(r.aux_loss is None for r in records):
+        return AuxTotal(float(total), coef, None, None)
+    layer_sum = float(sum(r.aux_loss for r in records))
+    ok = math.isclose(coef * layer_sum, total, rel_tol=1e-4, abs_tol=1e-7)
+    return AuxTotal(float(total), float(coef), layer_sum, ok)
+
+
+def model_layer_aux(meta: Mapping, n_layers: int, position: int) -> float | None:
+    """Layer ``position``'s aux loss as the model returned it (``meta["aux_losses"]``, one
+    per MoE layer in order), or ``None``."""
+    own = meta.get("aux_losses")
+    if not isinstance(own, list) or len(own) != n_layers:
+        return None
+    value = own[position]
+    return float(value) if isinstance(value, (int, float)) else None

@@ -234,3 +234,20 @@ def test_routing_record_loads_count_a_token_once_per_expert():
     assert [x.assignments for x in loads] == picks == [2, 2, 2, 2, 0]
     assert [x.tokens for x in loads] == tokens == [1, 2, 2, 1, 0]
     assert [x.flag for x in loads][-1] == "dead"
+
+
+def test_aux_total_says_whether_the_model_total_is_coef_times_the_layers():
+    from types import SimpleNamespace
+
+    from hooks.verdicts import aux_total, model_layer_aux
+
+    layers = [SimpleNamespace(aux_loss=1.25), SimpleNamespace(aux_loss=0.75)]
+    meta = {"aux_loss": 0.02, "config": {"router_aux_loss_coef": 0.01}}
+    a = aux_total(layers, meta)
+    assert (a.total, a.coef, a.layer_sum, a.consistent) == (0.02, 0.01, 2.0, True)
+    assert aux_total(layers, {**meta, "aux_loss": 0.03}).consistent is False
+    assert aux_total(layers, {"aux_loss": 0.02}).consistent is None  # no coefficient
+    assert aux_total([SimpleNamespace(aux_loss=None)], meta).layer_sum is None
+    assert aux_total(layers, {}) is None
+    assert model_layer_aux({"aux_losses": [1.2, 0.8]}, 2, 1) == 0.8
+    assert model_layer_aux({"aux_losses": [1.2]}, 2, 1) is None  # not one per layer

@@ -205,25 +205,24 @@ class RouterScreen(LayerViewScreen):
         self.query_one("#router-summary", Static).update("\n".join(lines))
 
     def _model_layer_aux(self) -> float | None:
-        """This layer's aux loss as the model returned it (``aux_losses``, one per MoE
-        layer in order), or None."""
-        own = self.trace.meta.get("aux_losses")
-        if not isinstance(own, list) or len(own) != len(self.records):
-            return None
-        value = own[self.position]
-        return float(value) if isinstance(value, (int, float)) else None
+        """This layer's aux loss as the model returned it
+        (:func:`hooks.verdicts.model_layer_aux`)."""
+        from hooks.verdicts import model_layer_aux
+
+        return model_layer_aux(self.trace.meta, len(self.records), self.position)
 
     def _total_lines(self, meta, padded: bool) -> list[str]:
-        """The model's total ``aux_loss``; ``= coef × Σ`` of the layers only when it is."""
-        total = meta.get("aux_loss")
-        if not isinstance(total, (int, float)):
+        """The model's total ``aux_loss``; ``= coef × Σ`` of the layers only when it is
+        (:func:`hooks.verdicts.aux_total`)."""
+        from hooks.verdicts import aux_total
+
+        aux = aux_total(self.records, meta)
+        if aux is None:
             return []
-        coef = (meta.get("config") or {}).get("router_aux_loss_coef")
-        if coef is None or any(r.aux_loss is None for r in self.records):
-            return [f"model's aux_loss {fmt.sci(total)} (its own definition)"]
-        layer_sum = sum(r.aux_loss for r in self.records)
-        if math.isclose(coef * layer_sum, total, rel_tol=1e-4, abs_tol=1e-7):
-            return [f"total aux_loss {fmt.sci(total)} = {coef} × Σ {layer_sum:.3f}"]
-        return [f"model's aux_loss {fmt.sci(total)}; {coef} × Σ of these layers = "
-                f"{fmt.sci(coef * layer_sum)} "
+        if aux.consistent is None:
+            return [f"model's aux_loss {fmt.sci(aux.total)} (its own definition)"]
+        if aux.consistent:
+            return [f"total aux_loss {fmt.sci(aux.total)} = {aux.coef:g} × Σ {aux.layer_sum:.3f}"]
+        return [f"model's aux_loss {fmt.sci(aux.total)}; {aux.coef:g} × Σ of these layers = "
+                f"{fmt.sci(aux.coef * aux.layer_sum)} "
                 + ("(pads left out there)" if padded else "(it computes its own)")]
