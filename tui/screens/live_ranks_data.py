@@ -20,25 +20,19 @@ step's values per rank are kept as the latest. From those:
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from hooks.runs import rank_stats
+from hooks.runs.rank_stats import TIME_WINDOW
+from hooks.runs.rank_stats import finite as _finite
 from hooks.runs.store import loss_metric
 from tui.screens.live_data import DEFAULT_CAPACITY, Downsampler
 
-#: Steps of each rank whose times give its median step and compute time.
-TIME_WINDOW = 20
-#: A rank slower than the median of the ranks by this factor is a straggler.
-STRAGGLER_RATIO = 1.10
 #: States of a rank whose steps are no longer awaited.
 GONE_STATES = ("dead", "silent", "absent")
-
-
-def _finite(v: Any) -> bool:
-    return isinstance(v, (int, float)) and math.isfinite(v)
 
 
 class RankSeries:
@@ -123,12 +117,12 @@ class RankSeries:
         for step in sorted(s for s in self._pending if s <= upto):
             rows = self._pending.pop(step)
             for name, (lo, med, hi) in self._bands.items():
-                xs = [r.values.get(name) for r in rows.values() if name in r.values]
-                xs = [x for x in xs if _finite(x)]
-                if xs:
-                    lo.append(step, min(xs))
-                    med.append(step, statistics.median(xs))
-                    hi.append(step, max(xs))
+                band = rank_stats.spread(r.values.get(name) for r in rows.values()
+                                         if name in r.values)
+                if band is not None:
+                    lo.append(step, band[0])
+                    med.append(step, band[1])
+                    hi.append(step, band[2])
             self.values = {r: dict(row.values) for r, row in sorted(rows.items())}
             self.step = step
 
@@ -148,29 +142,14 @@ class RankSeries:
         return next((n for n in self.names if "grad" in n), None)
 
     def furthest(self, name: str) -> tuple[int, float, float, float | None] | None:
-        """The rank furthest from the median of ``name`` at :attr:`step`: ``(rank, value,
-        median, (value − median) / |median|)`` (the last ``None`` for a zero median);
-        ``None`` with fewer than two finite values."""
-        vals = {r: v.get(name) for r, v in self.values.items()}
-        vals = {r: x for r, x in vals.items() if _finite(x)}
-        if len(vals) < 2:
-            return None
-        med = statistics.median(vals.values())
-        rank = max(vals, key=lambda r: (abs(vals[r] - med), -r))
-        rel = (vals[rank] - med) / abs(med) if med else None
-        return rank, vals[rank], med, rel
+        """The rank furthest from the median of ``name`` at :attr:`step`
+        (:func:`hooks.runs.rank_stats.furthest`)."""
+        return rank_stats.furthest({r: v.get(name) for r, v in self.values.items()})
 
     def tied_with(self, name: str, rank: int) -> list[int]:
-        """The other ranks exactly as far from the median of ``name`` as ``rank`` (with two
-        ranks, always the other one: the median is their mean)."""
-        vals = {r: v.get(name) for r, v in self.values.items()}
-        vals = {r: x for r, x in vals.items() if _finite(x)}
-        if rank not in vals or len(vals) < 2:
-            return []
-        med = statistics.median(vals.values())
-        d = abs(vals[rank] - med)
-        return [r for r, x in vals.items() if r != rank and math.isclose(abs(x - med), d,
-                                                                        rel_tol=1e-9)]
+        """The other ranks exactly as far from the median of ``name`` as ``rank``
+        (:func:`hooks.runs.rank_stats.tied_with`)."""
+        return rank_stats.tied_with({r: v.get(name) for r, v in self.values.items()}, rank)
 
     def nonfinite_ranks(self, name: str) -> list[int]:
         """Ranks whose ``name`` at :attr:`step` is NaN or ±inf."""
@@ -206,15 +185,14 @@ class RankSeries:
 
     def stragglers(self) -> list[tuple[int, float, float]]:
         """``(rank, its time, the median of the ranks)`` of each rank slower than the median
-        by more than :data:`STRAGGLER_RATIO`, slowest first (see :meth:`straggler_basis`)."""
+        by more than :data:`hooks.runs.rank_stats.STRAGGLER_RATIO`, slowest first (see
+        :meth:`straggler_basis`; :func:`hooks.runs.rank_stats.stragglers`)."""
         basis = self.straggler_basis()
         if basis is None:
             return []
         k = 1 if basis == "compute" else 0
-        t = {r: self.times()[r][k] for r in self._awaited()}
-        med = statistics.median(t.values())
-        slow = [(r, x, med) for r, x in t.items() if med > 0 and x > STRAGGLER_RATIO * med]
-        return sorted(slow, key=lambda s: -s[1])
+        times = self.times()
+        return rank_stats.stragglers({r: times[r][k] for r in self._awaited()})
 
     def expert_load(self) -> dict[int, list[list[float]]]:
         """Per rank, the latest expert load it logged, (L_moe, E) shares."""
