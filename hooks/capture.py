@@ -34,6 +34,18 @@ import torch
 from torch import nn
 
 from hooks.attention import DEFAULT_ATTENTION_BYTES, AttentionCapture
+from hooks.capture_compile import (
+    _compiled_parts,
+    _force_eager,
+    _in_compiled_wrapper,
+    unwrap_compiled,
+)
+from hooks.capture_fast_path import (
+    _fast_path_layers,
+    _has_forward_hooks,
+    encoder_layer_fast_path_blocker,
+)
+from hooks.capture_recompute import _in_backward, _Recomputed, _same_values, _signature
 from hooks.ops import Replay
 from hooks.probes import ProbeContext, probes_for
 from hooks.records import CallRecord, GradRecord, ModuleInfo, Note, ParamGradRecord, TensorInfo
@@ -57,71 +69,6 @@ def _matches(name: str, module: nn.Module, selectors: Sequence[Selector]) -> boo
         elif fnmatch.fnmatchcase(name, sel) or (sel and name.startswith(sel + ".")):
             return True
     return False
-
-
-# -- torch.compile ------------------------------------------------------------------------------
-# Nothing can be compiled before torch._dynamo was imported, and importing it costs seconds: the
-# helpers below only look it up in sys.modules.
-
-
-def _dynamo_eval_frame() -> Any:
-    return sys.modules.get("torch._dynamo.eval_frame")
-
-
-def unwrap_compiled(model: nn.Module) -> nn.Module:
-    """The module that ``torch.compile(module)`` wrapped (``OptimizedModule._orig_mod``, also
-    through several wrappers); ``model`` itself when it is not such a wrapper."""
-    ef = _dynamo_eval_frame()
-    wrapper = getattr(ef, "OptimizedModule", None) if ef is not None else None
-    while wrapper is not None and isinstance(model, wrapper):
-        model = model._orig_mod
-    return model
-
-
-def _compiled_parts(modules: list[tuple[str, nn.Module]]) -> list[str]:
-    """Names of the modules that are compiled: ``torch.compile(m)`` wrappers and modules
-    compiled in place with ``m.compile()``."""
-    ef = _dynamo_eval_frame()
-    if ef is None:
-        return []
-    wrapper = getattr(ef, "OptimizedModule", ())
-    return [
-        name or "<root>"
-        for name, m in modules
-        if isinstance(m, wrapper) or getattr(m, "_compiled_call_impl", None) is not None
-    ]
-
-
-def _in_compiled_wrapper() -> bool:
-    """True while a ``torch.compile(module)`` wrapper (``OptimizedModule``) runs its module."""
-    ef = _dynamo_eval_frame()
-    check = getattr(ef, "_is_in_optimized_module", None) if ef is not None else None
-    return bool(check is not None and check())
-
-
-def _force_eager() -> Any:
-    """Enter ``torch.compiler.set_stance("force_eager")`` when dynamo is loaded: compiled code
-    (``torch.compile``'d modules and functions) runs its original Python eagerly until the
-    returned context is exited, so module hooks fire and dynamo traces none of them. Returns
-    None when dynamo is not loaded (nothing can be compiled) or torch has no ``set_stance``
-    (torch < 2.6)."""
-    if "torch._dynamo" not in sys.modules:
-        return None
-    set_stance = getattr(torch.compiler, "set_stance", None)
-    if set_stance is None:
-        return None
-    try:
-        return set_stance("force_eager")  # takes effect now; __exit__ restores the previous one
-    except Exception:  # e.g. called inside a compiled region
-        return None
-
-
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
-
-
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass on this thread (checkpoint recomputation)."""
-    return _graph_task_id is not None and _graph_task_id() != -1
 
 
 def module_infos(
@@ -869,107 +816,7 @@ class Capture:
         return out
 
 
-# -- helpers of the blocks above ----------------------------------------------------------------
-class _Recomputed:
-    """An open re-run (by activation checkpointing) of the forward call ``original``."""
-
-    __slots__ = ("module", "original", "children")
-
-    def __init__(self, module: str, original: CallRecord) -> None:
-        self.module = module
-        self.original = original
-        self.children: dict[str, int] = {}  # module -> re-run children of that name so far
-
-
-def _signature(tensors: list[tuple[str, torch.Tensor]]) -> tuple:
-    """Where a call's input tensors live (their storage), to tell calls of one module apart."""
-    try:
-        return tuple([t.data_ptr() for _, t in tensors])
-    except Exception:  # tensors without storage (sparse, some subclasses)
-        return tuple(id(t) for _, t in tensors)
-
-
-def _same_values(a: TensorStats, b: TensorStats, rtol: float = 1e-5) -> bool:
-    """Whether two summaries describe the same values up to float rounding."""
-    if (a.numel, a.nan_count, a.inf_count) != (b.numel, b.nan_count, b.inf_count):
-        return False
-    scale = max(abs(a.abs_max or 0.0), abs(b.abs_max or 0.0))
-    for x, y in ((a.mean, b.mean), (a.std, b.std), (a.min, b.min), (a.max, b.max)):
-        if x is None or y is None:
-            if x is not y:
-                return False
-        elif abs(x - y) > rtol * scale:
-            return False
-    return True
-
-
-def _has_forward_hooks(module: nn.Module) -> bool:
-    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
-
-
-def _fast_path_layers(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module, bool]]:
-    """``(name, layer, had forward hooks before the capture)`` of every
-    ``nn.TransformerEncoderLayer``."""
-    return [
-        (name, m, _has_forward_hooks(m))
-        for name, m in modules
-        if isinstance(m, nn.TransformerEncoderLayer)
-    ]
-
-
-def encoder_layer_fast_path_blocker(layer: nn.Module, args: tuple, kwargs: dict) -> str:
-    """Why ``nn.TransformerEncoderLayer.forward`` would *not* take its fast path
-    (``torch._transformer_encoder_layer_fwd``) for this call if the module had no forward
-    hooks; ``""`` when it would. The conditions are PyTorch's own (``TransformerEncoderLayer
-    .forward``, torch 2.x), checked in its order, leaving out only "forward pre-/hooks are
-    attached to the module"; a test holds them to what PyTorch actually runs."""
-    names = ("src", "src_mask", "src_key_padding_mask", "is_causal")
-    bound = dict(zip(names, args, strict=False))
-    bound.update(kwargs)
-    src = bound.get("src")
-    if not isinstance(src, torch.Tensor):
-        return "no tensor src"
-    attn = getattr(layer, "self_attn", None)
-    norm1, norm2 = getattr(layer, "norm1", None), getattr(layer, "norm2", None)
-    if attn is None or norm1 is None or norm2 is None:
-        return "not a standard TransformerEncoderLayer"
-    masks = bound.get("src_mask") is not None or bound.get("src_key_padding_mask") is not None
-    if not torch.backends.mha.get_fastpath_enabled():
-        return "torch.backends.mha.get_fastpath_enabled() was not True"
-    if src.dim() != 3:
-        return "input not batched"
-    if layer.training:
-        return "training is enabled"
-    if not attn.batch_first:
-        return "self_attn.batch_first was not True"
-    if attn.in_proj_bias is None:
-        return "self_attn was passed bias=False"
-    if not attn._qkv_same_embed_dim:
-        return "self_attn._qkv_same_embed_dim was not True"
-    if not getattr(layer, "activation_relu_or_gelu", False):
-        return "activation_relu_or_gelu was not True"
-    if norm1.eps != norm2.eps:
-        return "norm1.eps is not equal to norm2.eps"
-    if src.is_nested and masks:
-        return "masks are not supported with NestedTensor input"
-    if attn.num_heads % 2 == 1:
-        return "num_head is odd"
-    if torch.is_autocast_enabled():
-        return "autocast is enabled"
-    tensor_args = (src, attn.in_proj_weight, attn.in_proj_bias, attn.out_proj.weight,
-                   attn.out_proj.bias, norm1.weight, norm1.bias, norm2.weight, norm2.bias,
-                   layer.linear1.weight, layer.linear1.bias, layer.linear2.weight,
-                   layer.linear2.bias)  # fmt: skip
-    if torch.overrides.has_torch_function(tensor_args):
-        return "some Tensor argument has_torch_function"
-    supported = ("cpu", "cuda", "xpu", torch.utils.backend_registration._privateuse1_backend_name)
-    if not all(x.device.type in supported for x in tensor_args):
-        return "some Tensor argument's device is not supported"
-    if torch.is_grad_enabled() and any(x.requires_grad for x in tensor_args):
-        return "grad is enabled and a weight or the input requires grad"
-    return ""
-
-
+# -- helpers of the parameter records above ------------------------------------------------------
 def _dense(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     return t.coalesce().values() if t.is_sparse else t
