@@ -106,26 +106,9 @@ def _line(x0: int, y0: int, x1: int, y1: int):
 Run = tuple[str, str]  # (text, Rich style)
 
 
-def chart_rows(series: Sequence[Series], width: int, height: int, *, title: str = "",
-               log: bool = False, x_axis: bool = True, empty: str = "no data yet",
-               mark_every: int = 0) -> list[list[Run]]:
-    """Draw ``series`` into a ``width`` × ``height`` cell block, as rows of styled runs.
-
-    Args:
-        series: The lines; points with non-finite y (or y ≤ 0 on a log axis) are skipped.
-        width: Columns (cells).
-        height: Rows (cells): one title row, the plot, and one x-axis row if ``x_axis``.
-        title: Text before the legend in the first row.
-        log: log10 y axis.
-        x_axis: Draw the row with the first and last x values.
-        empty: What the plot area says when no series has a point.
-        mark_every: Columns between a series' markers (staggered between series so they do
-            not cover each other); 0: a marker only at each line's last point.
-
-    Returns:
-        ``height`` rows, each a list of ``(text, style)`` runs (at most ``width`` cells wide).
-    """
-    width, height = max(1, width), max(1, height)
+def _legend_row(series: Sequence[Series], title: str) -> list[Run]:
+    """The first row: the title, then each series' marker and name in its style, then the
+    flag legend when any series has flags."""
     head: list[Run] = [(title, "bold")]
     for s in series:
         head.append(("  ", ""))
@@ -134,11 +117,12 @@ def chart_rows(series: Sequence[Series], width: int, height: int, *, title: str 
         head.append((label, s.style))
     if any(s.flags for s in series):
         head += [("  ", ""), (FLAG_LEGEND, FLAG_STYLE)]
-    rows: list[list[Run]] = [head]
-    rows_avail = height - 1 - (1 if x_axis else 0)
-    if rows_avail < 1:
-        return rows[:height]
+    return head
 
+
+def _plot_points(series: Sequence[Series], log: bool) -> list[list[tuple[float, float]]]:
+    """Each series' drawable points ``(x, y)``, y on the axis' scale (log10 if ``log``);
+    non-finite y, and y ≤ 0 on a log axis, are skipped."""
     def ty(v: float) -> float:
         return math.log10(v) if log else v
 
@@ -147,34 +131,18 @@ def chart_rows(series: Sequence[Series], width: int, height: int, *, title: str 
         clean = [(x, ty(y)) for x, y in zip(s.xs, s.ys, strict=False)
                  if y is not None and math.isfinite(y) and (y > 0 or not log)]
         pts.append(clean)
-    allx = [p[0] for ps in pts for p in ps]
-    ally = [p[1] for ps in pts for p in ps]
-    if not allx:
-        for i in range(rows_avail):
-            rows.append([(empty, "dim")] if i == rows_avail // 2 else [])
-        if x_axis:
-            rows.append([])
-        return rows
-    x0, x1 = min(allx), max(allx)
-    y0, y1 = min(ally), max(ally)
-    if y1 - y0 < 1e-12:
-        pad = abs(y0) * 0.05 or (0.5 if log else 1.0)
-        y0, y1 = y0 - pad, y1 + pad
-    if x1 == x0:
-        x1 = x0 + 1
+    return pts
 
-    def untransform(v: float) -> float:
-        return 10 ** v if log else v
 
-    labels = [_label(untransform(y1)), _label(untransform((y0 + y1) / 2)), _label(untransform(y0))]
-    gutter = max(len(s) for s in labels) + 1
-    pw = max(1, width - gutter)
-    ph = rows_avail
-    dw, dh = 2 * pw, 4 * ph
+def _draw_series(series: Sequence[Series], pts: list[list[tuple[float, float]]],
+                 x0: float, y1: float, sx: float, sy: float, pw: int, ph: int,
+                 mark_every: int) -> tuple[list[list[int]], list[list[str]],
+                                           dict[tuple[int, int], tuple[str, str]]]:
+    """Draw each series' line into a ``pw`` × ``ph`` braille grid (2 × 4 dots a cell).
+    Returns the dot bits and style of each cell, and the markers and flags by (row, column)
+    (flags drawn over the markers)."""
     bits = [[0] * pw for _ in range(ph)]
     styles: list[list[str]] = [[""] * pw for _ in range(ph)]
-    sx = (dw - 1) / (x1 - x0)
-    sy = (dh - 1) / (y1 - y0)
     marks: dict[tuple[int, int], tuple[str, str]] = {}
     flagged: dict[tuple[int, int], tuple[str, str]] = {}  # drawn over the markers
     n_marked = sum(1 for s in series if s.marker)
@@ -210,6 +178,15 @@ def chart_rows(series: Sequence[Series], width: int, height: int, *, title: str 
                 if c in cells:
                     marks[(cells[c], c)] = (s.marker, s.style)
     marks.update(flagged)
+    return bits, styles, marks
+
+
+def _grid_rows(bits: list[list[int]], styles: list[list[str]],
+               marks: dict[tuple[int, int], tuple[str, str]], labels: list[str],
+               gutter: int, pw: int, ph: int) -> list[list[Run]]:
+    """The plot rows: the y-axis gutter (top, middle and bottom labels), then the braille
+    cells and markers, merged into runs of one style."""
+    rows: list[list[Run]] = []
     label_rows = {0: labels[0], ph - 1: labels[2]}
     if ph >= 3:
         label_rows[(ph - 1) // 2] = labels[1]
@@ -229,16 +206,77 @@ def chart_rows(series: Sequence[Series], width: int, height: int, *, title: str 
         if run:
             row.append(("".join(run), run_style or ""))
         rows.append(row)
+    return rows
+
+
+def _x_axis_row(x0: float, x1: float, gutter: int, pw: int) -> list[Run]:
+    """The x-axis row: the first and last x values with "step" centred between them."""
+    left, right = _label(x0), _label(x1)
+    mid = "step"
+    space = pw - len(left) - len(right)
+    if space >= len(mid) + 2:
+        pad_l = (space - len(mid)) // 2
+        axis = left + " " * pad_l + mid + " " * (space - len(mid) - pad_l) + right
+    else:
+        axis = left + " " * max(1, space) + right
+    return [(" " * gutter + axis[:pw], "dim")]
+
+
+def chart_rows(series: Sequence[Series], width: int, height: int, *, title: str = "",
+               log: bool = False, x_axis: bool = True, empty: str = "no data yet",
+               mark_every: int = 0) -> list[list[Run]]:
+    """Draw ``series`` into a ``width`` × ``height`` cell block, as rows of styled runs.
+
+    Args:
+        series: The lines; points with non-finite y (or y ≤ 0 on a log axis) are skipped.
+        width: Columns (cells).
+        height: Rows (cells): one title row, the plot, and one x-axis row if ``x_axis``.
+        title: Text before the legend in the first row.
+        log: log10 y axis.
+        x_axis: Draw the row with the first and last x values.
+        empty: What the plot area says when no series has a point.
+        mark_every: Columns between a series' markers (staggered between series so they do
+            not cover each other); 0: a marker only at each line's last point.
+
+    Returns:
+        ``height`` rows, each a list of ``(text, style)`` runs (at most ``width`` cells wide).
+    """
+    width, height = max(1, width), max(1, height)
+    rows: list[list[Run]] = [_legend_row(series, title)]
+    rows_avail = height - 1 - (1 if x_axis else 0)
+    if rows_avail < 1:
+        return rows[:height]
+    pts = _plot_points(series, log)
+    allx = [p[0] for ps in pts for p in ps]
+    ally = [p[1] for ps in pts for p in ps]
+    if not allx:
+        for i in range(rows_avail):
+            rows.append([(empty, "dim")] if i == rows_avail // 2 else [])
+        if x_axis:
+            rows.append([])
+        return rows
+    x0, x1 = min(allx), max(allx)
+    y0, y1 = min(ally), max(ally)
+    if y1 - y0 < 1e-12:
+        pad = abs(y0) * 0.05 or (0.5 if log else 1.0)
+        y0, y1 = y0 - pad, y1 + pad
+    if x1 == x0:
+        x1 = x0 + 1
+
+    def untransform(v: float) -> float:
+        return 10 ** v if log else v
+
+    labels = [_label(untransform(y1)), _label(untransform((y0 + y1) / 2)), _label(untransform(y0))]
+    gutter = max(len(s) for s in labels) + 1
+    pw = max(1, width - gutter)
+    ph = rows_avail
+    dw, dh = 2 * pw, 4 * ph
+    sx = (dw - 1) / (x1 - x0)
+    sy = (dh - 1) / (y1 - y0)
+    bits, styles, marks = _draw_series(series, pts, x0, y1, sx, sy, pw, ph, mark_every)
+    rows += _grid_rows(bits, styles, marks, labels, gutter, pw, ph)
     if x_axis:
-        left, right = _label(x0), _label(x1)
-        mid = "step"
-        space = pw - len(left) - len(right)
-        if space >= len(mid) + 2:
-            pad_l = (space - len(mid)) // 2
-            axis = left + " " * pad_l + mid + " " * (space - len(mid) - pad_l) + right
-        else:
-            axis = left + " " * max(1, space) + right
-        rows.append([(" " * gutter + axis[:pw], "dim")])
+        rows.append(_x_axis_row(x0, x1, gutter, pw))
     return rows
 
 
