@@ -319,52 +319,30 @@ class Batch:
         if old is None:
             raise BatchError("the batch has no (B, T) integer token ids; return them as the "
                              "first positional argument or as input_ids")
-        b0, t0 = old.shape
-        layout = self.target_layout(model)
-        gen = torch.Generator().manual_seed(seed)
-
-        def rand(shape: tuple[int, ...]) -> torch.Tensor:
-            if vocab_size is None:
-                raise BatchError("random token ids need the vocabulary size")
-            return torch.randint(0, vocab_size, shape, generator=gen).to(old.device, old.dtype)
-
+        r = _Resizer(model, old, self.target_layout(model), seed, vocab_size)
         if ids is None:
-            ids = rand((batch_size or b0, seq_len or t0))
-        ids = ids.to(old.device, old.dtype)
-        b, t = ids.shape
+            ids = r.rand((batch_size or r.b0, seq_len or r.t0))
+        r.set_ids(ids)
         enc_dec = is_encoder_decoder(model)
-        params = _forward_params(model)
+        args, kwargs, tgt_new, dec_len = self._resized_slots(model, r, targets, decoder_ids)
+        if enc_dec:
+            dec_len = self._resized_decoder(model, r, kwargs, tgt_new, dec_len, decoder_ids)
+        if dec_len is None and tgt_new is not None and r.layout.kind == "seq2seq":
+            dec_len = tgt_new.shape[1]
+        for k, v in list(kwargs.items()):
+            if k.startswith("decoder_") and k in _KEEP_MASKS and isinstance(v, torch.Tensor):
+                kwargs[k] = _keep_all(k, v, r.b, dec_len or r.t)
+        out = self.replace(args, kwargs, token_text=None)
+        if self.targets is not None and r.layout.where is None:
+            out.targets = r.new_targets(self.targets)
+        return out
 
-        def optional(name: str) -> bool:
-            p = params.get(name)
-            if p is None:
-                return any(q.kind is q.VAR_KEYWORD for q in params.values())
-            return p.default is not inspect.Parameter.empty
-
-        def new_targets(old_t: Any) -> Any:
-            if not isinstance(old_t, torch.Tensor):
-                return old_t
-            kind = layout.kind
-            if kind == "aligned":
-                return ids.clone().to(old_t.dtype)
-            if kind == "shifted":
-                nxt = torch.cat([ids[:, 1:], rand((b, 1))], dim=1)
-                return nxt.to(old_t.device, old_t.dtype)
-            if kind == "masked":
-                keep = _fit(old_t != layout.ignore, b, t)
-                return torch.where(keep, ids.to(old_t.dtype),
-                                   torch.full_like(keep, layout.ignore, dtype=old_t.dtype))
-            if kind == "seq2seq":
-                td = old_t.shape[1] if old_t.dim() == 2 and t == t0 else t
-                return rand((b, td)).to(old_t.dtype)
-            if kind == "class":
-                return _fit(old_t, b)
-            if old_t.dim() >= 2 and tuple(old_t.shape[:2]) == (b0, t0):
-                return _fit(old_t, b, t)
-            if old_t.dim() >= 1 and old_t.shape[0] == b0:
-                return _fit(old_t, b)
-            return old_t
-
+    def _resized_slots(self, model: nn.Module, r: _Resizer, targets: str,
+                       decoder_ids: torch.Tensor | None
+                       ) -> tuple[list[Any], dict[str, Any], Any, int | None]:
+        """:meth:`resized`'s rewrite of each argument slot, in order. Returns the new
+        ``(args, kwargs, new targets or None, decoder length or None)``; dropped trailing
+        positional arguments are cut, inner ones become None."""
         args: list[Any] = list(self.args)
         kwargs: dict[str, Any] = dict(self.kwargs)
         drop_args: set[int] = set()
@@ -372,45 +350,20 @@ class Batch:
         dec_len = None
         for s in self.slots(model):
             v = self.get(s.where)
-            if s.role == "ids":
-                nv: Any = ids
-            elif s.role == "targets":
-                if targets == "drop" and optional(s.name):
-                    if isinstance(s.where, int):
-                        drop_args.add(s.where)
-                    else:
-                        kwargs.pop(s.where)
-                    continue
-                nv = tgt_new = new_targets(v)
-            elif s.role == "decoder_ids":
-                if decoder_ids is not None:
-                    nv = decoder_ids.to(v.device, v.dtype)
-                else:
-                    td = v.shape[1] if t == t0 else t
-                    nv = torch.cat([_fit(v[:, :1], b), rand((b, td - 1)).to(v.dtype)], dim=1)
-                dec_len = nv.shape[1]
-            elif s.role == "mask":
-                length = t
-                if s.name.startswith("decoder_"):
-                    length = None  # filled in below, once the decoder length is known
-                nv = _keep_all(s.name, v, b, length) if length is not None else v
-            elif s.role == "positions":
-                nv = _positions(v, b0, t0, b, t)
-                if nv is None:
-                    if not optional(s.name):
-                        nv = _fit(v, b, t)
-                    elif isinstance(s.where, int):
-                        drop_args.add(s.where)
-                        continue
-                    else:
-                        kwargs.pop(s.where)
-                        continue
-            elif v.dim() >= 2 and tuple(v.shape[:2]) == (b0, t0):
-                nv = _fit(v, b, t)
-            elif v.dim() >= 1 and v.shape[0] == b0 and v.dim() <= 2:
-                nv = _fit(v, b)
+            if s.role == "targets" and targets == "drop" and r.optional(s.name):
+                nv: Any = _DROP
             else:
-                nv = v
+                nv = r.new_value(s, v, decoder_ids)
+            if nv is _DROP:
+                if isinstance(s.where, int):
+                    drop_args.add(s.where)
+                else:
+                    kwargs.pop(s.where)
+                continue
+            if s.role == "targets":
+                tgt_new = nv
+            elif s.role == "decoder_ids":
+                dec_len = nv.shape[1]
             if isinstance(s.where, int):
                 args[s.where] = nv
             else:
@@ -421,28 +374,27 @@ class Batch:
                 args.pop()
             else:
                 args[i] = None
-        if enc_dec:
-            if decoder_ids is not None:
-                if "decoder_input_ids" in params or optional("decoder_input_ids"):
-                    kwargs["decoder_input_ids"] = decoder_ids.to(old.device, old.dtype)
-                dec_len = decoder_ids.shape[1]
-            has_labels = tgt_new is not None and layout.where is not None
-            has_dec = "decoder_input_ids" in kwargs or self.slot("decoder_ids", model) is not None
-            if not has_labels and not has_dec:
-                labels = new_targets(self.targets_tensor(model)[0])
-                if not isinstance(labels, torch.Tensor):
-                    labels = rand((b, t))
-                kwargs["decoder_input_ids"] = decoder_inputs_from_labels(model, labels)
-                dec_len = labels.shape[1]
-        if dec_len is None and tgt_new is not None and layout.kind == "seq2seq":
-            dec_len = tgt_new.shape[1]
-        for k, v in list(kwargs.items()):
-            if k.startswith("decoder_") and k in _KEEP_MASKS and isinstance(v, torch.Tensor):
-                kwargs[k] = _keep_all(k, v, b, dec_len or t)
-        out = self.replace(args, kwargs, token_text=None)
-        if self.targets is not None and layout.where is None:
-            out.targets = new_targets(self.targets)
-        return out
+        return args, kwargs, tgt_new, dec_len
+
+    def _resized_decoder(self, model: nn.Module, r: _Resizer, kwargs: dict[str, Any],
+                         tgt_new: Any, dec_len: int | None,
+                         decoder_ids: torch.Tensor | None) -> int | None:
+        """:meth:`resized`'s decoder inputs of an encoder-decoder model: the given
+        ``decoder_ids``, or ids derived from the rewritten labels when the batch has neither
+        labels nor decoder ids. Updates ``kwargs``; returns the decoder length."""
+        if decoder_ids is not None:
+            if "decoder_input_ids" in r.params or r.optional("decoder_input_ids"):
+                kwargs["decoder_input_ids"] = decoder_ids.to(r.old.device, r.old.dtype)
+            dec_len = decoder_ids.shape[1]
+        has_labels = tgt_new is not None and r.layout.where is not None
+        has_dec = "decoder_input_ids" in kwargs or self.slot("decoder_ids", model) is not None
+        if not has_labels and not has_dec:
+            labels = r.new_targets(self.targets_tensor(model)[0])
+            if not isinstance(labels, torch.Tensor):
+                labels = r.rand((r.b, r.t))
+            kwargs["decoder_input_ids"] = decoder_inputs_from_labels(model, labels)
+            dec_len = labels.shape[1]
+        return dec_len
 
     def describe(self, model: nn.Module | None = None) -> str:
         """``idx (2, 16) int64, targets (2, 16) int64`` — the tensor arguments by name."""
@@ -561,6 +513,97 @@ def _positions(v: torch.Tensor, b0: int, t0: int, b: int, t: int) -> torch.Tenso
         if bool((v == v[:, :1]).all()):  # constant per row: token type ids, segment ids
             return _fit(v, b, t)
     return None
+
+
+_DROP = object()  # _Resizer.new_value: leave this argument out
+
+
+class _Resizer:
+    """The state of one :meth:`Batch.resized`: the old ids' shape (B, T), the new ids and
+    their shape (B', T'), the target layout and a private generator for random ids."""
+
+    def __init__(self, model: nn.Module, old: torch.Tensor, layout: TargetLayout, seed: int,
+                 vocab_size: int | None) -> None:
+        self.old = old
+        self.b0, self.t0 = old.shape
+        self.layout = layout
+        self.gen = torch.Generator().manual_seed(seed)
+        self.vocab_size = vocab_size
+        self.params = _forward_params(model)
+        self.ids: torch.Tensor = old
+        self.b, self.t = self.b0, self.t0
+
+    def set_ids(self, ids: torch.Tensor) -> None:
+        """Use ``ids`` (moved to the old ids' device and dtype) as the new token ids."""
+        self.ids = ids.to(self.old.device, self.old.dtype)
+        self.b, self.t = self.ids.shape
+
+    def rand(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """Uniformly random ids in [0, vocab_size) from the private generator."""
+        if self.vocab_size is None:
+            raise BatchError("random token ids need the vocabulary size")
+        return torch.randint(0, self.vocab_size, shape,
+                             generator=self.gen).to(self.old.device, self.old.dtype)
+
+    def optional(self, name: str) -> bool:
+        """Whether the forward has a default for ``name`` (or takes ``**kwargs``)."""
+        p = self.params.get(name)
+        if p is None:
+            return any(q.kind is q.VAR_KEYWORD for q in self.params.values())
+        return p.default is not inspect.Parameter.empty
+
+    def new_targets(self, old_t: Any) -> Any:
+        """Targets consistent with the new ids, by the batch's target layout."""
+        if not isinstance(old_t, torch.Tensor):
+            return old_t
+        ids, b, t, b0, t0 = self.ids, self.b, self.t, self.b0, self.t0
+        kind = self.layout.kind
+        if kind == "aligned":
+            return ids.clone().to(old_t.dtype)
+        if kind == "shifted":
+            nxt = torch.cat([ids[:, 1:], self.rand((b, 1))], dim=1)
+            return nxt.to(old_t.device, old_t.dtype)
+        if kind == "masked":
+            keep = _fit(old_t != self.layout.ignore, b, t)
+            return torch.where(keep, ids.to(old_t.dtype),
+                               torch.full_like(keep, self.layout.ignore, dtype=old_t.dtype))
+        if kind == "seq2seq":
+            td = old_t.shape[1] if old_t.dim() == 2 and t == t0 else t
+            return self.rand((b, td)).to(old_t.dtype)
+        if kind == "class":
+            return _fit(old_t, b)
+        if old_t.dim() >= 2 and tuple(old_t.shape[:2]) == (b0, t0):
+            return _fit(old_t, b, t)
+        if old_t.dim() >= 1 and old_t.shape[0] == b0:
+            return _fit(old_t, b)
+        return old_t
+
+    def new_value(self, s: Slot, v: Any, decoder_ids: torch.Tensor | None) -> Any:
+        """The rewritten value of argument slot ``s`` (old value ``v``), or ``_DROP``."""
+        b, t, b0, t0 = self.b, self.t, self.b0, self.t0
+        if s.role == "ids":
+            return self.ids
+        if s.role == "targets":
+            return self.new_targets(v)
+        if s.role == "decoder_ids":
+            if decoder_ids is not None:
+                return decoder_ids.to(v.device, v.dtype)
+            td = v.shape[1] if t == t0 else t
+            return torch.cat([_fit(v[:, :1], b), self.rand((b, td - 1)).to(v.dtype)], dim=1)
+        if s.role == "mask":
+            # a decoder mask is filled in by Batch.resized, once the decoder length is known
+            return v if s.name.startswith("decoder_") else _keep_all(s.name, v, b, t)
+        if s.role == "positions":
+            nv = _positions(v, b0, t0, b, t)
+            if nv is None:
+                return _fit(v, b, t) if not self.optional(s.name) else _DROP
+            return nv
+        if v.dim() >= 2 and tuple(v.shape[:2]) == (b0, t0):
+            return _fit(v, b, t)
+        if v.dim() >= 1 and v.shape[0] == b0 and v.dim() <= 2:
+            return _fit(v, b)
+        return v
+
 
 
 @dataclass
