@@ -66,18 +66,10 @@ def _aux_free(moe: list[MoEInfo]) -> str | None:
     return None
 
 
-@check(5, "grad-flow", "Gradient flow")
-def grad_flow(t: Target, o: DoctorOptions) -> Outcome:
-    """After one backward of the loss every trainable parameter has a finite, non-zero
-    gradient; and each MoE router gets a gradient from the aux (load-balancing) loss alone.
-
-    A parameter whose module was never called (an expert that received no tokens in this
-    batch) is reported as unused, not as broken. Each finite gradient is also judged by the
-    gradients view's rule (:func:`hooks.verdicts.param_verdict`, knowing the rows that reached
-    its module): exploding ones warn; vanishing ones are listed without changing the status
-    (a bias that a softmax or a norm cancels, HF BERT's key bias, gets ~0 by design), and so
-    are those small only because their module saw few tokens.
-    """
+def _forward_recording(t: Target) -> tuple[Any, set[str], dict[str, int], int]:
+    """Run the model's forward in train mode, recording which modules ran and the rows
+    (tokens) each produced. Returns ``(out, called, rows, most)``: ``most`` is the largest
+    row count of any one call, the batch's rows for the few-tokens rule."""
     model = t.model
     called: set[str] = set()
     rows: dict[str, int] = {}  # rows (tokens) each module produced: the few-tokens rule
@@ -98,120 +90,147 @@ def grad_flow(t: Target, o: DoctorOptions) -> Outcome:
     finally:
         for h in handles:
             h.remove()
-    choice = t.loss(out)
-    loss = choice.loss
-    src = choice.describe()
-    if not loss.requires_grad:
-        raise SkipCheck(f"the loss ({src}) does not require grad: nothing to back-propagate")
-    data: dict[str, Any] = dict(loss=float(loss.detach()), loss_source=choice.source,
-                                loss_fallback=choice.fallback)
+    return out, called, rows, most[0]
 
-    # the router's gradient from the aux loss alone
+
+def _router_aux_check(moe: list[MoEInfo], out: Any, data: dict[str, Any]
+                      ) -> tuple[list[str], tuple[str, str] | None]:
+    """The routers' gradient from the aux loss alone. Returns the messages to report and the
+    first failure as ``(message, module)`` or None; stores the per-router grad norms in
+    ``data["router_aux_grad_norms"]`` when it computed them."""
     router_msgs: list[str] = []
     router_fail = None
-    moe = t.moe_blocks()
-    if moe:
-        aux = _aux_loss(out)
-        rparams = [(f"{b.router_name}.{n}", p) for b in moe
-                   for n, p in b.router.named_parameters() if p.requires_grad]
-        free = _aux_free(moe)
-        if not rparams:
-            router_msgs.append("routers are frozen: aux-loss gradient not checked")
-        elif aux is None and free:
-            router_msgs.append(f"no aux loss, by design: {free} balances the load without one "
-                               "(DeepSeek-V3's aux-loss-free routing); aux-loss gradient n/a")
-        elif aux is None:
-            router_msgs.append("no aux_loss in the output: routers get no load-balancing signal")
-        elif not aux.requires_grad:
-            router_fail = (f"aux_loss = {fmt(float(aux))} does not require grad: it is "
-                           f"detached from the {len(moe)} router(s)", moe[0].router_name)
-        elif rparams:
-            grads = torch.autograd.grad(aux, [p for _, p in rparams], retain_graph=True,
-                                        allow_unused=True)
-            norms = {}
-            for (n, _), g in zip(rparams, grads, strict=True):
-                gn = None if g is None else float(g.float().norm())
-                norms[n] = gn
-                if router_fail is None and (gn is None or gn == 0.0 or not math.isfinite(gn)):
-                    what = "no" if gn is None else ("zero" if gn == 0 else f"non-finite ({gn})")
-                    router_fail = (f"{n} gets {what} gradient from aux_loss",
-                                   n.rpartition(".")[0])
-            data["router_aux_grad_norms"] = norms
-            if router_fail is None:
-                vals = [v for v in norms.values() if v is not None]
-                router_msgs.append(f"aux_loss reaches all {len(rparams)} router weight(s) "
-                                   f"(grad norm {fmt(min(vals))}..{fmt(max(vals))})")
+    if not moe:
+        return router_msgs, router_fail
+    aux = _aux_loss(out)
+    rparams = [(f"{b.router_name}.{n}", p) for b in moe
+               for n, p in b.router.named_parameters() if p.requires_grad]
+    free = _aux_free(moe)
+    if not rparams:
+        router_msgs.append("routers are frozen: aux-loss gradient not checked")
+    elif aux is None and free:
+        router_msgs.append(f"no aux loss, by design: {free} balances the load without one "
+                           "(DeepSeek-V3's aux-loss-free routing); aux-loss gradient n/a")
+    elif aux is None:
+        router_msgs.append("no aux_loss in the output: routers get no load-balancing signal")
+    elif not aux.requires_grad:
+        router_fail = (f"aux_loss = {fmt(float(aux))} does not require grad: it is "
+                       f"detached from the {len(moe)} router(s)", moe[0].router_name)
+    elif rparams:
+        grads = torch.autograd.grad(aux, [p for _, p in rparams], retain_graph=True,
+                                    allow_unused=True)
+        norms = {}
+        for (n, _), g in zip(rparams, grads, strict=True):
+            gn = None if g is None else float(g.float().norm())
+            norms[n] = gn
+            if router_fail is None and (gn is None or gn == 0.0 or not math.isfinite(gn)):
+                what = "no" if gn is None else ("zero" if gn == 0 else f"non-finite ({gn})")
+                router_fail = (f"{n} gets {what} gradient from aux_loss",
+                               n.rpartition(".")[0])
+        data["router_aux_grad_norms"] = norms
+        if router_fail is None:
+            vals = [v for v in norms.values() if v is not None]
+            router_msgs.append(f"aux_loss reaches all {len(rparams)} router weight(s) "
+                               f"(grad norm {fmt(min(vals))}..{fmt(max(vals))})")
+    return router_msgs, router_fail
 
-    loss.backward()
-    owners = t.param_owners()
+
+class _ParamGrads:
+    """The per-parameter tally of one backward: broken, idle (unused experts), ok and frozen
+    tensors, the finite norms, and the parameters flagged by the gradients view's verdict."""
+
+    def __init__(self) -> None:
+        self.broken: list[tuple[str, str, str | None]] = []
+        self.idle: list[str] = []
+        self.n_ok = 0
+        self.n_frozen = 0
+        self.ok_norms: list[float] = []
+        self.flagged: dict[str, list[str]] = {"vanishing": [], "exploding": [], "few": []}
+
+
+def _tally_param_grads(t: Target, moe: list[MoEInfo], called: set[str],
+                       rows: dict[str, int], most: int,
+                       owners: dict[int, list[str]]) -> _ParamGrads:
+    """Judge every trainable parameter's gradient after the backward: missing, all-zero or
+    non-finite ones are broken (unless an expert that got no tokens: idle); finite ones are
+    judged by :func:`hooks.verdicts.param_verdict`."""
     expert_prefixes = tuple(f"{b.name}.experts." if b.name else "experts." for b in moe)
-    broken: list[tuple[str, str, str | None]] = []
-    idle: list[str] = []
-    n_ok = n_frozen = 0
-    ok_norms: list[float] = []
-    flagged: dict[str, list[str]] = {"vanishing": [], "exploding": [], "few": []}
-    for name, p in model.named_parameters():
+    r = _ParamGrads()
+    for name, p in t.model.named_parameters():
         if not p.requires_grad:
-            n_frozen += 1
+            r.n_frozen += 1
             continue
         mods = owners.get(id(p), [name.rpartition(".")[0]])
         was_called = any(m in called for m in mods)
         g = p.grad
         if g is None or not bool(g.any()):
             if not was_called and name.startswith(expert_prefixes):
-                idle.append(name)  # an expert that got no tokens: routing's business
+                r.idle.append(name)  # an expert that got no tokens: routing's business
                 continue
             if g is None:
                 what = ("no gradient: its module never ran in the forward" if not was_called
                         else "no gradient (not in the loss's graph)")
             else:
                 what = "an all-zero gradient"
-            broken.append((name, what, mods[0] or None))
+            r.broken.append((name, what, mods[0] or None))
             continue
         gn = float(g.float().norm())
         if not math.isfinite(gn):
             nan = int(torch.isnan(g).sum())
-            broken.append((name, f"a non-finite gradient ({nan} NaN of {g.numel()})",
-                           mods[0] or None))
+            r.broken.append((name, f"a non-finite gradient ({nan} NaN of {g.numel()})",
+                             mods[0] or None))
             continue
-        ok_norms.append(gn)
-        n_ok += 1
+        r.ok_norms.append(gn)
+        r.n_ok += 1
         # the gradients view's verdict, on the same numbers (hooks.verdicts)
         wn = float(p.detach().float().norm())
         verdict = param_verdict(
             _Grad(gn, gn / wn if wn else None),
             rows=sum(rows.get(m, 0) for m in mods) if was_called else None,
-            batch_rows=most[0] or None)
-        if verdict in flagged:
-            flagged[verdict].append(name)
-    total = n_ok + len(broken)
-    global_norm = combine_norms(ok_norms)
-    data.update(trainable=total + len(idle), ok=n_ok, frozen=n_frozen, grad_norm=global_norm,
-                broken=[{"param": n, "problem": w} for n, w, _ in broken], idle_experts=idle,
-                vanishing=flagged["vanishing"], exploding=flagged["exploding"],
-                few_tokens=flagged["few"])
-    head = f"{src} ({fmt(data['loss'])}): {n_ok}/{total} trainable tensors got finite " \
+            batch_rows=most or None)
+        if verdict in r.flagged:
+            r.flagged[verdict].append(name)
+    return r
+
+
+def _grad_flow_head(src: str, data: dict[str, Any], r: _ParamGrads) -> str:
+    """Fill ``data`` with the tally and return the evidence's first sentence."""
+    total = r.n_ok + len(r.broken)
+    global_norm = combine_norms(r.ok_norms)
+    data.update(trainable=total + len(r.idle), ok=r.n_ok, frozen=r.n_frozen,
+                grad_norm=global_norm,
+                broken=[{"param": n, "problem": w} for n, w, _ in r.broken],
+                idle_experts=r.idle, vanishing=r.flagged["vanishing"],
+                exploding=r.flagged["exploding"], few_tokens=r.flagged["few"])
+    head = f"{src} ({fmt(data['loss'])}): {r.n_ok}/{total} trainable tensors got finite " \
            f"non-zero gradients (global norm {fmt(global_norm)})"
-    if idle:
-        experts = sorted({n.rsplit(".", 2)[0] for n in idle})
-        head += (f", not counting {len(idle)} tensor(s) of {len(experts)} expert(s) that "
+    if r.idle:
+        experts = sorted({n.rsplit(".", 2)[0] for n in r.idle})
+        head += (f", not counting {len(r.idle)} tensor(s) of {len(experts)} expert(s) that "
                  f"received no tokens in this batch")
-    if broken:
-        name, what, mod = broken[0]
-        more = f" (+{len(broken) - 1} more)" if len(broken) > 1 else ""
-        if all("non-finite" in w for _, w, _ in broken):
-            hint = ("non-finite values in the forward or backward poison the gradients; the "
-                    "non-finite check locates where they start")
-        else:
-            hint = ("a detached tensor (.detach(), .data, torch.no_grad, an in-place op) or an "
-                    "unused module cuts the graph; follow the module named here")
-        return Outcome.fail(f"{head}; {name} has {what}{more}", hint, mod, **data)
-    if router_fail:
-        msg, mod = router_fail
-        return Outcome.fail(f"{head}; {msg}",
-                            "compute the load-balancing loss from the router logits without "
-                            ".detach()/.item()/torch.no_grad, and add it to the loss", mod,
-                            **data)
+    return head
+
+
+def _broken_outcome(head: str, broken: list[tuple[str, str, str | None]],
+                    data: dict[str, Any]) -> Outcome:
+    """The failure for the first broken gradient, with a hint by kind (non-finite or cut)."""
+    name, what, mod = broken[0]
+    more = f" (+{len(broken) - 1} more)" if len(broken) > 1 else ""
+    if all("non-finite" in w for _, w, _ in broken):
+        hint = ("non-finite values in the forward or backward poison the gradients; the "
+                "non-finite check locates where they start")
+    else:
+        hint = ("a detached tensor (.detach(), .data, torch.no_grad, an in-place op) or an "
+                "unused module cuts the graph; follow the module named here")
+    return Outcome.fail(f"{head}; {name} has {what}{more}", hint, mod, **data)
+
+
+def _extremes_outcome(t: Target, moe: list[MoEInfo], head: str, router_msgs: list[str],
+                      r: _ParamGrads, owners: dict[int, list[str]],
+                      data: dict[str, Any]) -> Outcome:
+    """With no failure: warn on exploding gradients or a missing aux loss, else ok; the
+    vanishing and few-token tensors are listed without changing the status."""
+    flagged = r.flagged
     extremes = []
     if flagged["exploding"]:
         extremes.append(f"{len(flagged['exploding'])} exploding (‖g‖ > {EXPLODING_NORM:g} or "
@@ -229,13 +248,54 @@ def grad_flow(t: Target, o: DoctorOptions) -> Outcome:
     ev = "; ".join([head] + extremes + router_msgs)
     if extremes:
         name = flagged["exploding"][0]
-        mods = owners.get(id(dict(model.named_parameters())[name]), [name.rpartition(".")[0]])
+        mods = owners.get(id(dict(t.model.named_parameters())[name]),
+                          [name.rpartition(".")[0]])
         return Outcome.warn(ev, "exploding gradients: an init or logit scale too large, a "
                             "missing norm or residual scaling", mods[0] or None, **data)
     if router_msgs and router_msgs[0].startswith("no aux_loss"):
         return Outcome.warn(ev, "return the load-balancing loss (aux_loss) and add it to the "
                             "training loss", moe[0].name or None, **data)
     return Outcome.ok(ev, **data)
+
+
+@check(5, "grad-flow", "Gradient flow")
+def grad_flow(t: Target, o: DoctorOptions) -> Outcome:
+    """After one backward of the loss every trainable parameter has a finite, non-zero
+    gradient; and each MoE router gets a gradient from the aux (load-balancing) loss alone.
+
+    A parameter whose module was never called (an expert that received no tokens in this
+    batch) is reported as unused, not as broken. Each finite gradient is also judged by the
+    gradients view's rule (:func:`hooks.verdicts.param_verdict`, knowing the rows that reached
+    its module): exploding ones warn; vanishing ones are listed without changing the status
+    (a bias that a softmax or a norm cancels, HF BERT's key bias, gets ~0 by design), and so
+    are those small only because their module saw few tokens.
+    """
+    out, called, rows, most = _forward_recording(t)
+    choice = t.loss(out)
+    loss = choice.loss
+    src = choice.describe()
+    if not loss.requires_grad:
+        raise SkipCheck(f"the loss ({src}) does not require grad: nothing to back-propagate")
+    data: dict[str, Any] = dict(loss=float(loss.detach()), loss_source=choice.source,
+                                loss_fallback=choice.fallback)
+
+    # the router's gradient from the aux loss alone
+    moe = t.moe_blocks()
+    router_msgs, router_fail = _router_aux_check(moe, out, data)
+
+    loss.backward()
+    owners = t.param_owners()
+    r = _tally_param_grads(t, moe, called, rows, most, owners)
+    head = _grad_flow_head(src, data, r)
+    if r.broken:
+        return _broken_outcome(head, r.broken, data)
+    if router_fail:
+        msg, mod = router_fail
+        return Outcome.fail(f"{head}; {msg}",
+                            "compute the load-balancing loss from the router logits without "
+                            ".detach()/.item()/torch.no_grad, and add it to the loss", mod,
+                            **data)
+    return _extremes_outcome(t, moe, head, router_msgs, r, owners, data)
 
 
 class _Grad:
