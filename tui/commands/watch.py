@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tui.commands._common import require_terminal
+from tui.commands.process import require_terminal
 from tui.errors import MdbError
 
 HELP = ("follow a run live from the run database (default: the latest run); p pauses, x "
@@ -92,7 +92,8 @@ def after_viewer(screen, store, db: str | None) -> int:
         print(f"mdb: detached; run {run.name} goes on training (pid {run.pid}) · re-attach: "
               f"mdb watch {run.name}{where} · stop it: mdb stop {run.name}{where}")
     elif screen.outcome == STOPPED:
-        print(f"mdb: asked run {run.name} to stop; waiting for its checkpoint…",
-              file=sys.stderr)
+        how = ("waiting for its checkpoint…" if run.kind == "overfit" else "waiting for its "
+               "loop to see run.should_stop… (Ctrl-C leaves it running)")
+        print(f"mdb: asked run {run.name} to stop; {how}", file=sys.stderr)
         print(ended_line(wait_until_stopped(store, run.name, 300.0), db))
     return 0
