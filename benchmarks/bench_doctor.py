@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from benchmarks._timing import interleaved, report  # noqa: E402
 from hooks.checks import run_checks  # noqa: E402
-from tui.commands._common import build_workload  # noqa: E402
+from tui.commands.workload import build_workload  # noqa: E402
 
 
 def main() -> None:

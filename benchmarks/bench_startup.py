@@ -110,7 +110,9 @@ async def _key_latency(trace, presses: int) -> dict[str, list[float]]:
 def bench_keys(presses: int) -> dict[str, tuple[list[float], list[float]]]:
     import argparse as ap
 
-    from tui.commands._common import add_model_arguments, build_workload, capture_step
+    from tui.commands.capturing import capture_step
+    from tui.commands.options import add_model_arguments
+    from tui.commands.workload import build_workload
 
     parser = ap.ArgumentParser()
     add_model_arguments(parser)

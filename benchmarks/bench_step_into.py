@@ -34,7 +34,9 @@ def main() -> int:
     import torch
 
     from benchmarks._timing import interleaved, report
-    from tui.commands._common import add_model_arguments, build_workload, capture_step
+    from tui.commands.capturing import capture_step
+    from tui.commands.options import add_model_arguments
+    from tui.commands.workload import build_workload
 
     torch.set_num_threads(1)
     parser = argparse.ArgumentParser()

@@ -229,13 +229,13 @@ def test_config_values(toml, message, tmp_path, capsys):
 
 
 def test_the_memory_message_says_how_much(capsys, monkeypatch):
-    from tui.commands import _common
+    from tui.commands import inputs
 
-    monkeypatch.setattr(_common, "available_memory", lambda: 10**9)  # 1 GB
+    monkeypatch.setattr(inputs, "available_memory", lambda: 10**9)  # 1 GB
     from minillm import load_preset
 
     cfg = load_preset("default")
-    params, acts = _common.step_memory(cfg, 2, 64)
+    params, acts = inputs.step_memory(cfg, 2, 64)
     assert params >= 8 * cfg.parameter_count()
     assert _main(["summary", "--preset", "default", "--batch-size", "4096"]) == 2
     line = _one_line(capsys)
@@ -259,7 +259,7 @@ def test_text_that_is_not_a_regular_file(tmp_path, capsys):
 
 
 def test_text_larger_than_the_cap_is_refused_before_reading(tmp_path, capsys):
-    from tui.commands._common import MAX_TEXT_BYTES
+    from tui.commands.inputs import MAX_TEXT_BYTES
 
     big = tmp_path / "big.txt"
     with open(big, "wb") as f:
@@ -313,7 +313,7 @@ async def test_keys_do_nothing_while_the_terminal_is_too_small():
     from tests.conftest import wait_until
     from tests.test_tui_step import tiny_workload
     from tui.app import make_step_app
-    from tui.commands._common import capture_step
+    from tui.commands.capturing import capture_step
     from tui.screens.step import StepScreen
 
     trace = capture_step(tiny_workload(), attention=False)

@@ -20,7 +20,7 @@ ANSI = re.compile(r"\x1b\[")
 
 def _reference(seq_len: int = 16):
     """The tiny model and batch mdb builds for --preset tiny (same seed), run without hooks."""
-    from tui.commands._common import batch_from_text, default_text_path, read_text, tokenizer_for
+    from tui.commands.inputs import batch_from_text, default_text_path, read_text, tokenizer_for
 
     torch.manual_seed(0)
     cfg = load_preset("tiny")
@@ -99,7 +99,9 @@ def saved_trace(tmp_path_factory):
     """A trace of the default preset (deep names: post_attention_layernorm at depth 4)."""
     import argparse
 
-    from tui.commands._common import add_model_arguments, build_workload, capture_step
+    from tui.commands.capturing import capture_step
+    from tui.commands.options import add_model_arguments
+    from tui.commands.workload import build_workload
 
     parser = argparse.ArgumentParser()
     add_model_arguments(parser)

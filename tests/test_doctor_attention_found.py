@@ -15,7 +15,8 @@ from torch import nn
 from hooks.checks import run_checks
 from tests.conftest import REPO
 from tui.cli import main
-from tui.commands._common import capture_step, load_user_workload
+from tui.commands.capturing import capture_step
+from tui.commands.workload import load_user_workload
 
 V, T = 64, 12
 SPEC = "tests/test_doctor_attention_found.py"

@@ -166,7 +166,7 @@ def test_columns_80_puts_the_hint_under_the_evidence(capsys, monkeypatch):
 def test_tui_with_a_model_that_raises_is_one_line(capsys, monkeypatch, tmp_path):
     """The checks survive it (they skip), the step capture after them does not: one line
     naming the module and the file:line, exit 1, before any screen opens."""
-    import tui.commands._common as common
+    import tui.commands.process as process
 
     src = tmp_path / "flaky_model.py"
     src.write_text(
@@ -180,7 +180,7 @@ def test_tui_with_a_model_that_raises_is_one_line(capsys, monkeypatch, tmp_path)
         "        return self.proj(self.emb(ids).view(-1, 7))\n\n"
         "def build():\n"
         "    return Flaky(), torch.randint(0, 32, (2, 8))\n")
-    monkeypatch.setattr(common, "require_terminal", lambda *a, **k: None)
+    monkeypatch.setattr(process, "require_terminal", lambda *a, **k: None)
     rc = main(["doctor", "--model", f"{src}:build", "--tui"])
     err = capsys.readouterr().err
     assert rc == 1

@@ -143,7 +143,8 @@ def tiny_trace_and_results():
         import hooks
         from hooks.checks import run_checks
         from tests import zoo
-        from tui.commands._common import Workload, capture_step
+        from tui.commands.capturing import capture_step
+        from tui.commands.workload import Workload
 
         model, batch = zoo.gqa_repeat()
         results = run_checks(model, batch, only="gqa,tied")

@@ -8,7 +8,7 @@ from textual.widgets import DataTable
 from hooks.checks import run_checks
 from tests.test_tui_step import tiny_workload
 from tui.app import MdbApp
-from tui.commands._common import capture_step
+from tui.commands.capturing import capture_step
 from tui.commands.step import run_doctor
 from tui.screens.doctor import DoctorScreen
 from tui.screens.step import StepScreen

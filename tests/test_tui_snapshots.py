@@ -16,7 +16,9 @@ import torch
 from textual.widgets import DataTable, Static
 
 from tui.app import make_step_app
-from tui.commands._common import add_model_arguments, build_workload, capture_step
+from tui.commands.capturing import capture_step
+from tui.commands.options import add_model_arguments
+from tui.commands.workload import build_workload
 from tui.widgets import fmt
 
 

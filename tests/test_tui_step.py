@@ -17,7 +17,9 @@ from textual.widgets import DataTable, Static
 
 from tui import messages
 from tui.app import make_step_app
-from tui.commands._common import add_model_arguments, build_workload, capture_step
+from tui.commands.capturing import capture_step
+from tui.commands.options import add_model_arguments
+from tui.commands.workload import build_workload
 from tui.screens.attention import AttentionScreen
 from tui.screens.gradients import GradientsScreen
 from tui.screens.help import HelpScreen

@@ -19,7 +19,8 @@ from minillm import MiniLLM, load_preset
 from minillm.moe import load_balancing_loss
 from tests.test_verdicts import D, N, Routed
 from tui.app import make_step_app
-from tui.commands._common import Workload, capture_step
+from tui.commands.capturing import capture_step
+from tui.commands.workload import Workload
 from tui.widgets import fmt
 
 SIZE = (80, 24)

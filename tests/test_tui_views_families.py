@@ -17,7 +17,8 @@ import hooks
 from tests.conftest import SAMPLES
 from tests.test_hooks_routing import OneHotBlock
 from tui.app import make_step_app
-from tui.commands._common import capture_step, load_user_workload
+from tui.commands.capturing import capture_step
+from tui.commands.workload import load_user_workload
 from tui.screens.attention import AttentionScreen
 from tui.screens.router import RouterScreen
 

@@ -7,7 +7,8 @@ import torch
 
 from tests.conftest import SAMPLES
 from tui.cli import main
-from tui.commands._common import capture_step, load_user_workload
+from tui.commands.capturing import capture_step
+from tui.commands.workload import load_user_workload
 
 EXAMPLES = SAMPLES / "user_models.py"
 

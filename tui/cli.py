@@ -67,14 +67,14 @@ PATH_OPTIONS = ("db", "config", "text", "trace", "out")
 
 def check_common_options(args: argparse.Namespace) -> None:
     """Checks every subcommand shares, made before it creates or opens anything: ``--threads``
-    (at most the machine's CPUs, :func:`tui.commands._common.check_threads`) and the file
+    (at most the machine's CPUs, :func:`tui.commands.options.check_threads`) and the file
     options of :data:`PATH_OPTIONS` (a name too long for the file system, a symbolic-link
-    loop: :func:`tui.commands._common.check_path`).
+    loop: :func:`tui.commands.options.check_path`).
 
     Raises:
         MdbError: the first option that fails, in one line.
     """
-    from tui.commands._common import check_path, check_threads
+    from tui.commands.options import check_path, check_threads
 
     threads = getattr(args, "threads", None)
     if isinstance(threads, int):

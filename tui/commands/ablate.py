@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tui.commands._common import nonneg_int, positive_float, positive_int, seed_int
+from tui.commands.options import nonneg_int, positive_float, positive_int, seed_int
 from tui.errors import MdbError
 
 HELP = ("a controlled-variable experiment in one command: one run per --vary variant "
@@ -151,7 +151,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     from hooks.runs.overfit import OverfitOptions
     from hooks.runs.store import RunStore, RunStoreError, default_db_path
     from minillm import CharTokenizer
-    from tui.commands._common import default_text_path, load_config, read_text
+    from tui.commands.inputs import default_text_path, load_config, read_text
 
     if not args.vary:
         raise MdbError("give at least one --vary FIELD=VALUE,VALUE (e.g. "
@@ -235,7 +235,7 @@ def _check_memory(variants, text: str, batch_size: int, seq: int, jobs: int) -> 
     Raises:
         MdbError: naming the variant and how much it needs.
     """
-    from tui.commands._common import available_memory, check_memory, human_bytes, step_memory
+    from tui.commands.inputs import available_memory, check_memory, human_bytes, step_memory
 
     vocab = max(1, len(set(text)))  # the vocabulary becomes the text's characters
     needs = []
@@ -434,7 +434,7 @@ def _worker(args: argparse.Namespace) -> int:
         ns = argparse.Namespace(heartbeat=float(spec.get("heartbeat", 1.0)), db=spec["db"])
         return run_headless(session, ns)
     finally:
-        from tui.commands._common import release_stop_signals
+        from tui.commands.process import release_stop_signals
 
         release_stop_signals(control, restore)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tui.commands._common import add_model_arguments, nonneg_int
+from tui.commands.options import add_model_arguments, nonneg_int
 from tui.commands.step import add_threads_argument, set_threads
 from tui.errors import MdbError
 
@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tui.commands._common import build_workload, capture_step
+    from tui.commands.capturing import capture_step
+    from tui.commands.workload import build_workload
 
     if not args.out.strip():
         raise MdbError("--out: give the trace directory to write, e.g. --out step.mdbtrace")

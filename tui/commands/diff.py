@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from tui.commands._common import check_path, nonneg_int
+from tui.commands.options import check_path, nonneg_int
 from tui.errors import MdbError
 
 HELP = "compare two captured steps (trace directories or RUN@STEP), call by call"

@@ -20,7 +20,8 @@ import json
 import sys
 import time
 
-from tui.commands._common import add_model_arguments, positive_int, stdout_to_stderr
+from tui.commands.options import add_model_arguments, positive_int
+from tui.commands.process import stdout_to_stderr
 from tui.errors import MdbError
 
 HELP = "check a model for common build mistakes (init, mask, RoPE, GQA, gradients, routing...)"
@@ -128,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
         only = resolve_only(args.only) if args.only is not None else None
     except ValueError as exc:
         raise MdbError(f"--only: {exc}") from None
-    from tui.commands._common import build_workload, require_terminal
+    from tui.commands.process import require_terminal
+    from tui.commands.workload import build_workload
 
     # stdout carries the table or the JSON document only: what the user's code writes to it
     # (the factory, the forward: print, os.write(1, ...), C code) goes to stderr
@@ -263,7 +265,7 @@ def make_doctor_app(trace, results, *, title: str = "mdb doctor"):
 
 def _run_tui(workload, results, info: dict) -> int:
     """Capture one step of the workload and open the step app with the doctor view on top."""
-    from tui.commands._common import capture_step
+    from tui.commands.capturing import capture_step
 
     with stdout_to_stderr():
         trace = capture_step(workload, attention=True)

@@ -30,7 +30,7 @@ import sys
 import time
 from typing import Any
 
-from tui.commands._common import nonneg_int, positive_float, positive_int, seed_int
+from tui.commands.options import nonneg_int, positive_float, positive_int, seed_int
 from tui.commands.overfit_detach import default_run_name
 from tui.commands.overfit_detach import open_store as open_run_store
 from tui.errors import MdbError, ModelError
@@ -131,7 +131,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _options_from_args(args: argparse.Namespace):
     from hooks.runs.overfit import OverfitOptions, default_overfit_text
-    from tui.commands._common import check_memory, load_config, read_text, samples_dir
+    from tui.commands.inputs import check_memory, load_config, read_text, samples_dir
 
     if args.text:
         text, source = read_text(args.text), str(args.text)
@@ -178,7 +178,7 @@ def _model_options(args: argparse.Namespace):
 
 def _build_workload(spec: str):
     """``--model``'s factory, imported and called (errors: :class:`MdbError`, one line)."""
-    from tui.commands._common import load_user_workload
+    from tui.commands.workload import load_user_workload
 
     return load_user_workload(spec)
 
@@ -687,6 +687,6 @@ def run(args: argparse.Namespace) -> int:
         return run_headless(session, args)  # (live, it runs as the viewer's trainer process)
     finally:
         building[0] = False
-        from tui.commands._common import release_stop_signals
+        from tui.commands.process import release_stop_signals
 
         release_stop_signals(control, restore)

@@ -16,7 +16,8 @@ import argparse
 import os
 import sys
 
-from tui.commands._common import add_model_arguments, require_terminal
+from tui.commands.options import add_model_arguments
+from tui.commands.process import require_terminal
 from tui.errors import MdbError
 
 HELP = "step through one forward and backward pass of the model in a terminal debugger"
@@ -39,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_threads_argument(parser: argparse.ArgumentParser) -> None:
     """``--threads N``: torch CPU threads for the captured step (shared by step/summary/capture)."""
-    from tui.commands._common import nonneg_int
+    from tui.commands.options import nonneg_int
 
     parser.add_argument(
         "--threads", type=nonneg_int, default=1, metavar="N",
@@ -143,7 +144,7 @@ def load_trace(path: str):
 
 def build_from_args(args: argparse.Namespace):
     """Build the workload the options describe (all bad-input errors are raised here)."""
-    from tui.commands._common import build_workload
+    from tui.commands.workload import build_workload
 
     set_threads(args)
     return build_workload(args)
@@ -151,7 +152,7 @@ def build_from_args(args: argparse.Namespace):
 
 def capture(workload):
     """Capture one forward and backward pass of ``workload``, attention included."""
-    from tui.commands._common import capture_step
+    from tui.commands.capturing import capture_step
 
     return capture_step(workload, attention=True)
 
@@ -168,7 +169,7 @@ def precheck(args: argparse.Namespace) -> None:
     """Checks that need no torch, done before the terminal switches to the app."""
     from pathlib import Path
 
-    from tui.commands._common import read_text
+    from tui.commands.inputs import read_text
 
     if args.text:
         read_text(args.text)

@@ -20,7 +20,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from tui.commands._common import add_model_arguments
+from tui.commands.options import add_model_arguments
 from tui.commands.step import add_run_arguments, add_threads_argument, set_threads
 from tui.widgets.fmt import loss_line
 
@@ -241,7 +241,8 @@ def run(args: argparse.Namespace) -> int:
 
         trace = load_trace(args.trace)
     else:
-        from tui.commands._common import build_workload, capture_step
+        from tui.commands.capturing import capture_step
+        from tui.commands.workload import build_workload
 
         set_threads(args)
         trace = capture_step(build_workload(args), attention=False)

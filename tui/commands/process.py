@@ -1,0 +1,72 @@
+"""What a command asks of its process: a terminal (:func:`require_terminal`), stdout kept
+for its own output (:func:`stdout_to_stderr`), and the end of a run's signal handling
+(:func:`release_stop_signals`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+
+from tui.errors import MdbError
+
+
+def require_terminal(command: str, instead: str) -> None:
+    """Raise :class:`MdbError` unless stdin and stdout are a terminal (a Textual app needs one;
+    without it the app would draw into a pipe and wait for keys that never come).
+
+    Args:
+        command: the command, e.g. ``"mdb step"``.
+        instead: what to run without a terminal, e.g. ``"mdb summary"``.
+    """
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise MdbError(f"{command} needs a terminal (without one, use {instead})")
+
+
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """Send whatever is written to stdout to stderr while the block runs: ``sys.stdout``
+    (``print``) and file descriptor 1 itself (``os.write(1, …)``, a C extension's ``printf``,
+    a child process), so that stdout carries only what mdb writes there afterwards (the
+    table, the JSON document). Both are restored on exit, also when the block raises."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no descriptor 1 (closed): only sys.stdout can be redirected
+        saved = None
+    try:
+        if saved is not None:
+            os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        if saved is not None:
+            _flush_c_stdio()  # what C code buffered for descriptor 1 belongs to stderr too
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def _flush_c_stdio() -> None:
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+
+
+def release_stop_signals(control, restore) -> None:
+    """End a run's signal handling (``restore`` from
+    :func:`hooks.runs.trainer.install_stop_signals`): the previous handlers come back, unless a
+    signal stopped the run. The process then exits with 128 + n right away, and a signal
+    repeated meanwhile is ignored, so that no ``KeyboardInterrupt`` reaches an atexit handler
+    (a traceback on stderr)."""
+    if control.stop_reason in ("SIGINT", "SIGTERM", "SIGHUP"):
+        for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                signal.signal(sig, signal.SIG_IGN)
+    else:
+        restore()
