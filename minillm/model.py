@@ -257,6 +257,48 @@ def positions_from_mask(attention_mask_BS: torch.Tensor) -> torch.Tensor:
     return (attention_mask_BS.long().cumsum(-1) - 1).clamp_min(0)
 
 
+def _next_token_ce(
+    logits: torch.Tensor, labels: torch.Tensor, real_BT: torch.Tensor | None
+) -> torch.Tensor:
+    """Cross-entropy (fp32) of the logits at t against ``labels[:, t+1]``, ``-100`` ignored;
+    with ``real_BT`` only where the target and the position predicting it are real tokens."""
+    targets = labels[:, 1:]
+    if real_BT is not None:
+        targets = targets.masked_fill(~(real_BT[:, 1:] & real_BT[:, :-1]), -100)
+    return F.cross_entropy(
+        logits[:, :-1, :].reshape(-1, logits.shape[-1]).float(),
+        targets.reshape(-1),
+        ignore_index=-100,
+    )
+
+
+def _last_real_logits(logits: torch.Tensor, mask: torch.Tensor, t: int) -> torch.Tensor:
+    """(B, V) fp32 logits at the last real token of each row (the prompt's, then the newest
+    one) of a step's (B, t, V) ``logits``; ``mask`` is (B, S) over all S positions so far."""
+    s = mask.shape[1]
+    last = s - 1 - mask.flip(-1).int().argmax(-1)
+    at = (last - (s - t)).clamp_min(0)
+    return logits[torch.arange(logits.shape[0]), at].float()
+
+
+def _pick_next(
+    next_logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """(B, 1) next ids: the argmax at ``temperature == 0``, else a sample of
+    ``softmax(logits / temperature)`` over the ``top_k`` largest logits when given."""
+    if temperature == 0:
+        return next_logits.argmax(dim=-1, keepdim=True)
+    next_logits = next_logits / temperature
+    if top_k is not None:
+        kth = torch.topk(next_logits, min(top_k, next_logits.shape[-1])).values
+        next_logits = next_logits.masked_fill(next_logits < kth[:, -1:], float("-inf"))
+    probs = torch.softmax(next_logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)
+
+
 class MiniLLM(nn.Module):
     """A Llama/Mixtral-style causal language model: ``model`` (a :class:`MiniLLMModel`) and a
     ``lm_head`` tied to the token embedding by default.
@@ -395,6 +437,41 @@ class MiniLLM(nn.Module):
             ValueError: input_ids not 2-D, more positions than ``max_position_embeddings``, or
                 an ``attention_mask`` that is not (B, past + T) of 0/1.
         """
+        hidden, router_logits, attentions, presents = self._decode(
+            input_ids, past_key_values, use_cache, output_attentions, attention_mask
+        )
+        logits = self.lm_head(hidden)
+
+        real_BT = None
+        if attention_mask is not None:
+            real_BT = attention_mask[:, attention_mask.shape[1] - input_ids.shape[1] :].bool()
+        aux_losses, aux_loss = self._aux_losses(router_logits, real_BT, logits)
+
+        ce_loss = loss = None
+        if labels is not None:
+            ce_loss = _next_token_ce(logits, labels, real_BT)
+            loss = ce_loss + aux_loss
+        return MiniLLMOutput(
+            logits=logits,
+            loss=loss,
+            ce_loss=ce_loss,
+            aux_loss=aux_loss,
+            aux_losses=aux_losses,
+            router_logits=tuple(router_logits),
+            past_key_values=presents if use_cache else None,
+            attentions=tuple(attentions) if output_attentions else None,
+        )
+
+    def _decode(
+        self,
+        input_ids: torch.Tensor,
+        past_key_values: tuple[KVCache, ...] | None,
+        use_cache: bool,
+        output_attentions: bool,
+        attention_mask: torch.Tensor | None,
+    ) -> tuple:
+        """The decoder stack's ``(hidden, router_logits, attentions, presents)``; with
+        ``output_attentions`` each attention returns its probabilities for this call only."""
         attn_modules = []
         if output_attentions:
             for layer in self.model.layers:
@@ -402,7 +479,7 @@ class MiniLLM(nn.Module):
                     layer.self_attn.return_attn_weights = True
                     attn_modules.append(layer.self_attn)
         try:
-            hidden, router_logits, attentions, presents = self.model(
+            return self.model(
                 input_ids,
                 past_key_values=past_key_values,
                 use_cache=use_cache,
@@ -411,12 +488,13 @@ class MiniLLM(nn.Module):
         finally:
             for m in attn_modules:
                 m.return_attn_weights = False
-        logits = self.lm_head(hidden)
 
+    def _aux_losses(
+        self, router_logits: list, real_BT: torch.Tensor | None, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each MoE layer's load-balancing loss over the real tokens (``real_BT``, or all)
+        and their sum × ``router_aux_loss_coef``; fp32 zeros for a dense model."""
         cfg = self.config
-        real_BT = None
-        if attention_mask is not None:
-            real_BT = attention_mask[:, attention_mask.shape[1] - input_ids.shape[1] :].bool()
         if router_logits:
             real_N = None if real_BT is None else real_BT.reshape(-1)
             aux_losses = torch.stack(
@@ -433,28 +511,7 @@ class MiniLLM(nn.Module):
         else:
             aux_losses = logits.new_zeros(0, dtype=torch.float32)
             aux_loss = logits.new_zeros((), dtype=torch.float32)
-
-        ce_loss = loss = None
-        if labels is not None:
-            targets = labels[:, 1:]
-            if real_BT is not None:
-                targets = targets.masked_fill(~(real_BT[:, 1:] & real_BT[:, :-1]), -100)
-            ce_loss = F.cross_entropy(
-                logits[:, :-1, :].reshape(-1, logits.shape[-1]).float(),
-                targets.reshape(-1),
-                ignore_index=-100,
-            )
-            loss = ce_loss + aux_loss
-        return MiniLLMOutput(
-            logits=logits,
-            loss=loss,
-            ce_loss=ce_loss,
-            aux_loss=aux_loss,
-            aux_losses=aux_losses,
-            router_logits=tuple(router_logits),
-            past_key_values=presents if use_cache else None,
-            attentions=tuple(attentions) if output_attentions else None,
-        )
+        return aux_losses, aux_loss
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
@@ -522,22 +579,8 @@ class MiniLLM(nn.Module):
                     out = self(
                         step_input, past_key_values=past, use_cache=use_cache, attention_mask=mask
                     )
-                    # the last real token of each row (the prompt's, then the newest one)
-                    s = mask.shape[1]
-                    last = s - 1 - mask.flip(-1).int().argmax(-1)
-                    at = (last - (s - step_input.shape[1])).clamp_min(0)
-                    next_logits = out.logits[torch.arange(ids.shape[0]), at].float()
-                if temperature == 0:
-                    next_id = next_logits.argmax(dim=-1, keepdim=True)
-                else:
-                    next_logits = next_logits / temperature
-                    if top_k is not None:
-                        kth = torch.topk(next_logits, min(top_k, next_logits.shape[-1])).values
-                        next_logits = next_logits.masked_fill(
-                            next_logits < kth[:, -1:], float("-inf")
-                        )
-                    probs = torch.softmax(next_logits, dim=-1)
-                    next_id = torch.multinomial(probs, 1, generator=generator)
+                    next_logits = _last_real_logits(out.logits, mask, step_input.shape[1])
+                next_id = _pick_next(next_logits, temperature, top_k, generator)
                 ids = torch.cat((ids, next_id), dim=1)
                 if mask is not None:
                     mask = torch.cat((mask, mask.new_ones(mask.shape[0], 1)), dim=1)
