@@ -15,8 +15,8 @@ MAX_LINE = 2000
 # A Python repr of a string (an opening quote not preceded by a word character, so the
 # apostrophe of "model's" opens nothing; escaped characters; the same quote closing it), else
 # an unbroken run of non-space characters longer than MAX_QUOTED.
-_LONG = re.compile(r"""(?<![\w\\])(?:'([^'\\]*(?:\\.[^'\\]*)*)'|"([^"\\]*(?:\\.[^"\\]*)*)")|\S{%d,}"""
-                   % (MAX_QUOTED + 1), re.DOTALL)
+_QUOTED = r"""(?<![\w\\])(?:'([^'\\]*(?:\\.[^'\\]*)*)'|"([^"\\]*(?:\\.[^"\\]*)*)")"""
+_LONG = re.compile(_QUOTED + r"|\S{" + str(MAX_QUOTED + 1) + ",}", re.DOTALL)
 
 
 def _cut(text: str, keep: int) -> str:

@@ -53,13 +53,13 @@ def make_overfit_app(session, **kwargs) -> LiveApp:
     Keyword arguments go to :class:`tui.screens.live.LiveScreen` (``heartbeat``,
     ``chart_interval``, ...).
     """
-    from tui.screens.live import LiveScreen
+    from tui.screens.live_train import TrainScreen
 
-    return LiveApp(LiveScreen.training(session, **kwargs))
+    return LiveApp(TrainScreen(session, **kwargs))
 
 
 def make_watch_app(store, run, **kwargs) -> LiveApp:
     """The read-only app following ``run`` (a :class:`hooks.runs.store.RunInfo`) in ``store``."""
-    from tui.screens.live import LiveScreen
+    from tui.screens.live_watch import WatchScreen
 
-    return LiveApp(LiveScreen.watching(store, run, **kwargs))
+    return LiveApp(WatchScreen(store, run, **kwargs))

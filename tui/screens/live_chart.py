@@ -1,8 +1,8 @@
 """``LineChart``: a small braille line chart whose redraw costs about a millisecond.
 
-Why not plotext (``textual-plotext``, no longer a dependency): one plotext build of the loss chart at 80×24
-takes ~8-20 ms of pure Python, and the live screen has six charts. The trainer runs in a thread
-of the same process, so every millisecond the UI holds the GIL is taken from training; measured
+Why not plotext (``textual-plotext``, no longer a dependency): one plotext build of the loss
+chart at 80×24 takes ~8-20 ms of pure Python, and the live screen has six charts. A trainer
+in a thread of the same process loses every millisecond the UI holds the GIL; measured
 with ``benchmarks/bench_overfit_ui.py``, plotext charts at 2 redraws/s cost ~40 % of the
 training throughput on a 2-core machine. This widget draws only what the live screen needs:
 

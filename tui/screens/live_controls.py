@@ -20,7 +20,7 @@ DETACHED, STOPPED, CLOSED = "detached", "stopped", "closed"
 
 
 class ViewerControls:
-    """Mixed into :class:`tui.screens.live.LiveScreen` for its watching mode.
+    """Mixed into :class:`tui.screens.live_watch.WatchScreen`.
 
     Uses the screen's ``run`` (the :class:`hooks.runs.store.RunInfo` of the latest poll),
     ``store``, ``state``, ``hint`` and ``app``; sets :attr:`outcome`.
