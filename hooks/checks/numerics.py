@@ -186,6 +186,108 @@ def numerics(t: Target, o: DoctorOptions) -> Outcome:
     return Outcome.ok(ev, **data)
 
 
+class _AutocastSeen:
+    """What the ops recorded under autocast show: the attention/norm modules whose softmax ran
+    in fp32, in the scores' dtype (implicit) or in bf16 asked for (forced), those that ran a
+    fused SDPA, bf16 softmax calls elsewhere by module, and the count of fused kernels."""
+
+    def __init__(self) -> None:
+        self.soft_fp32: set[str] = set()
+        self.implicit: set[str] = set()
+        self.forced: set[str] = set()
+        self.sdpa: set[str] = set()
+        self.elsewhere: dict[str, int] = {}
+        self.fused = 0
+
+
+def _judge_autocast_ops(events: list, norm_names: set[str], attn_names: set[str], dev: str,
+                        rules: str, fails: list) -> _AutocastSeen:
+    """Sort the recorded ops by the module they ran in and their output dtype; a softmax
+    forced to bf16 in attention or a norm, and a norm statistic computed in half precision,
+    are appended to ``fails``."""
+    seen = _AutocastSeen()
+    for mod, op, _din, dout, asked in events:
+        attn = _under(mod, attn_names)
+        norm = _under(mod, norm_names)
+        if op in FUSED_OPS:
+            seen.fused += 1
+            if attn and op == "scaled_dot_product_attention":
+                seen.sdpa.add(attn)
+            continue
+        if op in SOFTMAX_OPS:
+            if not _is_half(dout):
+                if attn or norm:
+                    seen.soft_fp32.add(attn or norm)
+                continue
+            if not (attn or norm):
+                seen.elsewhere[mod or "<root>"] = seen.elsewhere.get(mod or "<root>", 0) + 1
+                continue
+            owner = attn or norm
+            name = op.lstrip("_")
+            if asked or dev != "cpu":
+                how = (f"{name}(..., dtype={asked}) asked for explicitly" if asked
+                       else f"{name} in {dout} under CUDA bf16 autocast")
+                fails.append((f"{owner}: {how}: {dout} attention probabilities under CPU and "
+                              "CUDA autocast alike (an explicit dtype is never autocast)", owner))
+                seen.forced.add(owner)
+            else:
+                seen.implicit.add(owner)  # CPU autocast keeps it in bf16, CUDA's runs it in fp32
+        elif op in STAT_OPS and _is_half(dout) and norm is not None:
+            fails.append((f"{norm} computes {op} in {dout} under {rules} bf16 autocast ("
+                          f"{rules} autocast keeps {op} in its input's dtype)", norm))
+    return seen
+
+
+def _compare_autocast(t: Target, batch: Any, ref_out: Any, ref_logits: torch.Tensor | None,
+                      out: Any, data: dict[str, Any]) -> tuple[bool, float | None]:
+    """Compare the bf16 autocast output with the fp32 one: whether the logits are finite and
+    the loss's relative difference (None without a loss to compare); the figures go to
+    ``data``."""
+    logits = t.logits(out)
+    finite = logits is None or bool(torch.isfinite(logits.float()).all())
+    rel = None
+    try:
+        ref_loss, loss = t.loss(ref_out, batch), t.loss(out, batch)
+    except SkipCheck:
+        ref_loss = loss = None
+    if ref_loss is not None and loss is not None and not ref_loss.fallback:
+        a, b = float(ref_loss.loss), float(loss.loss)
+        rel = abs(b - a) / max(abs(a), 1e-12)
+        data.update(loss_fp32=a, loss_bf16=b, loss_rel_diff=rel, loss_source=ref_loss.source)
+    if logits is not None and ref_logits is not None:
+        data.update(logits_max_diff=float((logits.float() - ref_logits.float()).abs().max()),
+                    logits_std=float(ref_logits.float().std()))
+    return finite, rel
+
+
+def _autocast_evidence(seen: _AutocastSeen, attn_names: set[str], rules: str,
+                       rel: float | None, data: dict[str, Any]) -> str:
+    """The evidence text of the autocast run: how each attention's softmax ran, the bf16
+    softmax calls outside attention and norms, and the loss against fp32."""
+    ran = [f"{len(seen.sdpa)} fused SDPA (fp32 accumulation)"] if seen.sdpa else []
+    if seen.soft_fp32:
+        ran.append(f"{len(seen.soft_fp32)} softmax in fp32")
+    if seen.forced:
+        ran.append(f"{len(seen.forced)} softmax in bf16")
+    if seen.implicit:
+        implicit = seen.implicit
+        names = ", ".join(sorted(implicit)[:2]) + (", ..." if len(implicit) > 2 else "")
+        ran.append(f"{len(implicit)} softmax in the scores' dtype ({names}): fp32 under CUDA "
+                   "autocast (softmax is on its fp32 list), bf16 under CPU autocast (it is not)")
+    if attn_names:
+        ev = (f"under {rules} bf16 autocast, {len(attn_names)} attention module(s): "
+              + ("; ".join(ran) or "no softmax seen"))
+    else:
+        ev = f"under {rules} bf16 autocast the model ran"
+    elsewhere = seen.elsewhere
+    if elsewhere:
+        ev += (f"; {sum(elsewhere.values())} bf16 softmax call(s) outside attention and norms "
+               f"(in {', '.join(sorted(elsewhere)[:2])}: a router or a loss) not judged")
+    if rel is not None:
+        ev += f"; loss {data['loss_bf16']:.4f} vs {data['loss_fp32']:.4f} fp32 ({100 * rel:.2f}%)"
+    return ev
+
+
 def _autocast_run(t: Target, norm_names: set[str], attn_names: set[str], fails: list,
                   warns: list, data: dict[str, Any]) -> tuple[str, bool]:
     """Part 2 of :func:`numerics`: the batch under bf16 autocast vs fp32. Appends findings to
@@ -221,80 +323,14 @@ def _autocast_run(t: Target, norm_names: set[str], attn_names: set[str], fails: 
                     "mistake in the model"), True
         finally:
             rec.remove()
-    soft_fp32: set[str] = set()
-    implicit: set[str] = set()
-    forced: set[str] = set()
-    sdpa: set[str] = set()
-    elsewhere: dict[str, int] = {}
-    fused = 0
-    for mod, op, _din, dout, asked in rec.events:
-        attn = _under(mod, attn_names)
-        norm = _under(mod, norm_names)
-        if op in FUSED_OPS:
-            fused += 1
-            if attn and op == "scaled_dot_product_attention":
-                sdpa.add(attn)
-            continue
-        if op in SOFTMAX_OPS:
-            if not _is_half(dout):
-                if attn or norm:
-                    soft_fp32.add(attn or norm)
-                continue
-            if not (attn or norm):
-                elsewhere[mod or "<root>"] = elsewhere.get(mod or "<root>", 0) + 1
-                continue
-            owner = attn or norm
-            name = op.lstrip("_")
-            if asked or dev != "cpu":
-                how = (f"{name}(..., dtype={asked}) asked for explicitly" if asked
-                       else f"{name} in {dout} under CUDA bf16 autocast")
-                fails.append((f"{owner}: {how}: {dout} attention probabilities under CPU and "
-                              "CUDA autocast alike (an explicit dtype is never autocast)", owner))
-                forced.add(owner)
-            else:
-                implicit.add(owner)  # CPU autocast keeps it in bf16, CUDA's runs it in fp32
-        elif op in STAT_OPS and _is_half(dout) and norm is not None:
-            fails.append((f"{norm} computes {op} in {dout} under {rules} bf16 autocast ("
-                          f"{rules} autocast keeps {op} in its input's dtype)", norm))
-    logits = t.logits(out)
-    finite = logits is None or bool(torch.isfinite(logits.float()).all())
-    rel = None
-    try:
-        ref_loss, loss = t.loss(ref_out, batch), t.loss(out, batch)
-    except SkipCheck:
-        ref_loss = loss = None
-    if ref_loss is not None and loss is not None and not ref_loss.fallback:
-        a, b = float(ref_loss.loss), float(loss.loss)
-        rel = abs(b - a) / max(abs(a), 1e-12)
-        data.update(loss_fp32=a, loss_bf16=b, loss_rel_diff=rel, loss_source=ref_loss.source)
-    if logits is not None and ref_logits is not None:
-        data.update(logits_max_diff=float((logits.float() - ref_logits.float()).abs().max()),
-                    logits_std=float(ref_logits.float().std()))
-    data.update(softmax_fp32_modules=sorted(soft_fp32), sdpa_modules=sorted(sdpa),
-                softmax_autocast_dtype=sorted(implicit),
-                fused_kernels=fused, softmax_elsewhere=elsewhere, autocast_rules=rules)
+    seen = _judge_autocast_ops(rec.events, norm_names, attn_names, dev, rules, fails)
+    finite, rel = _compare_autocast(t, batch, ref_out, ref_logits, out, data)
+    data.update(softmax_fp32_modules=sorted(seen.soft_fp32), sdpa_modules=sorted(seen.sdpa),
+                softmax_autocast_dtype=sorted(seen.implicit),
+                fused_kernels=seen.fused, softmax_elsewhere=seen.elsewhere, autocast_rules=rules)
     if not finite:
         fails.append(("logits are not finite under bf16 autocast (finite in fp32)", None))
     elif rel is not None and (not math.isfinite(rel) or rel > 0.05):
         warns.append((f"bf16 loss differs from fp32 by {100 * rel:.1f}%", None,
                       "look for ops that lose precision in bf16"))
-    ran = [f"{len(sdpa)} fused SDPA (fp32 accumulation)"] if sdpa else []
-    if soft_fp32:
-        ran.append(f"{len(soft_fp32)} softmax in fp32")
-    if forced:
-        ran.append(f"{len(forced)} softmax in bf16")
-    if implicit:
-        names = ", ".join(sorted(implicit)[:2]) + (", ..." if len(implicit) > 2 else "")
-        ran.append(f"{len(implicit)} softmax in the scores' dtype ({names}): fp32 under CUDA "
-                   "autocast (softmax is on its fp32 list), bf16 under CPU autocast (it is not)")
-    if attn_names:
-        ev = (f"under {rules} bf16 autocast, {len(attn_names)} attention module(s): "
-              + ("; ".join(ran) or "no softmax seen"))
-    else:
-        ev = f"under {rules} bf16 autocast the model ran"
-    if elsewhere:
-        ev += (f"; {sum(elsewhere.values())} bf16 softmax call(s) outside attention and norms "
-               f"(in {', '.join(sorted(elsewhere)[:2])}: a router or a loss) not judged")
-    if rel is not None:
-        ev += f"; loss {data['loss_bf16']:.4f} vs {data['loss_fp32']:.4f} fp32 ({100 * rel:.2f}%)"
-    return ev, False
+    return _autocast_evidence(seen, attn_names, rules, rel, data), False
