@@ -6,10 +6,12 @@ Dimension legend: B batch, T sequence, V vocabulary.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from hooks.checks.kind import ModelKind
 from hooks.checks.labels import measure_label_alignment
 from hooks.checks.registry import DoctorOptions, check
 from hooks.checks.result import Outcome
@@ -160,6 +162,72 @@ class _Recorder:
             h.remove()
 
 
+def _causality_runs(t: Target, enc_dec: bool, enc_ids: torch.Tensor, seqs: list[torch.Tensor],
+                    cut: int) -> tuple[list[tuple[torch.Tensor, list]], torch.Tensor]:
+    """Run the model on the original, the future-changed and the past-changed sequences (the
+    decoder's for an encoder-decoder). Returns ``[(logits, module outputs at positions <
+    cut)]`` of the first two, recorded by a :class:`_Recorder`, and the third's logits."""
+    seq_ids, future, past = seqs
+    b, seq = seq_ids.shape
+
+    def batch_of(x):
+        if enc_dec:
+            return t.batch_with(ids=enc_ids, targets="drop", decoder_ids=x)
+        return t.batch_with(ids=x, targets="logits")
+
+    runs = []
+    with t.mode(False), torch.no_grad():
+        for x in (seq_ids, future):
+            bx = batch_of(x)
+            rec = _Recorder(t.model, (b, seq), cut)
+            try:
+                logits = t.need_logits(t.run(bx, use_cache=False), seq)
+            finally:
+                rec.close()
+            runs.append((logits, rec.calls))
+        past_logits = t.need_logits(t.run(batch_of(past), use_cache=False), seq)
+    return runs, past_logits
+
+
+def _first_changed(base_calls: list, fut_calls: list) -> str | None:
+    """The first module (in finishing order) whose output at the kept positions changed
+    beyond rounding between the two runs, or None (also when the runs' calls differ)."""
+    if len(base_calls) == len(fut_calls):
+        for (name, a), (name2, c) in zip(base_calls, fut_calls, strict=True):
+            if name != name2 or a.shape != c.shape:
+                break
+            if float((a.float() - c.float()).abs().max()) > _tolerance(a):
+                return name
+    return None
+
+
+def _leak_outcome(t: Target, kind: ModelKind, what: str, cut: int, tol: float, leak: float,
+                  diff_T: torch.Tensor, base_calls: list, fut_calls: list,
+                  data: dict[str, Any]) -> Outcome:
+    """The outcome when outputs at positions < ``cut`` changed with later tokens: a warning
+    for a model that declares no kind (measured bidirectional), else a failure; both name the
+    first leaking position and the first changed (attention) module."""
+    first_pos = int((diff_T > tol).nonzero()[0, 0])
+    culprit = _first_changed(base_calls, fut_calls)
+    culprit = t.attention_of(culprit) or culprit  # the attention module, not its o_proj
+    data.update(first_leaking_position=first_pos, first_changed_module=culprit)
+    where = f"; first changed inside {culprit}" if culprit else ""
+    ev = (f"changing {what} ≥ {cut} changed logits at positions < {cut} by up to "
+          f"{fmt(leak)} (tolerance {fmt(tol)}), already at position {first_pos}{where}")
+    if kind.kind == "unknown":
+        return Outcome.warn(
+            f"{ev}: the model is bidirectional (measured); nothing declares it causal "
+            f"({kind.reason})",
+            "fine for an encoder; if it predicts the next token, its causal mask is "
+            "missing (pass next-token targets or labels = input_ids so mdb knows)",
+            culprit, **data)
+    return Outcome.fail(
+        f"{ev}; a {kind.label} model must not see later tokens ({kind.reason})",
+        "attention sees future tokens: the causal mask is missing, inverted or not applied "
+        "(is_causal / masked_fill on the wrong side of the diagonal)",
+        culprit, **data)
+
+
 @check(2, "causality", "Causality (no look-ahead)")
 def causality(t: Target, o: DoctorOptions) -> Outcome:
     """Change every token after position c and compare the outputs at positions ≤ c.
@@ -191,22 +259,7 @@ def causality(t: Target, o: DoctorOptions) -> Outcome:
     past = seq_ids.clone()
     past[:, :cut] = (seq_ids[:, :cut] + shift[:, :cut]) % v
 
-    def batch_of(x):
-        if enc_dec:
-            return t.batch_with(ids=enc_ids, targets="drop", decoder_ids=x)
-        return t.batch_with(ids=x, targets="logits")
-
-    runs = []
-    with t.mode(False), torch.no_grad():
-        for x in (seq_ids, future):
-            bx = batch_of(x)
-            rec = _Recorder(t.model, (b, seq), cut)
-            try:
-                logits = t.need_logits(t.run(bx, use_cache=False), seq)
-            finally:
-                rec.close()
-            runs.append((logits, rec.calls))
-        past_logits = t.need_logits(t.run(batch_of(past), use_cache=False), seq)
+    runs, past_logits = _causality_runs(t, enc_dec, enc_ids, [seq_ids, future, past], cut)
     (base, base_calls), (fut, fut_calls) = runs
     if not (torch.isfinite(base).all() and torch.isfinite(fut).all()):
         raise SkipCheck("the logits are not finite (see the non-finite check)")
@@ -218,32 +271,7 @@ def causality(t: Target, o: DoctorOptions) -> Outcome:
     data = dict(cut=cut, seq_len=seq, leak=leak, tolerance=tol, past_influence=influence,
                 kind=kind.kind, kind_reason=kind.reason)
     if leak > tol:
-        first_pos = int((diff_T > tol).nonzero()[0, 0])
-        culprit = None
-        if len(base_calls) == len(fut_calls):
-            for (name, a), (name2, c) in zip(base_calls, fut_calls, strict=True):
-                if name != name2 or a.shape != c.shape:
-                    break
-                if float((a.float() - c.float()).abs().max()) > _tolerance(a):
-                    culprit = name
-                    break
-        culprit = t.attention_of(culprit) or culprit  # the attention module, not its o_proj
-        data.update(first_leaking_position=first_pos, first_changed_module=culprit)
-        where = f"; first changed inside {culprit}" if culprit else ""
-        ev = (f"changing {what} ≥ {cut} changed logits at positions < {cut} by up to "
-              f"{fmt(leak)} (tolerance {fmt(tol)}), already at position {first_pos}{where}")
-        if kind.kind == "unknown":
-            return Outcome.warn(
-                f"{ev}: the model is bidirectional (measured); nothing declares it causal "
-                f"({kind.reason})",
-                "fine for an encoder; if it predicts the next token, its causal mask is "
-                "missing (pass next-token targets or labels = input_ids so mdb knows)",
-                culprit, **data)
-        return Outcome.fail(
-            f"{ev}; a {kind.label} model must not see later tokens ({kind.reason})",
-            "attention sees future tokens: the causal mask is missing, inverted or not applied "
-            "(is_causal / masked_fill on the wrong side of the diagonal)",
-            culprit, **data)
+        return _leak_outcome(t, kind, what, cut, tol, leak, diff_T, base_calls, fut_calls, data)
     label = "the decoder of an encoder-decoder" if enc_dec else kind.label
     measured = " (measured)" if kind.kind == "unknown" else ""
     ev = (f"{label}{measured}: changing {what} ≥ {cut} of {seq} left logits < {cut} unchanged "
