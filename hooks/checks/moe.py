@@ -13,7 +13,7 @@ import torch
 from hooks.capture import capture
 from hooks.checks.registry import DoctorOptions, check
 from hooks.checks.result import Outcome
-from hooks.checks.target import NotApplicable, SkipCheck, Target
+from hooks.checks.target import MoEInfo, NotApplicable, SkipCheck, Target
 from hooks.verdicts import MAX_LOAD_RATIO, expert_loads, hot_ratio
 
 #: Fewest tokens per random batch (so a healthy expert is not "dead" by chance).
@@ -64,11 +64,10 @@ def routing_stats(records: list[Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
-@check(6, "routing", "MoE routing health")
-def routing(t: Target, o: DoctorOptions) -> Outcome:
-    """Load per expert, the largest share, dead experts and router entropy, pooled over the
-    batch and ``routing_batches - 1`` random-token batches of the same shape."""
-    blocks = t.moe_blocks()
+def _record_routing(t: Target, o: DoctorOptions, blocks: list[MoEInfo]) -> list:
+    """The routing records of the batch and ``routing_batches - 1`` random-token batches of
+    at least MIN_TOKENS tokens each. Raises SkipCheck when MoE blocks are found but no probe
+    reads their router, NotApplicable for a dense model."""
     ids = t.need_ids()
     b, seq = ids.shape
     rows = max(b, -(-MIN_TOKENS // seq))  # random batches hold at least MIN_TOKENS tokens
@@ -91,13 +90,18 @@ def routing(t: Target, o: DoctorOptions) -> Outcome:
                                 "gate/router) and no routing recorded")
         for i in range(max(0, o.routing_batches - 1)):
             record(t.batch_with(shape=(rows, seq), seed=o.seed + 60 + i, targets="drop"))
-    n_batches = max(1, o.routing_batches)
-    stats = {k: v for k, v in routing_stats(records).items() if v["tokens"] > 0}
-    if not stats:
-        raise SkipCheck("router probabilities are not finite (see the non-finite check)")
+    return records
+
+
+def _judge_layers(stats: dict[str, dict[str, Any]]) -> tuple[
+        dict[str, Any], tuple[str, list[int]] | None, tuple[float, str], str | None,
+        tuple[float, str]]:
+    """Each MoE layer's loads, dead and hot experts and entropy. Returns ``(layers,
+    worst_dead, worst_ratio, hot_block, min_ent)``: the per-layer figures, the layer with the
+    most dead experts, the largest load ratio and its layer, the layer of the worst hot
+    expert (hooks.verdicts' rule, the router view's too), and the lowest entropy."""
     worst_dead: tuple[str, list[int]] | None = None
     worst_ratio = (0.0, "")
-    # the block of the worst hot expert (hooks.verdicts' rule, the router view's too)
     hot_block: str | None = None
     min_ent = (2.0, "")
     layers: dict[str, Any] = {}
@@ -118,6 +122,20 @@ def routing(t: Target, o: DoctorOptions) -> Outcome:
                 hot_block = block
         if s["entropy"] is not None and s["entropy"] < min_ent[0]:
             min_ent = (s["entropy"], block)
+    return layers, worst_dead, worst_ratio, hot_block, min_ent
+
+
+@check(6, "routing", "MoE routing health")
+def routing(t: Target, o: DoctorOptions) -> Outcome:
+    """Load per expert, the largest share, dead experts and router entropy, pooled over the
+    batch and ``routing_batches - 1`` random-token batches of the same shape."""
+    blocks = t.moe_blocks()
+    records = _record_routing(t, o, blocks)
+    n_batches = max(1, o.routing_batches)
+    stats = {k: v for k, v in routing_stats(records).items() if v["tokens"] > 0}
+    if not stats:
+        raise SkipCheck("router probabilities are not finite (see the non-finite check)")
+    layers, worst_dead, worst_ratio, hot_block, min_ent = _judge_layers(stats)
     first = next(iter(stats.values()))
     e = len(first["counts"])
     data = dict(batches=n_batches, layers=layers)
