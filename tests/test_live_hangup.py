@@ -5,6 +5,7 @@ a session of its own, goes on training until ``mdb stop``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -30,10 +31,8 @@ def test_a_hangup_ends_the_viewer_and_training_goes_on(tmp_path):
     env = dict(os.environ, TERM="xterm", PYTHONPATH=str(REPO))
     child = pexpect.spawn(argv[0], argv[1:], env=env, cwd=str(tmp_path), dimensions=(24, 80),
                           encoding="utf-8", timeout=120, preexec_fn=terminal_signals)
-    trainer = None
     try:
         child.expect("running")
-        trainer = _run(db).pid
         os.close(child.child_fd)  # the terminal is gone for good
         deadline = time.monotonic() + 90
         while child.isalive() and time.monotonic() < deadline:  # before the fix: forever
@@ -48,8 +47,10 @@ def test_a_hangup_ends_the_viewer_and_training_goes_on(tmp_path):
     finally:
         if child.isalive():
             os.kill(child.pid, signal.SIGKILL)
-        if trainer is not None and _run(db).writer_state() == "running":
-            os.kill(trainer, signal.SIGKILL)
+        with contextlib.suppress(Exception):  # never leave the trainer behind
+            run = _run(db)
+            if run.writer_state() == "running":
+                os.kill(run.pid, signal.SIGKILL)
     assert not viewer_alive, "the viewer still runs 90 s after its terminal hung up"
     run = _run(db)
     assert run.status == "interrupted" and run.reason == "stopped"

@@ -275,13 +275,22 @@ def test_stopping_from_the_viewer_while_a_step_hangs_leaves_the_trainer_to_finis
         child.expect(pexpect.EOF, timeout=60)
         out = child.before
     finally:
-        child.close()
+        child.close(force=True)
+        trainer = trainer or _trainer_pid(db)
         alive = trainer is not None and _alive(trainer)
-        if alive:
+        if alive:  # never leave the sleeping trainer behind, also when the test failed
             os.kill(trainer, signal.SIGKILL)
     assert "run sl stops after its current step (it goes on in the background until then: " \
            f"pid {trainer})" in out and "Traceback" not in out
     assert child.exitstatus == 130 and alive  # the viewer left; the trainer was not killed
+
+
+def _trainer_pid(db: Path) -> int | None:
+    try:
+        with RunStore(db) as store:
+            return store.run("sl").pid
+    except Exception:  # no database or no run yet: the trainer had not started its run
+        return None
 
 
 def _alive(pid: int) -> bool:
