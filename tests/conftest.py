@@ -79,3 +79,15 @@ async def wait_until(pilot, cond, timeout: float = 60.0) -> None:
         if time.monotonic() - t0 > timeout:
             raise AssertionError("timed out")
         await pilot.pause(0.05)
+
+
+def wait_for(cond, timeout: float = 120.0, what: str = "condition"):
+    """Poll ``cond()`` until it returns something true (returned) or ``timeout`` seconds pass
+    (``AssertionError`` naming ``what``): a known point to wait for instead of a sleep."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")

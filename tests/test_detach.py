@@ -18,6 +18,7 @@ import pytest
 from hooks.runs.control import request
 from hooks.runs.store import RunStore
 from tests.conftest import REPO, TINY_TOML, terminal_signals, wait_until
+from tests.conftest import wait_for as _wait
 from tui.cli import main
 
 pytestmark = pytest.mark.slow  # every test starts a trainer process
@@ -28,16 +29,6 @@ def _mdb(*args: str, **kw) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "tui.cli", *args], env=ENV, cwd=kw.pop(
         "cwd", None), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         preexec_fn=terminal_signals, **kw)
-
-
-def _wait(cond, timeout: float = 120.0, what: str = "condition"):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def _info(db: Path, name: str):

@@ -26,6 +26,7 @@ from torch import nn
 import hooks
 from hooks.runs.store import RunStore, RunStoreError, checkpoint_dir
 from tests.conftest import REPO, SAMPLES, terminal_signals
+from tests.conftest import wait_for as _wait
 from tui.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -56,16 +57,6 @@ def _hook_count(model: nn.Module) -> int:
 
 def _root_hooks(model: nn.Module) -> int:
     return len(model._forward_hooks) + len(model._forward_pre_hooks)
-
-
-def _wait(cond, timeout: float = 120.0, what: str = "condition"):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _read(db: Path, name: str):

@@ -65,7 +65,7 @@ def default_run_name(store) -> str:
 
 
 def _run_name(args: argparse.Namespace) -> tuple[str, Path]:
-    from hooks.runs.store import default_db_path
+    from hooks.runs.store import RunStoreError, default_db_path
 
     path = Path(args.db if args.db else default_db_path())
     if not args.resume and not path.exists():  # nothing to open: the trainer creates it
@@ -85,12 +85,8 @@ def _run_name(args: argparse.Namespace) -> tuple[str, Path]:
             raise MdbError(f"a run named {name!r} already exists in {store.path} (choose "
                            "another --run)")
         return name, path
-    except Exception as exc:
-        from hooks.runs.store import RunStoreError
-
-        if isinstance(exc, RunStoreError):
-            raise MdbError(str(exc)) from None
-        raise
+    except RunStoreError as exc:
+        raise MdbError(str(exc)) from None
     finally:
         store.close()
 
