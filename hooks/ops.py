@@ -445,59 +445,14 @@ class Replay:
         model = self.model
         outs: dict[tuple[str, int], list[TensorInfo]] = {}
         handles = []
-        counts: dict[str, int] = {}
         batch = StatsBatch()
         pending: list[tuple[TensorInfo, int]] = []
         if recorder is not None and arm is not None:
-            def pre(name, mod, args):
-                ci = counts.get(name, 0)
-                counts[name] = ci + 1
-                if arm(name, ci):
-                    recorder.armed = True
-                    mod._mdb_replay_ci = ci  # type: ignore[attr-defined]
-                return None
-
-            def post(name, mod, args, output):
-                ci = getattr(mod, "_mdb_replay_ci", None)
-                if ci is None:
-                    return None
-                del mod._mdb_replay_ci
-                recorder.armed = False
-                tensors: list[tuple[str, torch.Tensor]] = []
-                if isinstance(output, torch.Tensor):
-                    tensors = [("out", output)]
-                else:
-                    find_tensors(output, "out", tensors, [])
-                infos = []
-                for p, t in tensors:
-                    info = TensorInfo(p, list(t.shape), dtype_name(t.dtype), t.requires_grad)
-                    slot = batch.add(t)
-                    if slot is not None:
-                        pending.append((info, slot))
-                    infos.append(info)
-                outs[(name, ci)] = infos
-                return None
-
-            for name, m in model.named_modules():
-                handles.append(m.register_forward_pre_hook(
-                    lambda mod, args, n=name: pre(n, mod, args)))
-                handles.append(m.register_forward_hook(
-                    lambda mod, args, out, n=name: post(n, mod, args, out)))
+            handles = _arm_hooks(model, recorder, arm, outs, batch, pending)
         flags = [(m, m.training) for m in model.modules()]
         model.train(self.training)
-        devices = []
-        if self.rng_cuda is not None:
-            devices = list(range(len(self.rng_cuda)))
         try:
-            with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(grad):
-                torch.set_rng_state(self.rng_cpu)
-                if self.rng_cuda is not None:
-                    torch.cuda.set_rng_state_all(self.rng_cuda)
-                if recorder is not None:
-                    with recorder:
-                        model(*self.args, **self.kwargs)
-                else:
-                    model(*self.args, **self.kwargs)
+            self._forward(recorder, grad)
         finally:
             for h in handles:
                 h.remove()
@@ -509,6 +464,71 @@ class Replay:
         for info, slot in pending:
             info.stats = results[slot]
         return outs
+
+    def _forward(self, recorder: OpRecorder | None, grad: bool) -> None:
+        """Call the model on the saved arguments with the saved RNG state (CPU, and CUDA when
+        saved), inside a forked RNG so the caller's stream is untouched; ``recorder`` entered
+        around the call when given."""
+        model = self.model
+        devices = []
+        if self.rng_cuda is not None:
+            devices = list(range(len(self.rng_cuda)))
+        with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(grad):
+            torch.set_rng_state(self.rng_cpu)
+            if self.rng_cuda is not None:
+                torch.cuda.set_rng_state_all(self.rng_cuda)
+            if recorder is not None:
+                with recorder:
+                    model(*self.args, **self.kwargs)
+            else:
+                model(*self.args, **self.kwargs)
+
+
+def _arm_hooks(model: nn.Module, recorder: OpRecorder, arm: Callable[[str, int], bool],
+               outs: dict[tuple[str, int], list[TensorInfo]], batch: StatsBatch,
+               pending: list[tuple[TensorInfo, int]]) -> list:
+    """Hooks on every module of ``model`` for :meth:`Replay.run`: each call is counted; in
+    the calls ``arm(module, call_index)`` chooses, ``recorder`` is armed, and the call's
+    output tensors go to ``outs`` by ``(module, call_index)``, their statistics queued on
+    ``batch`` (``pending``). Returns the hook handles."""
+    handles = []
+    counts: dict[str, int] = {}
+
+    def pre(name, mod, args):
+        ci = counts.get(name, 0)
+        counts[name] = ci + 1
+        if arm(name, ci):
+            recorder.armed = True
+            mod._mdb_replay_ci = ci  # type: ignore[attr-defined]
+        return None
+
+    def post(name, mod, args, output):
+        ci = getattr(mod, "_mdb_replay_ci", None)
+        if ci is None:
+            return None
+        del mod._mdb_replay_ci
+        recorder.armed = False
+        tensors: list[tuple[str, torch.Tensor]] = []
+        if isinstance(output, torch.Tensor):
+            tensors = [("out", output)]
+        else:
+            find_tensors(output, "out", tensors, [])
+        infos = []
+        for p, t in tensors:
+            info = TensorInfo(p, list(t.shape), dtype_name(t.dtype), t.requires_grad)
+            slot = batch.add(t)
+            if slot is not None:
+                pending.append((info, slot))
+            infos.append(info)
+        outs[(name, ci)] = infos
+        return None
+
+    for name, m in model.named_modules():
+        handles.append(m.register_forward_pre_hook(
+            lambda mod, args, n=name: pre(n, mod, args)))
+        handles.append(m.register_forward_hook(
+            lambda mod, args, out, n=name: post(n, mod, args, out)))
+    return handles
 
 
 def record_ops(replay: Replay, module: str, call_index: int = 0,
