@@ -223,10 +223,9 @@ def _kept_diff(ta: Trace, ka: str | None, tb: Trace, kb: str | None) -> float | 
     return float(d.max())
 
 
-def diff_traces(a: Trace, b: Trace) -> TraceDiff:
-    """Compare trace ``a`` (self) with ``b`` (other); see :class:`TraceDiff`."""
-    out = TraceDiff()
-
+def _diff_forward(a: Trace, b: Trace, out: TraceDiff) -> None:
+    """Add to ``out`` the forward outputs' diffs, matched by (module, call, output path), and
+    the outputs found in one trace only."""
     fa = {(r.module, r.call_index, t.path): (r, t) for r in a.forward for t in r.outputs}
     fb = {(r.module, r.call_index, t.path): (r, t) for r in b.forward for t in r.outputs}
     for key, (ra, ta) in fa.items():
@@ -250,17 +249,23 @@ def diff_traces(a: Trace, b: Trace) -> TraceDiff:
         )
     out.only_in_other += [f"forward {k[0] or '<root>'}#{k[1]} {k[2]}" for k in fb if k not in fa]
 
-    def keyed(tr: Trace) -> dict[tuple, Any]:
-        seen: dict[tuple, int] = {}
-        res = {}
-        for g in tr.backward:
-            k = g.key
-            n = seen.get(k, 0)
-            seen[k] = n + 1
-            res[(*k, n)] = g
-        return res
 
-    ba, bb = keyed(a), keyed(b)
+def _keyed_backward(tr: Trace) -> dict[tuple, Any]:
+    """A trace's backward records by (their key..., n): the n-th record with that key."""
+    seen: dict[tuple, int] = {}
+    res = {}
+    for g in tr.backward:
+        k = g.key
+        n = seen.get(k, 0)
+        seen[k] = n + 1
+        res[(*k, n)] = g
+    return res
+
+
+def _diff_backward(a: Trace, b: Trace, out: TraceDiff) -> None:
+    """Add to ``out`` the backward gradients' diffs, matched by key and occurrence, and the
+    gradients found in one trace only."""
+    ba, bb = _keyed_backward(a), _keyed_backward(b)
     for key, ga in ba.items():
         gb = bb.get(key)
         if gb is None:
@@ -284,6 +289,11 @@ def diff_traces(a: Trace, b: Trace) -> TraceDiff:
         f"backward {k[0] or '<root>'}#{k[1]} {k[2]} ({k[3]})" for k in bb if k not in ba
     ]
 
+
+def _diff_params_and_routing(a: Trace, b: Trace, out: TraceDiff) -> None:
+    """Add to ``out`` the parameter statistics' differences by name, the routing records'
+    aux-loss and tokens-per-expert differences by (module, call), and those in one trace
+    only."""
     for name, pa in a.params.items():
         pb = b.params.get(name)
         if pb is None:
@@ -304,4 +314,12 @@ def diff_traces(a: Trace, b: Trace) -> TraceDiff:
             tpe = (r2.tokens_per_expert.long() - r1.tokens_per_expert.long()).tolist()
         out.routing[key] = {"aux_loss": _sub(r1.aux_loss, r2.aux_loss), "tokens_per_expert": tpe}
     out.only_in_other += [f"routing {k[0]}#{k[1]}" for k in rb_ if k not in ra_]
+
+
+def diff_traces(a: Trace, b: Trace) -> TraceDiff:
+    """Compare trace ``a`` (self) with ``b`` (other); see :class:`TraceDiff`."""
+    out = TraceDiff()
+    _diff_forward(a, b, out)
+    _diff_backward(a, b, out)
+    _diff_params_and_routing(a, b, out)
     return out
