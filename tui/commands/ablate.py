@@ -148,18 +148,11 @@ def make_plan(args: argparse.Namespace) -> Plan:
         MdbError: bad input (one line; the CLI exits 2).
     """
     from hooks.runs.ablate import AblateError, expand_variants, parse_vary
-    from hooks.runs.overfit import OverfitOptions
-    from hooks.runs.store import RunStore, RunStoreError, default_db_path
+    from hooks.runs.store import default_db_path
     from minillm import CharTokenizer
     from tui.commands.inputs import default_text_path, load_config, read_text
 
-    if not args.vary:
-        raise MdbError("give at least one --vary FIELD=VALUE,VALUE (e.g. "
-                       "--vary attention=mha,gqa,mqa)")
-    d = {k: getattr(args, k) if getattr(args, k, None) is not None else v
-         for k, v in _DEFAULTS.items()}
-    if not (0.0 < d["held_out"] < 1.0):
-        raise MdbError(f"--held-out must be between 0 and 1, got {d['held_out']}")
+    d = _settings(args)
     try:
         varies = [parse_vary(v) for v in args.vary]
     except AblateError as exc:
@@ -183,11 +176,47 @@ def make_plan(args: argparse.Namespace) -> Plan:
     from hooks.runs.ablate import eval_lengths_for
 
     lengths = lengths or eval_lengths_for(varies, seq)
-    n = len(tokenizer.encode(text))
-    held = int(round(n * d["held_out"]))
+    _check_windows(text_path, len(tokenizer.encode(text)), d["held_out"], seq, lengths,
+                   variants)
+    db = Path(args.db if args.db else default_db_path()).resolve()
+    _check_names_free(db, variants)
+    options = _variant_options(args, d, variants, text, seq, lengths)
+    jobs = args.jobs or min(len(variants), os.cpu_count() or 1)
+    jobs = max(1, min(jobs, len(variants)))
+    _check_memory(variants, text, int(d["batch_size"]), seq, jobs)
+    return Plan(db, variants, options, lengths, jobs,
+                threads=args.threads, heartbeat=args.heartbeat)
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The options given, with :data:`_DEFAULTS` for the others.
+
+    Raises:
+        MdbError: no ``--vary``, or ``--held-out`` not between 0 and 1.
+    """
+    if not args.vary:
+        raise MdbError("give at least one --vary FIELD=VALUE,VALUE (e.g. "
+                       "--vary attention=mha,gqa,mqa)")
+    d = {k: getattr(args, k) if getattr(args, k, None) is not None else v
+         for k, v in _DEFAULTS.items()}
+    if not (0.0 < d["held_out"] < 1.0):
+        raise MdbError(f"--held-out must be between 0 and 1, got {d['held_out']}")
+    return d
+
+
+def _check_windows(text_path: Path, n: int, held_out: float, seq: int, lengths: list[int],
+                   variants: list) -> None:
+    """Check that the ``n``-token text leaves more than one training window after the
+    held-out part, that the held-out part holds the longest evaluation window, and that every
+    variant accepts the longest window.
+
+    Raises:
+        MdbError: naming the text or the variant.
+    """
+    held = int(round(n * held_out))
     if n - held <= seq:
         raise MdbError(f"{text_path}: {n - held} tokens to train on (after --held-out "
-                       f"{d['held_out']:g}), not more than one window of --seq-len {seq}")
+                       f"{held_out:g}), not more than one window of --seq-len {seq}")
     if max(lengths) > held:
         raise MdbError(f"{text_path}: the held-out part has {held} tokens, fewer than an "
                        f"evaluation window of {max(lengths)}; use a longer text, a larger "
@@ -196,7 +225,16 @@ def make_plan(args: argparse.Namespace) -> Plan:
         if max(lengths + [seq]) > v.config.max_position_embeddings:
             raise MdbError(f"variant {v.label}: windows of {max(lengths + [seq])} tokens exceed "
                            f"its max_position_embeddings ({v.config.max_position_embeddings})")
-    db = Path(args.db if args.db else default_db_path()).resolve()
+
+
+def _check_names_free(db: Path, variants: list) -> None:
+    """Refuse variant run names that already exist in the run store at ``db``.
+
+    Raises:
+        MdbError: a name is taken, or the store cannot be read.
+    """
+    from hooks.runs.store import RunStore, RunStoreError
+
     if db.exists():
         try:
             with RunStore(db) as store:
@@ -207,6 +245,18 @@ def make_plan(args: argparse.Namespace) -> Plan:
         if taken:
             raise MdbError(f"run {taken[0]!r} already exists in {db}; choose another "
                            f"--prefix (or compare the runs: mdb compare {' '.join(taken[:8])})")
+
+
+def _variant_options(args: argparse.Namespace, d: dict[str, Any], variants: list, text: str,
+                     seq: int, lengths: list[int]) -> list[dict[str, Any]]:
+    """Each variant's validated :class:`hooks.runs.overfit.OverfitOptions` as a dict, with its
+    ``ablation`` choices.
+
+    Raises:
+        MdbError: options a variant rejects.
+    """
+    from hooks.runs.overfit import OverfitOptions
+
     options = []
     source = str(args.text) if args.text else "samples/alice.txt"
     for v in variants:
@@ -221,11 +271,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         except ValueError as exc:
             raise MdbError(str(exc)) from None
         options.append({**opts.to_dict(), "ablation": v.choices})
-    jobs = args.jobs or min(len(variants), os.cpu_count() or 1)
-    jobs = max(1, min(jobs, len(variants)))
-    _check_memory(variants, text, int(d["batch_size"]), seq, jobs)
-    return Plan(db, variants, options, lengths, jobs,
-                threads=args.threads, heartbeat=args.heartbeat)
+    return options
 
 
 def _check_memory(variants, text: str, batch_size: int, seq: int, jobs: int) -> None:
