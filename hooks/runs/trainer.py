@@ -724,10 +724,7 @@ class Trainer:
         model, opt = self.model, self.optimizer
         model.train()
         batch = self._batch(step)
-        lr = self.lr_at(step) if self.lr_at is not None else None
-        if lr is not None:
-            for group in opt.param_groups:
-                group["lr"] = lr
+        self._apply_lr(step)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         cap_ctx = (
@@ -741,6 +738,41 @@ class Trainer:
             loss_ok = bool(torch.isfinite(loss.detach()).all())
             if loss_ok:
                 loss.backward()
+        grad_norm, grad_ok = self._update(loss_ok)
+        step_time = time.perf_counter() - t0
+
+        tokens = self._tokens(batch)
+        names = step_metric_names(out, choice, tokens=tokens is not None)
+        loss_value = float(loss.detach())
+        values = self._step_values(out, loss_value, grad_norm, step_time, tokens,
+                                   total="total" in names)
+        routers = _router_logits(out)
+        metrics = metric_row(
+            step, time.time(), {name: values.get(name) for name in names},
+            expert_load(routers, self.top_k) if routers else None,
+        )
+        report = StepReport(metrics=metrics)
+        if trace is not None:
+            self._attach_trace(report, trace, batch, step, loss_value, choice.source, values)
+        if not (loss_ok and grad_ok):
+            report.failure = self._locate_failure(step, batch, loss_ok, trace)
+            opt.zero_grad(set_to_none=True)
+        elif self.sample_fn is not None and self._sample_due(step):
+            report.sample = self.sample_fn(model)
+        self.step = step
+        return report
+
+    def _apply_lr(self, step: int) -> None:
+        """Set every param group's learning rate to ``lr_at(step)`` when there is a schedule."""
+        lr = self.lr_at(step) if self.lr_at is not None else None
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+
+    def _update(self, loss_ok: bool) -> tuple[float, bool]:
+        """``(global gradient norm before clipping, whether it is finite)``; where it is (and
+        the loss was), clip the gradients and apply the optimizer step. NaN when the loss was
+        not finite (no backward ran)."""
         grad_norm = float("nan")
         grad_ok = False
         if loss_ok:
@@ -753,18 +785,19 @@ class Trainer:
                     if coef < 1.0:  # torch.nn.utils.clip_grad_norm_'s rule
                         for g in grads:
                             g.mul_(coef)
-                opt.step()
-        step_time = time.perf_counter() - t0
+                self.optimizer.step()
+        return grad_norm, grad_ok
 
-        tokens = self._tokens(batch)
-        names = step_metric_names(out, choice, tokens=tokens is not None)
+    def _step_values(self, out: Any, loss_value: float, grad_norm: float, step_time: float,
+                     tokens: int | None, *, total: bool) -> dict[str, float | None]:
+        """Every value a step can record (the loss as ``total`` or ``loss``; ``ce``/``aux``
+        where the output has them, ``tokens_per_s`` where the batch has token ids)."""
         ce = _scalar_field(out, "ce_loss")
         aux = _scalar_field(out, "aux_loss")
-        loss_value = float(loss.detach())
         values: dict[str, float | None] = {
-            "total" if "total" in names else "loss": loss_value,
+            "total" if total else "loss": loss_value,
             "grad_norm": grad_norm,
-            "lr": float(opt.param_groups[0]["lr"]),
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
             "step_time": step_time,
             "steps_per_s": 1.0 / step_time if step_time > 0 else None,
         }
@@ -774,33 +807,26 @@ class Trainer:
             values["aux"] = float(aux.detach())
         if tokens is not None:
             values["tokens_per_s"] = tokens / step_time if step_time > 0 else None
-        routers = _router_logits(out)
-        metrics = metric_row(
-            step, time.time(), {name: values.get(name) for name in names},
-            expert_load(routers, self.top_k) if routers else None,
-        )
-        report = StepReport(metrics=metrics)
-        if trace is not None:
-            meta = dict(self.capture_meta(batch)) if self.capture_meta is not None else {}
-            meta.update(step=step, loss=loss_value, loss_source=choice.source)
-            if ce is not None:
-                meta["ce_loss"] = values["ce"]
-            if aux is not None:
-                meta["aux_loss"] = values["aux"]
-            meta = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v))
-                    for k, v in meta.items()}
-            if isinstance(getattr(trace, "meta", None), dict):
-                trace.meta.update(meta)
-            report.trace = trace
-            report.internals = _trace_to_internals(trace)
-            report.internals_tensors = _trace_tensors(trace)
-        if not (loss_ok and grad_ok):
-            report.failure = self._locate_failure(step, batch, loss_ok, trace)
-            opt.zero_grad(set_to_none=True)
-        elif self.sample_fn is not None and self._sample_due(step):
-            report.sample = self.sample_fn(model)
-        self.step = step
-        return report
+        return values
+
+    def _attach_trace(self, report: StepReport, trace: Any, batch: Batch, step: int,
+                      loss_value: float, loss_source: str,
+                      values: Mapping[str, float | None]) -> None:
+        """Store the step's losses in the captured ``trace``'s meta (non-finite floats as
+        text) and attach it and its internals to ``report``."""
+        meta = dict(self.capture_meta(batch)) if self.capture_meta is not None else {}
+        meta.update(step=step, loss=loss_value, loss_source=loss_source)
+        if "ce" in values:
+            meta["ce_loss"] = values["ce"]
+        if "aux" in values:
+            meta["aux_loss"] = values["aux"]
+        meta = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v))
+                for k, v in meta.items()}
+        if isinstance(getattr(trace, "meta", None), dict):
+            trace.meta.update(meta)
+        report.trace = trace
+        report.internals = _trace_to_internals(trace)
+        report.internals_tensors = _trace_tensors(trace)
 
     def _sample_due(self, step: int) -> bool:
         if self.sample_every <= 0:
