@@ -46,20 +46,15 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
-import math
-import os
-import socket
-import statistics
-import struct
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from hooks.runs.store import pid_alive
+from hooks.runs.rank_checksums import _hex, checksums, compare_checksums, tensor_checksum
+from hooks.runs.rank_job import Job, _describe, band, job, process_gone
+from hooks.runs.rank_payload import decode_payload, encode_payload
 
 __all__ = [
     "Job",
@@ -77,187 +72,6 @@ __all__ = [
 #: At most this many parameters of one check are named in findings of their own; the rest are
 #: counted in one more.
 MAX_NAMED = 20
-
-_MAGIC = b"mdbP"
-
-
-@dataclass(frozen=True)
-class Job:
-    """This process's place in a distributed job.
-
-    Attributes:
-        rank: Global rank.
-        world_size: Number of ranks (≥ 2).
-        local_rank: ``LOCAL_RANK`` (index on this host), if set.
-        store: The default process group's key-value store (``torch.distributed.Store``).
-        host: ``socket.gethostname()``.
-        pid: ``os.getpid()``.
-    """
-
-    rank: int
-    world_size: int
-    local_rank: int | None
-    store: Any
-    host: str
-    pid: int
-
-
-def job() -> Job | None:
-    """This process's :class:`Job`, or ``None`` outside a distributed job of two ranks or more.
-
-    Only looks: ``torch.distributed`` must already be imported and its default process group
-    initialised (``init_process_group``); nothing is imported or initialised here.
-    """
-    dist = sys.modules.get("torch.distributed")
-    if dist is None:
-        return None
-    try:
-        if not dist.is_available() or not dist.is_initialized():
-            return None
-        world = int(dist.get_world_size())
-        if world < 2:
-            return None
-        rank = int(dist.get_rank())
-        from torch.distributed import distributed_c10d
-
-        store = distributed_c10d._get_default_store()
-    except Exception:  # a process group that cannot tell: not a job we can follow
-        return None
-    local = os.environ.get("LOCAL_RANK", "")
-    return Job(rank, world, int(local) if local.isdigit() else None, store,
-               socket.gethostname(), os.getpid())
-
-
-# ---------------------------------------------------------------------------------------------
-# What travels: a JSON header and raw blobs
-# ---------------------------------------------------------------------------------------------
-
-
-def _jsonable(obj: Any) -> Any:
-    tolist = getattr(obj, "tolist", None)
-    if callable(tolist):
-        return tolist()
-    return str(obj)
-
-
-def encode_payload(header: Mapping[str, Any], blobs: Sequence[bytes] = ()) -> bytes:
-    """``header`` (JSON; NaN and ±Infinity allowed) and ``blobs`` as one byte string:
-    ``b"mdbP"``, the header's length (8 bytes, little-endian), the header, the blobs."""
-    head = dict(header)
-    head["blobs"] = [len(b) for b in blobs]
-    text = json.dumps(head, separators=(",", ":"), default=_jsonable).encode()
-    return _MAGIC + struct.pack("<Q", len(text)) + text + b"".join(blobs)
-
-
-def decode_payload(data: bytes) -> tuple[dict[str, Any], list[bytes]]:
-    """Inverse of :func:`encode_payload`.
-
-    Raises:
-        ValueError: Not a payload of :func:`encode_payload` (or cut short).
-    """
-    if data[:4] != _MAGIC or len(data) < 12:
-        raise ValueError("not an mdb rank payload")
-    (n,) = struct.unpack_from("<Q", data, 4)
-    head = json.loads(bytes(data[12:12 + n]))
-    pos, blobs = 12 + n, []
-    for size in head.pop("blobs", []):
-        if pos + size > len(data):
-            raise ValueError("an mdb rank payload cut short")
-        blobs.append(bytes(data[pos:pos + size]))
-        pos += size
-    return head, blobs
-
-
-# ---------------------------------------------------------------------------------------------
-# Checksums
-# ---------------------------------------------------------------------------------------------
-
-
-def _is_sharded(t: Any) -> bool:
-    """A DTensor (FSDP2, tensor parallel): each rank holds another shard by design."""
-    return type(t).__name__ == "DTensor" or hasattr(t, "_local_tensor")
-
-
-def tensor_checksum(t: Any) -> Any:
-    """The sum of a tensor's bit patterns as integers, a 0-dim ``int64`` tensor on its device.
-
-    Every element's bits are read as an integer of its width (``float32`` → ``int32``,
-    ``bfloat16`` → ``int16`` …; complex as its real and imaginary parts, ``bool`` as bytes) and
-    summed in ``int64`` (wrapping; the same on every rank). Two tensors with equal bits have
-    equal checksums; a change of any one element changes it.
-    """
-    import torch
-
-    x = t.detach()
-    if x.is_complex():
-        x = torch.view_as_real(x)
-    x = x.reshape(-1)
-    if x.dtype == torch.bool:
-        x = x.view(torch.uint8)
-    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
-    if x.dtype != width:
-        x = x.view(width)
-    return x.sum(dtype=torch.int64)
-
-
-def checksums(named: Iterable[tuple[str, Any]]) -> dict[str, int | None]:
-    """:func:`tensor_checksum` of each named tensor, as Python ints (one device sync per
-    device); ``None`` for a missing tensor (a gradient not computed). Sharded tensors
-    (DTensor) are left out: their ranks hold different shards by design."""
-    import torch
-
-    out: dict[str, int | None] = {}
-    by_device: dict[Any, list[tuple[str, Any]]] = {}
-    for name, t in named:
-        if t is None:
-            out[name] = None
-            continue
-        if _is_sharded(t):
-            continue
-        by_device.setdefault(t.device, []).append((name, tensor_checksum(t)))
-    for items in by_device.values():
-        values = torch.stack([v for _, v in items]).tolist()
-        for (name, _), v in zip(items, values, strict=True):
-            out[name] = int(v)
-    return out
-
-
-def compare_checksums(
-    by_rank: Mapping[int, Mapping[str, int | None]],
-) -> list[tuple[str, dict[int, int | None], list[int]]]:
-    """The names whose checksums differ across ranks.
-
-    Args:
-        by_rank: Per rank, checksums by name. Only names held by two ranks or more are
-            compared.
-
-    Returns:
-        ``(name, checksums by rank, odd ranks)`` per differing name, in the first rank's name
-        order: the odd ranks are those that do not hold the value most ranks hold (on a tie,
-        the value of the lowest rank counts as the reference).
-    """
-    ranks = sorted(by_rank)
-    names: list[str] = []
-    seen = set()
-    for r in ranks:
-        for name in by_rank[r]:
-            if name not in seen:
-                seen.add(name)
-                names.append(name)
-    out = []
-    for name in names:
-        values = {r: by_rank[r][name] for r in ranks if name in by_rank[r]}
-        if len(values) < 2 or len(set(values.values())) == 1:
-            continue
-        counts = collections.Counter(values.values())
-        top = max(counts.values())
-        ref = next(v for r, v in values.items() if counts[v] == top)
-        out.append((name, values, [r for r, v in values.items() if v != ref]))
-    return out
-
-
-def _hex(v: int | None) -> str:
-    return "None" if v is None else f"{v & 0xFFFFFFFFFFFFFFFF:016x}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1063,35 +877,3 @@ class RankLink:
     def _emit(self, kind: str, *args: Any) -> None:
         if self.emit is not None:
             self.emit(kind, *args)
-
-
-def process_gone(pid: int | None) -> bool:
-    """Whether process ``pid`` of this host has ended: it no longer exists, or it is a zombie
-    (it exited and its parent, e.g. the ``torchrun`` agent, has not reaped it yet; read from
-    ``/proc/<pid>/stat`` where there is one)."""
-    if not pid_alive(pid):
-        return True
-    try:
-        with open(f"/proc/{int(pid)}/stat", encoding="ascii", errors="replace") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    # "pid (comm) S ...": the state follows the last ")" (comm may hold spaces or parens)
-    return stat.rpartition(")")[2].split()[:1] == ["Z"]
-
-
-def _describe(p: Mapping[str, Any]) -> str:
-    where = []
-    if p.get("pid") is not None:
-        where.append(f"pid {p['pid']}")
-    if p.get("host"):
-        where.append(f"on {p['host']}")
-    return f"rank {p['rank']}" + (f" ({' '.join(where)})" if where else "")
-
-
-def band(values: Iterable[float | None]) -> tuple[float, float, float] | None:
-    """``(min, median, max)`` of the finite values, ``None`` without one."""
-    xs = [float(v) for v in values if v is not None and math.isfinite(v)]
-    if not xs:
-        return None
-    return min(xs), statistics.median(xs), max(xs)

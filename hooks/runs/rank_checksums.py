@@ -1,0 +1,97 @@
+"""Checksums compared across the ranks of a distributed run: the sum of a tensor's bit patterns
+as integers (:func:`tensor_checksum`), which changes with any single element, taken of many
+tensors at once (:func:`checksums`) and compared rank against rank (:func:`compare_checksums`).
+Used by :mod:`hooks.runs.distributed` (re-exported there)."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+
+def _is_sharded(t: Any) -> bool:
+    """A DTensor (FSDP2, tensor parallel): each rank holds another shard by design."""
+    return type(t).__name__ == "DTensor" or hasattr(t, "_local_tensor")
+
+
+def tensor_checksum(t: Any) -> Any:
+    """The sum of a tensor's bit patterns as integers, a 0-dim ``int64`` tensor on its device.
+
+    Every element's bits are read as an integer of its width (``float32`` → ``int32``,
+    ``bfloat16`` → ``int16`` …; complex as its real and imaginary parts, ``bool`` as bytes) and
+    summed in ``int64`` (wrapping; the same on every rank). Two tensors with equal bits have
+    equal checksums; a change of any one element changes it.
+    """
+    import torch
+
+    x = t.detach()
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    x = x.reshape(-1)
+    if x.dtype == torch.bool:
+        x = x.view(torch.uint8)
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    if x.dtype != width:
+        x = x.view(width)
+    return x.sum(dtype=torch.int64)
+
+
+def checksums(named: Iterable[tuple[str, Any]]) -> dict[str, int | None]:
+    """:func:`tensor_checksum` of each named tensor, as Python ints (one device sync per
+    device); ``None`` for a missing tensor (a gradient not computed). Sharded tensors
+    (DTensor) are left out: their ranks hold different shards by design."""
+    import torch
+
+    out: dict[str, int | None] = {}
+    by_device: dict[Any, list[tuple[str, Any]]] = {}
+    for name, t in named:
+        if t is None:
+            out[name] = None
+            continue
+        if _is_sharded(t):
+            continue
+        by_device.setdefault(t.device, []).append((name, tensor_checksum(t)))
+    for items in by_device.values():
+        values = torch.stack([v for _, v in items]).tolist()
+        for (name, _), v in zip(items, values, strict=True):
+            out[name] = int(v)
+    return out
+
+
+def compare_checksums(
+    by_rank: Mapping[int, Mapping[str, int | None]],
+) -> list[tuple[str, dict[int, int | None], list[int]]]:
+    """The names whose checksums differ across ranks.
+
+    Args:
+        by_rank: Per rank, checksums by name. Only names held by two ranks or more are
+            compared.
+
+    Returns:
+        ``(name, checksums by rank, odd ranks)`` per differing name, in the first rank's name
+        order: the odd ranks are those that do not hold the value most ranks hold (on a tie,
+        the value of the lowest rank counts as the reference).
+    """
+    ranks = sorted(by_rank)
+    names: list[str] = []
+    seen = set()
+    for r in ranks:
+        for name in by_rank[r]:
+            if name not in seen:
+                seen.add(name)
+                names.append(name)
+    out = []
+    for name in names:
+        values = {r: by_rank[r][name] for r in ranks if name in by_rank[r]}
+        if len(values) < 2 or len(set(values.values())) == 1:
+            continue
+        counts = collections.Counter(values.values())
+        top = max(counts.values())
+        ref = next(v for r, v in values.items() if counts[v] == top)
+        out.append((name, values, [r for r, v in values.items() if v != ref]))
+    return out
+
+
+def _hex(v: int | None) -> str:
+    return "None" if v is None else f"{v & 0xFFFFFFFFFFFFFFFF:016x}"
