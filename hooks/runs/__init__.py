@@ -7,7 +7,12 @@
 * :mod:`hooks.runs.run` — ``hooks.run``: record your own training loop (:class:`Run`);
 * :mod:`hooks.runs.trainer` — a UI-free training loop with live controls (:class:`Trainer`);
 * :mod:`hooks.runs.checkpoint` — checkpoints as safetensors + JSON;
-* :mod:`hooks.runs.overfit` — ``mdb overfit``: seed 000's "memorise one batch" run.
+* :mod:`hooks.runs.distributed` — a ``torchrun`` job recorded as one run
+  (:class:`~hooks.runs.distributed.RankLink`): the job and its ranks in
+  :mod:`hooks.runs.rank_job`, what travels in :mod:`hooks.runs.rank_payload`, the cross-rank
+  checksums in :mod:`hooks.runs.rank_checksums`;
+* :mod:`hooks.runs.overfit` — ``mdb overfit``: seed 000's "memorise one batch" run; its
+  options in :mod:`hooks.runs.overfit_options`.
 
 Built on the capture engine (:mod:`hooks.capture`); never imports textual, rich or tui.
 """
