@@ -429,8 +429,8 @@ def test_a_rank_that_stops_reporting_is_named_with_its_host_and_pid(tmp_path):
 @pytest.mark.slow
 def test_the_first_non_finite_rank_is_named_with_its_module_from_its_capture(tmp_path):
     """Rank 1's first Linear gets a NaN weight after step 18: its step 19 is non-finite (rank
-    0's only at step 20, once the all-reduced NaN gradient reached it); rank 1's capture of
-    step 20 (``watch(every=10)``) names the module where the NaN first appeared."""
+    0's only at step 20, once the all-reduced NaN gradient reached it); rank 1's own watch
+    names the weight at that step, while it is still the one the forward used."""
     db = tmp_path / "m.sqlite"
     with _job(tmp_path, "--db", str(db), "--name", "nanw", "--out", str(tmp_path),
               "--steps", "24", "--every", "5", "--watch-every", "10",
@@ -441,9 +441,11 @@ def test_the_first_non_finite_rank_is_named_with_its_module_from_its_capture(tmp
     assert math.isnan(ref1[19]["loss"]) and not math.isnan(ref1[18]["loss"])
     with RunStore(db) as store:
         run = store.run("nanw")
-    assert run.nonfinite == {"step": 19, "metric": "loss", "module": "0",
-                             "direction": "forward", "rank": 1}, run.nonfinite
-    assert "on rank 1" in run.nonfinite_line() and "0 (forward)" in run.nonfinite_line()
+    nf = run.nonfinite
+    assert {k: nf.get(k) for k in ("step", "metric", "module", "direction", "rank")} == {
+        "step": 19, "metric": "loss", "module": "0", "direction": "parameter", "rank": 1}, nf
+    assert nf["detail"].startswith("its weight holds 1 NaN of ")
+    assert "on rank 1" in run.nonfinite_line() and "0 (parameter)" in run.nonfinite_line()
 
 
 @pytest.mark.slow

@@ -669,7 +669,7 @@ class RankLink:
         best = self._best_nf
         if best is None or key <= best[0]:
             record = {**{k: nf.get(k) for k in ("step", "metric", "module", "direction")},
-                      "rank": rank}
+                      **{k: nf[k] for k in ("detail", "note") if nf.get(k)}, "rank": rank}
             if best is None or record != best[1]:
                 self._best_nf = (key, record)
                 self._emit("nonfinite", dict(record))
