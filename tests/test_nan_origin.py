@@ -330,3 +330,19 @@ def test_the_next_step_locates_it_when_the_weights_stayed_finite(tmp_path):
         7, "grad_norm", "blocks.1.attn.q_proj", "forward")
     assert nf["detail"].endswith("(at step 8, the next step, captured to locate it)")
 
+
+
+def test_the_cheap_checks_tell_overflowing_finite_values_from_nan_and_inf():
+    """The per-step checks sum (one pass); finite values whose sum overflows are still finite,
+    and a single NaN or Inf anywhere is found (torch.isfinite is the reference)."""
+    from hooks.runs.origin import _any_nonfinite, first_nonfinite_tensor
+
+    big = torch.full((10,), 3e38)  # finite, its sum is inf in fp32
+    assert bool(torch.isfinite(big).all()) and not math.isfinite(float(big.sum()))
+    assert first_nonfinite_tensor((big, {"x": big})) is None
+    assert not _any_nonfinite([big, torch.ones(3)])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        t = torch.ones(64)
+        t[17] = bad
+        assert first_nonfinite_tensor([big, t]) is t
+        assert _any_nonfinite([big, t])
