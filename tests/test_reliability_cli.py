@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import terminal_signals
 from tui import cli
 from tui.errors import MAX_QUOTED, clip
 
@@ -520,7 +521,8 @@ def test_a_sigint_while_mdb_starts_is_an_interruption_not_a_traceback(module, tm
                MDB_TEST_AT=module)
     proc = subprocess.run([sys.executable, "-m", "tui.cli", "runs", "--db",
                            str(tmp_path / "none.sqlite")], cwd=tmp_path, env=env,
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
+                          preexec_fn=terminal_signals)  # SIGINT as in a terminal, not nohup's
     # torch: blocked, the SIGINT cannot land inside numpy's or torch's C initialisation (it did:
     # ImportError: cannot load module more than once per process, or a hang)
     assert mark.read_text() == ("blocked" if module == "torch" else "deliverable")

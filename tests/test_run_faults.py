@@ -92,7 +92,7 @@ def test_two_sigints_50ms_apart_exit_130_interrupted_with_the_final_checkpoint(t
             assert ckpt.name == f"step-{run.last_step:08d}" and (ckpt / "checkpoint.json").exists()
 
 
-def test_a_second_signal_while_stopping_only_says_so():
+def test_a_second_signal_while_stopping_only_says_so(terminal_sigint):
     from hooks.runs.trainer import TrainControl, install_stop_signals
 
     control = TrainControl()
