@@ -346,3 +346,36 @@ def test_the_cheap_checks_tell_overflowing_finite_values_from_nan_and_inf():
         t[17] = bad
         assert first_nonfinite_tensor([big, t]) is t
         assert _any_nonfinite([big, t])
+
+
+def test_a_swallowed_nan_on_a_captured_step_is_named_from_the_capture(tmp_path):
+    """Step 5 is captured (every=5): the step pre-hook sees NaN gradients but leaves the
+    origin to the capture's trace, which saw the projection's NaN output (not the embedding,
+    the first parameter whose gradient is NaN)."""
+    run, info = _user_loop(tmp_path / "r.sqlite", "cs", poison=_nan_query_at(5), swallow=True)
+    nf = info.nonfinite
+    assert (nf["step"], nf["metric"], nf["module"], nf["direction"]) == (
+        5, "gradient", "blocks.1.attn.q_proj", "forward")
+    assert nf["note"].startswith("the model's output stayed finite: blocks.1.attn (Attn)")
+
+
+def test_a_nan_made_by_the_loss_function_is_said_so(monkeypatch):
+    """Every module output is finite and the loss function makes the NaN: the failure says so,
+    with the capture broken too (the forward-hook locator answers)."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("the capture engine broke")
+
+    monkeypatch.setattr(trainer_mod, "_maybe_capture", broken)
+    torch.manual_seed(0)
+    model = TinyGPT()
+    idx, targets = _data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loss_fn(logits, batch):
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()) * float("nan")
+
+    result = Trainer(model, (idx,), opt, total_steps=3, loss_fn=loss_fn).run()
+    f = result.failure
+    assert (f.step, f.what, f.module) == (1, "loss", None)
+    assert "no module output was non-finite: the loss itself is" in result.reason
+    assert "float64" not in result.reason

@@ -285,7 +285,9 @@ class NonFiniteSentinel:
                      if p.grad is not None and p.grad.is_floating_point()]
             if not grads or not _any_nonfinite(grads):
                 return
-            origin = self._locate("the model's output") or gradient_origin(self.model)
+            origin = self._locate("the model's output")
+            if origin is None and not self._busy():  # a capture's trace answers better
+                origin = gradient_origin(self.model)
             self._found = ("gradient", origin)
         except Exception:  # never break the user's step
             self._found = None
@@ -303,6 +305,7 @@ class NonFiniteSentinel:
     def take(self) -> tuple[str, Origin | None] | None:
         """``(symptom, origin)`` found since the last call, and forget it: the symptom is
         ``"model output"`` or ``"gradient"``; the origin is ``None`` when it could not be
+        located here (on a captured step, beyond a weight: the capture's trace answers), or
         located. ``None`` when nothing non-finite was seen."""
         found, self._found = self._found, None
         return found

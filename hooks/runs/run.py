@@ -528,7 +528,9 @@ class Run(RunControls):
         self.nonfinite = {"step": step, "metric": metric, "module": None, "direction": None}
         origin = found[1] if found is not None else None
         if origin is None and self._step_trace is not None:
-            origin = trace_origin(self._step_trace)
+            stayed = "the model's output" if found is not None and found[0] == "gradient" \
+                else None
+            origin = trace_origin(self._step_trace, stayed_finite=stayed)
         if origin is not None:
             self._set_origin(origin)
         elif self._step_trace is not None:

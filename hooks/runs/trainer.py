@@ -476,7 +476,8 @@ def locate_nonfinite(
             h.remove()
     if found:
         return found[0]
-    return None, "no module output was non-finite (the loss itself is)"
+    return None, ("no module output was non-finite: the loss itself is (its function, or "
+                  "logits beyond its range)")
 
 
 @contextlib.contextmanager
@@ -860,8 +861,11 @@ class Trainer:
                 capture_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}" \
                     if str(exc) else type(exc).__name__
             self.optimizer.zero_grad(set_to_none=True)
+        unlocated = ("every gradient is finite, but their global norm exceeds float64's "
+                     "range") if loss_ok else ""
         if origin is None:  # a forward origin comes first, also when the loss stayed finite
             module, detail = locate_nonfinite(self.model, lambda: batch.call(self.model))
+            unlocated = unlocated or detail
             if module is not None:
                 note = ("the loss stayed finite: a later operation returned finite values from "
                         "it" if loss_ok else None)
@@ -869,8 +873,7 @@ class Trainer:
         if origin is None and grad_origin is not None:
             origin, by = grad_origin, "gradients"
         if origin is None:
-            return NonFiniteInfo(step, what, None, "every gradient is finite, but their global "
-                                 "norm exceeds float64's range", None, capture_error)
+            return NonFiniteInfo(step, what, None, unlocated, None, capture_error)
         return NonFiniteInfo(step, what, origin.module, origin.detail, by, capture_error,
                              origin.direction, origin.note)
 
