@@ -352,3 +352,73 @@ def test_two_viewers_from_before_the_first_step_until_the_writer_is_killed(tmp_p
         for v in viewers:
             v.close(force=True)
     assert [v.exitstatus for v in viewers] == [0, 0]
+
+
+# -- found in review ---------------------------------------------------------------------------
+
+
+def test_an_abbreviated_detach_is_not_passed_to_the_trainer():
+    import argparse
+
+    from tui.commands.overfit_detach import trainer_argv
+
+    for flag in ("--detach", "--detac", "--det"):
+        args = argparse.Namespace(_argv=["overfit", flag, "--steps", "5", "--db", "x"],
+                                  resume=None)
+        argv = trainer_argv(args, "r", Path("/tmp/r.sqlite"))
+        assert argv[3:] == ["overfit", "--steps", "5", "--db", "x", "--headless", "--db",
+                            "/tmp/r.sqlite", "--run", "r"], flag
+
+
+def test_detach_of_a_run_that_ends_at_once_says_how_it_ended(tmp_path, tiny):
+    db = tmp_path / "r.sqlite"
+    proc = _mdb("overfit", "--detach", "--config", str(tiny), "--steps", "2", "--db", str(db),
+                "--run", "s", "--sample-every", "0")
+    out, err = proc.communicate(timeout=120)
+    info = _info(db, "s")
+    assert info.status == "finished" and proc.returncode == 0, err
+    assert out.startswith("run s finished at step 2") or out.startswith("run s is training")
+    assert "before its run started" not in err
+
+
+def test_a_stop_left_from_an_earlier_attempt_is_not_obeyed(tmp_path):
+    """A request written before the trainer started (for the attempt before a resume) is
+    marked done unread."""
+    from hooks.runs.control import ControlPoller, pending
+    from hooks.runs.store import RunStore
+
+    db = tmp_path / "r.sqlite"
+    with RunStore(db, create=True) as store:
+        run_id = store.create_run("a", config={}).run_id
+    request(db, run_id, "stop")
+    got = []
+    poller = ControlPoller(db, run_id, got.append, interval=0.05, since=time.time() + 1)
+    poller.start()
+    _wait(lambda: not pending(db, run_id), what="the stale request marked done")
+    request(db, run_id, "pause")  # one of this attempt's would be obeyed... after `since`
+    poller.since = time.time() - 1
+    _wait(lambda: got, what="the new request")
+    poller.close()
+    assert got == ["pause"]
+
+
+def test_a_torchrun_job_has_no_detach_pause_or_stop_keys_and_mdb_stop_refuses_it(tmp_path,
+                                                                                 capsys):
+    from types import SimpleNamespace
+
+    db = tmp_path / "r.sqlite"
+    with RunStore(db, create=True) as store:
+        store.create_run("j", config={}, world_size=2)  # written by this (live) process
+        assert main(["stop", "j", "--db", str(db)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"mdb: error: run j is a torchrun job of 2 ranks: mdb stop reaches one process; stop "
+        f"the job with Ctrl-C in its terminal or kill -TERM {os.getpid()}"]
+
+    from tui.screens.live_controls import ViewerControls
+
+    v = ViewerControls()
+    v.watch, v.state = True, "running"
+    v.run = SimpleNamespace(world_size=2)
+    assert not v.viewing_live_run()
+    v.run = SimpleNamespace(world_size=None)
+    assert v.viewing_live_run()

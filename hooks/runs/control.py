@@ -96,11 +96,15 @@ class ControlPoller:
         run_id: The run being trained.
         on_request: Called with ``"stop"``, ``"pause"`` or ``"resume"``.
         interval: Seconds between reads.
+        since: Requests written before this Unix time are marked done unread: they were for
+            an earlier attempt of the run (a ``stop`` that arrived as it ended must not stop
+            its resume).
     """
 
     def __init__(self, path: str | Path, run_id: int, on_request: Callable[[str], None],
-                 interval: float = POLL_INTERVAL) -> None:
+                 interval: float = POLL_INTERVAL, since: float | None = None) -> None:
         self.path, self.run_id = Path(path), int(run_id)
+        self.since = since
         self.on_request = on_request
         self.interval = interval
         self._stop = threading.Event()
@@ -136,15 +140,16 @@ class ControlPoller:
     def _poll(self, conn: sqlite3.Connection) -> None:
         try:
             rows = conn.execute(
-                "SELECT id, command FROM control WHERE run_id = ? AND done IS NULL "
+                "SELECT id, command, requested FROM control WHERE run_id = ? AND done IS NULL "
                 "ORDER BY id", (self.run_id,)).fetchall()
         except sqlite3.OperationalError as exc:
             if "no such table" in str(exc):
                 return
             raise
-        for rid, command in rows:
+        for rid, command, requested in rows:
             conn.execute("UPDATE control SET done = ? WHERE id = ?", (time.time(), rid))
-            if command in COMMANDS:
+            stale = self.since is not None and requested < self.since
+            if command in COMMANDS and not stale:
                 with contextlib.suppress(Exception):  # the trainer's side must not die
                     self.on_request(command)
 

@@ -295,7 +295,8 @@ class Run(RunControls):
                 target=self._writer_main, name=f"mdb-run-writer-{self.id}", daemon=True
             )
             self._thread.start()
-            self._poller = ControlPoller(self.db, self.id, self._on_request).start()
+            self._poller = ControlPoller(self.db, self.id, self._on_request,
+                                         since=time.time()).start()
         if job is not None:
             self.rank, self.world_size = job.rank, job.world_size
             link = self._link or self._make_link(job, gather_every)

@@ -578,6 +578,11 @@ def run_headless(session, args: argparse.Namespace | None = None) -> int:
     return code
 
 
+#: When this process started (about): requests to the run written before it were for an
+#: earlier attempt (a resumed run ignores them).
+PROCESS_STARTED = time.time()
+
+
 def _control_poller(session):
     """Act on ``mdb stop`` and the viewers' ``p``/``x`` (requests in the run store's control
     table, :mod:`hooks.runs.control`): stop after the step with a checkpoint, pause, resume."""
@@ -587,7 +592,7 @@ def _control_poller(session):
     actions = {"stop": lambda: control.stop("stopped"), "pause": control.pause,
                "resume": control.resume}
     return ControlPoller(session.store.path, session.writer.run_id,
-                         lambda command: actions[command]()).start()
+                         lambda command: actions[command](), since=PROCESS_STARTED).start()
 
 
 def _recorded(session) -> str:

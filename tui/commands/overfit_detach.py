@@ -33,7 +33,9 @@ WAIT_POLL_S = 0.2
 def trainer_argv(args: argparse.Namespace, name: str, db: Path) -> list[str]:
     """The command line of the trainer process: the user's options, headless, with the run
     name and the database made explicit (the last ``--run``/``--db`` given wins)."""
-    argv = [a for a in getattr(args, "_argv", []) if a not in ("--detach",)]
+    # --detach, or an abbreviation argparse accepted for it (--det, --deta, --detac)
+    argv = [a for a in getattr(args, "_argv", [])
+            if not (a.startswith("--det") and "--detach".startswith(a))]
     if "overfit" in argv:
         argv = argv[argv.index("overfit") + 1:]
     argv = ["overfit", *argv, "--headless", "--db", str(db)]
@@ -113,6 +115,16 @@ def _last_line(log: Path) -> str:
     return "(no output)"
 
 
+def _run_of(proc: subprocess.Popen, name: str, db: Path):
+    """Run ``name`` when process ``proc`` wrote it, else ``None``."""
+    from hooks.runs.store import RunStore, RunStoreError
+
+    with contextlib.suppress(RunStoreError, OSError), RunStore(db) as store:
+        info = store.run(name)
+        return info if info.pid == proc.pid else None
+    return None
+
+
 def _forget_log(log: Path) -> None:
     """A trainer that never started its run leaves nothing behind (its last line was said)."""
     with contextlib.suppress(OSError):
@@ -134,7 +146,7 @@ def wait_for_run(proc: subprocess.Popen, name: str, db: Path, log: Path):
     try:
         while True:
             code = proc.poll()
-            if code is not None:
+            if code is not None and _run_of(proc, name, db) is None:
                 err = MdbError(f"the trainer exited ({code}) before its run started: "
                                f"{_last_line(log)}")
                 _forget_log(log)
@@ -142,7 +154,7 @@ def wait_for_run(proc: subprocess.Popen, name: str, db: Path, log: Path):
                 raise err
             with contextlib.suppress(RunStoreError, OSError), RunStore(db) as store:
                 info = store.run(name)
-                if info.pid == proc.pid and info.status == "running":
+                if info.pid == proc.pid:  # its run, running or already ended (a short one)
                     return info
             time.sleep(WAIT_POLL_S)
     except KeyboardInterrupt:
@@ -160,8 +172,13 @@ def run_detached(args: argparse.Namespace) -> int:
     proc, name, db, log = start_trainer(args)
     if sys.stderr.isatty():
         print("mdb: building the model… (Ctrl-C stops)", file=sys.stderr)
-    wait_for_run(proc, name, db, log)
+    info = wait_for_run(proc, name, db, log)
     where = f" --db {args.db}" if args.db else ""
+    if info.status != "running":  # over before it could be said
+        from tui.commands.stop import ended_line
+
+        print(ended_line(info, args.db))
+        return 0 if info.status == "finished" else 1
     print(f"run {name} is training in the background (pid {proc.pid}); follow it: mdb watch "
           f"{name}{where} · stop it: mdb stop {name}{where} · log: {log}")
     return 0
@@ -185,7 +202,7 @@ def run_viewer(args: argparse.Namespace) -> int:
     from hooks.runs.store import RunStore
     from tui.commands.stop import ended_line
     from tui.live_app import make_watch_app
-    from tui.screens.live_controls import CLOSED, DETACHED, STOPPED
+    from tui.screens.live_controls import STOPPED
 
     proc, name, db, log = start_trainer(args)
     print("mdb: building the model… (Ctrl-C stops)", file=sys.stderr)
@@ -197,8 +214,9 @@ def run_viewer(args: argparse.Namespace) -> int:
         screen = app.live
         if screen.fatal:
             raise MdbError(f"{screen.fatal} (the trainer goes on: pid {proc.pid})")
-        if screen.outcome not in (STOPPED, CLOSED):  # d, Ctrl-C, q → d
-            assert screen.outcome in (None, DETACHED)
+        ended = screen.state not in ("reading", "running", "paused")
+        if screen.outcome != STOPPED and not ended and proc.poll() is None:
+            # d, Ctrl-C, q → d; or closed before the first read: it goes on either way
             print(f"mdb: detached; run {name} goes on training (pid {proc.pid}) · re-attach: "
                   f"mdb watch {name}{where} · stop it: mdb stop {name}{where}")
             return 0

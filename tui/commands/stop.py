@@ -27,12 +27,24 @@ class NotStoppedError(MdbError):
     exit_code = 1
 
 
+def _seconds(text: str) -> float:
+    """A finite number of seconds, 0 or more (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (0 <= value < float("inf")):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a finite number of seconds, 0 or "
+                                         "more")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``mdb stop``."""
     parser.add_argument("run", metavar="RUN", help="run name (see `mdb runs`)")
     parser.add_argument("--db", metavar="PATH", default=None,
                         help="run database (default $MDB_DB, else ./runs/mdb.sqlite)")
-    parser.add_argument("--timeout", type=float, default=300.0, metavar="S",
+    parser.add_argument("--timeout", type=_seconds, default=300.0, metavar="S",
                         help="seconds to wait for the run to stop (default 300); the request "
                              "stays if it has not stopped by then")
 
@@ -80,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
             if info.writer_state() != "running":
                 raise MdbError(f"run {info.name} is not running ({info.status_line()}): "
                                "nothing to stop")
+            if (info.world_size or 1) > 1:
+                raise MdbError(f"run {info.name} is a torchrun job of {info.world_size} ranks: "
+                               "mdb stop reaches one process; stop the job with Ctrl-C in its "
+                               f"terminal or kill -TERM {info.pid}")
             try:
                 request(store.path, info.id, "stop")
             except sqlite3.Error as exc:

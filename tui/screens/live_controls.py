@@ -29,8 +29,11 @@ class ViewerControls:
     outcome: str | None = None
 
     def viewing_live_run(self) -> bool:
-        """Whether this viewer follows a run whose trainer is alive (running or paused)."""
-        return self.watch and self.run is not None and self.state in ("running", "paused")
+        """Whether this viewer follows a run whose trainer is alive (running or paused) and
+        obeys requests: not a ``torchrun`` job, whose ranks only rank 0 would hear (``q``
+        closes the viewer; ``mdb overfit --nproc`` then stops its job, as before)."""
+        return (self.watch and self.run is not None and self.state in ("running", "paused")
+                and (getattr(self.run, "world_size", None) or 1) <= 1)
 
     def _leave(self, outcome: str) -> None:
         if not (outcome == CLOSED and self.outcome == STOPPED):  # x, then q once it ended
