@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import terminal_signals
+from tests.conftest import TINY_TOML, terminal_signals
 from tui import cli
 from tui.errors import MAX_QUOTED, clip
 
@@ -31,17 +31,7 @@ CPUS = os.cpu_count() or 1
 #: A file name longer than any file system's 255-byte limit on one name.
 LONG = "a" * 300
 
-TINY = """\
-vocab_size = 256
-hidden_size = 16
-intermediate_size = 32
-num_hidden_layers = 1
-num_attention_heads = 2
-num_key_value_heads = 1
-num_local_experts = 2
-num_experts_per_tok = 1
-max_position_embeddings = 128
-"""
+TINY = TINY_TOML  # the tiny MoE config of the training tests
 
 
 def _main(argv: list[str]) -> int:

@@ -211,18 +211,11 @@ class DoctorScreen(MdbScreen):
     def _show(self, index: int) -> None:
         if not (0 <= index < len(self.rows)):
             return
+        from tui.screens.doctor_evidence import result_head
+
         r = self.rows[index]
-        text = Text()
-        text.append(f"{r.get('id', '')} {r.get('name', '')} · ", style="bold")
-        text.append(r["status"], style=STATUS_STYLE.get(r["status"], ""))
-        text.append(f"\n{r.get('evidence', '')}")
-        if r.get("hint"):
-            text.append("\nhint: ", style="bold")
-            text.append(r["hint"])
+        text = result_head(r, STATUS_STYLE)
         module = r.get("module")
-        if module is not None:
-            text.append("\nmodule: ", style="bold")
-            text.append(module or "<root>")
         if r["status"] in JUMPABLE and module is not None:
             text.append("  (Enter opens it in the step view)", style="dim")
         else:

@@ -50,19 +50,27 @@ def data_lines(data: Any, indent: str = "") -> list[str]:
     return lines
 
 
-def evidence_text(row: dict[str, Any], styles: dict[str, str]) -> Text:
-    """The whole of a check's result: title and status, evidence, hint, module, data."""
+def result_head(row: dict[str, Any], styles: dict[str, str], sep: str = "\n") -> Text:
+    """A check's title and status, evidence, hint and module, parts joined by ``sep`` (the
+    doctor view's detail line uses one newline, the evidence screen a blank line)."""
     text = Text()
     text.append(f"{row.get('id', '')} {row.get('name', row.get('key', ''))} · ", style="bold")
     text.append(row["status"], style=styles.get(row["status"], ""))
-    text.append(f"\n\n{row.get('evidence', '')}")
+    text.append(f"{sep}{row.get('evidence', '')}")
     if row.get("hint"):
-        text.append("\n\nhint: ", style="bold")
+        text.append(f"{sep}hint: ", style="bold")
         text.append(row["hint"])
     module = row.get("module")
     if module is not None:
-        text.append("\n\nmodule: ", style="bold")
+        text.append(f"{sep}module: ", style="bold")
         text.append(module or "<root>")
+    return text
+
+
+def evidence_text(row: dict[str, Any], styles: dict[str, str]) -> Text:
+    """The whole of a check's result: title and status, evidence, hint, module, data."""
+    text = result_head(row, styles, "\n\n")
+    if row.get("module") is not None:
         text.append("  (Enter opens it in the step view)", style="dim")
     data = row.get("data") or {}
     if data:
