@@ -233,14 +233,15 @@ class NonFiniteSentinel:
 
     * A forward pre-hook on the root module keeps the call's arguments and RNG state
       (references, and a copy of the CPU RNG state: a few microseconds a step).
-    * A forward hook checks the root's output (one ``isfinite().all()`` per floating-point
-      tensor); when one is non-finite it locates the origin at once: :func:`replay_origin`, or
-      only :func:`parameter_origin` while ``busy()`` says a capture records this forward (its
-      trace answers for the rest).
+    * A forward hook checks the root's output (the sum of each floating-point tensor, the
+      exact check only when a sum is not finite); when one is non-finite it locates the
+      origin at once: :func:`replay_origin`, or only :func:`parameter_origin` while
+      ``busy()`` says a capture records this forward (its trace answers for the rest).
     * With ``optimizer``, a step pre-hook (``Optimizer.register_step_pre_hook``) checks the
-      gradients (one ``torch._foreach_norm``, the slow check only when a norm is not finite)
-      before they are applied, and locates the origin the same way, else
-      :func:`gradient_origin`: this catches a kernel that dropped the NaN from the output.
+      gradients (one sum of their norms, the exact check only when it is not finite) before
+      they are applied, and locates the origin the same way, else :func:`gradient_origin`
+      (not on a captured step: the trace answers); this catches a kernel that dropped the
+      NaN from the output.
 
     :meth:`take` hands the finding to the caller (``hooks.run``'s ``log()``).
 

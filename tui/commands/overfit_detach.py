@@ -102,8 +102,7 @@ def start_trainer(args: argparse.Namespace) -> tuple[subprocess.Popen, str, Path
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         proc = subprocess.Popen(trainer_argv(args, name, db), stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ, MDB_TRAINER="1"))
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     return proc, name, db, log
 
 
@@ -141,21 +140,18 @@ def wait_for_run(proc: subprocess.Popen, name: str, db: Path, log: Path):
         MdbError: The trainer exited first (its last line, its exit code), or Ctrl-C here
             (the trainer is stopped; nothing was recorded).
     """
-    from hooks.runs.store import RunStore, RunStoreError
-
     try:
         while True:
-            code = proc.poll()
-            if code is not None and _run_of(proc, name, db) is None:
+            code = proc.poll()  # before the look: a run written just before exiting is found
+            info = _run_of(proc, name, db)
+            if info is not None:  # its run, running or already ended (a short one)
+                return info
+            if code is not None:
                 err = MdbError(f"the trainer exited ({code}) before its run started: "
                                f"{_last_line(log)}")
                 _forget_log(log)
                 err.exit_code = code or 1
                 raise err
-            with contextlib.suppress(RunStoreError, OSError), RunStore(db) as store:
-                info = store.run(name)
-                if info.pid == proc.pid:  # its run, running or already ended (a short one)
-                    return info
             time.sleep(WAIT_POLL_S)
     except KeyboardInterrupt:
         with contextlib.suppress(ProcessLookupError):
@@ -200,14 +196,13 @@ def run_viewer(args: argparse.Namespace) -> int:
     closed; returns the exit status (0 detached or stopped; the trainer's when the run ended
     on its own: 0 finished, 1 failed)."""
     from hooks.runs.store import RunStore
-    from tui.commands.stop import ended_line
+    from tui.commands.stop import detached_line, ended_line
     from tui.live_app import make_watch_app
     from tui.screens.live_controls import STOPPED
 
     proc, name, db, log = start_trainer(args)
     print("mdb: building the model… (Ctrl-C stops)", file=sys.stderr)
     info = wait_for_run(proc, name, db, log)
-    where = f" --db {args.db}" if args.db else ""
     with RunStore(db) as store:
         app = make_watch_app(store, info, heartbeat=getattr(args, "heartbeat", 1.0))
         app.run()
@@ -217,8 +212,7 @@ def run_viewer(args: argparse.Namespace) -> int:
         ended = screen.state not in ("reading", "running", "paused")
         if screen.outcome != STOPPED and not ended and proc.poll() is None:
             # d, Ctrl-C, q → d; or closed before the first read: it goes on either way
-            print(f"mdb: detached; run {name} goes on training (pid {proc.pid}) · re-attach: "
-                  f"mdb watch {name}{where} · stop it: mdb stop {name}{where}")
+            print(detached_line(name, proc.pid, args.db))
             return 0
         if screen.outcome == STOPPED:
             print(f"mdb: asked run {name} to stop; waiting for its checkpoint…",

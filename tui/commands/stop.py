@@ -58,6 +58,13 @@ def ended_line(info, db: str | None) -> str:
     return line
 
 
+def detached_line(name: str, pid: int | None, db: str | None) -> str:
+    """What a viewer says when it leaves a run training: the commands that re-attach and stop."""
+    where = f" --db {db}" if db else ""
+    return (f"mdb: detached; run {name} goes on training (pid {pid}) · re-attach: "
+            f"mdb watch {name}{where} · stop it: mdb stop {name}{where}")
+
+
 def wait_until_stopped(store, name: str, timeout: float) -> object:
     """Read run ``name`` until its writer is no longer ``running``; return its last
     :class:`hooks.runs.store.RunInfo`.
