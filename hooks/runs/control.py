@@ -181,13 +181,15 @@ class RunControls:
             self._stop_asked = True
             self._resumed.set()  # a paused loop wakes to see it
         elif command == "pause" and self._resumed.is_set() and not self._stop_asked:
-            self._resumed.clear()
-            self._enqueue(("paused", True))
-            self._wake.set()
+            self._resumed.clear()  # the loop marks the run paused when it starts to wait
         elif command == "resume" and not self._resumed.is_set():
             self._resumed.set()
 
     def _wait_while_paused(self) -> None:
+        # recorded after this step's row (the writer keeps the queue's order): a viewer that
+        # reads "paused" has every step the loop made
+        self._enqueue(("paused", True))
+        self._wake.set()
         self._say(f"run {self.name}: paused from a viewer after step {self.step} (p resumes, "
                   f"mdb stop {self.name} stops)")
         while not self._resumed.wait(0.5):
