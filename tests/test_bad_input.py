@@ -311,7 +311,7 @@ def test_gather_every_without_nproc_is_refused(tmp_path, capsys):
 
 async def test_keys_do_nothing_while_the_terminal_is_too_small():
     from tests.conftest import wait_until
-    from tests.test_tui_step import tiny_workload
+    from tests.tui.test_tui_step import tiny_workload
     from tui.app import make_step_app
     from tui.commands.capturing import capture_step
     from tui.screens.step import StepScreen

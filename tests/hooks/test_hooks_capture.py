@@ -497,7 +497,7 @@ def test_activation_checkpointing_recompute_is_marked():
     with hooks.capture(model) as tr:
         model(torch.randn(2, 4)).backward()
     (call,) = tr.calls("inner.0")  # the re-run is kept with the call, not added (more in
-    assert call.recomputed == 1  # tests/test_hooks_recompute.py)
+    assert call.recomputed == 1  # tests/hooks/test_hooks_recompute.py)
     assert "recomputed during backward" in call.notes[0]
     assert tr.params["inner.0.weight"].status == "ok"
 

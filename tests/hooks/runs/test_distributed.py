@@ -29,9 +29,9 @@ from hooks.runs.ddp_overfit import rank_windows
 from hooks.runs.store import SCHEMA_VERSION, RunStore, RunStoreError
 from tui.cli import main
 
-REPO = Path(__file__).resolve().parent.parent
-DATA = Path(__file__).resolve().parent / "data"
-WORKER = Path(__file__).resolve().parent / "ddp_worker.py"
+REPO = Path(__file__).resolve().parents[3]
+DATA = REPO / "tests" / "data"
+WORKER = REPO / "tests" / "ddp_worker.py"
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -16,7 +16,7 @@ from hooks.runs.overfit import ModelOverfitOptions, ModelOverfitSession, resume_
 from hooks.runs.store import RunStore
 from tests.conftest import REPO
 from tests.families import FAMILIES
-from tests.test_live import drawn
+from tests.tui.test_live import drawn
 from tui.cli import main
 from tui.commands.overfit import _build_workload
 from tui.screens.live_data import metric_values

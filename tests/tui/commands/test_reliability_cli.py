@@ -26,7 +26,7 @@ from tests.conftest import TINY_TOML, terminal_signals
 from tui import cli
 from tui.errors import MAX_QUOTED, clip
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
 CPUS = os.cpu_count() or 1
 #: A file name longer than any file system's 255-byte limit on one name.
 LONG = "a" * 300

@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 import hooks
 
-CASES = Path(__file__).resolve().parents[1] / "samples" / "user_gpt.py"
+CASES = Path(__file__).resolve().parents[2] / "samples" / "user_gpt.py"
 
 
 def _user_gpt():

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from hooks.runs.store import RunStore
-from tests.test_ablate import ABL_TOML
+from tests.hooks.runs.test_ablate import ABL_TOML
 from tui.cli import main
 from tui.screens.compare import CompareApp
 

@@ -12,7 +12,7 @@ import pytest
 
 from tui.cli import main
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
 ZOO = str(REPO / "tests" / "zoo.py")
 
 

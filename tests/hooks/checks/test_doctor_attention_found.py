@@ -2,7 +2,7 @@
 module whose class and children are named like nothing mdb knows (``Mixer`` with ``wqkv``)
 is measured by the GQA check, not reported as "no attention module found".
 
-The models are factories for ``--model tests/test_doctor_attention_found.py:FUNCTION``."""
+The models are factories for ``--model tests/hooks/checks/test_doctor_attention_found.py:FUNCTION``."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from tui.commands.capturing import capture_step
 from tui.commands.workload import load_user_workload
 
 V, T = 64, 12
-SPEC = "tests/test_doctor_attention_found.py"
+SPEC = "tests/hooks/checks/test_doctor_attention_found.py"
 
 
 class Mixer(nn.Module):

@@ -147,7 +147,7 @@ async def test_live_screen_20_steps_charts_grow_and_loss_falls(tmp_path):
 
 
 async def test_pause_step_capture_opens_step_view_and_comes_back(tmp_path):
-    from tests.test_training import CountingControl
+    from tests.hooks.runs.test_training import CountingControl
     from tui.live_app import make_overfit_app
     from tui.screens.live import LiveScreen
     from tui.screens.step import StepScreen

@@ -18,8 +18,8 @@ import pytest
 
 from hooks.runs.store import RunStore
 from tests.conftest import TINY_TOML
-from tests.test_overfit_cli import _run_row, _wait_for
-from tests.test_overfit_cli import _spawn as _spawn_logged
+from tests.tui.commands.test_overfit_cli import _run_row, _wait_for
+from tests.tui.commands.test_overfit_cli import _spawn as _spawn_logged
 from tui.cli import main
 from tui.screens.live_data import metric_values
 
@@ -288,7 +288,7 @@ def test_lr_5_gradient_norms_are_finite_until_a_gradient_is_not(tmp_path):
     zero_grad had cleared them. Now every step records its real norm and the run goes on until
     a gradient really holds Inf/NaN, and then names where. How large the norms grow (past
     fp32's overflow at 1.8e19 or not) depends on the CPU's floating-point path; the exact norm
-    of huge finite gradients is pinned by tests/test_training.py
+    of huge finite gradients is pinned by tests/hooks/runs/test_training.py
     (``test_total_norm_of_huge_finite_gradients_does_not_overflow``)."""
     db = tmp_path / "mdb.sqlite"
     log = tmp_path / "lr5.log"

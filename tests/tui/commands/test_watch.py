@@ -14,7 +14,7 @@ import pytest
 
 from hooks.runs.store import RunStore
 from tests.conftest import REPO, TINY_TOML, wait_until
-from tests.test_live import drawn
+from tests.tui.test_live import drawn
 from tui.cli import main
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from hooks.runs.store import RunStore
 from tests.conftest import REPO, terminal_signals
-from tests.test_cli_step import _mdb_argv
+from tests.tui.commands.test_cli_step import _mdb_argv
 from tui.cli import main
 
 

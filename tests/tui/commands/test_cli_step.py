@@ -14,7 +14,7 @@ import pytest
 from tui import cli
 from tui.app import MdbApp
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from textual.geometry import Region
 
 from hooks.runs.store import FIXED_METRICS, MetricRow, RunStore
 from tests.conftest import REPO, terminal_signals, wait_until
-from tests.test_live import drawn
+from tests.tui.test_live import drawn
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -147,7 +147,7 @@ async def test_watch_help_lists_the_viewer_keys_and_wraps_whole_words(tmp_path):
 
 @pytest.mark.slow
 async def test_every_hint_of_the_training_screen_fits_one_line(tmp_path):
-    from tests.test_live import tiny_session
+    from tests.tui.test_live import tiny_session
     from tui.live_app import make_overfit_app
     from tui.screens.live import LiveScreen
     from tui.screens.step import StepScreen
@@ -192,7 +192,7 @@ async def test_every_hint_of_the_training_screen_fits_one_line(tmp_path):
 
 
 async def test_a_spike_during_training_is_flagged_from_the_writers_record(tmp_path):
-    from tests.test_live import tiny_session
+    from tests.tui.test_live import tiny_session
     from tui.live_app import make_overfit_app
 
     session = tiny_session(tmp_path, steps=45)

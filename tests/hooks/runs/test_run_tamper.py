@@ -14,7 +14,7 @@ import tomllib
 import hooks
 from hooks.runs.store import DamagedRunError, RunStore
 from tests.conftest import TINY_TOML
-from tests.test_live import drawn
+from tests.tui.test_live import drawn
 from tui.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -2,8 +2,8 @@
 beside them what those views must say, checked against the model itself (its gradients, its
 router's logits, its attention module) rather than against a picture.
 
-Update after an intended change with ``pytest tests/test_tui_snapshots.py --snapshot-update``
-and look at the SVGs in ``tests/__snapshots__/`` before committing them.
+Update after an intended change with ``pytest tests/tui/test_tui_snapshots.py --snapshot-update``
+and look at the SVGs in ``tests/tui/__snapshots__/`` before committing them.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import pytest
 
 from hooks.runs.store import RunUpdate
 from tests.conftest import wait_until
-from tests.test_live import drawn
+from tests.tui.test_live import drawn
 from tui.screens.live_chart import Series, chart_rows
 from tui.screens.live_data import RunSeries, is_loss_like, metric_values
 

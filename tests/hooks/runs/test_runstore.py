@@ -336,7 +336,7 @@ def test_internals_json_accepts_tensor_like_values(db):
 
 # -- schema v1 → v2 ---------------------------------------------------------------------------
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 
 
 def _sha(b: bytes) -> str:
