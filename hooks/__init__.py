@@ -26,33 +26,55 @@ Record your own training loop in the run store (``mdb watch``, ``mdb runs``, ``m
 Works on any ``torch.nn.Module``; never imports textual, rich or tui.
 """
 
-from hooks.batch import Batch, BatchError, LossChoice, from_factory, select_loss
-from hooks.capture import Capture, Selector, capture, module_infos
-from hooks.diff import TensorDiff, TraceDiff
-from hooks.probes import (
-    BlockRoutingProbe,
-    EagerAttentionProbe,
-    Probe,
-    ProbeContext,
-    TopKRouterProbe,
-    probes_for,
-    register_probe,
-    unregister_probe,
-)
-from hooks.records import (
-    AttentionRecord,
-    CallRecord,
-    GradRecord,
-    ModuleInfo,
-    NonFinite,
-    Note,
-    ParamGradRecord,
-    ProbeRecord,
-    RoutingRecord,
-    TensorInfo,
-)
-from hooks.stats import NUM_BINS, StatsBatch, TensorStats, summarize_tensor
-from hooks.trace import SCHEMA_VERSION, Trace, TraceFormatError
+from __future__ import annotations
+
+import sys
+import types
+
+# ``import hooks`` loads nothing else: every public name below comes from the module that
+# defines it on first use (PEP 562's module ``__getattr__``), so a user who only calls
+# ``hooks.run`` or a store command (``mdb runs``) does not pay ``import torch``. Each module is
+# loaded by a plain ``import`` statement in :func:`_load` (no importlib), so the import-linter
+# contracts of pyproject.toml see every edge. To export a new name: add it to ``_LAZY`` (name →
+# the module under ``hooks`` that defines it), to ``__all__``, and, for a new module, a branch
+# to :func:`_load`.
+_LAZY: dict[str, str] = {
+    **dict.fromkeys(("Batch", "BatchError", "LossChoice", "from_factory", "select_loss"), "batch"),
+    **dict.fromkeys(("Capture", "Selector", "capture", "module_infos"), "capture"),
+    **dict.fromkeys(("TensorDiff", "TraceDiff"), "diff"),
+    **dict.fromkeys(
+        (
+            "BlockRoutingProbe",
+            "EagerAttentionProbe",
+            "Probe",
+            "ProbeContext",
+            "TopKRouterProbe",
+            "probes_for",
+            "register_probe",
+            "unregister_probe",
+        ),
+        "probes",
+    ),
+    **dict.fromkeys(
+        (
+            "AttentionRecord",
+            "CallRecord",
+            "GradRecord",
+            "ModuleInfo",
+            "NonFinite",
+            "Note",
+            "ParamGradRecord",
+            "ProbeRecord",
+            "RoutingRecord",
+            "TensorInfo",
+        ),
+        "records",
+    ),
+    **dict.fromkeys(("NUM_BINS", "StatsBatch", "TensorStats", "summarize_tensor"), "stats"),
+    **dict.fromkeys(("SCHEMA_VERSION", "Trace", "TraceFormatError"), "trace"),
+    **dict.fromkeys(("Run", "run"), "runs.run"),
+}
+
 
 __all__ = [
     "NUM_BINS",
@@ -96,15 +118,61 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    # ``hooks.run`` / ``hooks.Run`` (hooks.runs.run: the run store and its writer thread) load
-    # on first use, so ``import hooks`` for the capture engine stays light. This package is the
-    # facade on top of the engine and the runs: pyproject.toml's contracts let it (and the UI)
-    # import hooks.runs, and no module below it import it.
-    if name in ("run", "Run"):
-        import hooks.runs.run as run_module
+def _load(module: str) -> types.ModuleType:
+    """The module ``hooks.<module>`` of :data:`_LAZY`, imported by a plain statement."""
+    if module == "batch":
+        import hooks.batch  # noqa: F401 (read from sys.modules)
+    elif module == "capture":
+        import hooks.capture  # noqa: F401 (read from sys.modules)
+    elif module == "diff":
+        import hooks.diff  # noqa: F401 (read from sys.modules)
+    elif module == "probes":
+        import hooks.probes  # noqa: F401 (read from sys.modules)
+    elif module == "records":
+        import hooks.records  # noqa: F401 (read from sys.modules)
+    elif module == "stats":
+        import hooks.stats  # noqa: F401 (read from sys.modules)
+    elif module == "trace":
+        import hooks.trace  # noqa: F401 (read from sys.modules)
+    elif module == "runs.run":
+        # hooks.run / hooks.Run: the run store and its writer thread. This package is the
+        # facade on top of the engine and the runs: pyproject.toml's contracts let it (and the
+        # UI) import hooks.runs, and no module below it import it.
+        import hooks.runs.run  # noqa: F401 (read from sys.modules)
+    else:  # pragma: no cover - _LAZY names a module _load does not know
+        raise AssertionError(f"hooks: no loader for {module!r}")
+    # ``import hooks.capture as m`` would read the package's attribute (the function capture).
+    return sys.modules[f"{__name__}.{module}"]
 
-        value = getattr(run_module, name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'hooks' has no attribute {name!r}")
+
+def __getattr__(name: str):
+    """The public name ``name`` of :data:`_LAZY`, loaded from its module on first use."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hooks' has no attribute {name!r}")
+    value = getattr(_load(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Facade(types.ModuleType):
+    """The ``hooks`` package's module type. Importing a submodule sets it as an attribute of
+    its package: ``import hooks.capture`` would make ``hooks.capture`` the module and hide the
+    function :func:`hooks.capture.capture`. A submodule whose name is one of the lazy public
+    names sets that name instead."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if (
+            isinstance(value, types.ModuleType)
+            and _LAZY.get(name) == name
+            and value.__name__ == f"{__name__}.{name}"
+        ):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Facade
