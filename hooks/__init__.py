@@ -42,6 +42,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(("Batch", "BatchError", "LossChoice", "from_factory", "select_loss"), "batch"),
     **dict.fromkeys(("Capture", "Selector", "capture", "module_infos"), "capture"),
     **dict.fromkeys(("TensorDiff", "TraceDiff"), "diff"),
+    **dict.fromkeys(("Lens", "LensToken", "logit_lens"), "lens"),
     **dict.fromkeys(
         (
             "BlockRoutingProbe",
@@ -87,6 +88,8 @@ __all__ = [
     "Capture",
     "EagerAttentionProbe",
     "GradRecord",
+    "Lens",
+    "LensToken",
     "LossChoice",
     "ModuleInfo",
     "NonFinite",
@@ -108,6 +111,7 @@ __all__ = [
     "TraceFormatError",
     "capture",
     "from_factory",
+    "logit_lens",
     "module_infos",
     "probes_for",
     "register_probe",
@@ -126,6 +130,8 @@ def _load(module: str) -> types.ModuleType:
         import hooks.capture  # noqa: F401 (read from sys.modules)
     elif module == "diff":
         import hooks.diff  # noqa: F401 (read from sys.modules)
+    elif module == "lens":
+        import hooks.lens  # noqa: F401 (read from sys.modules)
     elif module == "probes":
         import hooks.probes  # noqa: F401 (read from sys.modules)
     elif module == "records":
