@@ -413,6 +413,16 @@ FINDING_KINDS = (
     "rank_failed",  # a rank ended with an exception of its own
     "rank_absent",  # a rank never called hooks.run
     "gather_failed",  # the gathering of per-rank values stopped (one line why)
+    # the training-loop doctor (hooks.runs.loop_watch), a run of one process or of several
+    "grad_accumulation",  # the accumulated gradient is not the one-batch gradient
+    "scheduler_steps",  # the scheduler steps more often than the optimizer
+    "weight_decay",  # decay on norm weights, biases (error) or embeddings (warning)
+    "train_eval",  # a no_grad forward in train mode, a backward through eval mode
+    "zero_grad",  # gradients left from the previous optimizer step
+    "optimizer_params",  # parameters not held, held twice, or never given a gradient
+    "labels",  # the loss's target alignment is not next-token
+    "padding",  # pad positions count in the loss
+    "precision",  # lost low-precision updates; an Adam eps that rounds to 0
 )
 
 

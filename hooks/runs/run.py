@@ -282,6 +282,7 @@ class Run(RunControls):
         self._step_trace: Any = None  # the trace of the current step, if it was captured
         self._locate_pending = False
         self._sentinel: Any = None  # hooks.runs.origin.NonFiniteSentinel while watching
+        self._doctor: Any = None  # hooks.runs.loop_watch.LoopWatch (the loop doctor)
         # mdb stop / pause / resume (hooks.runs.control), read by a poller thread
         self._stop_asked = False
         self._resumed = threading.Event()
@@ -445,6 +446,8 @@ class Run(RunControls):
             if self._capture is not None:
                 trace = self._end_capture(step, values)
                 self._step_trace = trace
+            if self._doctor is not None and self._doctor.armed:
+                self._doctor_findings(close=False)
         self._logged = True
         self.step = step
         wall = time.time()
@@ -577,7 +580,7 @@ class Run(RunControls):
 
     # -- watch -------------------------------------------------------------------------------------
     def watch(self, model: Any, every: int = 50, *, optimizer: Any = None,
-              **capture_options: Any) -> None:
+              scheduler: Any = None, **capture_options: Any) -> None:
         """Record the internals of every ``every``-th step of ``model`` in the run store.
 
         Steps ``every``, ``2·every``, … are run under :func:`hooks.capture` (statistics of
@@ -599,25 +602,29 @@ class Run(RunControls):
             every: Record every ``every``-th step (1 = every step).
             optimizer: The loop's ``torch.optim.Optimizer``: a NaN in the gradients is then
                 located before it reaches the weights, also when the loss stayed finite (a
-                kernel that returns finite values for NaN inputs).
+                kernel that returns finite values for NaN inputs). With it the training-loop
+                doctor checks the loop (:mod:`hooks.runs.loop_watch`, docs/loop-doctor.md):
+                its findings are the run's ``findings``.
+            scheduler: The loop's LR scheduler (its optimizer is watched if ``optimizer``
+                is not given): the doctor also checks how often it steps.
             **capture_options: Passed to :func:`hooks.capture` (``include``, ``exclude``,
                 ``attention=True`` …).
 
         Raises:
             TypeError: ``model`` is not an ``nn.Module``, ``optimizer`` not a
-                ``torch.optim.Optimizer``, or ``every`` is not an integer.
-            ValueError: ``every < 1``.
+                ``torch.optim.Optimizer``, ``scheduler`` not an LR scheduler, a keyword
+                neither ``watch`` nor :func:`hooks.capture` takes, or ``every`` is not an
+                integer (at once, before anything is attached).
+            ValueError: ``every < 1``; ``scheduler`` drives another optimizer.
         """
-        import torch
         from torch import nn
 
+        from hooks.runs.loop_watch import LoopWatch, check_watch_arguments
         from hooks.runs.origin import NonFiniteSentinel
 
         if not isinstance(model, nn.Module):
             raise TypeError(f"watch expects a torch.nn.Module, got {type(model).__name__}")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"watch(optimizer=...) expects a torch.optim.Optimizer, got "
-                            f"{type(optimizer).__name__}")
+        optimizer = check_watch_arguments(optimizer, scheduler, capture_options)
         every = operator.index(every)
         if every < 1:
             raise ValueError(f"watch(every={every}): must be 1 or more")
@@ -637,11 +644,32 @@ class Run(RunControls):
             self._sentinel.remove()
         self._sentinel = NonFiniteSentinel(self._model, lambda: self._capture is not None,
                                            optimizer)
+        if self._doctor is not None:
+            self._doctor.close()
+        sentinel = self._sentinel
+        self._doctor = LoopWatch(self._model, optimizer, scheduler,
+                                 capture=lambda: self._capture,
+                                 busy=lambda: getattr(sentinel, "_inside", False))
+        self._doctor.once(nxt)
+        self._doctor_findings(close=False)
         if not self._closed and nxt % every == 0:
             self._start_capture(nxt)
 
+    def _doctor_findings(self, *, close: bool) -> None:
+        """Close the loop doctor's window (``close``: detach it for good) and hand its
+        findings to the writer."""
+        doctor = self._doctor
+        if doctor.armed or close:
+            doctor.close()
+        found = doctor.take()
+        if found:
+            self._enqueue(("findings", found))
+
     def _start_capture(self, step: int) -> None:
         from hooks.capture import capture
+
+        if self._doctor is not None:
+            self._doctor.arm(step)
 
         model = self._model
         meta = {
@@ -710,6 +738,9 @@ class Run(RunControls):
         if self._sentinel is not None:
             self._sentinel.remove()
             self._sentinel = None
+        if self._doctor is not None:
+            self._doctor_findings(close=True)
+            self._doctor = None
         if self._link is not None:
             ends = self._link.finish(status, reason, self.step)
             self._learn_name()

@@ -1,0 +1,521 @@
+"""The training-loop doctor's observer: ``run.watch(model, every=N, optimizer=opt,
+scheduler=sched)`` watches the user's loop through hooks, not the user's cooperation.
+
+:class:`LoopWatch` checks the configuration once (:meth:`LoopWatch.once`: weight decay,
+the optimizer's parameters, Adam's ``eps``) and observes the loop only during a watched
+step's window — from the ``log()`` before a watched step to that step's ``log()``, the same
+window a capture covers — through:
+
+* forward pre-/post-hooks on the root module: each forward's train/eval mode and
+  ``torch.is_grad_enabled()``, the arguments and RNG state of each micro-batch (kept to
+  replay it), the learning rate it ran with, a tensor hook on its logits (or loss) that fires
+  when backward reaches it;
+* ``Optimizer.register_step_pre_hook``/``register_step_post_hook``, and ``zero_grad``
+  wrapped on the instance;
+* ``scheduler.step`` wrapped on the instance.
+
+Everything is removed (and the instance methods restored) at the window's end and by
+:meth:`LoopWatch.close`; unwatched steps run none of it.
+
+At the window's first optimizer step (before the weights change) the accumulated gradient
+is compared with the gradient of the same micro-batches as one batch
+(:func:`hooks.runs.loop_checks.accumulation_findings`): each micro-batch is replayed with the
+RNG state it ran with (dropout draws the same masks) and differentiated with
+``torch.autograd.grad`` (``.grad`` is not touched), while the run's capture is paused. The
+accumulated gradient is the real ``.grad`` as the last backward left it (copied at the end of
+each backward of the window, so clipping and unscaling after it do not count).
+
+This module never imports textual, rich or tui.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from hooks.capture_recompute import _in_backward
+from hooks.ops import Replay
+from hooks.runs import loop_checks as lc
+
+__all__ = ["LoopWatch", "check_watch_arguments"]
+
+#: Watched steps over which a parameter held by the optimizer must get a gradient.
+NO_GRAD_WINDOWS = 3
+#: Gradient-accumulation checks made on the first watched steps (later ones only when the
+#: number of micro-batches changes, e.g. a last partial window).
+ACCUM_CHECKS = 3
+
+
+def check_watch_arguments(optimizer: Any, scheduler: Any, capture_options: dict) -> Any:
+    """Check ``run.watch``'s keywords at once; return the optimizer to watch (the scheduler's
+    own when only ``scheduler`` is given).
+
+    Raises:
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, ``scheduler`` has no
+            ``step`` or no ``optimizer`` (a ``torch.optim.lr_scheduler`` scheduler), or a
+            keyword that neither ``watch`` nor :func:`hooks.capture` takes.
+        ValueError: ``scheduler`` drives another optimizer than ``optimizer``.
+    """
+    import inspect
+
+    from hooks.capture import capture
+
+    known = [n for n, p in inspect.signature(capture).parameters.items()
+             if p.kind == p.KEYWORD_ONLY and n not in ("step", "meta")]
+    bad = [k for k in capture_options if k not in known]
+    if bad:
+        raise TypeError(f"watch() got an unexpected keyword argument {bad[0]!r} (it takes "
+                        f"every, optimizer, scheduler and the capture options "
+                        f"{', '.join(known)})")
+    if optimizer is not None:
+        optimizer = _inner(optimizer, "optimizer")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"watch(optimizer=...) expects a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}")
+    if scheduler is not None:
+        inner = _inner(scheduler, "scheduler")
+        if not callable(getattr(inner, "step", None)) or not isinstance(
+                getattr(inner, "optimizer", None), torch.optim.Optimizer):
+            raise TypeError(f"watch(scheduler=...) expects a torch.optim.lr_scheduler "
+                            f"scheduler (with .step and .optimizer), got "
+                            f"{type(scheduler).__name__}")
+        if optimizer is None:
+            optimizer = inner.optimizer
+        elif inner.optimizer is not optimizer:
+            raise ValueError("watch(scheduler=...): the scheduler drives another optimizer "
+                             "than watch(optimizer=...)")
+    return optimizer
+
+
+def _inner(obj: Any, attr: str) -> Any:
+    """accelerate's ``AcceleratedOptimizer``/``AcceleratedScheduler`` wrap the real one."""
+    inner = getattr(obj, attr, None)
+    if type(obj).__name__.startswith("Accelerated") and inner is not None:
+        return inner
+    return obj
+
+
+def _first_tensor(obj: Any, pred: Callable[[torch.Tensor], bool]) -> torch.Tensor | None:
+    if isinstance(obj, torch.Tensor):
+        return obj if pred(obj) else None
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    elif hasattr(obj, "__dataclass_fields__"):
+        obj = [getattr(obj, f) for f in obj.__dataclass_fields__]
+    elif hasattr(obj, "to_tuple"):  # HF ModelOutput
+        obj = list(obj.to_tuple())
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            t = _first_tensor(item, pred)
+            if t is not None:
+                return t
+    return None
+
+
+def loss_of(output: Any) -> torch.Tensor | None:
+    """The scalar loss a forward returned: ``output.loss``, ``output["loss"]``, a scalar
+    output, or the first scalar floating-point tensor of a tuple (nanoGPT's ``(logits,
+    loss)``); ``None`` without one."""
+    for cand in (getattr(output, "loss", None),
+                 output.get("loss") if isinstance(output, dict) else None):
+        if isinstance(cand, torch.Tensor) and cand.numel() == 1:
+            return cand
+    if isinstance(output, torch.Tensor):
+        return output if output.numel() == 1 and output.is_floating_point() else None
+    if isinstance(output, (tuple, list)):
+        return _first_tensor(output, lambda t: t.numel() == 1 and t.is_floating_point())
+    return None
+
+
+def _ids_of(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    ids = kwargs.get("input_ids")
+    if isinstance(ids, torch.Tensor):
+        return ids
+    return _first_tensor(list(args), lambda t: t.ndim == 2 and not t.is_floating_point())
+
+
+class _MicroBatch:
+    __slots__ = ("replay", "lr", "training", "tokens", "backward", "ids", "mask", "hooked")
+
+    def __init__(self, replay: Replay, lr: tuple, training: bool) -> None:
+        self.replay, self.lr, self.training = replay, lr, training
+        self.tokens: int | None = None
+        self.backward = False
+        self.ids = self.mask = None
+        self.hooked = False
+
+
+class LoopWatch:
+    """Observes a training loop during watched steps and checks it (see the module docstring).
+
+    Args:
+        model: The root module.
+        optimizer: The loop's optimizer, or ``None`` (then only the train/eval checks run).
+        scheduler: Its LR scheduler, or ``None``.
+        capture: Returns the run's active ``hooks.Capture`` (paused while replaying), or None.
+        busy: Returns True while another part of mdb re-runs the forward (its calls are not
+            the user's).
+
+    Attributes:
+        findings: Findings not yet taken (:meth:`take`).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 scheduler: Any, *, capture: Callable[[], Any] = lambda: None,
+                 busy: Callable[[], bool] = lambda: False) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.scheduler = _inner(scheduler, "scheduler") if scheduler is not None else None
+        self._capture, self._busy = capture, busy
+        self.findings: list[dict[str, Any]] = []
+        self._said: set[tuple[str, str]] = set()
+        self._handles: list[Any] = []
+        self._patched: list[tuple[Any, str]] = []
+        self._step: int | None = None
+        self._inside = False
+        self._names = lc.param_names(model)
+        self._dropout = lc.dropout_modules(model)
+        self._mode_dependent = bool(self._dropout) or any(
+            isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+        self._accum_checks = 0
+        self._usual: int | None = None
+        self._no_grad: set[int] | None = None
+        self._no_grad_windows = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self._mbs: list[_MicroBatch] = []
+        self._opt_steps = self._sched_steps = self._zero_grads = 0
+        self._backward_seen = False
+        self._snapshot: list[torch.Tensor | None] | None = None
+        self._before: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._label_done = False
+        self._stale = False
+
+    # -- findings ----------------------------------------------------------------------------------
+    def _add(self, found: list[dict[str, Any]]) -> None:
+        for f in found:
+            key = (f["kind"], f["subject"])
+            if key not in self._said:
+                self._said.add(key)
+                self.findings.append(f)
+
+    def take(self) -> list[dict[str, Any]]:
+        """The findings since the last call, each reported once per run (kind and subject)."""
+        out, self.findings = self.findings, []
+        return out
+
+    def once(self, step: int) -> None:
+        """The checks that need no observation: weight decay, the optimizer's parameters,
+        Adam's ``eps`` (reported with ``step``, the first step watched)."""
+        opt = self.optimizer
+        if opt is None:
+            return
+        for check in (lambda: lc.weight_decay_findings(self.model, opt, step),
+                      lambda: lc.optimizer_param_findings(self.model, opt, step),
+                      lambda: lc.adam_eps_findings(opt, step)):
+            with contextlib.suppress(Exception):  # a check never breaks the user's loop
+                self._add(check())
+
+    # -- the window --------------------------------------------------------------------------------
+    @property
+    def armed(self) -> bool:
+        """Whether a watched step's window is open."""
+        return self._step is not None
+
+    def arm(self, step: int) -> None:
+        """Open the window of watched step ``step``: attach the hooks."""
+        if self._step is not None:
+            self.disarm()
+        self._reset()
+        self._step = step
+        m = self.model
+        self._handles = [m.register_forward_pre_hook(self._pre, with_kwargs=True),
+                         m.register_forward_hook(self._post, with_kwargs=True)]
+        opt = self.optimizer
+        if opt is not None:
+            self._handles += [opt.register_step_pre_hook(self._before_step),
+                              opt.register_step_post_hook(self._after_step)]
+            self._wrap(opt, "zero_grad", self._on_zero_grad)
+        if self.scheduler is not None:
+            self._wrap(self.scheduler, "step", self._on_sched_step)
+
+    def _wrap(self, obj: Any, name: str, note: Callable[[], None]) -> None:
+        original = getattr(obj, name)
+
+        def wrapped(_self: Any, *args: Any, **kwargs: Any) -> Any:
+            note()
+            return original(*args, **kwargs)
+
+        setattr(obj, name, types.MethodType(wrapped, obj))
+        self._patched.append((obj, name))
+
+    def disarm(self) -> None:
+        """Close the window: the end-of-step checks, then detach everything."""
+        step = self._step
+        try:
+            if step is not None and self.scheduler is not None:
+                self._add(lc.scheduler_findings(step, self._sched_steps, self._opt_steps, [],
+                                                self.scheduler))
+        except Exception:
+            pass
+        finally:
+            self._detach()
+            self._mbs = []
+            self._snapshot = None
+            self._before = []
+            self._step = None
+
+    def _detach(self) -> None:
+        for h in self._handles:
+            with contextlib.suppress(Exception):
+                h.remove()
+        self._handles = []
+        for obj, name in self._patched:
+            with contextlib.suppress(Exception):
+                delattr(obj, name)  # the class's method again
+        self._patched = []
+
+    def close(self) -> None:
+        """Detach everything (the run finished)."""
+        self.disarm()
+
+    def _on_zero_grad(self) -> None:
+        self._zero_grads += 1
+
+    def _on_sched_step(self) -> None:
+        self._sched_steps += 1
+
+    # -- forward and backward ----------------------------------------------------------------------
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._inside or self._busy() or _in_backward():
+            return
+        try:
+            if not torch.is_grad_enabled():
+                if module.training and self._dropout:
+                    self._add([lc.finding(
+                        "train_eval", self._step, "model.train()",
+                        f"a forward under torch.no_grad at step {self._step} ran in train "
+                        f"mode with dropout active in {len(self._dropout)} module(s) "
+                        f"({', '.join(self._dropout[:3])}): call model.eval() before "
+                        "evaluating (and model.train() after)",
+                        f"torch.is_grad_enabled()=False, model.training=True; dropout in "
+                        f"{', '.join(self._dropout)}", modules=self._dropout)])
+                return
+            opt = self.optimizer
+            lr = tuple(float(g["lr"]) for g in opt.param_groups) if opt is not None else ()
+            self._mbs.append(_MicroBatch(Replay.at(module, args, kwargs), lr, module.training))
+        except Exception:
+            pass
+
+    def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self._inside or self._busy() or _in_backward() or not torch.is_grad_enabled():
+            return
+        if not self._mbs or self._mbs[-1].hooked:
+            return
+        try:
+            mb = self._mbs[-1]
+            mb.hooked = True
+            mb.ids = _ids_of(args, kwargs)
+            mask = kwargs.get("attention_mask")
+            mb.mask = mask if isinstance(mask, torch.Tensor) else None
+            ids = mb.ids
+            logits = None
+            if ids is not None:
+                logits = _first_tensor(output, lambda t: t.ndim == 3 and t.requires_grad
+                                       and t.is_floating_point()
+                                       and tuple(t.shape[:2]) == tuple(ids.shape))
+            target = logits if logits is not None else _first_tensor(
+                output, lambda t: t.requires_grad and t.is_floating_point())
+            if target is not None:
+                target.register_hook(lambda g, mb=mb, lg=logits is not None: self._on_grad(
+                    mb, g, lg))
+        except Exception:
+            pass
+
+    def _on_grad(self, mb: _MicroBatch, grad: torch.Tensor, logits: bool) -> None:
+        try:
+            mb.backward = True
+            if logits:
+                mb.tokens = int((grad.detach().abs().amax(-1) > 0).sum())
+            if not self._backward_seen and self._opt_steps == 0:
+                self._backward_seen = True
+                self._first_backward(mb)
+            if logits and not self._label_done and mb.ids is not None:
+                self._label_done = True
+                self._add(lc.label_findings(self._step, grad, mb.ids, mb.mask))
+            if self._plan_accum():
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        except Exception:
+            pass
+
+    def _first_backward(self, mb: _MicroBatch) -> None:
+        """The window's first backward: stale gradients (zero_grad missing), and a backward
+        through an eval-mode forward."""
+        if not mb.training and self._mode_dependent:
+            self._add([lc.finding(
+                "train_eval", self._step, "model.eval()",
+                f"backward at step {self._step} ran through a forward in eval mode (dropout "
+                "off, batch-norm statistics frozen): call model.train() before training",
+                "the forward whose output received the gradient ran with model.training=False",
+            )])
+        opt = self.optimizer
+        if opt is None or (self._step or 0) <= 1:
+            return
+        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        if not params:
+            return
+        norms = torch._foreach_norm([p.grad.detach() for p in params])
+        stale = [self._names.get(id(p), "?")
+                 for p, n in zip(params, norms, strict=True) if float(n) > 0]
+        if stale:
+            self._stale = True
+            self._add([lc.finding(
+                "zero_grad", self._step, "optimizer.zero_grad",
+                f"{len(stale)} parameter(s) already held a gradient when the first backward "
+                f"of step {self._step} began, so gradients accumulate across optimizer steps: "
+                "call optimizer.zero_grad() after each optimizer.step()",
+                f"non-zero .grad before the first backward after an optimizer step "
+                f"({self._zero_grads} zero_grad call(s) in the step): {', '.join(stale[:8])}",
+                params=stale)])
+
+    def _end_backward(self) -> None:
+        opt = self.optimizer
+        if opt is None:
+            return
+        self._snapshot = [None if p.grad is None else p.grad.detach().clone()
+                          for g in opt.param_groups for p in g["params"]]
+
+    def _plan_accum(self) -> bool:
+        return self.optimizer is not None and self._opt_steps == 0 and not self._stale
+
+    # -- the optimizer step ------------------------------------------------------------------------
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._opt_steps += 1
+        if self._opt_steps > 1 or self._step is None:
+            return
+        step = self._step
+        mbs = [mb for mb in self._mbs if mb.training]
+        if len(mbs) > 1:
+            lrs = [mb.lr[:1] for mb in mbs]
+            with contextlib.suppress(Exception):
+                self._add(lc.scheduler_findings(step, 0, 0, lrs, self.scheduler))
+        with contextlib.suppress(Exception):
+            self._check_accumulation(mbs)
+        with contextlib.suppress(Exception):
+            self._check_held_no_grad()
+        with contextlib.suppress(Exception):
+            self._add(lc.adam_eps_findings(optimizer, step))
+        with contextlib.suppress(Exception):
+            self._keep_low_precision()
+
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._opt_steps != 1 or not self._before:
+            return
+        try:
+            params = {id(p): p for g in optimizer.param_groups for p in g["params"]}
+            named = [(n, b, params[pid].detach(), gr) for n, b, pid, gr in self._before]
+            lr = float(optimizer.param_groups[0]["lr"])
+            self._add(lc.lost_update_findings(self._step, named, lr))
+        except Exception:
+            pass
+        self._before = []
+
+    def _keep_low_precision(self) -> None:
+        low = (torch.bfloat16, torch.float16)
+        self._before = [(self._names.get(id(p), "?"), p.detach().clone(), id(p),
+                         p.grad.detach().clone())
+                        for g in self.optimizer.param_groups for p in g["params"]
+                        if p.dtype in low and p.grad is not None]
+
+    def _check_held_no_grad(self) -> None:
+        opt = self.optimizer
+        params = [p for g in opt.param_groups for p in g["params"]]
+        with_grad = [p for p in params if p.grad is not None]
+        norms = torch._foreach_norm([p.grad.detach() for p in with_grad]) if with_grad else []
+        live = {id(p) for p, n in zip(with_grad, norms, strict=True) if float(n) > 0}
+        none = {id(p) for p in params if id(p) not in live}
+        self._no_grad = none if self._no_grad is None else self._no_grad & none
+        self._no_grad_windows += 1
+        if self._no_grad_windows >= NO_GRAD_WINDOWS and self._no_grad:
+            names = [self._names.get(id(p), "<not in the model>") for p in params
+                     if id(p) in self._no_grad]
+            self._add([lc.finding(
+                "optimizer_params", self._step, "no gradient",
+                f"{len(names)} parameter(s) held by the optimizer got no gradient in "
+                f"{self._no_grad_windows} watched steps: {lc._names(names)} (unused in the "
+                "forward, frozen, or cut from the graph by .detach())",
+                f"grad None or zero at the optimizer step of each of "
+                f"{self._no_grad_windows} watched steps: {', '.join(names)}", params=names)])
+            self._no_grad = set()
+
+    def _check_accumulation(self, mbs: list[_MicroBatch]) -> None:
+        """Compare the real accumulated ``.grad`` with the one-batch gradient (see
+        :func:`hooks.runs.loop_checks.accumulation_findings`)."""
+        if self._stale or not mbs:
+            return
+        k = len(mbs)
+        if self._accum_checks >= ACCUM_CHECKS and self._usual is not None and k == self._usual:
+            return
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        trainable = [i for i, p in enumerate(params) if p.requires_grad]
+        snap = self._snapshot or [p.grad for p in params]
+        acc = torch.cat([(snap[i].detach().reshape(-1).float() if snap[i] is not None
+                          else params[i].new_zeros(params[i].numel(), dtype=torch.float32))
+                         for i in trainable])
+        per, tokens = [], []
+        for mb in mbs:
+            g = self._replay_grad(mb, [params[i] for i in trainable])
+            if g is None:
+                return
+            per.append(g)
+            tokens.append(mb.tokens if mb.tokens else self._count(mb))
+        self._accum_checks += 1
+        usual = self._usual
+        self._usual = k if usual is None else max(usual, k)
+        self._add(lc.accumulation_findings(self._step, acc, per, tokens, usual))
+
+    @staticmethod
+    def _count(mb: _MicroBatch) -> int:
+        labels = mb.replay.kwargs.get("labels")
+        if isinstance(labels, torch.Tensor):
+            lab = labels[:, 1:] if labels.ndim == 2 else labels
+            return int((lab != -100).sum())
+        ids = mb.ids
+        return int(ids.numel()) if ids is not None else 1
+
+    def _replay_grad(self, mb: _MicroBatch, params: list[torch.Tensor]) -> torch.Tensor | None:
+        """The gradient (flat, fp32) of micro-batch ``mb``'s own loss, replayed with its RNG
+        state and train flag, the run's capture paused; ``None`` when the forward returns no
+        scalar loss."""
+        r = mb.replay
+        cap = self._capture()
+        paused = cap is not None and getattr(cap, "_active", False)
+        flags = [(m, m.training) for m in self.model.modules()]
+        self._inside = True
+        if paused:
+            cap._active = False
+        try:
+            devices = list(range(len(r.rng_cuda))) if r.rng_cuda is not None else []
+            with torch.random.fork_rng(devices=devices), torch.enable_grad():
+                torch.set_rng_state(r.rng_cpu)
+                if r.rng_cuda is not None:
+                    torch.cuda.set_rng_state_all(r.rng_cuda)
+                self.model.train(r.training)
+                loss = loss_of(self.model(*r.args, **r.kwargs))
+                if loss is None or not loss.requires_grad:
+                    return None
+                grads = torch.autograd.grad(loss.reshape(()), params, allow_unused=True)
+        finally:
+            for m, f in flags:
+                m.training = f
+            if paused:
+                cap._active = True
+            self._inside = False
+        return torch.cat([(g.reshape(-1).float() if g is not None else
+                           p.new_zeros(p.numel(), dtype=torch.float32))
+                          for g, p in zip(grads, params, strict=True)])

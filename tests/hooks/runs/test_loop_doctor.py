@@ -1,0 +1,104 @@
+"""The training-loop doctor (``run.watch(model, every, optimizer=, scheduler=)``): each bug of
+docs/loop-doctor.md in a loop written here is caught with its step and subject, and the same
+loop without the bug gets no finding. The expected numbers are computed here, independently
+(token counts from the labels, warmup lengths from the scheduler's own arguments, dtype
+limits from ``torch.finfo``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from tests.hooks.runs.loop_models import T, TinyLM, batches, no_decay_groups, run_loop
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def db(tmp_path):
+    return tmp_path / "runs" / "mdb.sqlite"
+
+
+def _tokens(b) -> int:
+    return int((b["labels"][:, 1:] != -100).sum())
+
+
+def _accumulating(mode: str, ga: int = 4, n: int = 12, masked=None, every: int = 1):
+    """A loop of ``n`` micro-batches, ``ga`` per optimizer step (a last partial window when
+    ``ga`` does not divide ``n``), dropout 0.1 on, gradients clipped after backward; ``mode``
+    says how each micro-batch's mean loss is scaled before backward."""
+
+    def loop(run):
+        torch.manual_seed(0)
+        model = TinyLM(p=0.1)
+        opt = torch.optim.AdamW(no_decay_groups(model), lr=1e-2)
+        run.watch(model, every=every, optimizer=opt)
+        data = batches(n, masked=masked)
+        for start in range(0, n, ga):
+            window = data[start:start + ga]
+            total = sum(_tokens(b) for b in window)
+            for i, b in enumerate(window):
+                _, loss = model(**b)
+                scale = {"tokens": _tokens(b) / total, "drop_last": _tokens(b) / total,
+                         "sum": 1.0, "mean": 1 / len(window),
+                         "full": 1 / ga}[mode]
+                if mode == "drop_last" and i == len(window) - 1:
+                    continue  # forward ran, its loss never reaches backward
+                (loss * scale).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            opt.step()
+            opt.zero_grad()
+            run.log(loss=loss)
+
+    return loop
+
+
+def _only(found, kind):
+    return [f for f in found if f.kind == kind]
+
+
+# -- 1. gradient accumulation ---------------------------------------------------------------------
+def test_accumulation_normalised_by_tokens_is_healthy(db):
+    assert run_loop(db, _accumulating("tokens", masked=[0, 6, 3, 9])) == []
+
+
+def test_accumulation_summed_not_averaged_is_a_factor_of_the_count(db):
+    found = _only(run_loop(db, _accumulating("sum")), "grad_accumulation")
+    assert len(found) == 1
+    f = found[0]
+    assert (f.step, f.subject) == (1, "gradient scale")
+    assert f.detail["factor"] == pytest.approx(4.0, rel=1e-3)  # 4 micro-batches, summed
+    assert "summed" in f.line
+
+
+def test_accumulation_per_micro_batch_means_of_unequal_tokens_change_direction(db):
+    masked = [0, 6, 3, 9]
+    found = _only(run_loop(db, _accumulating("mean", masked=masked)), "grad_accumulation")
+    assert len(found) == 1 and (found[0].step, found[0].subject) == (1, "micro-batch weights")
+    d = found[0].detail
+    data = batches(4, masked=masked)
+    n = [_tokens(b) for b in data]
+    assert d["tokens"] == n  # counted from the logits' gradient, here from the labels
+    assert d["weights"] == pytest.approx([0.25] * 4, abs=1e-4)
+    assert d["expected"] == pytest.approx([x / sum(n) for x in n], abs=1e-6)
+    assert d["cosine"] < 0.99
+
+
+def test_accumulation_last_window_divided_by_the_full_count(db):
+    # 10 micro-batches at 4 per step: 3 optimizer steps, the last of 2 micro-batches
+    found = _only(run_loop(db, _accumulating("full", n=10)), "grad_accumulation")
+    assert len(found) == 1 and (found[0].step, found[0].subject) == (3, "gradient scale")
+    assert found[0].detail["factor"] == pytest.approx(2 / 4, rel=1e-3)
+    assert "last window of 2" in found[0].line
+    assert run_loop(db, _accumulating("mean", n=10), name="ok") == []
+
+
+def test_accumulation_micro_batch_left_out(db):
+    found = _only(run_loop(db, _accumulating("drop_last")), "grad_accumulation")
+    assert len(found) == 1 and (found[0].step, found[0].subject) == (1, "micro-batches")
+    assert found[0].detail["weights"][3] == pytest.approx(0.0, abs=1e-4)
+    assert "4 of 4" in found[0].line
