@@ -1,0 +1,447 @@
+"""Statistics of the full tensor in sharded jobs (FSDP2, tensor parallel): reduced across the mesh.
+
+``hooks.capture`` of a model whose parameters are ``DTensor``s (``fully_shard``,
+``parallelize_module``, both on a 2-D ``DeviceMesh``) summarises every tensor it sees — module
+inputs and outputs, their gradients, parameters and parameter gradients — as the tensor of the
+whole job, not as this rank's piece of it (:class:`MeshStats`):
+
+* **Each rank summarises its own piece** (a DTensor's local shard, or a plain tensor such as an
+  activation) into exact moments kept as tensors: finite count, sum and sum of squares (fp64),
+  non-zero count, NaN and Inf counts, the number of elements, min and max, and a histogram
+  sample (at most :data:`hooks.stats.HIST_SAMPLE` values).
+* **Each element is counted once.** A DTensor's placements say it: a ``Shard`` mesh dimension
+  holds different elements on each rank (counted on all), a ``Replicate`` one the same elements
+  (counted on coordinate 0 only); a ``Partial`` DTensor is first reduced to ``Replicate``. A
+  plain tensor carries no placement: along each mesh dimension, ranks whose pieces are bitwise
+  equal (the same checksum of their bits, and shape) hold a
+  replica and count once (the input of a ``ColwiseParallel`` layer, a ``RowwiseParallel``
+  output after its all-reduce, position ids), while pieces that differ are shards or another
+  rank's data (a ``ColwiseParallel`` output, the batch of a data-parallel rank) and all count.
+  So an activation of an FSDP2 job is summarised as the activation of the global batch.
+* **Few collectives, on the mesh's own groups**, once per capture and per mesh, whatever the
+  number of tensors (each an ``all_reduce``/``all_gather`` along every mesh dimension): the
+  number of tensors (a check that every rank captured the same ones), the plain tensors'
+  checksums, one (N, 8) fp64 sum, one (N, 2) max (``-min``, ``max``), then the histograms over
+  the now common range ``[min, max]``, binned like ``torch.histc``, in one (N, bins) sum.
+* **Which rank's piece holds a NaN/Inf**: a bit per rank, summed without the replica weights,
+  kept in :attr:`MeshStats.nonfinite_ranks`; the capture names them in notes (``a NaN in rank
+  1's shard of w2``).
+
+Exactness: counts, min, max and the histogram are exact; sums are fp64 sums of per-rank fp64
+sums (the order differs from a single process's, so they agree to float rounding). Gradients of
+activations are those of each rank's own backward (each data-parallel rank differentiates its
+own loss), summed like any tensor. A plain tensor whose shards happen to be bitwise equal on
+every rank of a mesh dimension (an all-zero shard everywhere) is taken for a replica.
+
+When the ranks did not capture the same number of tensors (different control flow), no
+reduction runs (it could not be matched up): every statistic is this rank's piece, and a note
+says so. This module never imports textual, rich or tui.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from hooks.records import Note, ParamGradRecord
+from hooks.stats import NUM_BINS, TensorStats, _from_moments, _hist_sample
+
+__all__ = ["MeshStats", "SLOT_BASE", "is_dtensor", "local_piece", "sharded_parameters"]
+
+#: At most this many non-finite parameters (weights first, then gradients) get a note each.
+MAX_NOTES = 4
+#: Slots of :class:`MeshStats` start here, so that a capture tells them from
+#: :class:`hooks.stats.StatsBatch` slots.
+SLOT_BASE = 1 << 40
+
+# columns of the summed moments
+_COUNT, _SUM, _SUMSQ, _NNZ, _NAN, _INF, _NUMEL, _BITS = range(8)
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (without importing it)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(mod, "DTensor", None) if mod is not None else None
+    return cls is not None and isinstance(t, cls)
+
+
+def local_piece(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``t``, detached: a DTensor's local shard, else ``t`` itself."""
+    if is_dtensor(t):
+        with torch.no_grad():
+            return t.detach().to_local()
+    return t.detach()
+
+
+def sharded_parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, parameter)`` of every DTensor parameter of ``model``, in
+    ``named_parameters`` order."""
+    return [(n, p) for n, p in model.named_parameters() if is_dtensor(p)]
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+class _Entry:
+    __slots__ = ("mesh", "weights", "moments", "minmax", "sample", "fingerprint")
+
+    def __init__(self, mesh: Any, weights: list[float] | None, moments: torch.Tensor,
+                 minmax: torch.Tensor, sample: torch.Tensor, fingerprint: torch.Tensor | None):
+        self.mesh = mesh
+        self.weights = weights  # per mesh dimension (DTensor), or None: from fingerprints
+        self.moments = moments
+        self.minmax = minmax
+        self.sample = sample
+        self.fingerprint = fingerprint
+
+
+def _moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(8 fp64 moments, (-min, max), histogram sample of the finite values) of a local piece."""
+    n = x.numel()
+    if x.dtype not in (torch.float32, torch.float64):
+        x = x.float()
+    xf = x.reshape(-1)
+    last = x.shape[-1] if x.dim() else 1
+    nan = inf = 0
+    if n and not bool(torch.isfinite(xf).all()):
+        nan = int(torch.isnan(xf).sum())
+        fin = torch.isfinite(xf)
+        inf = n - int(fin.sum()) - nan
+        xf = xf[fin]
+    count = xf.numel()
+    if count:
+        xd = xf.double()
+        mn, mx = torch.aminmax(xf)
+        s, ss, nnz = xd.sum(), torch.dot(xd, xd), torch.count_nonzero(xf).double()
+        sample, k = _hist_sample(xf, last)
+        sample = sample[:k].clone()
+        minmax = torch.stack([-mn.double(), mx.double()])
+    else:
+        s = ss = nnz = torch.zeros((), dtype=torch.float64)
+        sample = xf.new_zeros(0)
+        minmax = torch.tensor([-math.inf, -math.inf], dtype=torch.float64)
+    head = torch.tensor([count], dtype=torch.float64)
+    tail = torch.tensor([nan, inf, n, float(2 ** _rank()) if nan or inf else 0.0],
+                        dtype=torch.float64)
+    return torch.cat([head, torch.stack([s, ss, nnz]), tail]), minmax, sample
+
+
+def _mesh_groups(mesh: Any) -> list[Any]:
+    return [mesh.get_group(d) for d in range(mesh.ndim)]
+
+
+class MeshStats:
+    """Full-tensor statistics of the tensors of one capture in a sharded job (see the module
+    docstring); :meth:`for_model` makes one when the model has DTensor parameters.
+
+    Args:
+        mesh: The ``DeviceMesh`` plain tensors (activations) are reduced over: the model's
+            parameters' mesh with the most ranks.
+        bins: Histogram bins per tensor.
+    """
+
+    def __init__(self, mesh: Any, bins: int = NUM_BINS) -> None:
+        self.mesh = mesh
+        self.bins = bins
+        self._entries: list[_Entry] = []
+        #: Names of DTensor parameters whose gradient arrived during the capture.
+        self.touched: set[str] = set()
+        #: Per slot (``slot - SLOT_BASE``): ranks whose piece holds NaN/Inf, after finalize.
+        self.nonfinite_ranks: list[list[int]] = []
+        self._grads_before: dict[str, tuple[int, int]] = {}
+        self._grad_now: dict[str, tuple[int, int]] = {}
+        self._params: dict[str, tuple[int | None, int]] = {}
+        self.local_only = False
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, bins: int = NUM_BINS) -> MeshStats | None:
+        """A :class:`MeshStats` for ``model`` when it has DTensor parameters and the process
+        group is initialised; ``None`` otherwise (DDP and single-process models: nothing
+        changes)."""
+        dist = sys.modules.get("torch.distributed")
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            return None
+        meshes = {}
+        for _, p in sharded_parameters(model):
+            m = p.device_mesh
+            meshes.setdefault(id(m), m)
+        if not meshes:
+            return None
+        mesh = max(meshes.values(), key=lambda m: (m.size(), m.ndim))
+        ms = cls(mesh, bins)
+        for name, p in sharded_parameters(model):
+            g = p.grad
+            ms._grads_before[name] = (id(g), g._version) if g is not None else (0, -1)
+        return ms
+
+    def owns(self, t: Any) -> bool:
+        """Whether ``t`` is summarised here (a DTensor)."""
+        return is_dtensor(t)
+
+    def touch(self, name: str) -> None:
+        """Note that DTensor parameter ``name`` received its gradient during the capture."""
+        self.touched.add(name)
+
+    # -- adding ------------------------------------------------------------------------------
+    def add(self, t: torch.Tensor) -> int | None:
+        """Summarise this rank's piece of ``t`` (a DTensor, or a plain tensor of the job);
+        return its slot (≥ :data:`SLOT_BASE`), or ``None`` for a complex tensor."""
+        if t.is_complex():
+            return None
+        mesh, weights = self.mesh, None
+        if is_dtensor(t):
+            t = self._without_partial(t)
+            mesh = t.device_mesh
+            coord = mesh.get_coordinate() or [0] * mesh.ndim
+            weights = [1.0 if p.is_shard() else float(coord[d] == 0)
+                       for d, p in enumerate(t.placements)]
+            x = local_piece(t)
+            fp = None
+        else:
+            x = t.detach()
+            fp = self._fingerprint(x)
+        moments, minmax, sample = _moments(x)
+        self._entries.append(_Entry(mesh, weights, moments, minmax, sample, fp))
+        return SLOT_BASE + len(self._entries) - 1
+
+    @staticmethod
+    def _without_partial(t: Any) -> Any:
+        if not any(p.is_partial() for p in t.placements):
+            return t
+        from torch.distributed.tensor import Replicate
+
+        with torch.no_grad():
+            return t.detach().redistribute(
+                t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])
+
+    @staticmethod
+    def _fingerprint(x: torch.Tensor) -> torch.Tensor:
+        """(checksum, shape hash): the sum of the elements' bit patterns as integers of their
+        width, in int64 (as ``hooks.runs.rank_checksums.tensor_checksum``), and the shape."""
+        y = x.reshape(-1)
+        if y.dtype == torch.bool:
+            y = y.view(torch.uint8)
+        width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
+            y.element_size()]
+        bits = (y if y.dtype == width else y.view(width)).sum(dtype=torch.int64).cpu()
+        shape = hash(tuple(x.shape)) & 0x7FFFFFFFFFFF
+        return torch.stack([bits, torch.tensor(shape, dtype=torch.int64)])
+
+    # -- parameters --------------------------------------------------------------------------
+    def add_params(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Add the weight and gradient of each DTensor parameter of ``named`` (before
+        :meth:`finalize`)."""
+        for name, p in named:
+            if not is_dtensor(p):
+                continue
+            g = p.grad
+            gslot = self.add(g) if g is not None and is_dtensor(g) else None
+            self._params[name] = (gslot, self.add(p))
+
+    # -- reducing ----------------------------------------------------------------------------
+    def finalize(self, trace: Any = None) -> list[TensorStats]:
+        """Reduce every entry across its mesh (collectives: every rank of the mesh must call
+        this at the same point) and return one :class:`TensorStats` per slot, in slot order;
+        notes go to ``trace.notes``."""
+        by_mesh: dict[int, list[int]] = {}
+        meshes: dict[int, Any] = {id(self.mesh): self.mesh}
+        by_mesh[id(self.mesh)] = []
+        for i, e in enumerate(self._entries):
+            meshes.setdefault(id(e.mesh), e.mesh)
+            by_mesh.setdefault(id(e.mesh), []).append(i)
+        out: list[TensorStats | None] = [None] * len(self._entries)
+        self.nonfinite_ranks = [[] for _ in self._entries]
+        for key, idxs in by_mesh.items():
+            self._reduce(meshes[key], idxs, out, trace)
+        return out  # type: ignore[return-value]
+
+    def _reduce(self, mesh: Any, idxs: list[int], out: list, trace: Any) -> None:
+        import torch.distributed as dist
+
+        groups = _mesh_groups(mesh)
+        n = torch.tensor([len(idxs), -len(idxs)], dtype=torch.int64)
+        for g in groups:
+            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=g)
+        if int(n[0]) != -int(n[1]):
+            self.local_only = True
+            if trace is not None:
+                trace.notes.append(Note(
+                    "sharded", f"the ranks captured different numbers of tensors ({-int(n[1])}"
+                    f" to {int(n[0])}): statistics are each rank's own piece, not reduced"))
+            for i in idxs:
+                out[i] = self._stats(self._entries[i].moments, self._entries[i].minmax,
+                                     None, 0)
+            return
+        if not idxs:
+            return
+        entries = [self._entries[i] for i in idxs]
+        weights = self._weights(entries, mesh, groups)
+        mom = torch.stack([e.moments for e in entries])
+        mom[:, :_BITS] *= weights[:, None]
+        mm = torch.stack([e.minmax for e in entries])
+        for g in groups:
+            dist.all_reduce(mom, group=g)
+            dist.all_reduce(mm, op=dist.ReduceOp.MAX, group=g)
+        hist = self._histograms(entries, mm, weights)
+        for g in groups:
+            dist.all_reduce(hist, group=g)
+        for row, i in enumerate(idxs):
+            out[i] = self._stats(mom[row], mm[row], hist[row, :-1], int(hist[row, -1]))
+            bits = int(mom[row, _BITS])
+            self.nonfinite_ranks[i] = [r for r in range(bits.bit_length()) if bits >> r & 1]
+
+    def _weights(self, entries: list[_Entry], mesh: Any, groups: list[Any]) -> torch.Tensor:
+        """1.0 where this rank's piece counts, 0.0 for a replica of a lower coordinate's."""
+        import torch.distributed as dist
+
+        w = torch.ones(len(entries), dtype=torch.float64)
+        plain = [i for i, e in enumerate(entries) if e.weights is None]
+        for i, e in enumerate(entries):
+            if e.weights is not None:
+                w[i] = math.prod(e.weights)
+        if not plain:
+            return w
+        fps = torch.stack([entries[i].fingerprint for i in plain])  # (P, 2)
+        coord = mesh.get_coordinate() or [0] * mesh.ndim
+        for d, g in enumerate(groups):
+            size = dist.get_world_size(g)
+            got = [torch.zeros_like(fps) for _ in range(size)]
+            dist.all_gather(got, fps, group=g)
+            me = coord[d]
+            for j, i in enumerate(plain):
+                mine = got[me][j]
+                if any(bool(torch.equal(got[c][j], mine)) for c in range(me)):
+                    w[i] = 0.0
+        return w
+
+    def _histograms(self, entries: list[_Entry], mm: torch.Tensor,
+                    weights: torch.Tensor) -> torch.Tensor:
+        """(N, bins + 1): each entry's sample binned over the common range like
+        ``torch.histc``, weighted; the last column is the number of values binned."""
+        nb = self.bins
+        hist = torch.zeros(len(entries), nb + 1, dtype=torch.float64)
+        for row, e in enumerate(entries):
+            k = e.sample.numel()
+            if not k or not weights[row]:
+                continue
+            lo, hi = -float(mm[row, 0]), float(mm[row, 1])
+            if lo == hi:
+                lo, hi = lo - 1.0, hi + 1.0
+            x = e.sample.double()
+            idx = ((x - lo) * nb / (hi - lo)).nan_to_num_(nan=nb // 2).clamp_(0, nb - 1)
+            hist[row, :nb] = torch.bincount(idx.to(torch.int64), minlength=nb)[:nb].double()
+            hist[row, nb] = k
+        return hist
+
+    @staticmethod
+    def _stats(mom: torch.Tensor, mm: torch.Tensor, hist: torch.Tensor | None,
+               hist_count: int) -> TensorStats:
+        count, s, ss, nnz, nan, inf, n, _ = mom.tolist()
+        count, nan, inf, n = int(count), int(nan), int(inf), int(n)
+        if count == 0:
+            return TensorStats(numel=n, nan_count=nan, inf_count=inf)
+        mean = s / count
+        var = max((ss - count * mean * mean) / (count - 1), 0.0) if count > 1 else 0.0
+        lo, hi = -float(mm[0]), float(mm[1])
+        h = [int(v) for v in hist.tolist()] if hist is not None else []
+        return _from_moments(n, count, mean, var, lo, hi, ss, nnz, nan, inf, h, hist_count)
+
+    # -- parameter records -------------------------------------------------------------------
+    def param_records(self, results: Any, trace: Any = None) -> dict[str, ParamGradRecord]:
+        """Records of the DTensor parameters added with :meth:`add_params` (names and shapes of
+        the unsharded parameter; statistics of the full weight and gradient); notes name the
+        ranks whose shard holds NaN/Inf."""
+        out: dict[str, ParamGradRecord] = {}
+        bad: list[tuple[str, str, TensorStats, int]] = []
+        for name, (gslot, wslot) in self._params.items():
+            w = results[wslot]
+            rec = ParamGradRecord(name, [], "none")
+            rec.weight_norm = _norm(w)
+            if gslot is not None:
+                g = results[gslot]
+                rec.grad_norm = _norm(g)
+                rec.grad_abs_max = (math.nan if g.nan_count else math.inf if g.inf_count
+                                    else (g.abs_max if g.abs_max is not None else 0.0))
+                rec.nan_count, rec.inf_count = g.nan_count, g.inf_count
+                rec.status = "ok" if name in self.touched or self._fresh(name) else "stale"
+                if rec.status == "ok" and rec.grad_abs_max == 0.0:
+                    rec.status = "zero"
+                if not g.finite:
+                    bad.append((name, "gradient", g, gslot))
+            if rec.grad_norm is not None and rec.weight_norm:
+                rec.ratio = rec.grad_norm / rec.weight_norm
+            if not w.finite:
+                bad.insert(sum(1 for b in bad if b[1] == "weight"), (name, "weight", w, wslot))
+            out[name] = rec
+        if trace is not None:
+            self._notes(trace, bad)
+        return out
+
+    def _fresh(self, name: str) -> bool:
+        return self._grads_before.get(name) != self._grad_now.get(name)
+
+    def set_shapes(self, named: Iterable[tuple[str, torch.Tensor]],
+                   records: dict[str, ParamGradRecord]) -> None:
+        """Fill the unsharded shapes and frozen status of ``records``."""
+        for name, p in named:
+            rec = records.get(name)
+            if rec is not None:
+                rec.shape = list(p.shape)
+                if not p.requires_grad:
+                    rec.status = "frozen"
+
+    def remember_grads(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The gradients as they are at the end of the capture (tells fresh from stale)."""
+        self._grad_now = {n: ((id(p.grad), p.grad._version) if p.grad is not None else (0, -1))
+                          for n, p in named if is_dtensor(p)}
+
+    def _notes(self, trace: Any, bad: list[tuple[str, str, TensorStats, int]]) -> None:
+        """A note per non-finite weight, then gradient (at most :data:`MAX_NOTES`, the rest
+        counted), naming the ranks whose shard holds the NaN/Inf."""
+        for name, what, st, slot in bad[:MAX_NOTES]:
+            ranks = self.nonfinite_ranks[slot - SLOT_BASE]
+            if len(ranks) == 1:
+                where = f"in rank {ranks[0]}'s shard"
+            elif ranks:
+                where = f"in the shards of ranks {', '.join(map(str, ranks))}"
+            else:
+                where = "on no rank's own piece"
+            parts = [f"{st.nan_count} NaN"] if st.nan_count else []
+            parts += [f"{st.inf_count} Inf"] if st.inf_count else []
+            trace.notes.append(Note(
+                "nonfinite_shard",
+                f"{name}: its {what} holds {' and '.join(parts)} of {st.numel} values, {where}",
+                module=name.rpartition(".")[0]))
+        if len(bad) > MAX_NOTES:
+            rest = bad[MAX_NOTES:]
+            trace.notes.append(Note(
+                "nonfinite_shard", f"and {len(rest)} more non-finite parameters or gradients: "
+                + ", ".join(f"{n} ({w})" for n, w, _, _ in rest[:5])
+                + (" ..." if len(rest) > 5 else "")))
+
+
+def _norm(st: TensorStats) -> float:
+    if st.nan_count:
+        return math.nan
+    if st.inf_count:
+        return math.inf
+    return st.l2 if st.l2 is not None else 0.0
+
+
+class Results:
+    """Slot lookup over a :class:`hooks.stats.StatsBatch`'s results and a
+    :class:`MeshStats`'s (slots ≥ :data:`SLOT_BASE`)."""
+
+    def __init__(self, plain: list[TensorStats], mesh: list[TensorStats]) -> None:
+        self.plain, self.mesh = plain, mesh
+
+    def __getitem__(self, slot: int) -> TensorStats:
+        return self.mesh[slot - SLOT_BASE] if slot >= SLOT_BASE else self.plain[slot]
+

@@ -1,0 +1,135 @@
+"""Sharded jobs for the tests of DTensor capture, started by ``torchrun`` (gloo, CPU).
+
+Every rank builds the same small model (:func:`build`, seeded), shards it, runs one step under
+``hooks.capture`` and rank ``R`` writes what the capture holds to ``<out>/<scenario>.rank<R>.json``.
+The tests compute the reference themselves, with plain torch on the unsharded model and the
+whole global batch (:func:`batch`).
+
+Scenarios (``--scenario``): ``fsdp`` (``fully_shard`` per block and on the root, each rank
+takes its own rows of the global batch), ``fsdp_keep`` (the same with
+``reshard_after_forward=False``), ``tp`` (``ColwiseParallel`` ``w1``, ``RowwiseParallel``
+``w2`` of each block; every rank runs the whole batch), ``fsdp_nan`` (``fsdp``; after a first
+step rank 1 writes a NaN into its shard of ``blocks.1.w2.weight``, then the step is captured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+ROWS, D_IN, D, D_OUT = 4, 6, 8, 3
+
+if __name__ == "__main__":  # run as a script: tests/ must not shadow the hooks package
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent]
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.w1 = nn.Linear(D, 2 * D)
+        self.act = nn.Tanh()
+        self.w2 = nn.Linear(2 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.w2(self.act(self.w1(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(D_IN, D)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(D, D_OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def build() -> Net:
+    """The model every rank (and the tests' reference) starts from."""
+    torch.manual_seed(0)
+    return Net()
+
+
+def batch(step: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step``: inputs (ROWS, D_IN) and targets (ROWS, D_OUT)."""
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(ROWS, D_IN, generator=g), torch.randn(ROWS, D_OUT, generator=g)
+
+
+def _dump(trace, path: Path) -> None:
+    out = {
+        "params": {n: r.to_dict() for n, r in trace.params.items()},
+        "forward": [{"module": r.module, "call": r.call_index,
+                     "outputs": [{"path": t.path, "shape": t.shape,
+                                  "stats": t.stats.to_dict() if t.stats else None}
+                                 for t in r.outputs],
+                     "inputs": [{"path": t.path, "shape": t.shape,
+                                 "stats": t.stats.to_dict() if t.stats else None}
+                                for t in r.inputs]} for r in trace.forward],
+        "notes": [n.to_dict() for n in trace.notes],
+    }
+    path.write_text(json.dumps(out), encoding="utf-8")
+
+
+def main() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import hooks
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--scenario", required=True)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    model = build()
+    for scenario in args.scenario.split(","):
+        model = build()
+        x, y = batch()
+        if scenario == "tp":
+            from torch.distributed.tensor.parallel import (
+                ColwiseParallel,
+                RowwiseParallel,
+                parallelize_module,
+            )
+
+            for blk in model.blocks:
+                parallelize_module(blk, mesh, {"w1": ColwiseParallel(),
+                                               "w2": RowwiseParallel()})
+        else:
+            keep = scenario == "fsdp_keep"
+            for blk in model.blocks:
+                fully_shard(blk, mesh=mesh, reshard_after_forward=not keep)
+            fully_shard(model, mesh=mesh, reshard_after_forward=not keep)
+            rows = ROWS // world
+            x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+        if scenario == "fsdp_nan":
+            F.mse_loss(model(x), y).backward()
+            if rank == 1:
+                with torch.no_grad():
+                    model.blocks[1].w2.weight.to_local()[0, 0] = float("nan")
+            model.zero_grad(set_to_none=True)
+        with hooks.capture(model) as trace:
+            F.mse_loss(model(x), y).backward()
+        _dump(trace, Path(args.out) / f"{scenario}.rank{rank}.json")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""``hooks.capture`` of sharded models (FSDP2 ``fully_shard``, tensor parallel): statistics of
+the full tensors, reduced across the mesh (hooks.dtensor_stats).
+
+One real job (2 ranks, ``torchrun``, gloo, CPU, loopback) runs every scenario of
+``tests/dtensor_worker.py``; the reference is computed here with plain torch on the unsharded
+model (same seed) and the whole global batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hooks.dtensor_stats import MeshStats, is_dtensor
+from tests import dtensor_worker as worker
+
+REPO = Path(__file__).resolve().parents[2]
+SCENARIOS = ("fsdp", "fsdp_keep", "tp", "fsdp_nan")
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dtensor")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(REPO / "tests" / "dtensor_worker.py"), "--out", str(out),
+         "--scenario", ",".join(SCENARIOS)],
+        cwd=out, env=env, capture_output=True, text=True, timeout=600, start_new_session=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def _read(job: Path, scenario: str, rank: int) -> dict:
+    return json.loads((job / f"{scenario}.rank{rank}.json").read_text(encoding="utf-8"))
+
+
+def _reference() -> tuple[dict[str, dict[str, float]], list[tuple[str, torch.Tensor]]]:
+    """Plain torch, one process: per parameter (grad norm, weight norm, grad abs-max) and every
+    module call's output, on the whole global batch."""
+    model = worker.build()
+    outs: list[tuple[str, torch.Tensor]] = []
+    names = {m: n for n, m in model.named_modules()}
+    hooks_ = [m.register_forward_hook(lambda m, a, o: outs.append((names[m], o.detach())))
+              for m in model.modules()]
+    x, y = worker.batch()
+    F.mse_loss(model(x), y).backward()
+    for h in hooks_:
+        h.remove()
+    params = {n: {"grad_norm": float(p.grad.norm()), "weight_norm": float(p.detach().norm()),
+                  "grad_abs_max": float(p.grad.abs().max()), "shape": list(p.shape)}
+              for n, p in model.named_parameters()}
+    return params, outs
+
+
+def _close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=RTOL, abs_tol=1e-7)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["fsdp", "fsdp_keep", "tp"])
+def test_parameters_are_those_of_the_unsharded_model_on_the_global_batch(job, scenario):
+    ref, _ = _reference()
+    got = _read(job, scenario, 0)
+    assert got == _read(job, scenario, 1)  # every rank holds the same full-tensor numbers
+    assert list(got["params"]) == list(ref)
+    for name, r in ref.items():
+        p = got["params"][name]
+        assert p["shape"] == r["shape"] and p["status"] == "ok", (name, p)
+        for key in ("grad_norm", "weight_norm", "grad_abs_max"):
+            assert _close(p[key], r[key]), (scenario, name, key, p[key], r[key])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["fsdp", "fsdp_keep", "tp"])
+def test_activation_statistics_are_those_of_the_global_batch(job, scenario):
+    _, outs = _reference()
+    got = _read(job, scenario, 0)
+    fwd = {(f["module"], f["call"]): f for f in got["forward"]}
+    seen: dict[str, int] = {}
+    for name, t in outs:
+        call = seen.get(name, 0)
+        seen[name] = call + 1
+        st = fwd[(name, call)]["outputs"][0]["stats"]
+        t64 = t.double()
+        assert st["numel"] == t.numel() and st["nan_count"] == 0, (scenario, name)
+        for key, want in (("mean", t64.mean()), ("std", t64.std()), ("min", t64.min()),
+                          ("max", t64.max()), ("l2", t64.norm()),
+                          ("abs_max", t64.abs().max())):
+            assert _close(st[key], float(want)), (scenario, name, key, st[key], float(want))
+        # every value binned once over the full tensor's range (torch.histc's bins; a value
+        # on a bin edge may fall on either side after float rounding)
+        want = torch.histc(t.float(), bins=len(st["hist"]), min=float(t.min()),
+                           max=float(t.max())).tolist()
+        assert st["hist_count"] == t.numel() == sum(st["hist"])
+        assert sum(abs(a - b) for a, b in zip(st["hist"], want, strict=True)) <= 2, name
+    assert len(seen) == len(fwd) or set(seen) >= {m for m, _ in fwd}
+
+
+@pytest.mark.slow
+def test_a_nan_in_one_ranks_shard_names_the_parameter_and_the_rank(job):
+    got = _read(job, "fsdp_nan", 0)
+    assert got == _read(job, "fsdp_nan", 1)
+    w = got["params"]["blocks.1.w2.weight"]
+    assert w["weight_norm"] == "nan" and w["shape"] == [16, 8][::-1]
+    others = [n for n, p in got["params"].items() if p["weight_norm"] == "nan"]
+    assert others == ["blocks.1.w2.weight"]
+    lines = [n["message"] for n in got["notes"] if n["kind"] == "nonfinite_shard"]
+    assert lines[0] == ("blocks.1.w2.weight: its weight holds 1 NaN of 128 values, "
+                        "in rank 1's shard"), lines
+    assert got["notes"][0]["module"] == "blocks.1.w2" or any(
+        n["module"] == "blocks.1.w2" for n in got["notes"])
+
+
+def test_without_a_process_group_nothing_is_sharded():
+    model = worker.build()
+    assert MeshStats.for_model(model) is None
+    assert not any(is_dtensor(p) for p in model.parameters())
