@@ -46,7 +46,7 @@ from hooks.capture_fast_path import (
     encoder_layer_fast_path_blocker,
 )
 from hooks.capture_recompute import _in_backward, _Recomputed, _same_values, _signature
-from hooks.edits_apply import Editor
+from hooks.dtensor_stats import MeshStats, Results
 from hooks.ops import Replay
 from hooks.probes import ProbeContext, probes_for
 from hooks.records import CallRecord, GradRecord, ModuleInfo, Note, ParamGradRecord, TensorInfo
@@ -134,13 +134,9 @@ class Capture:
         every: int = 1,
         meta: dict[str, Any] | None = None,
         bins: int = NUM_BINS,
-        edits: Sequence[Any] | None = None,
-        sources: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"capture expects a torch.nn.Module, got {type(model).__name__}")
-        # edits are checked against the model here, before anything runs (hooks.edits)
-        self._editor = Editor(model, edits, sources) if edits else None
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         if keep_bytes < 0:
@@ -215,6 +211,8 @@ class Capture:
                              "materialise it first: model.to_empty(device='cpu'), then "
                              "initialise or load its weights")
         self._batch = StatsBatch(bins=self.bins)
+        # a sharded model (DTensor parameters): full-tensor statistics reduced across the mesh
+        self._dist = MeshStats.for_model(self.model, self.bins)
         self._pending: list[tuple[Any, int]] = []  # (TensorInfo | GradRecord, slot)
         self._cache: dict[Any, tuple[weakref.ref, int, int]] = {}
         self._counts: dict[str, int] = {}
@@ -231,8 +229,6 @@ class Capture:
         self._errors: dict[str, str] = {}
         self._init_recompute()
 
-        if self._editor is not None:  # patch sources run first; edit hooks go first
-            self._editor.start()
         root = unwrap_compiled(self.model)
         tr.model_type = type(root).__name__
         self._modules = named_modules(root)
@@ -293,20 +289,22 @@ class Capture:
         self._handles.clear()
         self._tensor_handles.clear()
         self._cache.clear()
-        if self._editor is not None:
-            tr.edits, notes = self._editor.stop(bool(tr.backward or self._touched))
-            tr.notes.extend(notes)
         for rec in self._stack:
             rec.notes.append("call did not finish (an exception unwound it)")
         self._stack.clear()
         self._rstack.clear()
         results = self._batch.finalize()
+        if self._dist is not None:
+            named = named_parameters(self._modules) if self.params else []
+            self._dist.add_params(named)
+            self._dist.remember_grads(named)
+            results = self._results = Results(results, self._dist.finalize(tr))
         for obj, slot in self._pending:
             obj.stats = results[slot]
         self._pending.clear()
         self._finish_recompute(results)
         self._finish_fast_path()
-        if self.params and (tr.backward or self._touched):
+        if self.params and (tr.backward or self._touched or (self._dist and self._dist.touched)):
             tr.params = self._param_records()
         elif self.params and self.grads:
             tr.notes.append(Note("no_backward", "no backward pass ran inside the capture"))
@@ -359,18 +357,23 @@ class Capture:
         try:
             version = t._version
         except RuntimeError:  # inference tensors track no version: never reuse their slot
-            return self._batch.add(t)
-        key = (t.data_ptr(), t.numel(), t.dtype) if t.is_contiguous() else id(t)
+            return self._add(t)
+        # (in a sharded job by object: collectives reuse buffers of live tensors)
+        key = (t.data_ptr(), t.numel(), t.dtype) if t.is_contiguous() and not self._dist \
+            else id(t)
         hit = self._cache.get(key)
         if hit is not None and hit[0]() is not None and hit[1] == version:
             return hit[2]
-        slot = self._batch.add(t)
+        slot = self._add(t)
         if slot is not None:
             try:
                 self._cache[key] = (weakref.ref(t), version, slot)
             except TypeError:  # pragma: no cover - tensor subclasses without weakref support
                 pass
         return slot
+
+    def _add(self, t: torch.Tensor) -> int | None:
+        return self._batch.add(t) if self._dist is None else self._dist.add(t)
 
     def _info(self, path: str, t: torch.Tensor) -> TensorInfo:
         info = TensorInfo(path, list(t.shape), dtype_name(t.dtype), t.requires_grad)
@@ -526,6 +529,8 @@ class Capture:
         # weight) is still in cache: far cheaper than reading every gradient again at exit.
         if not self._active:
             return
+        if self._dist is not None and self._dist.owns(param):  # reduced at exit
+            return self._dist.touch(name)
         try:
             # detached reads build no graph (even under create_graph): no no_grad() needed,
             # whose enter/exit would cost more than the Python of this hook
@@ -785,6 +790,9 @@ class Capture:
     def _param_records(self) -> dict[str, ParamGradRecord]:
         """Per-parameter records; gradient numbers come from ``_on_param`` where it ran."""
         named = named_parameters(self._modules)
+        sharded = self._dist.param_records(self._results, self.trace) if self._dist else {}
+        if sharded:
+            self._dist.set_shapes(named, sharded)
         touched = self._touched
         names = list(touched)
         # every parameter's four numbers read back at once (stack promotes mixed dtypes)
@@ -793,9 +801,12 @@ class Capture:
         out: dict[str, ParamGradRecord] = {}
         with torch.no_grad():
             # parameters not seen by the hook (frozen, no grad, stale grad): one fused launch
-            rest = [(n, p.detach()) for n, p in named if n not in vals]
+            rest = [(n, p.detach()) for n, p in named if n not in vals and n not in sharded]
             rest_w = dict(zip([n for n, _ in rest], _norms([p for _, p in rest]), strict=True))
             for name, p in named:
+                if name in sharded:
+                    out[name] = sharded[name]
+                    continue
                 rec = ParamGradRecord(name, list(p.shape), "none")
                 if name in vals:
                     g2, lo, hi, w2 = vals[name]
@@ -874,8 +885,6 @@ def capture(
     every: int = 1,
     meta: dict[str, Any] | None = None,
     bins: int = NUM_BINS,
-    edits: Sequence[Any] | None = None,
-    sources: dict[str, Any] | None = None,
 ) -> Capture:
     """Record every module call of ``model`` (and its gradients) inside a ``with`` block.
 
@@ -916,12 +925,6 @@ def capture(
         every: capture every ``every``-th step.
         meta: JSON-serialisable values stored as ``trace.meta`` (config, token texts, losses).
         bins: histogram bins per tensor.
-        edits: edit specs (``"zero model.layers.1.self_attn head=3"``) or
-            :class:`hooks.edits.Edit` objects applied to this step (see :mod:`hooks.edits`);
-            ``trace.edits`` says what each did, ``trace.notes`` names an edit that changed
-            nothing. Applied on captured steps only.
-        sources: batches by name for ``patch MODULE from=NAME`` (a tensor of ids, a tuple,
-            a dict of kwargs or a :class:`hooks.Batch`).
 
     Returns:
         Capture: a context manager whose ``__enter__`` returns the :class:`~hooks.Trace` that
@@ -929,13 +932,11 @@ def capture(
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
-        ValueError: ``every < 1``, ``keep_bytes < 0`` or ``attention_bytes < 0``; an edit
-            that names no module, a head or expert out of range, or a module whose output
-            cannot be edited (one line, nothing run); on entry, a
+        ValueError: ``every < 1``, ``keep_bytes < 0`` or ``attention_bytes < 0``; on entry, a
             model with no data (a parameter or buffer on the ``meta`` device): the message
             says how to materialise it.
     """
     return Capture(model, keep_bytes=keep_bytes, include=include, exclude=exclude,
                    inputs=inputs, grads=grads, params=params, attention=attention,
                    attention_bytes=attention_bytes, probes=probes, step=step, every=every,
-                   meta=meta, bins=bins, edits=edits, sources=sources)
+                   meta=meta, bins=bins)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from hooks.diff import TraceDiff, diff_traces
+from hooks.edits_record import AppliedEdit
 from hooks.ops import BackwardOrigin, OpTrace, Replay, backward_origin, record_ops
 from hooks.records import (
     AttentionRecord,
@@ -76,6 +77,8 @@ class Trace:
             gradient, when it was located (:func:`hooks.ops.locate_backward_origin`).
         replay: what re-runs the captured forward (the model and the root call's arguments);
             None for a trace loaded from disk. Not saved.
+        edits: what each edit of ``capture(model, edits=[...])`` did
+            (:class:`hooks.edits.AppliedEdit`); empty for an unedited step.
     """
 
     forward: list[CallRecord] = field(default_factory=list)
@@ -95,6 +98,7 @@ class Trace:
     op_traces: dict[tuple[str, int], OpTrace] = field(default_factory=dict)
     backward_origin: BackwardOrigin | None = None
     replay: Replay | None = field(default=None, repr=False, compare=False)
+    edits: list[AppliedEdit] = field(default_factory=list)
 
     # -- lookup ---------------------------------------------------------------------------------
     def calls(self, module: str) -> list[CallRecord]:
@@ -242,6 +246,7 @@ class Trace:
             "op_traces": [o.to_dict() for o in self.op_traces.values()],
             "backward_origin": (None if self.backward_origin is None
                                 else self.backward_origin.to_dict()),
+            "edits": [e.to_dict() for e in self.edits],
         }
 
     def all_tensors(self) -> dict[str, torch.Tensor]:
@@ -367,6 +372,7 @@ class Trace:
                 op_traces=_op_traces(data.get("op_traces", []), tensors),
                 backward_origin=(None if data.get("backward_origin") is None
                                  else BackwardOrigin.from_dict(data["backward_origin"])),
+                edits=[AppliedEdit.from_dict(e) for e in data.get("edits", [])],
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise TraceFormatError(f"malformed trace: {type(exc).__name__}: {exc}") from None
