@@ -47,6 +47,7 @@ from hooks.capture_fast_path import (
 )
 from hooks.capture_recompute import _in_backward, _Recomputed, _same_values, _signature
 from hooks.dtensor_stats import MeshStats, Results
+from hooks.edits_apply import Editor
 from hooks.ops import Replay
 from hooks.probes import ProbeContext, probes_for
 from hooks.records import CallRecord, GradRecord, ModuleInfo, Note, ParamGradRecord, TensorInfo
@@ -134,9 +135,13 @@ class Capture:
         every: int = 1,
         meta: dict[str, Any] | None = None,
         bins: int = NUM_BINS,
+        edits: Sequence[Any] | None = None,
+        sources: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"capture expects a torch.nn.Module, got {type(model).__name__}")
+        # edits are checked against the model here, before anything runs (hooks.edits)
+        self._editor = Editor(model, edits, sources) if edits else None
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         if keep_bytes < 0:
@@ -229,6 +234,8 @@ class Capture:
         self._errors: dict[str, str] = {}
         self._init_recompute()
 
+        if self._editor is not None:  # patch sources run first; edit hooks go first
+            self._editor.start()
         root = unwrap_compiled(self.model)
         tr.model_type = type(root).__name__
         self._modules = named_modules(root)
@@ -289,6 +296,9 @@ class Capture:
         self._handles.clear()
         self._tensor_handles.clear()
         self._cache.clear()
+        if self._editor is not None:
+            tr.edits, notes = self._editor.stop(bool(tr.backward or self._touched))
+            tr.notes.extend(notes)
         for rec in self._stack:
             rec.notes.append("call did not finish (an exception unwound it)")
         self._stack.clear()
@@ -885,6 +895,8 @@ def capture(
     every: int = 1,
     meta: dict[str, Any] | None = None,
     bins: int = NUM_BINS,
+    edits: Sequence[Any] | None = None,
+    sources: dict[str, Any] | None = None,
 ) -> Capture:
     """Record every module call of ``model`` (and its gradients) inside a ``with`` block.
 
@@ -925,6 +937,12 @@ def capture(
         every: capture every ``every``-th step.
         meta: JSON-serialisable values stored as ``trace.meta`` (config, token texts, losses).
         bins: histogram bins per tensor.
+        edits: edit specs (``"zero model.layers.1.self_attn head=3"``) or
+            :class:`hooks.edits.Edit` objects applied to this step (see :mod:`hooks.edits`);
+            ``trace.edits`` says what each did, ``trace.notes`` names an edit that changed
+            nothing. Applied on captured steps only.
+        sources: batches by name for ``patch MODULE from=NAME`` (a tensor of ids, a tuple,
+            a dict of kwargs or a :class:`hooks.Batch`).
 
     Returns:
         Capture: a context manager whose ``__enter__`` returns the :class:`~hooks.Trace` that
@@ -932,11 +950,13 @@ def capture(
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
-        ValueError: ``every < 1``, ``keep_bytes < 0`` or ``attention_bytes < 0``; on entry, a
+        ValueError: ``every < 1``, ``keep_bytes < 0`` or ``attention_bytes < 0``; an edit
+            that names no module, a head or expert out of range, or a module whose output
+            cannot be edited (one line, nothing run); on entry, a
             model with no data (a parameter or buffer on the ``meta`` device): the message
             says how to materialise it.
     """
     return Capture(model, keep_bytes=keep_bytes, include=include, exclude=exclude,
                    inputs=inputs, grads=grads, params=params, attention=attention,
                    attention_bytes=attention_bytes, probes=probes, step=step, every=every,
-                   meta=meta, bins=bins)
+                   meta=meta, bins=bins, edits=edits, sources=sources)
