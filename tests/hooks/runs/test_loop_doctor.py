@@ -7,13 +7,10 @@ limits from ``torch.finfo``).
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-from torch import nn
 
-from tests.hooks.runs.loop_models import T, TinyLM, batches, no_decay_groups, run_loop
+from tests.hooks.runs.loop_models import TinyLM, batches, no_decay_groups, run_loop
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -102,3 +99,45 @@ def test_accumulation_micro_batch_left_out(db):
     assert len(found) == 1 and (found[0].step, found[0].subject) == (1, "micro-batches")
     assert found[0].detail["weights"][3] == pytest.approx(0.0, abs=1e-4)
     assert "4 of 4" in found[0].line
+
+
+# -- a healthy loop ------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_healthy_loop_has_no_finding_over_200_steps(db):
+    """AdamW with no-decay groups, accumulation normalised by token count (uneven counts),
+    a warmup scheduler stepped per optimizer step, dropout on, gradients clipped, evaluation
+    under model.eval() and no_grad every 20 steps; watched every 10 steps."""
+    from transformers import get_linear_schedule_with_warmup
+
+    def loop(run):
+        torch.manual_seed(0)
+        model = TinyLM(p=0.1)
+        opt = torch.optim.AdamW(no_decay_groups(model), lr=3e-3)
+        sched = get_linear_schedule_with_warmup(opt, 20, 200)
+        run.watch(model, every=10, optimizer=opt, scheduler=sched)
+        data = batches(16, masked=[0, 5, 2, 8, 1, 0, 7, 3])
+        val = batches(1, seed=1)[0]
+        for step in range(1, 201):
+            window = [data[(4 * step + i) % len(data)] for i in range(4)]
+            total = sum(_tokens(b) for b in window)
+            for b in window:
+                _, loss = model(**b)
+                (loss * _tokens(b) / total).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=step % 2 == 0)
+            values = {"loss": loss}
+            if step % 20 == 0:
+                model.eval()
+                with torch.no_grad():
+                    values["val_loss"] = model(**val)[1]
+                model.train()
+            run.log(**values)
+        assert run.step == 200
+        seen.append(run._doctor)
+
+    seen = []
+    assert run_loop(db, loop) == []
+    doctor = seen[0]  # the checks ran: nothing vacuous
+    assert doctor._accum_checks == 3 and doctor._no_grad_windows == 20
