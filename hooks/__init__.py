@@ -43,6 +43,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(("Capture", "Selector", "capture", "module_infos"), "capture"),
     **dict.fromkeys(("TensorDiff", "TraceDiff"), "diff"),
     **dict.fromkeys(("Lens", "LensToken", "logit_lens"), "lens"),
+    **dict.fromkeys(("Divergence", "PrecisionDiff", "precision_diff"), "precision"),
     **dict.fromkeys(
         (
             "BlockRoutingProbe",
@@ -86,6 +87,7 @@ __all__ = [
     "BlockRoutingProbe",
     "CallRecord",
     "Capture",
+    "Divergence",
     "EagerAttentionProbe",
     "GradRecord",
     "Lens",
@@ -95,6 +97,7 @@ __all__ = [
     "NonFinite",
     "Note",
     "ParamGradRecord",
+    "PrecisionDiff",
     "Probe",
     "ProbeContext",
     "ProbeRecord",
@@ -113,6 +116,7 @@ __all__ = [
     "from_factory",
     "logit_lens",
     "module_infos",
+    "precision_diff",
     "probes_for",
     "register_probe",
     "run",
@@ -132,6 +136,8 @@ def _load(module: str) -> types.ModuleType:
         import hooks.diff  # noqa: F401 (read from sys.modules)
     elif module == "lens":
         import hooks.lens  # noqa: F401 (read from sys.modules)
+    elif module == "precision":
+        import hooks.precision  # noqa: F401 (read from sys.modules)
     elif module == "probes":
         import hooks.probes  # noqa: F401 (read from sys.modules)
     elif module == "records":
