@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "diff": "diff",
     "compare": "compare",
     "ablate": "ablate",
+    "lens": "lens",
 }
 
 

@@ -1,0 +1,139 @@
+"""``mdb lens``: the logit lens of one batch — what each decoder layer already predicts.
+
+Each decoder layer's output goes through the model's own final norm and LM head
+(:func:`hooks.logit_lens`). Without ``--pos`` the table has one row per position (the input
+token, the token that follows it in the batch) and one column per layer: the top-1 prediction
+and its probability; the last column is the model's own prediction. With ``--pos N`` it has one
+row per layer: the top ``--k`` tokens at that position.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tui.commands.options import add_model_arguments, nonneg_int, positive_int
+from tui.errors import MdbError, ModelError
+
+HELP = "the logit lens: each decoder layer's prediction through the final norm and LM head"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tui.commands.step import add_threads_argument
+
+    add_model_arguments(parser)
+    add_threads_argument(parser)
+    parser.add_argument("--pos", type=nonneg_int, default=None, metavar="N",
+                        help="one position: the top --k tokens of every layer there")
+    parser.add_argument("--row", type=nonneg_int, default=0, metavar="B",
+                        help="which sequence of the batch (default 0)")
+    parser.add_argument("--k", type=positive_int, default=5, metavar="K",
+                        help="tokens per layer with --pos (default 5)")
+
+
+def compute_lens(workload, k: int = 5):
+    """:func:`hooks.logit_lens` of a workload, its errors as one line.
+
+    Raises:
+        MdbError: the model has no layers, final norm or head the lens can find.
+        ModelError: the model raised in its forward pass.
+    """
+    from hooks.errors import describe_error
+    from hooks.lens import find_parts, logit_lens
+
+    try:
+        find_parts(workload.model)
+    except ValueError as exc:
+        raise MdbError(f"logit lens: {exc}") from None
+    try:
+        return logit_lens(workload.model, workload.batch, k=k, tokenizer=workload.tokenizer)
+    except Exception as exc:  # the user's model may raise anything
+        raise ModelError(describe_error(exc, workload.model, "the forward pass")) from None
+
+
+def _console():
+    import os
+
+    from rich.console import Console
+
+    tty = sys.stdout.isatty()
+    width = None
+    if not tty:  # piped: $COLUMNS when set, else wide enough for a few layers
+        cols = os.environ.get("COLUMNS", "")
+        width = int(cols) if cols.isdigit() and int(cols) > 0 else 160
+    return Console(file=sys.stdout, width=width, no_color=not tty or None, highlight=False)
+
+
+def _short(name: str) -> str:
+    return ".".join(name.split(".")[-2:])
+
+
+def _check(lens, args) -> None:
+    b, t = lens.shape
+    if args.row >= b:
+        raise MdbError(f"--row {args.row}: the batch has {b} sequences (0..{b - 1})")
+    if args.pos is not None and args.pos >= t:
+        raise MdbError(f"--pos {args.pos}: the batch has {t} positions (0..{t - 1})")
+
+
+def print_grid(lens, row: int = 0) -> None:
+    """Positions × layers: each cell the top-1 token and its probability."""
+    from rich.table import Table
+
+    texts, probs = lens.table(row)
+    ids = lens.ids[row].tolist() if lens.ids is not None else None
+    table = Table(show_edge=False, pad_edge=False, title_justify="left",
+                  title=f"top-1 per position (rows) and decoder layer (columns), sequence {row}")
+    table.add_column("pos", justify="right")
+    if ids is not None:
+        table.add_column("input")
+        table.add_column("next")
+    for name in lens.layers:
+        table.add_column(_short(name), no_wrap=True)
+    t = len(texts[0]) if texts else 0
+    for p in range(t):
+        cells = [str(p)]
+        if ids is not None:
+            cells += [lens.text_of(ids[p]), lens.text_of(ids[p + 1]) if p + 1 < t else ""]
+        cells += [f"{texts[layer][p]} {probs[layer, p]:.3f}" for layer in range(len(texts))]
+        table.add_row(*cells)
+    _console().print(table)
+
+
+def print_position(lens, pos: int, k: int, row: int = 0) -> None:
+    """Layers × top-k at one position."""
+    from rich.table import Table
+
+    ids = lens.ids[row].tolist() if lens.ids is not None else None
+    at = f" (input {lens.text_of(ids[pos])!r})" if ids is not None else ""
+    table = Table(show_edge=False, pad_edge=False, title_justify="left",
+                  title=f"top {k} at position {pos}{at}, sequence {row}")
+    table.add_column("layer", no_wrap=True)
+    for i in range(k):
+        table.add_column(f"#{i + 1}", no_wrap=True)
+    for layer, name in enumerate(lens.layers):
+        top = lens.top(layer, pos, k, row=row)
+        table.add_row(_short(name), *[f"{t.text} {t.prob:.3f}" for t in top])
+    _console().print(table)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``mdb lens``."""
+    from tui.commands.step import set_threads
+    from tui.commands.workload import build_workload
+
+    set_threads(args)
+    workload = build_workload(args)
+    lens = compute_lens(workload, k=max(args.k, 1))
+    _check(lens, args)
+    console = _console()
+    console.print(f"{workload.description or 'the model'}\nlogit lens: each layer's output → "
+                  f"{lens.norm} → {lens.head}" + ("" if lens.post == "none"
+                                                   else f" → {lens.post}"), markup=False)
+    if args.pos is None:
+        print_grid(lens, args.row)
+    else:
+        print_position(lens, args.pos, args.k, args.row)
+    for note in lens.notes:
+        console.print(f"note: {note}", markup=False)
+    return 0
