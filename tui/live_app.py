@@ -25,7 +25,8 @@ class LiveApp(App[int]):
         screen: The live screen to show.
     """
 
-    CSS_PATH = ["app.tcss", "screens/live.tcss", "screens/live_ranks.tcss"]
+    CSS_PATH = ["app.tcss", "screens/live.tcss", "screens/live_ranks.tcss",
+                "screens/live_findings.tcss"]
     TITLE = "mdb"
     ENABLE_COMMAND_PALETTE = False
     BINDINGS = [CTRL_C_QUITS]

@@ -50,6 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="most optimizer steps of the overfit check (default 300)")
     g.add_argument("--only", metavar="IDS", default=None,
                    help="comma-separated check numbers or names, e.g. 1,2,gqa")
+    g.add_argument("--run", metavar="NAME", default=None,
+                   help="instead of a model: the findings of a recorded training run (the "
+                        "training-loop doctor of run.watch(..., optimizer=, scheduler=), a "
+                        "torchrun job's checks) in a table; exclusive with the model options")
+    g.add_argument("--db", metavar="PATH", default=None,
+                   help="with --run: the run database (default $MDB_DB, else "
+                        "./runs/mdb.sqlite)")
     g.add_argument("--threads", type=positive_int, default=1, metavar="N",
                    help="torch intra-op threads while checking (default 1: the checks run "
                         "many small ops, which extra threads slow down on a busy machine; "
@@ -125,6 +132,12 @@ def summary(results, seconds: float) -> dict:
 def run(args: argparse.Namespace) -> int:
     from hooks.checks import resolve_only
 
+    if args.run is not None:  # a recorded run's findings (tui.commands.doctor_run)
+        from tui.commands.doctor_run import run_findings
+
+        return run_findings(args)
+    if args.db is not None:
+        raise MdbError("--db goes with --run NAME (the run database to read)")
     try:
         only = resolve_only(args.only) if args.only is not None else None
     except ValueError as exc:

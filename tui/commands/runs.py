@@ -69,8 +69,9 @@ def run_record(run, store, now: float) -> dict:
     a single process), ``ranks`` (a distributed run's ranks: :class:`hooks.runs.store.RankInfo`
     fields), ``findings`` (its cross-rank checks' findings, :class:`hooks.runs.store.Finding`
     fields: ``kind``, ``step``, ``rank``, ``subject`` — the parameter or ``rank N`` — and
-    ``line``; empty for a single process) and ``details`` (the lines the table prints under
-    the run, uncut).
+    ``line``; also the training-loop doctor's findings of ``run.watch(..., optimizer=,
+    scheduler=)``, with ``detail["severity"]`` and ``detail["evidence"]``) and ``details``
+    (the lines the table prints under the run, uncut).
     """
     import sqlite3
 
@@ -144,6 +145,10 @@ def detail_lines(run, record: dict, now: float, db: str | None = None) -> list[s
         found = record.get("findings", [])
         lines.append(f"{run.world_size} ranks" + (f" · {len(found)} finding(s)" if found else
                                                   ""))
+        lines += [f["line"] for f in found]
+    elif record.get("findings"):  # the training-loop doctor's, of a single process
+        found = record["findings"]
+        lines.append(f"{len(found)} loop finding(s) (mdb doctor --run {run.name})")
         lines += [f["line"] for f in found]
     if stopped:
         how = "continue" if resumable else "restart from step 0"

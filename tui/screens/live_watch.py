@@ -24,6 +24,7 @@ from tui import messages
 from tui.screens.live import LiveScreen
 from tui.screens.live_controls import ViewerControls
 from tui.screens.live_data import nonfinite_of, run_declaration
+from tui.screens.live_findings import LoopFindings
 from tui.screens.live_ranks import RanksSummary
 
 __all__ = ["WatchScreen"]
@@ -72,6 +73,7 @@ class WatchScreen(ViewerControls, LiveScreen):
 
     def _more_widgets(self):
         yield RanksSummary(getattr(self.store, "path", None), self.run)
+        yield LoopFindings(getattr(self.store, "path", None), self.run)
 
     def _start(self) -> None:
         self.hint("following the database · c latest capture · m metric · ? keys")
