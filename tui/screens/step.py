@@ -71,6 +71,9 @@ class StepScreen(MdbScreen):
                 tooltip="attention view: T×T probabilities per layer and head"),
         Binding("g", "view('gradients')", "grads", id="view.gradients",
                 tooltip="gradients view: every parameter's grad norm and verdict"),
+        Binding("L", "lens", "lens", show=False, id="view.lens",
+                tooltip="logit lens: what each decoder layer already predicts (layers × "
+                "positions; Enter: a cell's top k)"),
         Binding("d", "view('doctor')", "doctor", show=False, id="view.doctor",
                 tooltip="doctor results (from mdb doctor)"),
         Binding("question_mark", "help", "keys", key_display="?", id="app.help",
@@ -240,6 +243,7 @@ class StepScreen(MdbScreen):
         from tui.screens.attention import AttentionScreen
         from tui.screens.doctor import DoctorScreen
         from tui.screens.gradients import GradientsScreen
+        from tui.screens.lens import LensScreen
         from tui.screens.ops import OpsScreen
         from tui.screens.router import RouterScreen
         from tui.screens.search import SearchScreen
@@ -256,6 +260,7 @@ class StepScreen(MdbScreen):
             ("ops view (i: step into a call)",
              [b for b in OpsScreen.BINDINGS if id(b) not in own]),
             ("doctor view (d)", DoctorScreen.HELP_BINDINGS),
+            ("logit lens (L)", [b for b in LensScreen.BINDINGS if id(b) not in own]),
             ("every view", VIEW_BINDINGS),
             ("find (/)", SearchScreen.BINDINGS + [Binding("enter", "", "jump to the match")]),
         ]
@@ -308,6 +313,12 @@ class StepScreen(MdbScreen):
         self.app.push_screen(OpsScreen(self, call.module, call.call_index, select=select))
 
     # -- other views ----------------------------------------------------------------------------
+    def action_lens(self) -> None:
+        """Open the logit lens of this step's batch (:mod:`tui.screens.lens`)."""
+        from tui.screens.lens import LensScreen
+
+        self.app.push_screen(LensScreen(self))
+
     def make_view(self, view: str):
         """The screen for ``view`` (``router``, ``attention``, ``gradients``, ``doctor``)."""
         if view == "router":

@@ -1,0 +1,205 @@
+"""``LensScreen``: the logit lens of the step's batch (``L`` in the step view).
+
+A layers × positions grid: each cell the token decoder layer l already predicts at position t
+(the top-1 of its output read through the model's final norm and LM head,
+:func:`hooks.logit_lens`), coloured by its probability. Enter on a cell shows its top k below
+the grid; ``x`` shows the next sequence of the batch. The lens is computed in a thread worker
+from the step's own model and batch (the trace's replay), so a trace loaded from disk has none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rich.text import Text
+from textual import work
+from textual.binding import Binding
+from textual.message import Message
+from textual.widgets import DataTable, Footer, Static
+
+from tui.screens.view import VIEW_BINDINGS, ViewScreen
+
+#: Tokens kept per cell for Enter.
+TOP_K = 5
+#: Characters of a token shown in a cell.
+CELL_WIDTH = 6
+#: Probability bands and their styles, lowest first: (upper bound, style, legend label).
+BANDS = [(0.1, "grey50", "<.1"), (0.3, "cyan", "<.3"), (0.6, "yellow", "<.6"),
+         (0.9, "bold dark_orange", "<.9"), (1.01, "bold red", "≥.9")]
+
+
+def band_style(p: float) -> str:
+    """The style of a cell whose top-1 probability is ``p``."""
+    return next(style for upper, style, _ in BANDS if p < upper)
+
+
+def legend() -> Text:
+    """``p: <.1 <.3 <.6 <.9 ≥.9``, each band in its style."""
+    text = Text("p: ")
+    for _, style, label in BANDS:
+        text.append(label + " ", style=style)
+    return text
+
+
+class KnownTokens:
+    """A tokenizer made of what the trace knows: the label of each input id (its ``tokens``
+    meta); other ids are ``#id``. Enough to name most predictions of a model trained on the
+    batch's text, without the tokenizer itself."""
+
+    def __init__(self, ids: list[int], labels: list[str]) -> None:
+        self.labels = dict(zip(ids, labels, strict=False)) if len(ids) == len(labels) else {}
+
+    def token_strings(self, ids) -> list[str]:
+        return [self.labels.get(int(i), f"#{int(i)}") for i in ids]
+
+
+def _cut(text: str, width: int = CELL_WIDTH) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+class LensScreen(ViewScreen):
+    """The logit lens grid over the step screen's trace.
+
+    Args:
+        step: the step screen beneath (its trace's replay gives the model and the batch).
+    """
+
+    VIEW = "lens"
+    BINDINGS = [
+        Binding("enter", "top", "top k", id="lens.top", tooltip="the selected cell's top k"),
+        Binding("x", "next_row", "next seq", id="lens.next_row",
+                tooltip="the next sequence of the batch"),
+        *VIEW_BINDINGS,
+    ]
+    CSS_PATH = "lens.tcss"
+
+    @dataclass
+    class Ready(Message):
+        """The worker computed the lens (a :class:`hooks.lens.Lens`)."""
+
+        lens: Any
+
+    @dataclass
+    class Failed(Message):
+        """The worker could not compute it: one line."""
+
+        error: str
+
+    def __init__(self, step) -> None:
+        super().__init__(step)
+        self.lens = None
+        self.row = 0
+
+    def compose(self):
+        yield Static("logit lens · computing…", id="title", markup=False)
+        yield Static("each decoder layer's output through the model's final norm and LM head",
+                     id="status", markup=False)
+        yield DataTable(id="lens-grid", cursor_type="cell", zebra_stripes=False)
+        yield Static("", id="lens-detail", markup=False)
+        yield Static(legend(), id="lens-legend")
+        yield Static("", id="hint", markup=False)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        replay = getattr(self.trace, "replay", None)
+        if replay is None:
+            self.query_one("#title", Static).update("logit lens · not available")
+            self.hint("this trace was loaded from disk: it holds no model to run · use mdb lens "
+                      "with the model options")
+            return
+        self._compute(replay)
+
+    @work(thread=True, exclusive=True, exit_on_error=False, group="lens",
+          description="compute the logit lens")
+    def _compute(self, replay) -> None:
+        import torch
+
+        from hooks.batch import Batch
+        from hooks.lens import logit_lens
+
+        batch = Batch(replay.args, replay.kwargs)
+        try:
+            ids = batch.ids(replay.model)
+            labels = (self.trace.meta or {}).get("tokens") or []
+            tokens = KnownTokens(ids.reshape(-1).tolist(), labels) if ids is not None else None
+            with torch.random.fork_rng(devices=[]):
+                torch.set_rng_state(replay.rng_cpu)
+                lens = logit_lens(replay.model, batch, k=TOP_K, tokenizer=tokens)
+        except Exception as exc:  # the model raised, or has no layers/norm/head to read
+            self.post_message(self.Failed(" ".join(f"{type(exc).__name__}: {exc}".split())))
+        else:
+            self.post_message(self.Ready(lens))
+
+    def on_lens_screen_failed(self, message: Failed) -> None:
+        message.stop()
+        self.query_one("#title", Static).update("logit lens · not available")
+        self.hint(message.error)
+
+    def on_lens_screen_ready(self, message: Ready) -> None:
+        message.stop()
+        self.lens = message.lens
+        post = "" if self.lens.post == "none" else f" → {self.lens.post}"
+        self.query_one("#title", Static).update(
+            f"logit lens · {self.lens.norm} → {self.lens.head}{post}")
+        for note in self.lens.notes:
+            self.hint(f"⚠ {note}")
+        self.draw()
+
+    def draw(self) -> None:
+        """Fill the grid for sequence :attr:`row`: one row per layer, one column per
+        position."""
+        lens = self.lens
+        texts, probs = lens.table(self.row)
+        table = self.query_one("#lens-grid", DataTable)
+        table.clear(columns=True)
+        table.add_column("layer", key="layer")
+        inputs = lens.ids[self.row].tolist() if lens.ids is not None else None
+        for t in range(len(texts[0]) if texts else 0):
+            label = f"{t}" if inputs is None else f"{t} {_cut(lens.text_of(inputs[t]), 3)}"
+            table.add_column(label, key=str(t), width=CELL_WIDTH)
+        for layer, name in enumerate(lens.layers):
+            cells = [Text(_cut(tok), style=band_style(float(p)))
+                     for tok, p in zip(texts[layer], probs[layer].tolist(), strict=True)]
+            table.add_row(".".join(name.split(".")[-2:]), *cells, key=str(layer))
+        b, t = lens.shape
+        self.query_one("#status", Static).update(
+            f"sequence {self.row + 1}/{b} · {lens.num_layers} layers × {t} positions · "
+            "Enter: a cell's top k · x: next sequence")
+        table.focus()
+
+    def _cell(self) -> tuple[int, int] | None:
+        table = self.query_one("#lens-grid", DataTable)
+        row, col = table.cursor_coordinate
+        if self.lens is None or col == 0:
+            return None
+        return row, col - 1
+
+    def action_top(self) -> None:
+        cell = self._cell()
+        if cell is None:
+            self.hint("select a position (a cell right of the layer names) first"
+                      if self.lens is not None else "the lens is still being computed")
+            return
+        layer, pos = cell
+        lens = self.lens
+        top = lens.top(layer, pos, TOP_K, row=self.row)
+        ids = lens.ids[self.row].tolist() if lens.ids is not None else None
+        where = (f" (input {lens.text_of(ids[pos])!r}"
+                 + (f" → next {lens.text_of(ids[pos + 1])!r})" if pos + 1 < len(ids) else ")")
+                 if ids is not None else "")
+        shown = " · ".join(f"{t.text} {t.prob:.3f}" for t in top)
+        self.query_one("#lens-detail", Static).update(
+            f"{lens.layers[layer]} · position {pos}{where}: {shown}")
+
+    def on_data_table_cell_selected(self, event: DataTable.CellSelected) -> None:
+        event.stop()  # Enter on the focused grid
+        self.action_top()
+
+    def action_next_row(self) -> None:
+        if self.lens is None:
+            self.hint("the lens is still being computed")
+            return
+        b, _ = self.lens.shape
+        self.row = (self.row + 1) % b
+        self.draw()
