@@ -540,7 +540,7 @@ class Capture:
         if not self._active:
             return
         if self._dist is not None and self._dist.owns(param):  # reduced at exit
-            return self._dist.touch(name)
+            return self._dist.touch(name, param)
         try:
             # detached reads build no graph (even under create_graph): no no_grad() needed,
             # whose enter/exit would cost more than the Python of this hook

@@ -157,6 +157,7 @@ class MeshStats:
         self.nonfinite_ranks: list[list[int]] = []
         self._grads_before: dict[str, tuple[int, int]] = {}
         self._grad_now: dict[str, tuple[int, int]] = {}
+        self._at_grad: dict[str, tuple[_Entry, _Entry]] = {}
         self._params: dict[str, tuple[int | None, int]] = {}
         self.local_only = False
 
@@ -185,9 +186,14 @@ class MeshStats:
         """Whether ``t`` is summarised here (a DTensor)."""
         return is_dtensor(t)
 
-    def touch(self, name: str) -> None:
-        """Note that DTensor parameter ``name`` received its gradient during the capture."""
+    def touch(self, name: str, param: torch.Tensor) -> None:
+        """DTensor parameter ``name`` received its gradient (after FSDP2's reduce-scatter or
+        the tensor-parallel backward): summarise its gradient and weight now (an optimizer may
+        change or free them before the capture ends); reduced at :meth:`finalize`."""
         self.touched.add(name)
+        g = param.grad
+        if g is not None and is_dtensor(g):
+            self._at_grad[name] = (self._entry(g), self._entry(param))
 
     # -- adding ------------------------------------------------------------------------------
     def add(self, t: torch.Tensor) -> int | None:
@@ -195,6 +201,13 @@ class MeshStats:
         return its slot (≥ :data:`SLOT_BASE`), or ``None`` for a complex tensor."""
         if t.is_complex():
             return None
+        return self._append(self._entry(t))
+
+    def _append(self, e: _Entry) -> int:
+        self._entries.append(e)
+        return SLOT_BASE + len(self._entries) - 1
+
+    def _entry(self, t: torch.Tensor) -> _Entry:
         mesh, weights = self.mesh, None
         if is_dtensor(t):
             t = self._without_partial(t)
@@ -208,8 +221,7 @@ class MeshStats:
             x = t.detach()
             fp = self._fingerprint(x)
         moments, minmax, sample = _moments(x)
-        self._entries.append(_Entry(mesh, weights, moments, minmax, sample, fp))
-        return SLOT_BASE + len(self._entries) - 1
+        return _Entry(mesh, weights, moments, minmax, sample, fp)
 
     @staticmethod
     def _without_partial(t: Any) -> Any:
@@ -240,6 +252,10 @@ class MeshStats:
         :meth:`finalize`)."""
         for name, p in named:
             if not is_dtensor(p):
+                continue
+            at = self._at_grad.get(name)
+            if at is not None:  # read when its gradient arrived
+                self._params[name] = (self._append(at[0]), self._append(at[1]))
                 continue
             g = p.grad
             gslot = self.add(g) if g is not None and is_dtensor(g) else None

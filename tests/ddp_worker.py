@@ -5,7 +5,8 @@ Each rank trains the same two-layer MLP on its own seeded batches, records the j
 per step, flushed at once): the independent record the tests compare the run store against.
 
 Scenarios (``--scenario a,b``): ``perturb`` (rank 1 adds 1e-3 to ``2.bias`` after the optimizer
-step of step 10), ``nosync`` (the backward of step 20 runs under ``no_sync()`` on every rank:
+step of step 10), ``perturb_late`` (rank 1 adds 1e-3 to ``0.bias`` after step 30),
+``nosync`` (the backward of step 20 runs under ``no_sync()`` on every rank:
 its gradients are not all-reduced), ``nan`` (rank 1 logs a NaN loss at step 28).
 """
 
@@ -15,18 +16,22 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
+# run as a script: tests/ (sys.path[0]) must not shadow the hooks package with tests/hooks
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent]
 
-import hooks
-from hooks.runs.distributed import RankLink
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+import hooks  # noqa: E402
+from hooks.runs.distributed import RankLink  # noqa: E402
 
 
 def main() -> None:
@@ -77,6 +82,9 @@ def main() -> None:
             if "perturb" in scenario and step == 10 and rank == 1:
                 with torch.no_grad():
                     model[2].bias.add_(1e-3)
+            if "perturb_late" in scenario and step == 30 and rank == 1:
+                with torch.no_grad():
+                    model[0].bias.add_(1e-3)
             values = {"loss": loss.item(), "grad_norm": grad_norm.item()}
             if "nan" in scenario and step == 28 and rank == 1:
                 values["loss"] = float("nan")

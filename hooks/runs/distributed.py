@@ -152,6 +152,8 @@ class RankLink:
         self._model: Any = None
         self._names: dict[int, str] = {}
         self._ddp = False
+        self._checked = False  # DDP or sharded: the cross-rank checks run
+        self._watch_every: int | None = None
         self._ignored: set[str] = set()
         self._handles: list[Any] = []
         self._ended: dict[str, Any] | None = None
@@ -169,7 +171,7 @@ class RankLink:
         self._peers: dict[int, dict[str, Any]] = {}
         self._pending_checks: dict[int, dict[int, dict[str, Any]]] = {}
         self._reported: set[tuple[str, str]] = set()
-        self._best_nf: tuple[tuple[int, int, int], dict[str, Any]] | None = None
+        self._best_nf: tuple[tuple[int, int, int, int], dict[str, Any]] | None = None
         self._delivered: set[int] = set()
         self._thread = threading.Thread(target=self._main, name=f"mdb-rank-link-{self.rank}",
                                         daemon=True)
@@ -184,11 +186,16 @@ class RankLink:
         """Start the link thread (it joins the other ranks in the background)."""
         self._thread.start()
 
-    def watch(self, model: Any) -> None:
-        """Measure the rank's compute time and, for a ``DistributedDataParallel`` model, check
-        its parameters and gradients across ranks on the gathered steps (see the module
-        docstring)."""
+    def watch(self, model: Any, every: int | None = None) -> None:
+        """Measure the rank's compute time and, for a ``DistributedDataParallel`` model or a
+        sharded one (DTensor parameters: FSDP2, HSDP, tensor parallel), check its parameters
+        and gradients across ranks (see the module docstring) on the gathered steps, on every
+        ``every``-th step (the steps ``run.watch`` captures) and at the job's last step. A
+        DTensor's local piece is compared among the ranks that hold a replica of it
+        (:func:`hooks.runs.rank_checksums.replica_key`)."""
         import torch
+
+        from hooks.dtensor_stats import is_dtensor
 
         self.unwatch()
         inner = model
@@ -198,11 +205,13 @@ class RankLink:
             inner = model.module
             self._ignored = set(getattr(model, "parameters_to_ignore", ()) or ())
         self._model = inner
+        self._watch_every = int(every) if every else None
         self._names = {id(p): name for name, p in inner.named_parameters()}
+        self._checked = self._ddp or any(is_dtensor(p) for p in inner.parameters())
         first = next((p for p in inner.parameters() if p.requires_grad), None)
         if first is not None and hasattr(first, "register_post_accumulate_grad_hook"):
             self._handles.append(first.register_post_accumulate_grad_hook(self._on_grad))
-        if self._ddp:
+        if self._checked:
             from torch.optim.optimizer import (
                 register_optimizer_step_post_hook,
                 register_optimizer_step_pre_hook,
@@ -272,15 +281,31 @@ class RankLink:
         if trace is not None and self.rank != 0:
             self._traces.append((step, trace))
         if new:
-            self._armed = step + 1 if (step + 1) % self.every == 0 and self._ddp else None
+            self._armed = step + 1 if self._checks_at(step + 1) else None
             if step % self.every == 0:
                 self.gather_point(step)
 
     def arm_first(self, next_step: int) -> None:
-        """Arm the optimizer checks for ``next_step`` when it is a gathered one (before the
-        first ``log()``)."""
-        if self._ddp and next_step % self.every == 0:
+        """Arm the optimizer checks for ``next_step`` when it is a gathered or a captured one
+        (before the first ``log()``)."""
+        if self._checks_at(next_step):
             self._armed = next_step
+
+    def _checks_at(self, step: int) -> bool:
+        """Whether the cross-rank checks run at ``step``: a gathered or a captured step."""
+        w = self._watch_every
+        return self._checked and (step % self.every == 0 or (w is not None and step % w == 0))
+
+    def _final_checks(self, step: int) -> None:
+        """The parameters as they are at the job's last step (``step``), unless that step's
+        optimizer step was checked already: compared like the others, at the end."""
+        if self._model is None or not self._checked:
+            return
+        with contextlib.suppress(Exception):
+            res = self._results.setdefault(int(step), {})
+            if "params" not in res:
+                res["params"] = checksums(self._model.named_parameters())
+                res["where"] = "end"
 
     def set_nonfinite(self, nf: Mapping[str, Any], order: tuple[int, int]) -> None:
         """This rank's first non-finite value (``order``: (step, index of the metric in its
@@ -298,7 +323,7 @@ class RankLink:
         out = {}
         for tag in sorted(t for t in self._results if t <= step):
             out[tag] = self._results.pop(tag)
-        if step % self.every == 0 and self._model is not None and self._ddp and (
+        if step % self.every == 0 and self._model is not None and self._checked and (
             step not in out or "params" not in out[step]
         ):  # no torch.optim step between the two log() calls: the parameters as they are now
             with contextlib.suppress(Exception):
@@ -329,6 +354,7 @@ class RankLink:
             Rank 0: per rank, ``{"state", "reason", "last_step", "host", "pid"}`` as far as
             known; other ranks: ``{}``.
         """
+        self._final_checks(step)
         self.unwatch()
         self._armed = None
         self._ended = {"status": status, "reason": reason, "step": int(step)}
@@ -665,7 +691,9 @@ class RankLink:
             self._set_state(rank, ended.get("status") or "finished", ended.get("reason"))
 
     def _consider_nonfinite(self, rank: int, nf: Mapping[str, Any], order: Sequence[int]) -> None:
-        key = (int(order[0]), int(order[1]), rank)
+        # at the same step and metric, a rank that located it (e.g. its shard holds the NaN)
+        # comes before one that did not
+        key = (int(order[0]), int(order[1]), 0 if nf.get("module") is not None else 1, rank)
         best = self._best_nf
         if best is None or key <= best[0]:
             record = {**{k: nf.get(k) for k in ("step", "metric", "module", "direction")},
@@ -709,7 +737,8 @@ class RankLink:
             if kind == "params":
                 line = (f"{name} differs across ranks after the optimizer step of step {step}: "
                         f"{who} {'differs' if len(odd) == 1 else 'differ'} from rank {ref} "
-                        f"(checksums {sums}); a DDP desync")
+                        f"(checksums {sums}); "
+                        + ("a DDP desync" if self._ddp else "a desync between replicas"))
                 fk = "param_divergence"
             else:
                 line = (f"{name}: its gradient differs across ranks after backward at step "

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from hooks.capture import capture
+from hooks.dtensor_stats import is_dtensor, local_piece
 from hooks.ops import Replay
 
 __all__ = [
@@ -91,7 +92,7 @@ def _phrase(nan: int, inf: int, numel: int) -> str:
 
 def nonfinite_counts(t: torch.Tensor) -> str:
     """``1 NaN of 4096 values``, ``2 NaN and 1 Inf of 64 values``."""
-    t = t.detach()
+    t = local_piece(t)
     return _phrase(int(torch.isnan(t).sum()), int(torch.isinf(t).sum()), t.numel())
 
 
@@ -137,13 +138,28 @@ def parameter_origin(model: nn.Module) -> Origin | None:
         ``None`` when every parameter is finite.
     """
     bad = [(name, p) for name, p in model.named_parameters()
-           if p.is_floating_point() and not bool(torch.isfinite(p.detach()).all())]
+           if p.is_floating_point() and not bool(torch.isfinite(local_piece(p)).all())]
     if not bad:
         return None
     name, p = bad[0]
     module, _, leaf = name.rpartition(".")
     more = f" (and {len(bad) - 1} more parameters)" if len(bad) > 1 else ""
-    return Origin(module, "parameter", f"its {leaf} holds {nonfinite_counts(p)}{more}")
+    return Origin(module, "parameter", f"its {leaf} holds {nonfinite_counts(p)}{_shard(p)}{more}")
+
+
+def _shard(p: torch.Tensor) -> str:
+    """`` in rank 1's shard`` for a DTensor (only this rank's shard is looked at: no
+    collective), else nothing."""
+    if not is_dtensor(p):
+        return ""
+    import torch.distributed as dist
+
+    return f" in rank {dist.get_rank()}'s shard (of the full {list(p.shape)})"
+
+
+def _sharded(model: nn.Module) -> bool:
+    """Whether ``model`` has DTensor parameters (FSDP2, tensor parallel)."""
+    return any(is_dtensor(p) for p in model.parameters())
 
 
 def _swallow_note(trace: Any, module: str, stayed: str) -> str:
@@ -200,9 +216,9 @@ def gradient_origin(model: nn.Module) -> Origin | None:
     holds NaN/Inf, when nothing else could be located; ``None`` if every gradient is finite."""
     for name, p in model.named_parameters():
         g = p.grad
-        if g is not None and not bool(torch.isfinite(g).all()):
+        if g is not None and not bool(torch.isfinite(local_piece(g)).all()):
             module, _, leaf = name.rpartition(".")
-            detail = f"the gradient of its {leaf} holds {nonfinite_counts(g)}"
+            detail = f"the gradient of its {leaf} holds {nonfinite_counts(g)}{_shard(g)}"
             return Origin(module, "gradient", detail)
     return None
 
@@ -258,6 +274,9 @@ class NonFiniteSentinel:
         self._replay: Replay | None = None
         self._inside = False
         self._found: tuple[str, Origin | None] | None = None
+        # a sharded model is never replayed: its forward runs collectives, which one rank
+        # alone would wait for forever; only this rank's shards are looked at
+        self._sharded = _sharded(model)
         self._handles = [
             model.register_forward_pre_hook(self._pre, with_kwargs=True),
             model.register_forward_hook(self._post, with_kwargs=True),
@@ -282,8 +301,8 @@ class NonFiniteSentinel:
         if self._found is not None:
             return
         try:
-            grads = [p.grad for group in optimizer.param_groups for p in group["params"]
-                     if p.grad is not None and p.grad.is_floating_point()]
+            grads = [local_piece(p.grad) for group in optimizer.param_groups
+                     for p in group["params"] if p.grad is not None and p.grad.is_floating_point()]
             if not grads or not _any_nonfinite(grads):
                 return
             origin = self._locate("the model's output")
@@ -294,7 +313,7 @@ class NonFiniteSentinel:
             self._found = None
 
     def _locate(self, stayed_finite: str | None) -> Origin | None:
-        if self._busy() or self._replay is None:
+        if self._busy() or self._replay is None or self._sharded:
             return parameter_origin(self.model)
         self._inside = True
         try:

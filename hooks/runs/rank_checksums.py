@@ -15,6 +15,17 @@ def _is_sharded(t: Any) -> bool:
     return type(t).__name__ == "DTensor" or hasattr(t, "_local_tensor")
 
 
+def replica_key(name: str, t: Any) -> str:
+    """The name under which a DTensor's local piece is compared across ranks: the ranks that
+    share it hold replicas of the same piece (HSDP's replicas, a tensor-parallel
+    ``Replicate`` parameter), which must be bitwise equal. ``name`` when the DTensor is
+    replicated on every mesh dimension; ``name [shard i, j]`` (the coordinates along its
+    ``Shard`` dimensions) otherwise, so that only the ranks holding that shard compare it."""
+    coord = t.device_mesh.get_coordinate() or []
+    shards = [str(c) for c, p in zip(coord, t.placements, strict=False) if not p.is_replicate()]
+    return f"{name} [shard {', '.join(shards)}]" if shards else name
+
+
 def tensor_checksum(t: Any) -> Any:
     """The sum of a tensor's bit patterns as integers, a 0-dim ``int64`` tensor on its device.
 
@@ -40,7 +51,7 @@ def tensor_checksum(t: Any) -> Any:
 def checksums(named: Iterable[tuple[str, Any]]) -> dict[str, int | None]:
     """:func:`tensor_checksum` of each named tensor, as Python ints (one device sync per
     device); ``None`` for a missing tensor (a gradient not computed). Sharded tensors
-    (DTensor) are left out: their ranks hold different shards by design."""
+    (DTensor) are taken of this rank's local piece, under :func:`replica_key`."""
     import torch
 
     out: dict[str, int | None] = {}
@@ -50,7 +61,7 @@ def checksums(named: Iterable[tuple[str, Any]]) -> dict[str, int | None]:
             out[name] = None
             continue
         if _is_sharded(t):
-            continue
+            name, t = replica_key(name, t), t.detach().to_local()
         by_device.setdefault(t.device, []).append((name, tensor_checksum(t)))
     for items in by_device.values():
         values = torch.stack([v for _, v in items]).tolist()

@@ -635,7 +635,7 @@ class Run(RunControls):
         self._model, self._every, self._capture_options = model, every, dict(capture_options)
         nxt = self.step + 1 if self._logged else 1
         if self._link is not None:
-            self._link.watch(model)
+            self._link.watch(model, every=every)  # cross-rank checks at captured steps too
             self._link.arm_first(nxt)
             inner = getattr(model, "module", None)
             if isinstance(inner, nn.Module) and type(model).__name__ == "DistributedDataParallel":

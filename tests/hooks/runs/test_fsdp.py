@@ -1,0 +1,184 @@
+"""Sharded and data-parallel jobs recorded by ``hooks.run``: FSDP2 (``fully_shard``), HSDP, and
+the cross-rank checks at captured steps and at the job's last step.
+
+Real jobs: 2 ranks started by ``torchrun`` (gloo, CPU, loopback): ``tests/fsdp_worker.py`` and
+``tests/ddp_worker.py``, whose ranks also write what they logged to files of their own. The
+reference numbers are computed here with plain torch on the unsharded model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hooks.runs.store import RunStore, RunStoreError
+from tests import dtensor_worker as worker
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop("MDB_DB", None)
+    return env
+
+
+@contextlib.contextmanager
+def _job(tmp_path: Path, script: str, *args: str):
+    """``torchrun --standalone --nproc-per-node 2 tests/SCRIPT ARGS`` in a process group of
+    its own, killed (SIGKILL to the group) when the block ends."""
+    log = tmp_path / f"{script}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+             "2", str(REPO / "tests" / script), *args],
+            cwd=tmp_path, env=_env(), stdout=out, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True)
+    proc.log = log  # type: ignore[attr-defined]
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(60)
+
+
+def _run_job(tmp_path: Path, script: str, *args: str) -> None:
+    with _job(tmp_path, script, *args) as proc:
+        rc = proc.wait(600)
+    assert rc == 0, proc.log.read_text(errors="replace")[-3000:]
+
+
+def _reference_step(step: int) -> dict[str, dict[str, float]]:
+    """One process, the whole global batch: SGD (lr 0.1) as the worker; at ``step``, each
+    parameter's gradient norm and abs-max, and its weight norm before that step's update."""
+    model = worker.build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for s in range(1, step + 1):
+        x, y = worker.batch(s)
+        F.mse_loss(model(x), y).backward()
+        if s == step:
+            return {n: {"grad_norm": float(p.grad.norm()), "grad_abs_max":
+                        float(p.grad.abs().max()), "weight_norm": float(p.detach().norm()),
+                        "shape": list(p.shape)} for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.slow
+def test_an_fsdp_job_is_one_run_whose_captures_hold_full_tensor_statistics(tmp_path):
+    db = tmp_path / "m.sqlite"
+    _run_job(tmp_path, "fsdp_worker.py", "--db", str(db), "--name", "fsdp", "--out",
+             str(tmp_path), "--steps", "10", "--every", "5", "--watch-every", "5")
+    ref = _reference_step(5)
+    with RunStore(db) as store:
+        (run,) = store.runs()
+        assert (run.name, run.status, run.world_size, run.last_step) == ("fsdp", "finished", 2,
+                                                                           10)
+        assert store.internals_steps(run.id) == [5, 10]
+        cap0 = store.internals(run.id, 5)
+        cap1 = store.rank_internals(run.id, 5, 1)
+        assert cap0["params"] == cap1["params"]  # every rank holds the full-tensor numbers
+        params = {p["name"]: p for p in cap0["params"]}
+        assert list(params) == list(ref)
+        for name, r in ref.items():
+            p = params[name]
+            assert p["shape"] == r["shape"] and p["status"] == "ok"
+            for key in ("grad_norm", "grad_abs_max", "weight_norm"):
+                assert math.isclose(p[key], r[key], rel_tol=1e-5), (name, key, p[key], r[key])
+        assert store.findings(run.id) == []
+        checks = {(c["step"], c["kind"]) for c in store.checks(run.id)}
+        assert {(5, "params"), (5, "grads"), (10, "params")} <= checks
+
+
+@pytest.mark.slow
+def test_a_nan_in_one_ranks_shard_names_the_parameter_and_the_rank(tmp_path):
+    db = tmp_path / "m.sqlite"
+    _run_job(tmp_path, "fsdp_worker.py", "--db", str(db), "--name", "nan", "--out",
+             str(tmp_path), "--steps", "10", "--scenario", "nan")
+    with RunStore(db) as store:
+        run = store.run("nan")
+    nf = run.nonfinite
+    assert {k: nf.get(k) for k in ("step", "metric", "module", "direction", "rank")} == {
+        "step": 7, "metric": "loss", "module": "blocks.1.w2", "direction": "parameter",
+        "rank": 1}, nf
+    assert nf["detail"] == ("its weight holds 1 NaN of 64 values in rank 1's shard (of the "
+                            "full [8, 16])")
+
+
+@pytest.mark.slow
+def test_an_hsdp_replica_that_drifts_is_named(tmp_path):
+    db = tmp_path / "m.sqlite"
+    _run_job(tmp_path, "fsdp_worker.py", "--db", str(db), "--name", "hsdp", "--out",
+             str(tmp_path), "--steps", "10", "--scenario", "hsdp")
+    with RunStore(db) as store:
+        run = store.run("hsdp")
+        found = [f for f in store.findings(run.id) if f.kind == "param_divergence"]
+    assert [(f.subject, f.step, f.rank) for f in found] == [("blocks.0.w1.bias [shard 0]", 5, 1)]
+    assert "a desync between replicas" in found[0].line
+
+
+@pytest.mark.slow
+def test_a_40_step_ddp_job_is_checked_at_captured_steps_and_at_its_last(tmp_path):
+    """Gathered every 50 steps (more than the job has): rank 1's change after step 10 is named
+    at the captured step 25, its change after step 30 at the job's last step, 40."""
+    db = tmp_path / "m.sqlite"
+    _run_job(tmp_path, "ddp_worker.py", "--db", str(db), "--name", "ddp", "--out",
+             str(tmp_path), "--steps", "40", "--every", "50", "--watch-every", "25",
+             "--scenario", "perturb,perturb_late")
+    with RunStore(db) as store:
+        run = store.run("ddp")
+        found = [f for f in store.findings(run.id) if f.kind == "param_divergence"]
+        checks = [(c["step"], c["kind"], c["differing"]) for c in store.checks(run.id)]
+    assert [(f.subject, f.step, f.rank) for f in found] == [("2.bias", 25, 1), ("0.bias", 40, 1)]
+    assert (25, "params", 1) in checks and (40, "params", 2) in checks
+
+
+def _query(db: Path, fn):
+    try:
+        with RunStore(db) as store:
+            return fn(store)
+    except (RunStoreError, Exception):
+        return None
+
+
+@pytest.mark.slow
+def test_an_fsdp_rank_killed_with_sigkill_is_named_and_nothing_recorded_is_lost(tmp_path):
+    db = tmp_path / "m.sqlite"
+    with _job(tmp_path, "fsdp_worker.py", "--db", str(db), "--name", "kill", "--out",
+              str(tmp_path), "--steps", "100000", "--every", "5", "--watch-every", "1000",
+              "--sleep", "0.02") as proc:
+        deadline = time.monotonic() + 300
+        while (_query(db, lambda s: len(s.rank_steps(s.run("kill").id, rank=1))) or 0) < 10:
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                proc.log.read_text(errors="replace")[-3000:]
+            time.sleep(0.1)
+        before = _query(db, lambda s: [(x.step, x.rank, x.values)
+                                       for x in s.rank_steps(s.run("kill").id)])
+        lines = (tmp_path / "rank1.jsonl").read_text().splitlines()
+        pid1 = json.loads(lines[0])["pid"]
+        os.kill(pid1, signal.SIGKILL)
+        proc.wait(300)
+    with RunStore(db) as store:
+        run = store.run("kill")
+        assert run.status == "failed"
+        assert run.reason.startswith(f"rank 1 (pid {pid1} on {socket.gethostname()}) died"), \
+            run.reason
+        assert [(f.rank, f.detail["pid"]) for f in store.findings(run.id)
+                if f.kind == "rank_dead"] == [(1, pid1)]
+        have = {(x.step, x.rank): x.values for x in store.rank_steps(run.id)}
+        assert all(have[(s, r)] == v for s, r, v in before)
