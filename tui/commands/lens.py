@@ -82,8 +82,10 @@ def print_grid(lens, row: int = 0) -> None:
 
     texts, probs = lens.table(row)
     ids = lens.ids[row].tolist() if lens.ids is not None else None
-    table = Table(show_edge=False, pad_edge=False, title_justify="left",
-                  title=f"top-1 per position (rows) and decoder layer (columns), sequence {row}")
+    console = _console()
+    console.print(f"top-1 per position (rows) and decoder layer (columns), sequence {row}",
+                  markup=False)
+    table = Table(show_edge=False, pad_edge=False)
     table.add_column("pos", justify="right")
     if ids is not None:
         table.add_column("input")
@@ -97,7 +99,7 @@ def print_grid(lens, row: int = 0) -> None:
             cells += [lens.text_of(ids[p]), lens.text_of(ids[p + 1]) if p + 1 < t else ""]
         cells += [f"{texts[layer][p]} {probs[layer, p]:.3f}" for layer in range(len(texts))]
         table.add_row(*cells)
-    _console().print(table)
+    console.print(table)
 
 
 def print_position(lens, pos: int, k: int, row: int = 0) -> None:
@@ -106,15 +108,16 @@ def print_position(lens, pos: int, k: int, row: int = 0) -> None:
 
     ids = lens.ids[row].tolist() if lens.ids is not None else None
     at = f" (input {lens.text_of(ids[pos])!r})" if ids is not None else ""
-    table = Table(show_edge=False, pad_edge=False, title_justify="left",
-                  title=f"top {k} at position {pos}{at}, sequence {row}")
+    console = _console()
+    console.print(f"top {k} at position {pos}{at}, sequence {row}", markup=False)
+    table = Table(show_edge=False, pad_edge=False)
     table.add_column("layer", no_wrap=True)
     for i in range(k):
         table.add_column(f"#{i + 1}", no_wrap=True)
     for layer, name in enumerate(lens.layers):
         top = lens.top(layer, pos, k, row=row)
         table.add_row(_short(name), *[f"{t.text} {t.prob:.3f}" for t in top])
-    _console().print(table)
+    console.print(table)
 
 
 def run(args: argparse.Namespace) -> int:
