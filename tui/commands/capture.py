@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "always recorded")
     parser.add_argument("--no-attention", action="store_true",
                         help="do not record attention probabilities (smaller trace)")
+    from tui.commands.editing import add_edit_arguments
+
+    add_edit_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,9 +46,14 @@ def run(args: argparse.Namespace) -> int:
         raise MdbError(f"--out {out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not (out / "trace.json").exists():
         raise MdbError(f"--out {out}: a directory that is not a trace; name a new directory")
+    from tui.commands.editing import edit_lines, edit_plan
+
     set_threads(args)
-    trace = capture_step(build_workload(args), attention=not args.no_attention,
-                         keep_bytes=args.keep_bytes, ops=args.ops)
+    workload = build_workload(args)
+    edits, sources = edit_plan(args, workload)  # checked before anything runs
+    trace = capture_step(workload, attention=not args.no_attention,
+                         keep_bytes=args.keep_bytes, ops=args.ops, edits=edits or None,
+                         sources=sources)
     try:
         trace.save(out)
     except OSError as exc:
@@ -59,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
         f"{len(trace.params)} parameters, {len(trace.routing)} routing and "
         f"{len(trace.attention)} attention records{loss_text}"
     )
+    for line in edit_lines(trace):
+        print(line)
     bad = trace.first_nonfinite("forward") or trace.first_nonfinite("backward")
     if bad is not None:
         print(f"first non-finite value: {bad.describe()}")

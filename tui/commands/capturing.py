@@ -10,7 +10,8 @@ from tui.errors import MdbError, ModelError
 
 
 def capture_step(workload: Workload, *, attention: bool = True, keep_bytes: int = 0,
-                 ops: list[str] | None = None):
+                 ops: list[str] | None = None, edits: list[str] | None = None,
+                 sources: dict[str, Any] | None = None):
     """Run one forward and backward pass of ``workload`` under :func:`hooks.capture`.
 
     When the forward produced NaN/Inf, the ops of the first non-finite call are recorded
@@ -23,6 +24,8 @@ def capture_step(workload: Workload, *, attention: bool = True, keep_bytes: int 
         attention: record attention probabilities.
         keep_bytes: budget for full tensor copies.
         ops: ``fnmatch`` patterns of module names whose every call's ops are recorded too.
+        edits: edit specs applied to the step (:mod:`hooks.edits`; check them first with
+            :func:`tui.commands.editing.edit_plan`), and ``sources`` their patch batches.
 
     Returns:
         The :class:`hooks.Trace`, with ``meta`` holding the description, token labels,
@@ -30,7 +33,7 @@ def capture_step(workload: Workload, *, attention: bool = True, keep_bytes: int 
         A non-finite loss does not stop the capture: the trace shows where it started.
 
     Raises:
-        MdbError: ``ops`` matches no recorded call.
+        MdbError: ``ops`` matches no recorded call; a bad edit.
     """
     import math
 
@@ -49,7 +52,12 @@ def capture_step(workload: Workload, *, attention: bool = True, keep_bytes: int 
     from hooks.errors import describe_error
 
     batch = workload.batch
-    with hooks.capture(model, attention=attention, keep_bytes=keep_bytes, meta=meta) as trace:
+    try:
+        cap = hooks.capture(model, attention=attention, keep_bytes=keep_bytes, meta=meta,
+                            edits=edits, sources=sources)
+    except ValueError as exc:  # a bad edit: nothing ran
+        raise MdbError(str(exc)) from None
+    with cap as trace:
         try:
             output = batch.call(model)
         except Exception as exc:  # the user's model: one line with the module and its line

@@ -1,5 +1,9 @@
 """``mdb diff A B``: what changed between two captured steps, call by call.
 
+``mdb diff --edit SPEC [model options]`` compares the model's step as is (A) with the same step
+edited (B; :mod:`tui.commands.diff_edit`), ``mdb diff --dtype DTYPE`` the step in fp32 with the
+step in bfloat16 or float16 (:mod:`tui.commands.diff_dtype`).
+
 ``A`` and ``B`` are trace directories (``mdb capture --out``) or stored captures of a run,
 ``RUN@STEP`` (``mdb watch``'s ``c``, ``hooks.run(...).watch``). Calls are matched by module name
 and call index (:meth:`hooks.Trace.diff`); where the architectures differ (GQA against MHA) the
@@ -18,12 +22,25 @@ from pathlib import Path
 from tui.commands.options import check_path, nonneg_int
 from tui.errors import MdbError
 
-HELP = "compare two captured steps (trace directories or RUN@STEP), call by call"
+HELP = ("compare two captured steps (trace directories or RUN@STEP), call by call; --edit: "
+        "the step as is vs edited; --dtype: fp32 vs bf16/fp16")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("a", metavar="A", help="a trace directory, or RUN@STEP of the run store")
-    parser.add_argument("b", metavar="B", help="the trace to compare A with (B - A is shown)")
+    parser.add_argument("a", metavar="A", nargs="?", default=None,
+                        help="a trace directory, or RUN@STEP of the run store")
+    parser.add_argument("b", metavar="B", nargs="?", default=None,
+                        help="the trace to compare A with (B - A is shown)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default=None,
+                        help="instead of A B: run the model's step in fp32 and in DTYPE (same "
+                             "weights and batch) and show where they part")
+    from tui.commands.editing import add_edit_arguments
+    from tui.commands.options import add_model_arguments
+    from tui.commands.step import add_threads_argument
+
+    add_edit_arguments(parser)  # --edit SPEC: instead of A B, the step as is vs edited
+    add_model_arguments(parser)
+    add_threads_argument(parser)
     parser.add_argument("--db", metavar="FILE", default=None,
                         help="run store for RUN@STEP (default: $MDB_DB or ./runs/mdb.sqlite)")
     parser.add_argument("--table", action="store_true",
@@ -103,8 +120,43 @@ def print_table(diff, a: str, b: str, limit: int) -> None:
             console.print(f"{label}: {shown}", markup=False)
 
 
+_MODEL_OPTIONS = ("preset", "config", "model", "text", "source_text", "source_ids",
+                  "source_batch")
+
+
+def _mode(args: argparse.Namespace) -> str:
+    """``traces`` (A B), ``edit`` (--edit) or ``dtype`` (--dtype): exactly one.
+
+    Raises:
+        MdbError: none or several of them, A without B, model options with A B.
+    """
+    given = [m for m, on in (("traces", args.a is not None), ("edit", bool(args.edit)),
+                             ("dtype", args.dtype is not None)) if on]
+    if len(given) != 1:
+        raise MdbError("give two traces A B, or --edit SPEC (the step as is vs edited), or "
+                       "--dtype bfloat16|float16 (fp32 vs that dtype): one of them"
+                       + (f", not {' and '.join(given)}" if given else ""))
+    if given == ["traces"]:
+        if args.b is None:
+            raise MdbError(f"{args.a}: give the trace to compare it with (mdb diff A B)")
+        extra = [f"--{o.replace('_', '-')}" for o in _MODEL_OPTIONS if getattr(args, o, None)]
+        if extra:
+            raise MdbError(f"{', '.join(extra)}: model options go with --edit or --dtype, not "
+                           "with two traces")
+    return given[0]
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``mdb diff``."""
+    mode = _mode(args)
+    if mode == "dtype":
+        from tui.commands.diff_dtype import run_dtype
+
+        return run_dtype(args)
+    if mode == "edit":
+        from tui.commands.diff_edit import run_edit
+
+        return run_edit(args, print_table)
     a = resolve_trace(args.a, args.db)
     b = resolve_trace(args.b, args.db)
     diff = a.diff(b)

@@ -63,6 +63,9 @@ class StepScreen(MdbScreen):
         Binding("i", "step_into", "into", id="step.into",
                 tooltip="step into the current call: its torch ops (backward: the forward op "
                 "that made the gradient non-finite)"),
+        Binding("e", "edit", "edit", show=False, id="step.edit",
+                tooltip="what if: edit the selected call (zero, a head, an expert, drop, scale, "
+                "mean, patch), re-run the step, and see what changed"),
         Binding("slash", "search", "find", key_display="/", id="step.search",
                 tooltip="find a module by name"),
         Binding("r", "view('router')", "router", id="view.router",
@@ -311,6 +314,12 @@ class StepScreen(MdbScreen):
                 except KeyError:
                     pass
         self.app.push_screen(OpsScreen(self, call.module, call.call_index, select=select))
+
+    def action_edit(self) -> None:
+        """Open the edit form for the selected call's module (:mod:`tui.screens.edit_form`)."""
+        from tui.screens.edit_diff import open_edit_form
+
+        open_edit_form(self, self.trace, self.stepper.module)
 
     # -- other views ----------------------------------------------------------------------------
     def action_lens(self) -> None:

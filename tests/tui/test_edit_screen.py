@@ -1,0 +1,143 @@
+"""Pilot tests of ``e`` in the step view: the edit form, the re-run in a worker, the what-if diff
+view (A = the step as is, B = edited), going back and editing again on top.
+
+Expected values are recomputed independently: the edited step's loss from a plain forward of
+the same model with the head's o_proj input columns zeroed in a copy; the first row against
+the largest relative change computed from the two traces' own statistics."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import pytest
+import torch
+from textual.widgets import DataTable, Input, Static
+
+from tests.conftest import wait_until
+from tui.app import make_step_app
+from tui.commands.capturing import capture_step
+from tui.commands.options import add_model_arguments
+from tui.commands.workload import build_workload
+from tui.screens.edit_diff import EditDiffScreen
+from tui.screens.edit_form import EditFormScreen
+from tui.screens.step import StepScreen
+
+SIZE = (100, 30)
+ATTN = "model.layers.1.self_attn"
+
+
+@pytest.fixture(scope="module")
+def step():
+    """(trace, workload) of one captured step of the tiny preset, T=16."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        parser = argparse.ArgumentParser()
+        add_model_arguments(parser)
+        workload = build_workload(parser.parse_args(["--preset", "tiny", "--seq-len", "16"]))
+        trace = capture_step(workload, attention=False)
+    finally:
+        torch.set_num_threads(threads)
+    return trace, workload
+
+
+def _text(app, sel: str) -> str:
+    return str(app.screen.query_one(sel, Static).render())
+
+
+def _head_zeroed_loss(workload, h: int) -> float:
+    ref = copy.deepcopy(workload.model)
+    o = ref.model.layers[1].self_attn.o_proj
+    dh = o.in_features // ref.config.num_attention_heads
+    with torch.no_grad():
+        o.weight[:, h * dh:(h + 1) * dh] = 0
+        return float(workload.batch.call(ref).loss)
+
+
+async def test_e_form_rerun_and_diff_view_largest_first_then_back(step):
+    trace, workload = step
+    app = make_step_app(trace)
+    async with app.run_test(size=SIZE) as pilot:
+        assert isinstance(app.screen, StepScreen)
+        app.screen.jump(ATTN)
+        await pilot.pause()
+        await pilot.press("e")
+        await wait_until(pilot, lambda: isinstance(app.screen, EditFormScreen))
+        form = app.screen
+        assert form.options[:2] == [f"zero {ATTN}", f"zero {ATTN} head=0"]
+        box = form.query_one("#edit-spec", Input)
+        box.value = f"zero {ATTN} head=9"  # out of range: said in the form, nothing runs
+        box.focus()
+        await pilot.press("enter")
+        assert "out of range" in _text(app, "#edit-hint") and not form.running
+        box.value = f"zero {ATTN} head=2"
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: isinstance(app.screen, EditDiffScreen))
+        view = app.screen
+        assert view.b.edits[0].applied and view.edits == [f"zero {ATTN} head=2"]
+        assert abs(view.b.meta["loss"] - _head_zeroed_loss(workload, 2)) < 1e-5
+        assert view.b.meta["loss"] != trace.meta["loss"]
+        status = _text(app, "#status")
+        assert status.startswith(f"loss {trace.meta['loss']:.6g} → {view.b.meta['loss']:.6g}")
+        # rows: the calls that changed, largest relative change first (from the traces' stats)
+        table = view.query_one("#diff-table", DataTable)
+        assert table.row_count == len(view.rows) > 0
+        rel = [r["diff"].relative() for r in view.rows]
+        assert rel == sorted(rel, reverse=True)
+        o_proj = next(r for r in trace.forward if r.module == f"{ATTN}.o_proj")
+        before = {(c.module, c.call_index) for c in trace.forward  # done before o_proj ran
+                  if c.index < o_proj.index and c.module
+                  and not o_proj.module.startswith(c.module + ".")}
+        assert len(before) > 10
+        assert not any(r["diff"].direction == "forward" and
+                       (r["diff"].module, r["diff"].call_index) in before
+                       for r in view.rows)  # nothing before the edit changed
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: isinstance(app.screen, StepScreen))
+
+
+async def test_edit_again_composes_on_top(step):
+    trace, _ = step
+    app = make_step_app(trace)
+    async with app.run_test(size=SIZE) as pilot:
+        app.screen.jump("model.layers.1.mlp")
+        await pilot.pause()
+        await pilot.press("e")
+        await wait_until(pilot, lambda: isinstance(app.screen, EditFormScreen))
+        # Enter on the 'drop … expert=0' choice copies it to the input; Enter runs it
+        form = app.screen
+        i = form.options.index("drop model.layers.1.mlp expert=0")
+        form.query_one("#edit-options").highlighted = i
+        await pilot.press("enter", "enter")
+        await wait_until(pilot, lambda: isinstance(app.screen, EditDiffScreen))
+        first = app.screen
+        await pilot.press("e")
+        await wait_until(pilot, lambda: isinstance(app.screen, EditFormScreen))
+        assert app.screen.base == ["drop model.layers.1.mlp expert=0"]
+        app.screen.query_one("#edit-spec", Input).value = "zero model.layers.0.mlp"
+        app.screen.query_one("#edit-spec", Input).focus()
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: isinstance(app.screen, EditDiffScreen)
+                         and app.screen is not first)
+        both = app.screen
+        assert [e.spec for e in both.b.edits] == ["drop model.layers.1.mlp expert=0",
+                                                  "zero model.layers.0.mlp"]
+        assert all(e.applied for e in both.b.edits)
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: app.screen is first)
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: isinstance(app.screen, StepScreen))
+
+
+async def test_e_on_a_trace_from_disk_says_why(step, tmp_path):
+    from hooks import Trace
+
+    trace, _ = step
+    loaded = Trace.load(trace.save(tmp_path / "t.mdbtrace"))
+    app = make_step_app(loaded)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("n", "e")
+        await pilot.pause()
+        assert isinstance(app.screen, StepScreen)
+        assert "loaded from disk" in _text(app, "#hint")
