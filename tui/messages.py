@@ -128,9 +128,13 @@ class RunPolled(Message):
 
     Attributes:
         update: The :class:`hooks.runs.store.RunUpdate` (run row, new metric rows and samples).
+        history: On a first read of a long run, its metrics bucketed by step range
+            (:class:`hooks.runs.summary.History`); ``update.metrics`` are then only its last
+            steps, which the buckets hold already. ``None`` otherwise.
     """
 
     update: Any
+    history: Any = None
 
 
 @dataclass

@@ -25,6 +25,10 @@ Schema (version :data:`SCHEMA_VERSION`; ``meta`` identifies the file as an mdb r
     findings(run_id, id, kind, step, rank, subject, line, detail JSON, wall)
                                           PRIMARY KEY (run_id, id)
     checks(run_id, step, kind, ranks, compared, differing) PRIMARY KEY (run_id, step, kind)
+    latest(run_id, metric, step, value)                     PRIMARY KEY (run_id, metric)
+    blocks(run_id, metric, block, first_step, last_step, count, n, total, lo, hi)
+                                                  PRIMARY KEY (run_id, metric, block)
+    summary(run_id PRIMARY KEY, captures, last_capture)
 
 A step's metrics are any number of named scalars: ``scalars.metric`` is a
 ``metric_names.id``, numbered per run in the order the names were first logged. SQLite stores
@@ -48,10 +52,16 @@ and the cross-rank checks' ``findings`` (a parameter that diverged, a gradient t
 all-reduced, a rank that died or stopped reporting) and ``checks`` (one row per comparison
 made, so that "no finding" can be told from "not checked").
 
+``latest``, ``blocks`` and ``summary`` are what the writer keeps so that a reader never scans a
+long run (``mdb runs``, the first frame of ``mdb watch``): each metric's latest value, its
+aggregates per block of 64 steps, and the number of captured steps
+(:mod:`hooks.runs.summary`).
+
 Version 1 (mdb before the ``hooks.run`` API) kept a fixed set of metric columns in
-``metrics``; version 2 had no rank tables. :class:`hooks.runs.store.RunStore` migrates such a
+``metrics``; version 2 had no rank tables; version 3 had no ``latest``, ``blocks`` and
+``summary``. :class:`hooks.runs.store.RunStore` migrates such a
 database to the current version on open, in one transaction (see :func:`_migrate_v1`,
-:func:`_migrate_v2`).
+:func:`_migrate_v2`, :func:`_migrate_v3`).
 A database of a newer version is refused with one line.
 
 :data:`BUSY_TIMEOUT_MS` (and ``$MDB_LOCK_WAIT``) is how long a connection to the file waits
@@ -69,9 +79,10 @@ import time
 
 from hooks.runs.rows import FIXED_METRICS, _nonfinite_from_failure
 from hooks.runs.sqlite_open import lock_wait
+from hooks.runs.summary import rebuild
 
 #: Version of the schema below; bumped on any incompatible change.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 #: ``PRAGMA application_id`` of an mdb run store: the bytes ``b"mdbR"`` as a big-endian int.
 APPLICATION_ID = int.from_bytes(b"mdbR", "big")
 #: Value of ``meta.format`` in an mdb run store.
@@ -207,6 +218,31 @@ _TABLES = {
     wall    REAL NOT NULL,
     PRIMARY KEY (run_id, id)
 ) WITHOUT ROWID""",
+    "latest": """CREATE TABLE latest (
+    run_id INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+    metric INTEGER NOT NULL,
+    step   INTEGER NOT NULL,
+    value  REAL,
+    PRIMARY KEY (run_id, metric)
+) WITHOUT ROWID""",
+    "blocks": """CREATE TABLE blocks (
+    run_id     INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+    metric     INTEGER NOT NULL,
+    block      INTEGER NOT NULL,
+    first_step INTEGER NOT NULL,
+    last_step  INTEGER NOT NULL,
+    count      INTEGER NOT NULL,
+    n          INTEGER NOT NULL,
+    total      REAL NOT NULL,
+    lo         REAL,
+    hi         REAL,
+    PRIMARY KEY (run_id, metric, block)
+) WITHOUT ROWID""",
+    "summary": """CREATE TABLE summary (
+    run_id       INTEGER PRIMARY KEY REFERENCES runs(id) ON DELETE CASCADE,
+    captures     INTEGER NOT NULL DEFAULT 0,
+    last_capture INTEGER
+)""",
     "checks": """CREATE TABLE checks (
     run_id    INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
     step      INTEGER NOT NULL,
@@ -315,5 +351,20 @@ def _migrate_v2(conn: sqlite3.Connection) -> None:
     conn.execute("UPDATE meta SET value = '3' WHERE key = 'schema_version'")
 
 
+#: The tables of what the writer keeps about a run (schema 4, :mod:`hooks.runs.summary`).
+_SUMMARY_TABLES = ("latest", "blocks", "summary")
+
+
+def _migrate_v3(conn: sqlite3.Connection) -> None:
+    """Version 3 → 4, inside the caller's write transaction; nothing is lost: the tables of
+    what the writer keeps (:data:`_SUMMARY_TABLES`) are created and filled from every run's
+    rows (:func:`hooks.runs.summary.rebuild`), once."""
+    for name in _SUMMARY_TABLES:
+        conn.execute(_TABLES[name])
+    for (run_id,) in conn.execute("SELECT id FROM runs").fetchall():
+        rebuild(conn, run_id)
+    conn.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
+
+
 #: Migrations by the version they start from.
-_MIGRATIONS = {1: _migrate_v1, 2: _migrate_v2}
+_MIGRATIONS = {1: _migrate_v1, 2: _migrate_v2, 3: _migrate_v3}

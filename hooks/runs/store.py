@@ -99,6 +99,7 @@ from hooks.runs.sqlite_open import (
     Transaction,
     damaged_error,
     find_damage,
+    find_damage_quickly,
     is_locked,
     locked_error,
     not_a_store,
@@ -106,6 +107,7 @@ from hooks.runs.sqlite_open import (
     open_database,
     set_wal,
 )
+from hooks.runs.summary import History, RunSummary, history, read_summary, rebuild
 from hooks.runs.writer import RunWriter
 
 __all__ = [
@@ -140,6 +142,9 @@ __all__ = [
     "pid_alive",
     "validate_run_name",
 ]
+
+#: Steps of metric rows :meth:`RunStore.history` reads besides the buckets.
+RECENT_STEPS = 64
 
 #: Default database path, relative to the current directory.
 DEFAULT_DB_PATH = Path("runs") / "mdb.sqlite"
@@ -358,11 +363,19 @@ class RunStore:
                 raise damaged_error(self.path, problem)
             self._sound = True
 
-    def damage(self) -> str | None:
+    def damage(self, thorough: bool = True) -> str | None:
         """How the database file is damaged, from ``PRAGMA quick_check``
         (:func:`hooks.runs.sqlite_open.find_damage`): ``None`` for a sound one. A store
-        refuses to create or resume a run in a damaged one (:class:`DamagedDatabaseError`)."""
-        return find_damage(self.connection)
+        refuses to create or resume a run in a damaged one (:class:`DamagedDatabaseError`).
+        ``thorough=False``: a large file's tables of per-step rows are only walked
+        (:func:`hooks.runs.sqlite_open.find_damage_quickly`), for a listing."""
+        if thorough:
+            return find_damage(self.connection)
+        try:
+            size = self.path.stat().st_size
+        except OSError:
+            size = 0
+        return find_damage_quickly(self.connection, size)
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -513,6 +526,38 @@ class RunStore:
             out.append(Spike(int(step), metric, float(value), float(baseline), int(peak),
                              int(last)))
         return out
+
+    def summary(self, run_id: int) -> RunSummary:
+        """What the writer keeps about the run (:class:`hooks.runs.summary.RunSummary`): the
+        number of captured steps, the last of them, each metric's latest value. Reads a few
+        rows, whatever the run's length."""
+        with self._transaction(immediate=False):
+            return read_summary(self.connection, run_id)
+
+    def history(self, run_id: int, buckets: int) -> tuple[RunUpdate, History]:
+        """The run as a first frame shows it: its row and everything :meth:`poll` gives
+        *except* the metric rows, and every metric bucketed into at most ``buckets`` step
+        ranges with min/max/mean per bucket (:func:`hooks.runs.summary.history`, bucketed by
+        SQLite from the per-block aggregates the writer keeps), read in one snapshot: the
+        metric rows of its last :data:`RECENT_STEPS` steps only (for the step rate and the
+        latest row), the latest sample only, no capture steps; the latest value of each metric
+        in :attr:`hooks.runs.summary.History.latest`. Poll after
+        :attr:`hooks.runs.summary.History.last` for the new steps."""
+        with self._transaction(immediate=False):
+            row = self.connection.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
+            if row is None:
+                raise RunNotFoundError(f"run id {run_id} no longer exists in {self.path}")
+            hist = history(self.connection, run_id, buckets)
+            last = hist.last or 0
+            hist.latest = read_summary(self.connection, run_id).latest
+            sample = self.connection.execute(
+                "SELECT step FROM samples WHERE run_id = ? ORDER BY step DESC LIMIT 1", (run_id,)
+            ).fetchone()
+            recent = self._metrics(run_id, max(last - RECENT_STEPS, 0), None) if last else []
+            update = RunUpdate(_run_from_row(row), recent,
+                               self.samples(run_id, sample[0] - 1) if sample else [], [], False,
+                               self.spikes(run_id, 0))
+        return update, hist
 
     def last_metrics(self, run_id: int) -> MetricRow | None:
         """The metric row of the run's last written step, or ``None`` before the first."""
@@ -815,6 +860,7 @@ class RunStore:
         for table in ("metrics", "scalars", "internals", "samples", "spikes", "rank_steps",
                       "rank_scalars", "rank_internals"):
             conn.execute(f"DELETE FROM {table} WHERE run_id = ? AND step > ?", (run_id, step))
+        rebuild(conn, run_id, max(step, 0))  # what the writer keeps, from the rows left
         names = self._metric_names(run_id, refresh=True)
         key = loss_metric(names.values())
         if key is None:

@@ -44,6 +44,7 @@ from hooks.runs.rows import (
 from hooks.runs.schema import _lock_wait
 from hooks.runs.spikes import Spike, SpikeDetector
 from hooks.runs.sqlite_open import RunStoreError, open_database
+from hooks.runs.summary import record_captures, record_scalars
 
 
 def _metric_mapping(metrics: MetricRow | Mapping[str, Any]) -> tuple[int, Any, Any, dict]:
@@ -92,6 +93,7 @@ class RunWriter:
         self._ids: dict[str, int] | None = None
         self._detector: SpikeDetector | None = None
         self._detected_step: int | None = None  # the last step the detector was given
+        self._max_step: int | None = None  # the run's last stored step (None: not read yet)
         self.spikes: list[Spike] = []
 
     @property
@@ -167,6 +169,7 @@ class RunWriter:
         except BaseException:
             self._ids = None  # names added in the rolled-back transaction are not stored
             self._detector = None  # nor its steps: seeded again from the database
+            self._max_step = None
             raise
         for spike in found:
             if self.spikes and self.spikes[-1].step == spike.step:
@@ -227,6 +230,30 @@ class RunWriter:
             ids[name] = mid
         return mid
 
+    def _relogged(self, conn: sqlite3.Connection, rows) -> bool:
+        """Whether some step of ``rows`` may be stored already (a step logged again): not when
+        they all come after the run's last stored step. Called before the rows are written."""
+        if self._max_step is None:
+            (last,) = conn.execute("SELECT max(step) FROM metrics WHERE run_id = ?",
+                                   (self.run_id,)).fetchone()
+            self._max_step = last
+        before = self._max_step
+        self._max_step = max([r[0] for r in rows] + ([before] if before is not None else []))
+        return before is not None and min(r[0] for r in rows) <= before
+
+    def _count_captures(self, conn: sqlite3.Connection, steps: list[int],
+                        relogged: bool) -> None:
+        """Count the captured steps of this batch in ``summary`` (before they are written:
+        one stored already is not counted again)."""
+        new = len(set(steps))
+        if relogged:
+            marks = ",".join("?" * len(set(steps)))
+            (old,) = conn.execute(
+                f"SELECT count(*) FROM internals WHERE run_id = ? AND step IN ({marks})",
+                (self.run_id, *set(steps))).fetchone()
+            new -= old
+        record_captures(conn, self.run_id, steps, new)
+
     def _write(self, conn, rows, extras_i, extras_s, now, found) -> None:
         ids = self._metric_ids(conn)
         self._detect(conn, loss_metric([*ids, *(n for r in rows for n in r[3])]), rows, found)
@@ -235,6 +262,7 @@ class RunWriter:
             for name, v in values.items():
                 mid = self._metric_id(conn, ids, name)
                 scalars.append((self.run_id, step, mid, None if v is None else float(v)))
+        relogged = self._relogged(conn, rows)  # before the rows are written
         conn.executemany(
             "INSERT INTO metrics (run_id, step, wall, expert_load) VALUES (?, ?, ?, ?)"
             " ON CONFLICT (run_id, step) DO UPDATE SET wall = excluded.wall,"
@@ -245,7 +273,9 @@ class RunWriter:
             "INSERT OR REPLACE INTO scalars (run_id, step, metric, value) VALUES (?, ?, ?, ?)",
             scalars,
         )
+        record_scalars(conn, self.run_id, scalars, relogged)
         if extras_i:
+            self._count_captures(conn, [e[1] for e in extras_i], relogged)
             conn.executemany(
                 "INSERT OR REPLACE INTO internals (run_id, step, captured, data, tensors)"
                 " VALUES (?, ?, ?, ?, ?)",

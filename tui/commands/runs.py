@@ -62,7 +62,8 @@ def run_record(run, store, now: float) -> dict:
     Keys: every :class:`hooks.runs.store.RunInfo` field but ``config`` (``status`` is the
     stored status; ``damaged`` names what could not be read), plus ``writer_state``
     (``running``/``gone``/… as a reader should show it), ``status_line``, ``steps`` (the last
-    step written), ``metrics`` (the names logged, in first-logged order), ``nonfinite_line``,
+    step written), ``metrics`` (the names logged, in first-logged order), ``latest`` (each
+    metric's latest value by name, ``null`` for NaN), ``nonfinite_line``,
     ``captures`` (how many steps have a stored capture) and ``last_capture`` (the latest such
     step, ``None`` without), ``last_ce``, ``spikes`` (each loss spike the writer recorded:
     step, metric, value, baseline, ratio, peak_step, last_step), ``world_size`` (``None`` for
@@ -80,16 +81,18 @@ def run_record(run, store, now: float) -> dict:
     d = run.to_dict()
     d.pop("config", None)
     d.update(writer_state=run.writer_state(now), status_line=run.status_line(now),
-             steps=run.last_step, nonfinite_line=run.nonfinite_line(), metrics=[], captures=0,
+             steps=run.last_step, nonfinite_line=run.nonfinite_line(), metrics=[], latest={},
+             captures=0,
              last_capture=None, last_ce=None, spikes=[], ranks=[], findings=[])
     try:
-        captured = store.internals_steps(run.id)
-        last = store.last_metrics(run.id)
+        summary = store.summary(run.id)  # kept by the writer: no scan of the run's rows
+        ce = summary.latest.get("ce")
         d.update(
             metrics=store.metric_names(run.id),
-            captures=len(captured),
-            last_capture=captured[-1] if captured else None,
-            last_ce=last.ce if last is not None else None,
+            captures=summary.captures,
+            last_capture=summary.last_capture,
+            last_ce=ce[1] if ce is not None and ce[0] == run.last_step else None,
+            latest={name: value for name, (_step, value) in summary.latest.items()},
             spikes=[s.to_dict() for s in store.spikes(run.id)],
             ranks=[r.to_dict() for r in store.ranks(run.id)],
             findings=[f.to_dict() for f in store.findings(run.id)],
@@ -258,7 +261,7 @@ def _read_all(path, now: float) -> tuple[list, list[dict], str | None]:
         with RunStore(path) as store:
             if store.note:
                 print(f"mdb: note: {store.note}", file=sys.stderr)
-            problem = store.damage()
+            problem = store.damage(thorough=False)  # a large file: not a second of checks
             try:
                 runs = store.runs()
             except sqlite3.DatabaseError as exc:

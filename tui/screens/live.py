@@ -101,6 +101,14 @@ def _rate(x: float | None, unit: str) -> str:
     return f"{x:.1f} {unit}"
 
 
+def _ranged(label: str, sampler, n: int, style: str = "", marker: str = "",
+            flags=()) -> Series:
+    """A chart line of ``sampler`` (:class:`tui.screens.live_data.Downsampler`) at ``n``
+    points, each drawn as the min-max range of its bucket (a spike stays visible)."""
+    xs, ys, lows, highs = sampler.ranges(n)
+    return Series(label, xs, ys, style, marker, flags=flags, lows=lows, highs=highs)
+
+
 def compact(x: float | None, width: int = 7) -> str:
     """A number in at most ``width`` characters: ``0.0155``, ``1.55e-5``, ``3.2e12``, ``nan``."""
     if x is None:
@@ -530,21 +538,21 @@ class LiveScreen(MdbScreen):
             styles = self._loss_styles()
             # drawn last-logged first, so the first-logged (the main loss) lies on top
             flagged = self._flagged(names)
-            loss.plot([Series(display_name(name), *s.metric(name).points(n), *styles[name],
-                              flags=s.spike_steps(flagged) if name == flagged else ())
+            loss.plot([_ranged(display_name(name), s.metric(name), n, *styles[name],
+                               flags=s.spike_steps(flagged) if name == flagged else ())
                        for name in reversed(names)],
                       title=f"loss ({scale})" if names else "loss", log=log)
         else:
             name = names[0]
             spiked = {sp.metric for sp in s.spikes.values()}
-            loss.plot([Series("", *s.metric(name).points(n), "cyan",
-                              flags=s.spike_steps(name) if name in spiked else ())],
+            loss.plot([_ranged("", s.metric(name), n, "cyan",
+                               flags=s.spike_steps(name) if name in spiked else ())],
                       title=f"{display_name(name)} ({scale}) · m: next", log=log)
         other = self._selected_other()
         if other is not None:  # the table at the charts' pace: its numbers are a chart's too
             self._set("#live-table", self._table_text())
             grad = self.query_one("#live-grad", LineChart)
-            grad.plot([Series("", *s.metric(other).points(grad.resolution), "green")],
+            grad.plot([_ranged("", s.metric(other), grad.resolution, "green")],
                       title=METRIC_LABELS.get(other, other))
         if self.redraws % 2 == 1 or self.watch or self.state != "running":
             self._draw_experts()  # slow-moving: every other redraw while training here

@@ -57,6 +57,11 @@ class Series:
             point) and before its legend label; ``""``: none.
         flags: X values (steps) to flag with :data:`FLAG` at the top of the line in their
             column (a loss spike's peak).
+        lows: The smallest value behind each point (a bucket of steps), same length as
+            ``xs``, or empty; with ``highs``, each point is drawn as the vertical range
+            ``lows[i]``..``highs[i]`` in its column, so a spike inside a bucket stays as tall
+            as it was (:meth:`tui.screens.live_data.Downsampler.ranges`).
+        highs: The largest value behind each point, or empty.
     """
 
     name: str
@@ -65,6 +70,8 @@ class Series:
     style: str = ""
     marker: str = ""
     flags: Sequence[float] = ()
+    lows: Sequence[float] = ()
+    highs: Sequence[float] = ()
 
 
 #: The character and style of a flagged point, and its legend entry.
@@ -120,21 +127,32 @@ def _legend_row(series: Sequence[Series], title: str) -> list[Run]:
     return head
 
 
-def _plot_points(series: Sequence[Series], log: bool) -> list[list[tuple[float, float]]]:
-    """Each series' drawable points ``(x, y)``, y on the axis' scale (log10 if ``log``);
+def _plot_points(series: Sequence[Series], log: bool
+                 ) -> list[list[tuple[float, float, float, float]]]:
+    """Each series' drawable points ``(x, y, y_low, y_high)``, y on the axis' scale (log10 if
+    ``log``; ``y_low``/``y_high`` the range behind the point, ``y`` itself without one);
     non-finite y, and y ≤ 0 on a log axis, are skipped."""
+    def ok(v) -> bool:
+        return v is not None and math.isfinite(v) and (v > 0 or not log)
+
     def ty(v: float) -> float:
         return math.log10(v) if log else v
 
     pts = []
     for s in series:
-        clean = [(x, ty(y)) for x, y in zip(s.xs, s.ys, strict=False)
-                 if y is not None and math.isfinite(y) and (y > 0 or not log)]
+        ranged = len(s.lows) == len(s.xs) == len(s.highs)
+        clean = []
+        for i, (x, y) in enumerate(zip(s.xs, s.ys, strict=False)):
+            if not ok(y):
+                continue
+            t = ty(y)
+            lo, hi = (s.lows[i], s.highs[i]) if ranged else (y, y)
+            clean.append((x, t, ty(lo) if ok(lo) else t, ty(hi) if ok(hi) else t))
         pts.append(clean)
     return pts
 
 
-def _draw_series(series: Sequence[Series], pts: list[list[tuple[float, float]]],
+def _draw_series(series: Sequence[Series], pts: list[list[tuple[float, float, float, float]]],
                  x0: float, y1: float, sx: float, sy: float, pw: int, ph: int,
                  mark_every: int) -> tuple[list[list[int]], list[list[str]],
                                            dict[tuple[int, int], tuple[str, str]]]:
@@ -151,10 +169,13 @@ def _draw_series(series: Sequence[Series], pts: list[list[tuple[float, float]]],
         prev = None
         cells: dict[int, int] = {}  # column -> row of this line's last dot there
         tops: dict[int, int] = {}  # column -> the highest row of this line there
-        for x, y in ps:
+        for x, y, ylo, yhi in ps:
             cx = int(round((x - x0) * sx))
             cy = int(round((y1 - y) * sy))
-            seg = _line(prev[0], prev[1], cx, cy) if prev is not None else ((cx, cy),)
+            seg: list[tuple[int, int]] = []
+            if ylo != y or yhi != y:  # the bucket's min-max range, in its column
+                seg += _line(cx, int(round((y1 - yhi) * sy)), cx, int(round((y1 - ylo) * sy)))
+            seg += _line(prev[0], prev[1], cx, cy) if prev is not None else [(cx, cy)]
             for px, py in seg:
                 r, c = py >> 2, px >> 1
                 bits[r][c] |= _DOT[py & 3][px & 1]
@@ -248,7 +269,7 @@ def chart_rows(series: Sequence[Series], width: int, height: int, *, title: str 
         return rows[:height]
     pts = _plot_points(series, log)
     allx = [p[0] for ps in pts for p in ps]
-    ally = [p[1] for ps in pts for p in ps]
+    ally = [v for ps in pts for p in ps for v in p[1:]]  # the ranges' ends: the extremes
     if not allx:
         for i in range(rows_avail):
             rows.append([(empty, "dim")] if i == rows_avail // 2 else [])

@@ -100,11 +100,14 @@ class MetricStats:
 
 
 class Downsampler:
-    """A series of (step, value) points reduced to at most ``capacity`` bucket means.
+    """A series of (step, value) points reduced to at most ``capacity`` buckets, each with the
+    mean, min and max of its points.
 
     Each bucket covers ``width`` consecutive appended points and reports the step of its last
-    point and the mean of its values; the last bucket may be partial (it always shows the latest
-    point's step). Non-finite values are skipped (a NaN loss is reported elsewhere).
+    point, the mean of its values, and their min and max — a chart draws the min-max range, so
+    a spike is as tall in a bucket of a thousand steps as it was (never every n-th point). The
+    last bucket may be partial (it always shows the latest point's step). Non-finite values
+    are skipped (a NaN loss is reported elsewhere).
 
     Args:
         capacity: Maximum number of buckets (even, ≥ 4).
@@ -117,12 +120,7 @@ class Downsampler:
         if capacity < 4 or capacity % 2:
             raise ValueError(f"capacity must be even and >= 4, got {capacity}")
         self.capacity = capacity
-        self.width = 1  # points per full bucket
-        self._xs: list[float] = []  # step of each bucket's last point
-        self._sums: list[float] = []
-        self._counts: list[int] = []
-        self.count = 0  # finite points appended
-        self.last: float | None = None
+        self.clear()
 
     def append(self, step: float, value: float | None) -> None:
         """Add one point; ``None``, NaN and ±inf are ignored."""
@@ -134,20 +132,52 @@ class Downsampler:
             self._xs[-1] = step
             self._sums[-1] += value
             self._counts[-1] += 1
+            if value < self._lows[-1]:
+                self._lows[-1] = value
+            if value > self._highs[-1]:
+                self._highs[-1] = value
             return
         if len(self._counts) == self.capacity:
             self._halve()
         self._xs.append(step)
         self._sums.append(value)
         self._counts.append(1)
+        self._lows.append(value)
+        self._highs.append(value)
+
+    def load(self, steps: Sequence[float], counts: Sequence[int], sums: Sequence[float],
+             lows: Sequence[float | None], highs: Sequence[float | None]) -> None:
+        """Replace the points with buckets aggregated elsewhere (a run's history bucketed by
+        the store, :func:`hooks.runs.summary.history`): per bucket the step of its last
+        point, how many finite points, their sum, min and max. Buckets without a finite point
+        are skipped; more than ``capacity`` are merged pairwise. Points appended later go into
+        buckets as wide as the widest loaded one."""
+        self.clear()
+        for x, c, t, lo, hi in zip(steps, counts, sums, lows, highs, strict=True):
+            if c <= 0 or lo is None or hi is None:
+                continue
+            self._xs.append(x)
+            self._counts.append(int(c))
+            self._sums.append(float(t))
+            self._lows.append(float(lo))
+            self._highs.append(float(hi))
+            self.count += int(c)
+        while len(self._counts) > self.capacity:
+            self._halve()
+        self.width = max(self.width, max(self._counts, default=1))
 
     def _halve(self) -> None:
-        xs, sums, counts = [], [], []
-        for i in range(0, len(self._counts) - 1, 2):
-            xs.append(self._xs[i + 1])
-            sums.append(self._sums[i] + self._sums[i + 1])
-            counts.append(self._counts[i] + self._counts[i + 1])
+        n = len(self._counts)
+        xs, sums, counts, lows, highs = [], [], [], [], []
+        for i in range(0, n, 2):
+            j = min(n, i + 2)
+            xs.append(self._xs[j - 1])
+            sums.append(sum(self._sums[i:j]))
+            counts.append(sum(self._counts[i:j]))
+            lows.append(min(self._lows[i:j]))
+            highs.append(max(self._highs[i:j]))
         self._xs, self._sums, self._counts = xs, sums, counts
+        self._lows, self._highs = lows, highs
         self.width *= 2
 
     def points(self, max_points: int | None = None) -> tuple[list[float], list[float]]:
@@ -158,26 +188,40 @@ class Downsampler:
                 merged (step of the group's last point, mean of its points), ``g`` the
                 smallest that fits. A chart passes its horizontal resolution.
         """
+        xs, ys, _lo, _hi = self.ranges(max_points)
+        return xs, ys
+
+    def ranges(self, max_points: int | None = None
+               ) -> tuple[list[float], list[float], list[float], list[float]]:
+        """``(steps, means, mins, maxs)``, one of each per bucket, in step order, grouped as
+        :meth:`points` groups them (a group's min and max are those of all its points)."""
         n = len(self._counts)
         if max_points is None or n <= max_points:
-            return list(self._xs), [s / c for s, c in zip(self._sums, self._counts, strict=True)]
+            return (list(self._xs), [s / c for s, c in zip(self._sums, self._counts, strict=True)],
+                    list(self._lows), list(self._highs))
         g = -(-n // max(1, max_points))
-        xs, ys = [], []
+        xs, ys, lows, highs = [], [], [], []
         for i in range(0, n, g):
             j = min(n, i + g)
             xs.append(self._xs[j - 1])
             ys.append(sum(self._sums[i:j]) / sum(self._counts[i:j]))
-        return xs, ys
+            lows.append(min(self._lows[i:j]))
+            highs.append(max(self._highs[i:j]))
+        return xs, ys, lows, highs
 
     def __len__(self) -> int:
         return len(self._counts)
 
     def clear(self) -> None:
         """Forget every point."""
-        self.width = 1
-        self._xs, self._sums, self._counts = [], [], []
-        self.count = 0
-        self.last = None
+        self.width = 1  # points per full bucket
+        self._xs: list[float] = []  # step of each bucket's last point
+        self._sums: list[float] = []
+        self._counts: list[int] = []
+        self._lows: list[float] = []
+        self._highs: list[float] = []
+        self.count = 0  # finite points appended
+        self.last: float | None = None
 
 
 @dataclass
@@ -284,6 +328,12 @@ class RunSeries:
                 self.names.append(name)
             sampler.append(step, value)
             self.stats[name].add(step, value)
+        self._add_detail(row, values)
+
+    def _add_detail(self, row: Any, values: Mapping[str, float | None]) -> None:
+        """What a row adds besides its metrics' series: the latest row, the step rate, the
+        tokens per step, the expert load."""
+        self.last = row
         self._rate.add(row.wall)
         tps, st = values.get("tokens_per_s"), values.get("step_time")
         if tps and st:
@@ -297,7 +347,31 @@ class RunSeries:
             slots = (self._tokens_per_step or 0.0) * self.top_k
             for samplers, fractions in zip(self.experts, load, strict=False):
                 for sampler, frac in zip(samplers, fractions, strict=False):
-                    sampler.append(step, frac * slots if slots else frac)
+                    sampler.append(row.step, frac * slots if slots else frac)
+
+    def load_history(self, history: Any, recent: Sequence[Any]) -> None:
+        """Start from a run's history bucketed by the store (a
+        :class:`hooks.runs.summary.History`: per metric, per bucket of steps, the step of its
+        last value, counts, sum, min and max) and the metric rows of its last steps
+        (``recent``, which the buckets hold already: they give the latest row, the step rate
+        and the expert load). Later rows are :meth:`add` ed as usual."""
+        latest = getattr(history, "latest", None) or {}
+        for name, b in history.metrics.items():
+            sampler = self.series.get(name)
+            if sampler is None:
+                sampler = self.series[name] = Downsampler(self.capacity)
+                self.names.append(name)
+            sampler.load(b.steps, b.n, b.total, b.lo, b.hi)
+            lows = [v for v in b.lo if v is not None]
+            highs = [v for v in b.hi if v is not None]
+            step, value = latest.get(name, (b.steps[-1] if b.steps else 0, sampler.last))
+            self.stats[name] = MetricStats(last=value, min=min(lows, default=None),
+                                           max=max(highs, default=None), last_step=step,
+                                           nonfinite=sum(b.count) - sum(b.n))
+        self.first_step = history.first
+        self.rows = max((sum(b.count) for b in history.metrics.values()), default=0)
+        for row in recent:
+            self._add_detail(row, metric_values(row, self.declared))
 
     def metric(self, name: str) -> Downsampler:
         """The :class:`Downsampler` of ``name`` (an empty one when the run does not log it)."""

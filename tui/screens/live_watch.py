@@ -1,7 +1,12 @@
 """``WatchScreen``: a viewer of a run in the run store — ``mdb watch``, and the live screen of
 ``mdb overfit``, whose trainer is a process of its own.
 
-A thread worker reads everything new about the run (``RunStore.poll``) and posts
+The first read of a run of :data:`HISTORY_AFTER_STEPS` steps or more takes its history
+bucketed by the store (``RunStore.history``: per metric, at most as many step ranges as a
+chart has points, with min/max/mean each, from the per-block aggregates the writer keeps, plus
+its last steps' rows), so the first frame of a run of a million steps costs the same as one of
+ten thousand; the expert-load chart of such a run starts at those last steps. Then a thread
+worker reads everything new about the run (``RunStore.poll``) and posts
 :class:`tui.messages.RunPolled`; the handler re-arms the next poll with ``set_timer`` (every
 ``poll_interval`` seconds, 0.2 by default, so a new step shows within ~0.3 s). Watching a
 finished run replays it; the status line says when the writer finished, was interrupted,
@@ -28,6 +33,11 @@ from tui.screens.live_findings import LoopFindings
 from tui.screens.live_ranks import RanksSummary
 
 __all__ = ["WatchScreen"]
+
+#: A run of at least this many steps is first drawn from its history bucketed by the store
+#: (:meth:`hooks.runs.store.RunStore.history`: min/max/mean per bucket, so spikes stay
+#: visible), not from all its rows; shorter ones are read whole (expert load of every step).
+HISTORY_AFTER_STEPS = 4096
 
 
 class WatchScreen(ViewerControls, LiveScreen):
@@ -63,6 +73,7 @@ class WatchScreen(ViewerControls, LiveScreen):
         self.fatal: str | None = None
         self.polls = 0
         self._cursor = 0
+        self._first_read = True
         # held while a worker reads the store: unmounting waits for it, so that the caller
         # can close the store once the app returned (tui.store_handle explains why)
         self._store_lock = threading.Lock()
@@ -119,6 +130,13 @@ class WatchScreen(ViewerControls, LiveScreen):
         with self._store_lock:
             if self._unmounted:
                 return
+            if self._first_read:  # a long run: its history bucketed by the store, not its rows
+                self._first_read = False
+                update, history = self.store.history(self.run.id, self.series.capacity)
+                if history.last is not None and (history.last - history.first
+                                                 >= HISTORY_AFTER_STEPS):
+                    self.post_message(messages.RunPolled(update, history))
+                    return
             update = self.store.poll(self.run.id, self._cursor)
         self.post_message(messages.RunPolled(update))
 
@@ -143,7 +161,9 @@ class WatchScreen(ViewerControls, LiveScreen):
             self.series.total_steps = u.run.total_steps
             self.query_one("#live-progress", ProgressBar).update(total=u.run.total_steps)
         samples = {s.step: s for s in u.samples}
-        for row in u.metrics:
+        if message.history is not None:
+            self.series.load_history(message.history, u.metrics)
+        for row in u.metrics if message.history is None else ():
             self.series.add(row)
             s = samples.pop(row.step, None)
             if s is not None:
@@ -153,6 +173,8 @@ class WatchScreen(ViewerControls, LiveScreen):
         for spike in getattr(u, "spikes", ()):
             self.series.add_spike(spike)
         self._cursor = u.last_step if u.metrics else self._cursor
+        if message.history is not None:
+            self._cursor = message.history.last
         state = u.run.writer_state()
         if state == "running" and u.run.paused:
             state = "paused"

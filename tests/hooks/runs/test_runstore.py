@@ -392,7 +392,7 @@ def test_a_schema_1_database_is_migrated_on_open_with_nothing_lost(tmp_path):
     with RunStore(db) as store:  # a reader migrates it
         assert store.read_only is False and store.note is None
         meta = dict(store.connection.execute("SELECT key, value FROM meta").fetchall())
-        assert meta["schema_version"] == str(SCHEMA_VERSION) == "3"
+        assert meta["schema_version"] == str(SCHEMA_VERSION) == "4"
         assert store.integrity_check() == "ok"
         assert store.connection.execute("PRAGMA foreign_key_check").fetchall() == []
         _check_v1_content(store)
