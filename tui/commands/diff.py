@@ -150,9 +150,17 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of ``mdb diff``."""
     mode = _mode(args)
     if mode == "dtype":
-        from tui.commands.diff_dtype import run_dtype
+        # by name, as tui.cli loads the commands: tui.commands.diff_dtype reads this module's
+        # print_table, and is absent from an mdb built without precision diff
+        import importlib
 
-        return run_dtype(args)
+        try:
+            dtype_mode = importlib.import_module("tui.commands.diff_dtype")
+        except ModuleNotFoundError as exc:
+            if exc.name != "tui.commands.diff_dtype":
+                raise
+            raise MdbError("--dtype: precision diff is not available in this mdb") from None
+        return dtype_mode.run_dtype(args)
     if mode == "edit":
         from tui.commands.diff_edit import run_edit
 
