@@ -23,7 +23,7 @@ Never imports textual, rich or tui.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -399,7 +399,3 @@ def _check_last(lens: Lens, last: torch.Tensor | None, ref: torch.Tensor | None)
             f"{scale:.3g}): the model does something between its last layer and its logits "
             f"that {lens.norm} → {lens.head} → {lens.post} does not")
 
-
-def layer_names(lens: Lens) -> Sequence[str]:
-    """Short labels of the lens's layers (``layers.3``, ``h.0``) for tables."""
-    return [".".join(n.split(".")[-2:]) for n in lens.layers]

@@ -51,6 +51,7 @@ class KnownTokens:
         self.labels = dict(zip(ids, labels, strict=False)) if len(ids) == len(labels) else {}
 
     def token_strings(self, ids) -> list[str]:
+        """A label per id: the input token's, or ``#id``."""
         return [self.labels.get(int(i), f"#{int(i)}") for i in ids]
 
 
