@@ -151,3 +151,22 @@ def test_bad_input_is_one_line_value_error():
     bert, bert_batch = families.hf_bert()
     with pytest.raises(ValueError, match="no final norm"):
         logit_lens(bert, bert_batch)
+
+
+def test_a_model_that_changes_its_logits_after_the_head_gets_a_note():
+    from minillm import MiniLLM
+
+    class Doubled(MiniLLM):  # does something after its head that it does not declare
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 2
+            return out
+
+    model = tiny()
+    model.__class__ = Doubled
+    batch = batch_for(model, b=1, t=8)
+    with torch.no_grad():
+        ref = model(**batch).logits
+    lens = logit_lens(model, batch)
+    assert lens.last_layer_error == pytest.approx(float((ref / 2).abs().max()), rel=1e-5)
+    assert len(lens.notes) == 1 and "differs from the model's logits" in lens.notes[0]
