@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
             raise
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+        p.set_defaults(_run=module.run, _torch=getattr(module, "NEEDS_TORCH", True))
     return parser
 
 
@@ -92,7 +92,9 @@ def import_torch_uninterrupted() -> None:
     ``KeyboardInterrupt``: ``mdb: interrupted``, exit 130). Every subcommand imports torch;
     a SIGINT landing inside numpy's or torch's C initialisation left them half-initialised:
     of 40 SIGINTs sent to a starting ``mdb watch``, 1 ended in a traceback (``ImportError:
-    cannot load module more than once per process``) and 4 in a hang."""
+    cannot load module more than once per process``) and 4 in a hang. A command module
+    that sets ``NEEDS_TORCH = False`` (the store commands: ``runs``, ``export``, ``watch``,
+    ``compare``, ``stop``) is run without it."""
     import signal
 
     if "torch" in sys.modules or not hasattr(signal, "pthread_sigmask"):
@@ -116,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 0
         check_common_options(args)
-        import_torch_uninterrupted()
+        if getattr(args, "_torch", True):  # the store commands read SQLite only
+            import_torch_uninterrupted()
         return int(args._run(args) or 0)
     except MdbError as exc:
         print(f"mdb: error: {exc}", file=sys.stderr)

@@ -17,6 +17,10 @@ from collections.abc import Callable, Sequence
 
 from tui.errors import MdbError
 
+#: Reads the run store only: ``mdb`` does not import torch for it (a capture opened from
+#: its screen imports it then).
+NEEDS_TORCH = False
+
 HELP = ("2-8 runs of the run store side by side, live: losses overlaid, and a table of what "
         "differs (params, attention params/layer, KV bytes/token, CE, steps/s, status)")
 

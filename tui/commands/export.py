@@ -30,6 +30,10 @@ import sys
 
 from tui.errors import MdbError
 
+#: Reads the run store only: ``mdb`` does not import torch for it (a capture opened from
+#: its screen imports it then).
+NEEDS_TORCH = False
+
 HELP = "write every logged metric of a run, per step, to stdout (csv or jsonl)"
 
 #: Rows read from the database at a time (memory stays bounded for long runs).

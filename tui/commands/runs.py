@@ -26,6 +26,10 @@ import time
 from tui.errors import MdbError
 from tui.screens.live_data import display_name
 
+#: Reads the run store only: ``mdb`` does not import torch for it (a capture opened from
+#: its screen imports it then).
+NEEDS_TORCH = False
+
 HELP = "list recorded runs (name, status, steps, last loss, metrics, age) of the run database"
 
 #: Exit status when some run of the database could not be read.

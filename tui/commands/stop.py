@@ -15,6 +15,10 @@ import time
 
 from tui.errors import MdbError
 
+#: Reads the run store only: ``mdb`` does not import torch for it (a capture opened from
+#: its screen imports it then).
+NEEDS_TORCH = False
+
 HELP = "ask a running run to write a checkpoint and stop; returns once it has stopped"
 
 #: Seconds between two reads of the run's status while waiting.

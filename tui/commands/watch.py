@@ -18,6 +18,10 @@ import sys
 from tui.commands.process import require_terminal
 from tui.errors import MdbError
 
+#: Reads the run store only: ``mdb`` does not import torch for it (a capture opened from
+#: its screen imports it then).
+NEEDS_TORCH = False
+
 HELP = ("follow a run live from the run database (default: the latest run); p pauses, x "
         "stops, d detaches; replays a finished one")
 

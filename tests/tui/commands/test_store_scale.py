@@ -1,0 +1,221 @@
+"""Store commands at scale (issue 25): ``mdb runs``, ``mdb export``, ``mdb watch``,
+``mdb compare`` and ``mdb stop`` never import torch; a run of many steps is listed, exported
+and watched with exactly the values written, its spike visible in the chart.
+
+The stores are written directly with the store's writer (``RunWriter.log_steps`` in batches);
+every expected value comes from :func:`value`, computed again here, never read back through
+the code under test."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from hooks.runs.store import RunStore
+from tui.cli import main
+
+ROOT = Path(__file__).resolve().parents[3]
+NAMES = ("loss", "acc", "lr", "grad_norm", "tokens_per_s")
+#: The spike: the largest value of the run, at a step drawn by the test.
+SPIKE = 8765.25
+
+
+def value(step: int, m: int, spike_step: int) -> float | None:
+    """The value of metric ``m`` (index in :data:`NAMES`) at ``step``: ``None`` = not logged
+    (``acc`` at steps 1, 4, 7, … only); a NaN at step 7 and +inf at step 11 of ``grad_norm``."""
+    if m == 0:
+        return SPIKE if step == spike_step else 2.0 + math.sin(step * 1e-3) / (1 + step * 1e-5)
+    if m == 1:
+        return (step % 997) / 997 if step % 3 == 1 else None
+    if m == 2:
+        return 1e-3 * (1 + step % 5) / 7
+    if m == 3:
+        return math.nan if step == 7 else math.inf if step == 11 else math.cos(step) ** 2 / 3
+    return 1000.0 + (step * 7919) % 1013 / 10
+
+
+def write_store(db: Path, steps: int, spike_step: int, batch: int = 20_000) -> None:
+    """Run ``big`` of ``steps`` steps × 5 metrics, finished, in ``db``."""
+    with RunStore(db, create=True) as store:
+        w = store.create_run("big", {"steps": steps}, total_steps=steps, kind="api")
+        for lo in range(1, steps + 1, batch):
+            rows = []
+            for s in range(lo, min(steps, lo + batch - 1) + 1):
+                vals = {n: value(s, m, spike_step) for m, n in enumerate(NAMES)}
+                rows.append(({"step": s, "wall": 1.7e9 + s * 0.01,
+                              "values": {k: v for k, v in vals.items() if v is not None}},
+                             None, None))
+            w.log_steps(rows)
+        w.finish("finished")
+
+
+def _csv_cell(v: float | None) -> str:
+    """The CSV cell of a value, as the README documents it (independent of mdb's writer)."""
+    if v is None:
+        return ""
+    if math.isnan(v):
+        return "nan"
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return repr(v)
+
+
+def check_runs_and_export(db: Path, steps: int, spike_step: int, capsys) -> None:
+    assert main(["runs", "--json", "--db", str(db)]) == 0
+    (rec,) = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert rec["status"] == "finished" and rec["steps"] == steps == rec["last_step"]
+    assert rec["metrics"] == list(NAMES)
+    last_acc = steps - (steps - 1) % 3
+    expected = {n: value(steps, m, spike_step) for m, n in enumerate(NAMES)}
+    expected["acc"] = value(last_acc, 1, spike_step)
+    assert rec["latest"] == expected
+    assert rec["last_loss"] == expected["loss"]
+
+    assert main(["export", "big", "--db", str(db)]) == 0
+    out = capsys.readouterr().out
+    reader = csv.reader(io.StringIO(out))
+    assert next(reader) == ["step", *NAMES]
+    n = 0
+    for n, row in enumerate(reader, start=1):
+        want = [str(n), *(_csv_cell(value(n, m, spike_step)) for m in range(len(NAMES)))]
+        if row != want:
+            raise AssertionError(f"step {n}: {row} != {want}")
+    assert n == steps
+    del out
+
+    assert main(["export", "big", "--format", "jsonl", "--db", str(db)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == steps
+    for s in (1, 3, 7, 11, spike_step, steps):
+        obj = json.loads(lines[s - 1])
+        want = {"step": s}
+        want.update({n: value(s, m, spike_step) for m, n in enumerate(NAMES)
+                     if value(s, m, spike_step) is not None})
+        assert list(obj) == list(want)
+        for k, v in want.items():
+            assert obj[k] == v or (math.isnan(v) and math.isnan(obj[k])), (s, k)
+
+
+async def check_watch(db: Path, steps: int, spike_step: int) -> None:
+    from tests.conftest import wait_until
+    from tui.commands.watch import open_run
+    from tui.live_app import make_watch_app
+    from tui.screens.live_chart import LineChart, chart_rows
+
+    store, run = open_run(str(db), "big")
+    app = make_watch_app(store, run)
+    try:
+        async with app.run_test(size=(120, 36)) as pilot:
+            await wait_until(pilot, lambda: app.live.polls >= 1, timeout=60)
+            await pilot.pause(0.3)
+            screen = app.live
+            assert screen.state == "finished" and screen.series.step == steps
+            status = str(screen.query_one("#live-status").render())
+            assert "finished" in status
+            loss = screen.query_one("#live-loss", LineChart)
+            drawn = [s for s in loss.series if s.xs]
+            assert max(max(s.highs) for s in drawn) == SPIKE  # the spike's own value
+            rows = chart_rows(loss.series, loss.size.width, loss.size.height,
+                              log=loss.log_scale)
+            top = "".join(t for t, _ in rows[1]).split("┤")[0].strip()
+            assert top == f"{SPIKE:.0f}"  # the top of the y axis is the spike
+    finally:
+        store.close()
+
+
+@pytest.fixture(scope="module")
+def store_20k(tmp_path_factory):
+    import random
+
+    spike = random.Random(25).randrange(12, 20_000)
+    db = tmp_path_factory.mktemp("scale") / "m.sqlite"
+    write_store(db, 20_000, spike)
+    return db, 20_000, spike
+
+
+def test_runs_and_export_give_exactly_the_values_written(store_20k, capsys):
+    check_runs_and_export(*store_20k, capsys)
+
+
+async def test_watch_of_a_long_run_shows_it_finished_and_its_spike(store_20k):
+    await check_watch(*store_20k)
+
+
+@pytest.mark.slow
+async def test_a_run_of_a_million_steps_is_listed_exported_and_watched_exactly(tmp_path,
+                                                                               capsys):
+    import random
+
+    steps = 1_000_000
+    spike = random.Random(1_000_000).randrange(12, steps)
+    db = tmp_path / "m.sqlite"
+    write_store(db, steps, spike, batch=50_000)
+    check_runs_and_export(db, steps, spike, capsys)
+    await check_watch(db, steps, spike)
+
+
+# -- never import torch ----------------------------------------------------------------------
+
+_WATCH = textwrap.dedent("""
+    import asyncio, sys
+    from tui.commands.watch import open_run
+    from tui.live_app import make_watch_app
+
+    async def go():
+        store, run = open_run(sys.argv[1], "big")
+        app = make_watch_app(store, run)
+        async with app.run_test(size=(100, 30)) as pilot:
+            for _ in range(600):
+                await pilot.pause(0.05)
+                if app.live.polls:
+                    break
+            print("polls", app.live.polls, app.live.state)
+        store.close()
+
+    asyncio.run(go())
+    print("torch imported:", "torch" in sys.modules)
+""")
+
+
+def test_store_commands_never_import_torch(tmp_path, store_20k):
+    """A ``torch`` package that raises on import, first on ``PYTHONPATH``: every store command
+    works (``mdb stop`` asks and times out: nothing trains)."""
+    fake = tmp_path / "notorch" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise RuntimeError('mdb test: torch was imported')\n")
+    db = store_20k[0]
+    small = tmp_path / "two.sqlite"
+    write_store(small, 50, 5)
+    with RunStore(small) as store:  # a second run, left running by this (live) process
+        w = store.create_run("live", {}, kind="api")
+        w.log_step({"step": 1, "values": {"loss": 1.0}})
+        w.heartbeat()
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path / 'notorch'}{os.pathsep}{ROOT}")
+
+    def mdb(*argv: str, code: str | None = None) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-c", code, *argv] if code else [
+            sys.executable, "-c", "import sys; from tui.cli import main; sys.exit(main())", *argv]
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path,
+                              timeout=120)
+
+    assert "mdb test: torch was imported" in mdb(code="import torch").stderr  # the fake works
+    r = mdb("runs", "--db", str(db))
+    assert r.returncode == 0 and "big" in r.stdout, r.stderr
+    r = mdb("export", "big", "--db", str(db))
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == 20_001, r.stderr
+    r = mdb("compare", "big", "live", "--table", "--db", str(small))
+    assert r.returncode == 0 and "big" in r.stdout and "live" in r.stdout, r.stderr
+    r = mdb("stop", "live", "--timeout", "0.5", "--db", str(small))
+    assert "asked run live" in r.stderr and "torch" not in r.stderr, r.stderr
+    r = mdb(str(db), code=_WATCH)
+    assert r.returncode == 0, r.stderr
+    assert "polls 1 finished" in r.stdout and "torch imported: False" in r.stdout
