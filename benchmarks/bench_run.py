@@ -1,7 +1,14 @@
 """Cost of ``hooks.run`` on the caller's thread: ``run.log``, steps/s with and without ``watch``,
 how soon a reader sees a step, and memory over 10,000 steps.
 
-Usage: ``python benchmarks/bench_run.py [--rounds 8] [--block 100] [--every 50]``.
+Usage: ``python benchmarks/bench_run.py [--rounds 8] [--block 100] [--every 50]
+[--scheduler] [--only-steps]``.
+
+``--scheduler`` (issue 23, the training-loop doctor): every loop steps a warmup
+``LambdaLR`` after each optimizer step, and the watched loop is watched with
+``optimizer=`` and ``scheduler=`` (the doctor's hooks in watched steps, its checks at them).
+Without it the watched loop has ``optimizer=`` only (which also runs the doctor, less the
+scheduler's checks). ``--only-steps``: only the steps/s comparison.
 
 Goals (issue 11):
 
@@ -67,7 +74,8 @@ def bench_log(db: Path, calls: int) -> float:
     return med
 
 
-def bench_steps(db: Path, rounds: int, block: int, every: int) -> dict[str, float]:
+def bench_steps(db: Path, rounds: int, block: int, every: int,
+                scheduler: bool = False) -> dict[str, float]:
     """Median steps/s of blocks of the plain, logged and watched loops, interleaved."""
     text = (ROOT / "samples" / "alice.txt").read_text(encoding="utf-8")
     chars = sorted(set(text))
@@ -86,15 +94,17 @@ def bench_steps(db: Path, rounds: int, block: int, every: int) -> dict[str, floa
         torch.manual_seed(0)
         model = TinyGPT(len(chars), block=seq)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: min(1.0, (s + 1) / 100)) if scheduler else None
         run = None if name == "plain" else hooks.run(f"bench-{name}", db=db)
         if name == "watched":  # as samples/own_loop.py does: the NaN checks on every step
-            run.watch(model, every=every, optimizer=opt)
-        sides[name] = (model, opt, run)
+            run.watch(model, every=every, optimizer=opt, scheduler=sched)
+        sides[name] = (model, opt, run, sched)
 
     step_times: dict[bool, list[float]] = {True: [], False: []}  # watched loop: captured?
 
     def one_block(name: str) -> float:
-        model, opt, run = sides[name]
+        model, opt, run, sched = sides[name]
         batches = [batch() for _ in range(block)]
         t0 = time.perf_counter()
         for x, y in batches:
@@ -102,6 +112,8 @@ def bench_steps(db: Path, rounds: int, block: int, every: int) -> dict[str, floa
             _, loss = model(x, y)
             loss.backward()
             opt.step()
+            if sched is not None:
+                sched.step()
             opt.zero_grad(set_to_none=True)
             if run is not None:
                 run.log(loss=loss, lr=1e-3)
@@ -117,7 +129,7 @@ def bench_steps(db: Path, rounds: int, block: int, every: int) -> dict[str, floa
         for name in names if r % 2 == 0 else names[::-1]:
             rates[name].append(one_block(name))
     captured = None
-    for name, (_, _, run) in sides.items():
+    for name, (_, _, run, _) in sides.items():
         if run is not None:
             if name == "watched":
                 _drain(run)
@@ -215,12 +227,18 @@ def main() -> None:
     parser.add_argument("--latency-steps", type=int, default=300)
     parser.add_argument("--memory-steps", type=int, default=10000)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--scheduler", action="store_true",
+                        help="a warmup scheduler in every loop, watch(scheduler=) too")
+    parser.add_argument("--only-steps", action="store_true",
+                        help="only the steps/s comparison")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         db = Path(tmp) / "bench.sqlite"
         bench_log(db, args.log_calls)
-        bench_steps(db, args.rounds, args.block, args.every)
+        bench_steps(db, args.rounds, args.block, args.every, args.scheduler)
+        if args.only_steps:
+            return
         bench_latency(db, args.latency_steps, 0.01)
         bench_memory(db, args.memory_steps, args.every)
 

@@ -31,6 +31,7 @@ This module never imports textual, rich or tui.
 from __future__ import annotations
 
 import contextlib
+import math
 import types
 from collections.abc import Callable
 from typing import Any
@@ -84,9 +85,10 @@ def check_watch_arguments(optimizer: Any, scheduler: Any, capture_options: dict)
             raise TypeError(f"watch(scheduler=...) expects a torch.optim.lr_scheduler "
                             f"scheduler (with .step and .optimizer), got "
                             f"{type(scheduler).__name__}")
+        own = _inner(inner.optimizer, "optimizer")
         if optimizer is None:
-            optimizer = inner.optimizer
-        elif inner.optimizer is not optimizer:
+            optimizer = own
+        elif own is not optimizer:
             raise ValueError("watch(scheduler=...): the scheduler drives another optimizer "
                              "than watch(optimizer=...)")
     return optimizer
@@ -163,6 +165,10 @@ class LoopWatch:
 
     Attributes:
         findings: Findings not yet taken (:meth:`take`).
+        external_step: Set by a trainer whose ``optimizer.step(closure)`` runs the last
+            micro-batch's forward and backward inside the step (Lightning): the checks of the
+            optimizer step then run when it calls :meth:`before_step` (after the closure),
+            not at the optimizer's step pre-hook.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -185,6 +191,7 @@ class LoopWatch:
         self._usual: int | None = None
         self._no_grad: set[int] | None = None
         self._no_grad_windows = 0
+        self.external_step = False
         self._reset()
 
     def _reset(self) -> None:
@@ -324,11 +331,7 @@ class LoopWatch:
             mask = kwargs.get("attention_mask")
             mb.mask = mask if isinstance(mask, torch.Tensor) else None
             ids = mb.ids
-            logits = None
-            if ids is not None:
-                logits = _first_tensor(output, lambda t: t.ndim == 3 and t.requires_grad
-                                       and t.is_floating_point()
-                                       and tuple(t.shape[:2]) == tuple(ids.shape))
+            logits = _logits_of(output, ids)
             target = logits if logits is not None else _first_tensor(
                 output, lambda t: t.requires_grad and t.is_floating_point())
             if target is not None:
@@ -394,7 +397,15 @@ class LoopWatch:
         return self.optimizer is not None and self._opt_steps == 0 and not self._stale
 
     # -- the optimizer step ------------------------------------------------------------------------
-    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def before_step(self) -> None:
+        """The optimizer is about to apply the gradients (see :attr:`external_step`)."""
+        if self._step is not None and self.optimizer is not None:
+            self._before_step(self.optimizer, (), {}, external=True)
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any, *,
+                     external: bool = False) -> None:
+        if self.external_step != external:
+            return
         self._opt_steps += 1
         if self._opt_steps > 1 or self._step is None:
             return
@@ -506,16 +517,54 @@ class LoopWatch:
                 if r.rng_cuda is not None:
                     torch.cuda.set_rng_state_all(r.rng_cuda)
                 self.model.train(r.training)
-                loss = loss_of(self.model(*r.args, **r.kwargs))
+                out = self.model(*r.args, **r.kwargs)
+                loss = loss_of(out)
                 if loss is None or not loss.requires_grad:
                     return None
-                grads = torch.autograd.grad(loss.reshape(()), params, allow_unused=True)
+                logits = _logits_of(out, mb.ids)
+                wrt = params + ([logits] if logits is not None else [])
+                grads = torch.autograd.grad(loss.reshape(()), wrt, allow_unused=True)
         finally:
             for m, f in flags:
                 m.training = f
             if paused:
                 cap._active = True
             self._inside = False
-        return torch.cat([(g.reshape(-1).float() if g is not None else
+        flat = torch.cat([(g.reshape(-1).float() if g is not None else
                            p.new_zeros(p.numel(), dtype=torch.float32))
-                          for g, p in zip(grads, params, strict=True)])
+                          for g, p in zip(grads[: len(params)], params, strict=True)])
+        if logits is not None and grads[-1] is not None:
+            # the model's own loss may not be a mean over this micro-batch's tokens (HF's
+            # num_items_in_batch divides by the window's count): rescale it to one
+            per_token = token_weight(logits.detach(), grads[-1])
+            if per_token is not None:
+                flat = flat / (per_token[0] * per_token[1])
+        return flat
+
+
+def _logits_of(output: Any, ids: torch.Tensor | None) -> torch.Tensor | None:
+    """The (B, T, V) logits of a forward's output for (B, T) ``ids``, if there are."""
+    if ids is None:
+        return None
+    return _first_tensor(output, lambda t: t.ndim == 3 and t.requires_grad
+                         and t.is_floating_point() and tuple(t.shape[:2]) == tuple(ids.shape))
+
+
+def token_weight(logits: torch.Tensor, grad: torch.Tensor) -> tuple[float, int] | None:
+    """``(c, n)``: the weight ``c`` a cross-entropy loss gives each of its ``n`` scored
+    positions, read from the gradient of the logits (a row is ``c · (softmax − onehot)``,
+    so at the target ``c = g_t / (p_t − 1)``; the median over the positions); ``None`` when
+    no position is scored or the rows are not of that form."""
+    g = grad.detach().float()
+    live = g.abs().amax(-1) > 0
+    n = int(live.sum())
+    if n == 0:
+        return None
+    rows, lg = g[live], logits.float()[live]
+    t = rows.argmin(-1, keepdim=True)
+    p = torch.softmax(lg, -1).gather(-1, t).squeeze(-1)
+    ok = p < 1 - 1e-6
+    if not bool(ok.any()):
+        return None
+    c = float((rows.gather(-1, t).squeeze(-1)[ok] / (p[ok] - 1)).median())
+    return (c, n) if c > 0 and math.isfinite(c) else None
