@@ -950,11 +950,9 @@ def capture(
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
-        ValueError: ``every < 1``, ``keep_bytes < 0`` or ``attention_bytes < 0``; an edit
-            that names no module, a head or expert out of range, or a module whose output
-            cannot be edited (one line, nothing run); on entry, a
-            model with no data (a parameter or buffer on the ``meta`` device): the message
-            says how to materialise it.
+        ValueError: ``every < 1``, ``keep_bytes < 0``, ``attention_bytes < 0`` or a bad edit
+            (one line; nothing runs); on entry, a model with no data (a parameter or buffer on
+            the ``meta`` device): the message says how to materialise it.
     """
     return Capture(model, keep_bytes=keep_bytes, include=include, exclude=exclude,
                    inputs=inputs, grads=grads, params=params, attention=attention,
