@@ -141,3 +141,32 @@ def test_healthy_loop_has_no_finding_over_200_steps(db):
     assert run_loop(db, loop) == []
     doctor = seen[0]  # the checks ran: nothing vacuous
     assert doctor._accum_checks == 3 and doctor._no_grad_windows == 20
+
+
+def test_the_example_of_the_guide_runs_and_finds_what_it_says(tmp_path, monkeypatch):
+    """docs/loop-doctor.md's first example, run as printed: the five findings its text
+    lists."""
+    import re
+
+    from hooks.runs.store import RunStore
+    from tests.conftest import REPO
+
+    guide = (REPO / "docs" / "loop-doctor.md").read_text(encoding="utf-8")
+    block = re.findall(r"^```python\n(.*?)\n```", guide, re.S | re.M)[0]
+    monkeypatch.chdir(tmp_path)
+    with pytest.warns(UserWarning, match="lr_scheduler.step"):  # torch sees bug 3 too
+        exec(compile(block, "docs/loop-doctor.md", "exec"), {"__name__": "guide"})
+    with RunStore(tmp_path / "runs" / "loop-doctor.sqlite") as store:
+        found = store.findings(store.run("loop-bugs").id)
+    got = {(f.kind, f.subject, f.step) for f in found}
+    assert got == {("weight_decay", "param group 0", 1),
+                   ("weight_decay", "param group 0 (embeddings)", 1),
+                   ("grad_accumulation", "gradient scale", 5),
+                   ("scheduler_steps", "LinearLR", 5),
+                   ("scheduler_steps", "learning rate", 5)}
+    scale = [f for f in found if f.kind == "grad_accumulation"][0]
+    assert scale.detail["factor"] == pytest.approx(4.0, rel=1e-3)
+    assert [f for f in found if f.subject == "param group 0"][0].detail["params"] == [
+        "norm.weight", "norm.bias", "head.bias"]
+    assert "100-step warmup ends after 25 optimizer steps" in [
+        f for f in found if f.subject == "LinearLR"][0].line
