@@ -245,6 +245,7 @@ class StepScreen(MdbScreen):
 
         from tui.screens.attention import AttentionScreen
         from tui.screens.doctor import DoctorScreen
+        from tui.screens.edit_diff import EditDiffScreen
         from tui.screens.gradients import GradientsScreen
         from tui.screens.lens import LensScreen
         from tui.screens.ops import OpsScreen
@@ -264,6 +265,8 @@ class StepScreen(MdbScreen):
              [b for b in OpsScreen.BINDINGS if id(b) not in own]),
             ("doctor view (d)", DoctorScreen.HELP_BINDINGS),
             ("logit lens (L)", [b for b in LensScreen.BINDINGS if id(b) not in own]),
+            ("what if (e: the edit form, then A as is | B edited)", EditDiffScreen.BINDINGS
+             + [Binding("enter", "", "edit form: copy a choice below / run the spec")]),
             ("every view", VIEW_BINDINGS),
             ("find (/)", SearchScreen.BINDINGS + [Binding("enter", "", "jump to the match")]),
         ]
