@@ -16,8 +16,10 @@ to the innermost module of the model being run (a module stack kept by forward p
 * a softmax over the last dimension of a 4-D tensor (``Tensor.softmax``, hence
   ``F.softmax``, and ``torch.softmax``): HF's eager attention, minillm's eager path, nanoGPT's
   hand-written ``softmax(q·kᵀ)``. Those values *are* the model's probabilities; they are copied.
-  A 3-D softmax is taken only inside ``nn.MultiheadAttention`` (its ``need_weights`` path, heads
-  folded into the batch).
+  A 3-D softmax is taken inside ``nn.MultiheadAttention`` (its ``need_weights`` path) and
+  inside a module that looks like attention and declares ``num_heads`` dividing its first
+  dimension: BART-style eager attention (XGLM, TrOCR, MVP) folds the heads into the batch,
+  ``bmm`` to (B·H, T, S), then the softmax; it is shown as (B, H, T, S).
 
 Mechanism, chosen by measurement (``benchmarks/bench_attention_capture.py --mechanism``): the
 functions are swapped on ``torch.nn.functional`` / ``torch`` / ``torch.Tensor`` (and on the
@@ -35,6 +37,7 @@ other threads while the capture runs.
 from __future__ import annotations
 
 import math
+import re
 import sys
 import threading
 from typing import Any, Protocol
@@ -301,6 +304,27 @@ def installed() -> bool:
 
 
 # -- one capture --------------------------------------------------------------------------------
+#: Layers that mix positions without a softmax over keys, by words in their modules' class or
+#: attribute names (lower case): Mamba/SSM mixers, RWKV blocks, linear attention (MiniMax's
+#: lightning attention, Gated DeltaNet, retention).
+NO_SOFTMAX_KINDS = (
+    ("state-space", ("mamba", "ssm", "statespace")),
+    ("RWKV", ("rwkv",)),
+    ("linear attention", ("linearattention", "linear_attn", "lightning", "deltanet",
+                          "retention")),
+)
+_DECODER_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer|decoder_layers)\.\d+$")
+
+
+def no_softmax_kind(name: str, m: nn.Module) -> str | None:
+    """``"state-space"``, ``"RWKV"`` or ``"linear attention"`` when module ``m`` (named
+    ``name``) is such a mixer by its class or attribute name (:data:`NO_SOFTMAX_KINDS`), else
+    None."""
+    words = (type(m).__name__ + " " + name.rpartition(".")[2]).lower()
+    return next((kind for kind, keys in NO_SOFTMAX_KINDS if any(k in words for k in keys)),
+                None)
+
+
 def _looks_like_attention(m: nn.Module) -> bool:
     if "Attention" in type(m).__name__ or isinstance(m, nn.MultiheadAttention):
         return True
@@ -466,12 +490,18 @@ class AttentionCapture:
         if not out.is_floating_point():
             return None
         note = ""
-        if out.dim() == 3:
+        if out.dim() == 3:  # heads folded into the batch: (B·H, T, S)
             heads = getattr(mod, "num_heads", None)
-            if not isinstance(mod, nn.MultiheadAttention) or not heads or out.shape[0] % heads:
+            if not isinstance(heads, int) or heads < 1 or out.shape[0] % heads:
+                return None
+            mha = isinstance(mod, nn.MultiheadAttention)
+            if not (mha or _looks_like_attention(mod)):
                 return None
             probs = out.reshape(-1, heads, *out.shape[1:])
             x = inp.reshape(probs.shape)
+            if not mha:  # BART-style eager attention (XGLM, TrOCR, MVP): bmm then softmax
+                note = (f"a (B·H, T, S) = {tuple(out.shape)} softmax of {type(mod).__name__} "
+                        f"({heads} heads): shown as (B, H, T, S) = {tuple(probs.shape)}")
         else:
             probs, x = out, inp
         if not self._fits(name, probs.numel() * 4 + probs.numel()):
@@ -528,10 +558,13 @@ class AttentionCapture:
         for name, msg in self._errors.items():
             add(Note("attention", f"attention not recorded: {msg}", module=name))
         names = {r[0] for r in self._recorded}
+        said = self._no_softmax_notes(names)
         missing = []
         for name, (mod, calls) in self._ran.items():
             if not calls or not _looks_like_attention(mod) or not self.host.wants_attention(name):
                 continue
+            if no_softmax_kind(name, mod) is not None:
+                continue  # said by layer in _no_softmax_notes
             if any(n == name or n.startswith(name + ".") for n in names) or name in self._errors:
                 continue
             if any(c == name for c in self._cut):
@@ -544,10 +577,31 @@ class AttentionCapture:
                      "scaled_dot_product_attention nor a softmax over the keys of a 4-D tensor "
                      "(flash-attn, flex attention or a fused kernel?): no probabilities "
                      "recorded"))
-        elif not self._recorded and not self._cut and not self._errors:
+        elif not self._recorded and not self._cut and not self._errors and not said:
             add(Note("attention", "attention requested, but no scaled_dot_product_attention "
                      "call and no softmax over the last dimension of a 4-D tensor ran inside "
                      "the model: nothing to record"))
+
+    def _no_softmax_notes(self, names: set[str]) -> int:
+        """One note per decoder layer that ran, recorded no probabilities and mixes positions
+        with a state-space, RWKV or linear-attention layer (the attention view lists it); how
+        many were written."""
+        said = 0
+        for layer, (mod, calls) in self._ran.items():
+            if not calls or not _DECODER_LAYER.search(layer) or not self.host.wants_attention(
+                    layer) or any(n == layer or n.startswith(layer + ".") for n in names):
+                continue
+            inside = [(n, m) for n, (m, _) in self._ran.items() if n.startswith(layer + ".")]
+            found = next(((n, m, k) for n, m in [(layer, mod), *inside]
+                          if (k := no_softmax_kind(n, m)) is not None), None)
+            if found is None:
+                continue
+            n, m, kind = found
+            self.host.add_note(Note(
+                "attention", f"no attention probabilities: a {kind} layer ({type(m).__name__} "
+                f"{n}) mixes positions without a softmax over keys", module=layer))
+            said += 1
+        return said
 
     def recorded(self, name: str, call_index: int) -> bool:
         """Whether a record exists for that module call (eager-weights probes defer to it)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import textwrap
+from dataclasses import dataclass
 
 from textual.binding import Binding
 from textual.containers import ScrollableContainer
@@ -146,6 +147,35 @@ def empty_reason(trace) -> list[str]:
             "(hooks.capture(model, attention=True); mdb capture without --no-attention)"]
 
 
+@dataclass
+class NoProbabilities:
+    """A decoder layer without attention probabilities (state-space, RWKV or linear attention),
+    from the capture's note on it (:func:`hooks.attention.no_softmax_kind`): listed among the
+    layers so the view says so instead of leaving it out."""
+
+    module: str
+    layer: int | None
+    note: str
+    call_index: int = 0
+
+
+def with_layers_without(trace, records: list) -> list:
+    """``records`` with a :class:`NoProbabilities` for each layer the capture noted, placed
+    before the first record of a later layer."""
+    from hooks.records import layer_of
+
+    out = list(records)
+    for n in trace.notes:
+        if n.kind != "attention" or not n.module or not n.message.startswith(
+                "no attention probabilities"):
+            continue
+        item = NoProbabilities(n.module, layer_of(n.module), n.message)
+        at = next((i for i, r in enumerate(out) if item.layer is not None
+                   and r.layer is not None and r.layer > item.layer), len(out))
+        out.insert(at, item)
+    return out
+
+
 class AttentionScreen(LayerViewScreen):
     """Attention probabilities of a chosen layer, head and sequence of the batch."""
 
@@ -168,7 +198,7 @@ class AttentionScreen(LayerViewScreen):
 
     def __init__(self, step) -> None:
         super().__init__(step)
-        self.records = list(self.trace.attention)
+        self.records = with_layers_without(self.trace, list(self.trace.attention))
         self.head = 0
         self.batch = 0
         self.start_at_step_layer()
@@ -195,10 +225,14 @@ class AttentionScreen(LayerViewScreen):
         self.query_one("#grid-scroll").focus()
 
     def on_layer_changed(self) -> None:
-        self.head = min(self.head, self.record.probs.shape[1] - 1)
+        if not isinstance(self.record, NoProbabilities):
+            self.head = min(self.head, self.record.probs.shape[1] - 1)
 
     def action_head(self, delta: int) -> None:
         if not self.records:
+            return
+        if isinstance(self.record, NoProbabilities):
+            self.hint("this layer computes no attention probabilities: no heads to show")
             return
         heads = self.record.probs.shape[1]
         self.head = (self.head + delta) % heads
@@ -206,7 +240,7 @@ class AttentionScreen(LayerViewScreen):
         self.show()
 
     def action_sequence(self) -> None:
-        if not self.records:
+        if not self.records or isinstance(self.record, NoProbabilities):
             return
         self.batch = (self.batch + 1) % self.record.probs.shape[0]
         self.show()
@@ -231,6 +265,14 @@ class AttentionScreen(LayerViewScreen):
     def show(self) -> None:
         """Draw the grid of the current layer, head and sequence."""
         rec = self.record
+        if isinstance(rec, NoProbabilities):
+            self.query_one("#title", Static).update(
+                f"attention · layer {'?' if rec.layer is None else rec.layer} "
+                f"({self.position + 1}/{len(self.records)}) · {rec.module} · no probabilities")
+            self.query_one("#kv", Static).update("")
+            self.query_one("#grid", Static).update(textwrap.fill(rec.note, 76))
+            self.query_one("#legend", Static).update("")
+            return
         b_count, n_heads, t_q, t_k = rec.probs.shape
         self.batch = min(self.batch, b_count - 1)
         self.matrix = rec.probs[self.batch, self.head].float().tolist()
