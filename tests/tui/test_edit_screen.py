@@ -141,3 +141,26 @@ async def test_e_on_a_trace_from_disk_says_why(step, tmp_path):
         await pilot.pause()
         assert isinstance(app.screen, StepScreen)
         assert "loaded from disk" in _text(app, "#hint")
+
+
+async def test_the_app_of_mdb_diff_edit_quits_with_q_and_edits_again_with_e(step):
+    from hooks.edits_run import rerun_edited
+    from tui.commands.diff_edit import _app
+
+    trace, _ = step
+    spec = "scale model.layers.0.mlp by=2"
+    b = rerun_edited(trace, [spec])
+    app = _app(EditDiffScreen(trace, b, trace.diff(b), [spec], embedded=False))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: isinstance(app.screen, EditDiffScreen))
+        assert _text(app, "#title") == f"what if · {spec}"
+        assert "1 of 1 call(s) changed" in _text(app, "#edit-applied")
+        await pilot.press("escape")  # the main screen: Esc does not leave it
+        assert isinstance(app.screen, EditDiffScreen)
+        await pilot.press("e")
+        await wait_until(pilot, lambda: isinstance(app.screen, EditFormScreen))
+        assert app.screen.base == [spec]
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: isinstance(app.screen, EditDiffScreen))
+        await pilot.press("q")
+        await wait_until(pilot, lambda: not app.is_running)
