@@ -323,6 +323,8 @@ def accumulation_findings(step: int, accumulated: torch.Tensor, per_batch: list[
         why = ("each micro-batch's loss is a mean over its own tokens, and the counts differ: "
                "normalise by the window's total token count" if same and len(set(tokens)) > 1
                else "the micro-batches are not weighted by their token counts")
+        if abs(scale - 1) > ACCUM_TOL:
+            why += f" (and its scale is {scale:.3g}x)"
         return [finding("grad_accumulation", step, "micro-batch weights",
                         f"the accumulated gradient at step {step} points elsewhere than the "
                         f"one-batch gradient (cosine {cos:.4f}): {why}", evidence, **nums)]

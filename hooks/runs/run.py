@@ -227,6 +227,9 @@ class Run(RunControls):
     MAX_PENDING_TRACES = 4
     #: Seconds :meth:`finish` waits for the writer to commit what is queued.
     FINISH_TIMEOUT = 60.0
+    #: The training-loop doctor while watching with an optimizer
+    #: (:class:`hooks.runs.loop_watch.LoopWatch`), else ``None``.
+    _doctor: Any = None
 
     def __init__(
         self,
@@ -282,7 +285,6 @@ class Run(RunControls):
         self._step_trace: Any = None  # the trace of the current step, if it was captured
         self._locate_pending = False
         self._sentinel: Any = None  # hooks.runs.origin.NonFiniteSentinel while watching
-        self._doctor: Any = None  # hooks.runs.loop_watch.LoopWatch (the loop doctor)
         # mdb stop / pause / resume (hooks.runs.control), read by a poller thread
         self._stop_asked = False
         self._resumed = threading.Event()
@@ -645,13 +647,15 @@ class Run(RunControls):
         self._sentinel = NonFiniteSentinel(self._model, lambda: self._capture is not None,
                                            optimizer)
         if self._doctor is not None:
-            self._doctor.close()
-        sentinel = self._sentinel
-        self._doctor = LoopWatch(self._model, optimizer, scheduler,
-                                 capture=lambda: self._capture,
-                                 busy=lambda: getattr(sentinel, "_inside", False))
-        self._doctor.once(nxt)
-        self._doctor_findings(close=False)
+            self._doctor_findings(close=True)
+            self._doctor = None
+        if optimizer is not None:  # the training-loop doctor (optimizer= or scheduler=)
+            sentinel = self._sentinel
+            self._doctor = LoopWatch(self._model, optimizer, scheduler,
+                                     capture=lambda: self._capture,
+                                     busy=lambda: getattr(sentinel, "_inside", False))
+            self._doctor.once(nxt)
+            self._doctor_findings(close=False)
         if not self._closed and nxt % every == 0:
             self._start_capture(nxt)
 
