@@ -297,3 +297,25 @@ def test_trace_edits_are_saved_and_old_traces_still_load(tmp_path):
     doc = trace.to_dict()
     del doc["edits"]  # a trace written before edits existed
     assert hooks.Trace.from_dict(doc, trace.all_tensors()).edits == []
+
+
+# -- re-running a captured step (the step view's e) -------------------------------------------
+def test_rerun_edited_patches_from_the_rolled_batch_and_leaves_the_gradients_alone():
+    from hooks.edits_run import rerun_edited
+
+    model = tiny()
+    batch = batch_for(model)
+    with hooks.capture(model) as a:
+        model(**batch).loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    b = rerun_edited(a, ["patch model.layers.0 from=rolled"])
+    assert b.edits[0].applied and b.meta["edits"] == ["patch model.layers.0 from=rolled"]
+    # the rest of the forward is the rolled batch's own run (each row takes the next's)
+    with torch.no_grad():
+        ref = model(input_ids=torch.roll(batch["input_ids"], 1, dims=0)).logits
+    head = b.call("lm_head").outputs[0].stats
+    assert abs(head.mean - float(ref.mean())) < TOL and abs(head.std - float(ref.std())) < TOL
+    for n, p in model.named_parameters():  # the step's .grad as they were
+        assert torch.equal(p.grad, grads[n]) if n in grads else p.grad is None
+    # the unedited re-run is the step itself: no statistic differs
+    assert a.diff(rerun_edited(a, ["scale model.layers.0 by=1"])).is_zero()
