@@ -219,3 +219,46 @@ def test_store_commands_never_import_torch(tmp_path, store_20k):
     r = mdb(str(db), code=_WATCH)
     assert r.returncode == 0, r.stderr
     assert "polls 1 finished" in r.stdout and "torch imported: False" in r.stdout
+
+
+# -- a torchrun job's export: a rank column ---------------------------------------------------
+
+def test_export_of_a_distributed_run_has_a_row_per_rank_and_step(tmp_path, capsys):
+    db = tmp_path / "d.sqlite"
+    want = {}  # (step, rank) -> {name: value}
+    with RunStore(db, create=True) as store:
+        w = store.create_run("ddp", {}, kind="api", world_size=2)
+        w.set_ranks([{"rank": 0}, {"rank": 1}])
+        for rank in (0, 1):
+            rows = []
+            for s in range(1, 6):
+                vals = {"loss": 1.0 / (s + rank), "lr": 0.1}
+                if rank == 1 and s == 3:
+                    vals = {"loss": math.nan}  # lr not logged by rank 1 at step 3
+                rows.append({"step": s, "wall": float(s), "values": vals})
+                want[(s, rank)] = vals
+            w.log_rank_steps(rank, rows)
+        w.log_steps([({"step": s, "wall": float(s), "values": want[(s, 0)]}, None, None)
+                     for s in range(1, 6)])
+        w.finish("finished")
+
+    def cell(v):
+        return "" if v is None else "nan" if math.isnan(v) else repr(v)
+
+    assert main(["export", "ddp", "--db", str(db)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "step,rank,loss,lr"
+    assert lines[1:] == [f"{s},{r},{cell(want[(s, r)].get('loss'))},{cell(want[(s, r)].get('lr'))}"
+                         for s in range(1, 6) for r in (0, 1)]
+    assert main(["export", "ddp", "--rank", "1", "--format", "jsonl", "--db", str(db)]) == 0
+    objs = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [(o["step"], o["rank"]) for o in objs] == [(s, 1) for s in range(1, 6)]
+    assert math.isnan(objs[2]["loss"]) and "lr" not in objs[2] and objs[0]["loss"] == 0.5
+    assert main(["export", "ddp", "--rank", "2", "--db", str(db)]) == 2
+    assert capsys.readouterr().err == "mdb: error: --rank 2: run 'ddp' has ranks 0, 1\n"
+    single = tmp_path / "s.sqlite"
+    write_store(single, 3, 2)
+    assert main(["export", "big", "--rank", "0", "--db", str(single)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mdb: error: --rank 0: run 'big' is a single process") and \
+        err.count("\n") == 1
