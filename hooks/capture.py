@@ -444,6 +444,8 @@ class Capture:
                     find_tensors(args, "args", tensors, others)
                 if kwargs:
                     find_tensors(kwargs, "kwargs", tensors, others)
+                if self._dist is not None:  # names the tensors across ranks
+                    self._dist.where = f"{name}#{ci}/in"
                 rec.inputs = [self._info(p, t) for p, t in tensors]
                 self._sigs[rec.index] = _signature(tensors)
             stack.append(rec)
@@ -491,6 +493,8 @@ class Capture:
                     + ", ".join(f"{p} ({t})" for p, t in others[:4])
                 )
             outs = []
+            if self._dist is not None:
+                self._dist.where = f"{name}#{rec.call_index}/out"
             grad_on = self.grads
             no_grad = False
             for path, t in tensors:
@@ -524,6 +528,8 @@ class Capture:
                 list(grad.shape),
                 dtype_name(grad.dtype),
             )
+            if self._dist is not None:
+                self._dist.where = f"{rec.module}#{rec.call_index}/grad {path}"
             slot = self._slot(grad)  # hooks on one tensor share one gradient object
             if slot is not None:
                 self._pending.append((g, slot))

@@ -33,13 +33,17 @@ activations are those of each rank's own backward (each data-parallel rank diffe
 own loss), summed like any tensor. A plain tensor whose shards happen to be bitwise equal on
 every rank of a mesh dimension (an all-zero shard everywhere) is taken for a replica.
 
-When the ranks did not capture the same number of tensors (different control flow), no
-reduction runs (it could not be matched up): every statistic is this rank's piece, and a note
-says so. This module never imports textual, rich or tui.
+Tensors are matched across ranks by where the capture met them (module, call, input or output
+or gradient, position; a parameter by name). When the ranks did not capture the same tensors
+(an MoE expert that received no token on one rank is not called there), the union is reduced:
+each tensor over the ranks that hold it, and a note says so.
+
+This module never imports textual, rich or tui.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import sys
 from collections.abc import Iterable
@@ -89,17 +93,32 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _key(text: str) -> int:
+    """A 62-bit hash of ``text``, the same in every process (``hash()`` of a str is not)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
+
+
 class _Entry:
-    __slots__ = ("mesh", "weights", "moments", "minmax", "sample", "fingerprint")
+    __slots__ = ("mesh", "weights", "moments", "minmax", "sample", "fingerprint", "key")
 
     def __init__(self, mesh: Any, weights: list[float] | None, moments: torch.Tensor,
-                 minmax: torch.Tensor, sample: torch.Tensor, fingerprint: torch.Tensor | None):
+                 minmax: torch.Tensor, sample: torch.Tensor, fingerprint: torch.Tensor,
+                 key: int = 0):
         self.mesh = mesh
         self.weights = weights  # per mesh dimension (DTensor), or None: from fingerprints
         self.moments = moments
         self.minmax = minmax
         self.sample = sample
         self.fingerprint = fingerprint
+        self.key = key  # which tensor of the capture it is (matched across ranks)
+
+    @classmethod
+    def absent(cls, mesh: Any, key: int) -> _Entry:
+        """A tensor another rank captured and this one did not: counts nothing."""
+        mom = torch.zeros(8, dtype=torch.float64)
+        mm = torch.full((2,), -math.inf, dtype=torch.float64)
+        fp = torch.tensor([-1 - _rank(), -1], dtype=torch.int64)  # a replica of nothing
+        return cls(mesh, None, mom, mm, torch.zeros(0), fp, key)
 
 
 def _moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -159,7 +178,10 @@ class MeshStats:
         self._grad_now: dict[str, tuple[int, int]] = {}
         self._at_grad: dict[str, tuple[_Entry, _Entry]] = {}
         self._params: dict[str, tuple[int | None, int]] = {}
-        self.local_only = False
+        #: Set by the capture before it adds a call's tensors (``module#call/out``): with the
+        #: tensor's rank in that group, it names the tensor across ranks.
+        self.where = ""
+        self._seen: dict[str, int] = {}
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, bins: int = NUM_BINS) -> MeshStats | None:
@@ -193,7 +215,8 @@ class MeshStats:
         self.touched.add(name)
         g = param.grad
         if g is not None and is_dtensor(g):
-            self._at_grad[name] = (self._entry(g), self._entry(param))
+            self._at_grad[name] = (self._entry(g, f"grad {name}"),
+                                   self._entry(param, f"param {name}"))
 
     # -- adding ------------------------------------------------------------------------------
     def add(self, t: torch.Tensor) -> int | None:
@@ -207,7 +230,13 @@ class MeshStats:
         self._entries.append(e)
         return SLOT_BASE + len(self._entries) - 1
 
-    def _entry(self, t: torch.Tensor) -> _Entry:
+    def _name(self, where: str | None = None) -> int:
+        where = self.where if where is None else where
+        k = self._seen.get(where, 0)
+        self._seen[where] = k + 1
+        return _key(f"{where}:{k}")
+
+    def _entry(self, t: torch.Tensor, where: str | None = None) -> _Entry:
         mesh, weights = self.mesh, None
         if is_dtensor(t):
             t = self._without_partial(t)
@@ -216,12 +245,12 @@ class MeshStats:
             weights = [1.0 if p.is_shard() else float(coord[d] == 0)
                        for d, p in enumerate(t.placements)]
             x = local_piece(t)
-            fp = None
+            fp = torch.zeros(2, dtype=torch.int64)
         else:
             x = t.detach()
             fp = self._fingerprint(x)
         moments, minmax, sample = _moments(x)
-        return _Entry(mesh, weights, moments, minmax, sample, fp)
+        return _Entry(mesh, weights, moments, minmax, sample, fp, self._name(where))
 
     @staticmethod
     def _without_partial(t: Any) -> Any:
@@ -258,8 +287,9 @@ class MeshStats:
                 self._params[name] = (self._append(at[0]), self._append(at[1]))
                 continue
             g = p.grad
-            gslot = self.add(g) if g is not None and is_dtensor(g) else None
-            self._params[name] = (gslot, self.add(p))
+            gslot = self._append(self._entry(g, f"grad {name}")) \
+                if g is not None and is_dtensor(g) else None
+            self._params[name] = (gslot, self._append(self._entry(p, f"param {name}")))
 
     # -- reducing ----------------------------------------------------------------------------
     def finalize(self, trace: Any = None) -> list[TensorStats]:
@@ -282,22 +312,24 @@ class MeshStats:
         import torch.distributed as dist
 
         groups = _mesh_groups(mesh)
-        n = torch.tensor([len(idxs), -len(idxs)], dtype=torch.int64)
-        for g in groups:
-            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=g)
-        if int(n[0]) != -int(n[1]):
-            self.local_only = True
+        mine = [self._entries[i] for i in idxs]
+        union = self._union([e.key for e in mine], groups)
+        if union is None:  # every rank captured the same tensors, in the same order
+            entries, rows = mine, list(range(len(mine)))
+        else:  # calls some ranks made and others did not (an MoE expert without tokens)
+            at = {k: j for j, k in enumerate(union)}
+            entries = [_Entry.absent(mesh, k) for k in union]
+            rows = []
+            for e in mine:
+                entries[at[e.key]] = e
+                rows.append(at[e.key])
             if trace is not None:
                 trace.notes.append(Note(
-                    "sharded", f"the ranks captured different numbers of tensors ({-int(n[1])}"
-                    f" to {int(n[0])}): statistics are each rank's own piece, not reduced"))
-            for i in idxs:
-                out[i] = self._stats(self._entries[i].moments, self._entries[i].minmax,
-                                     None, 0)
+                    "sharded", f"the ranks captured different tensors ({len(mine)} here, "
+                    f"{len(union)} in all): each is reduced over the ranks that hold it; a call "
+                    "that ran on some ranks only is recorded by those"))
+        if not entries:
             return
-        if not idxs:
-            return
-        entries = [self._entries[i] for i in idxs]
         weights = self._weights(entries, mesh, groups)
         mom = torch.stack([e.moments for e in entries])
         mom[:, :_BITS] *= weights[:, None]
@@ -308,32 +340,60 @@ class MeshStats:
         hist = self._histograms(entries, mm, weights)
         for g in groups:
             dist.all_reduce(hist, group=g)
-        for row, i in enumerate(idxs):
+        for row, i in zip(rows, idxs, strict=True):
             out[i] = self._stats(mom[row], mm[row], hist[row, :-1], int(hist[row, -1]))
             bits = int(mom[row, _BITS])
             self.nonfinite_ranks[i] = [r for r in range(bits.bit_length()) if bits >> r & 1]
 
+    @staticmethod
+    def _union(keys: list[int], groups: list[Any]) -> list[int] | None:
+        """``None`` when every rank of the mesh holds the same keys in the same order (one
+        ``all_reduce``); else the sorted union of all ranks' keys (``all_gather``s)."""
+        import torch.distributed as dist
+
+        h = 0
+        for k in keys:
+            h = (h * 1_000_003 + k) % (1 << 61)
+        probe = torch.tensor([len(keys), -len(keys), h, -h], dtype=torch.int64)
+        for g in groups:
+            dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=g)
+        if int(probe[0]) == -int(probe[1]) and int(probe[2]) == -int(probe[3]):
+            return None
+        have = sorted(set(keys))
+        for g in groups:
+            size = dist.get_world_size(g)
+            n = torch.tensor([len(have)], dtype=torch.int64)
+            ns = [torch.zeros_like(n) for _ in range(size)]
+            dist.all_gather(ns, n, group=g)
+            m = max(int(x) for x in ns)
+            mine = torch.full((m,), -1, dtype=torch.int64)
+            mine[: len(have)] = torch.tensor(have, dtype=torch.int64)
+            got = [torch.zeros_like(mine) for _ in range(size)]
+            dist.all_gather(got, mine, group=g)
+            have = sorted({int(v) for t in got for v in t.tolist() if v >= 0})
+        return have
+
     def _weights(self, entries: list[_Entry], mesh: Any, groups: list[Any]) -> torch.Tensor:
-        """1.0 where this rank's piece counts, 0.0 for a replica of a lower coordinate's."""
+        """1.0 where this rank's piece counts, 0.0 for a replica of a lower coordinate's:
+        a DTensor's by its placements, a plain tensor's by the pieces' checksums (one
+        ``all_gather`` per mesh dimension)."""
         import torch.distributed as dist
 
         w = torch.ones(len(entries), dtype=torch.float64)
-        plain = [i for i, e in enumerate(entries) if e.weights is None]
         for i, e in enumerate(entries):
             if e.weights is not None:
                 w[i] = math.prod(e.weights)
-        if not plain:
-            return w
-        fps = torch.stack([entries[i].fingerprint for i in plain])  # (P, 2)
+        fps = torch.stack([e.fingerprint for e in entries])  # (N, 2)
         coord = mesh.get_coordinate() or [0] * mesh.ndim
+        plain = [i for i, e in enumerate(entries) if e.weights is None]
         for d, g in enumerate(groups):
             size = dist.get_world_size(g)
             got = [torch.zeros_like(fps) for _ in range(size)]
             dist.all_gather(got, fps, group=g)
             me = coord[d]
-            for j, i in enumerate(plain):
-                mine = got[me][j]
-                if any(bool(torch.equal(got[c][j], mine)) for c in range(me)):
+            for i in plain:
+                mine = got[me][i]
+                if any(bool(torch.equal(got[c][i], mine)) for c in range(me)):
                     w[i] = 0.0
         return w
 

@@ -9,7 +9,8 @@ Scenarios (``--scenario``): ``fsdp`` (``fully_shard`` per block and on the root,
 takes its own rows of the global batch), ``fsdp_keep`` (the same with
 ``reshard_after_forward=False``), ``tp`` (``ColwiseParallel`` ``w1``, ``RowwiseParallel``
 ``w2`` of each block; every rank runs the whole batch), ``fsdp_nan`` (``fsdp``; after a first
-step rank 1 writes a NaN into its shard of ``blocks.1.w2.weight``, then the step is captured).
+step rank 1 writes a NaN into its shard of ``blocks.1.w2.weight``, then the step is captured),
+``fsdp_uneven`` (``fsdp``; rank 1 alone calls ``blocks.0.act`` once more, on three 0.5s).
 """
 
 from __future__ import annotations
@@ -127,6 +128,8 @@ def main() -> None:
             model.zero_grad(set_to_none=True)
         with hooks.capture(model) as trace:
             F.mse_loss(model(x), y).backward()
+            if scenario == "fsdp_uneven" and rank == 1:  # a call rank 0 does not make
+                model.blocks[0].act(torch.full((3,), 0.5))
         _dump(trace, Path(args.out) / f"{scenario}.rank{rank}.json")
     dist.destroy_process_group()
 

@@ -23,7 +23,7 @@ from hooks.dtensor_stats import MeshStats, is_dtensor
 from tests import dtensor_worker as worker
 
 REPO = Path(__file__).resolve().parents[2]
-SCENARIOS = ("fsdp", "fsdp_keep", "tp", "fsdp_nan")
+SCENARIOS = ("fsdp", "fsdp_keep", "tp", "fsdp_nan", "fsdp_uneven")
 RTOL = 1e-5
 
 
@@ -119,6 +119,27 @@ def test_a_nan_in_one_ranks_shard_names_the_parameter_and_the_rank(job):
                         "in rank 1's shard"), lines
     assert got["notes"][0]["module"] == "blocks.1.w2" or any(
         n["module"] == "blocks.1.w2" for n in got["notes"])
+
+
+@pytest.mark.slow
+def test_a_call_one_rank_alone_made_is_its_own_and_the_rest_stays_global(job):
+    """Rank 1 calls blocks.0.act once more (on three 0.5s): matched by module and call, the
+    other tensors are still those of the global batch; that call is rank 1's alone."""
+    _, outs = _reference()
+    r0, r1 = _read(job, "fsdp_uneven", 0), _read(job, "fsdp_uneven", 1)
+    assert r0["params"] == r1["params"] == _read(job, "fsdp", 0)["params"]
+    extra = [f for f in r1["forward"] if (f["module"], f["call"]) == ("blocks.0.act", 1)]
+    assert not [f for f in r0["forward"] if (f["module"], f["call"]) == ("blocks.0.act", 1)]
+    st = extra[0]["outputs"][0]["stats"]
+    assert st["numel"] == 3 and _close(st["mean"], math.tanh(0.5)) and st["std"] == 0.0
+    common = {(f["module"], f["call"]): f for f in r0["forward"]}
+    for f in r1["forward"]:
+        if (f["module"], f["call"]) in common:
+            assert f["outputs"] == common[(f["module"], f["call"])]["outputs"]
+    want = dict(outs)["head"].double()
+    head = common[("head", 0)]["outputs"][0]["stats"]
+    assert _close(head["mean"], float(want.mean())) and head["numel"] == want.numel()
+    assert any(n["kind"] == "sharded" for n in r0["notes"])
 
 
 def test_without_a_process_group_nothing_is_sharded():

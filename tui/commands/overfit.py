@@ -118,6 +118,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="run it as a DDP job of N processes through torchrun (gloo backend, "
                         "CPU), each rank on its own seeded windows of the text (--seq-len, "
                         "default half the text); one run, every rank in `mdb watch`")
+    x.add_argument("--fsdp", action="store_true",
+                   help="with --nproc: shard the model with FSDP2 (fully_shard per decoder "
+                        "layer) instead of DDP; the same windows, the same losses")
+    x.add_argument("--tp", action="store_true",
+                   help="with --nproc: tensor parallel (q/o projections and MLPs split across "
+                        "the ranks); every rank runs every rank's windows")
     x.add_argument("--gather-every", type=positive_int, default=None, metavar="N",
                    help="with --nproc: every rank's steps reach rank 0 (and the run store) "
                         "every N steps (default 10)")
@@ -609,6 +615,8 @@ def _run_nproc(args: argparse.Namespace) -> int:
 
     if args.nproc < 2:
         raise MdbError("--nproc must be 2 or more (without it the run is one process)")
+    if getattr(args, "fsdp", False) and getattr(args, "tp", False):
+        raise MdbError("--fsdp and --tp exclude each other (one way of splitting the model)")
     given = [f"--{k.replace('_', '-')}" for k in ("resume", "model", "checkpoint_every",
                                                   "debug_nan_at")
              if getattr(args, k, None) is not None]
@@ -657,6 +665,9 @@ def run(args: argparse.Namespace) -> int:
         return _run_nproc(args)
     if getattr(args, "gather_every", None) is not None:
         raise MdbError("--gather-every applies only with --nproc (a DDP job of N processes)")
+    if getattr(args, "fsdp", False) or getattr(args, "tp", False):
+        raise MdbError(f"--{'fsdp' if args.fsdp else 'tp'} applies only with --nproc (a job "
+                       "of N processes)")
     if args.detach and args.headless:
         raise MdbError("--detach and --headless exclude each other: --detach runs headless in "
                        "the background, --headless in the foreground (for nohup and batch jobs)")

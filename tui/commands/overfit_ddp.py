@@ -40,12 +40,21 @@ def log_path(db: Path, run: str) -> Path:
 
 
 def command(nproc: int, options_file: Path, db: Path, run: str, *, gather_every: int,
-            threads: int) -> list[str]:
-    """The ``torchrun`` command line of the job."""
+            threads: int, parallel: str = "ddp") -> list[str]:
+    """The ``torchrun`` command line of the job (``parallel``: ``ddp``, ``fsdp`` or ``tp``)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc-per-node", str(nproc), "-m", "hooks.runs.ddp_overfit",
             "--options", str(options_file), "--db", str(db), "--run-name", run,
-            "--gather-every", str(gather_every), "--threads", str(threads)]
+            "--gather-every", str(gather_every), "--threads", str(threads),
+            "--parallel", parallel]
+
+
+def _parallel(args) -> str:
+    return "fsdp" if getattr(args, "fsdp", False) else "tp" if getattr(args, "tp", False) \
+        else "ddp"
+
+
+_WHAT = {"ddp": "DDP", "fsdp": "FSDP2", "tp": "tensor-parallel"}
 
 
 class _Job:
@@ -137,12 +146,12 @@ def _fmt(x: float | None, spec: str = ".4f") -> str:
     return "nan" if x is None else format(x, spec)
 
 
-def _headless(store, info, job: _Job, nproc: int) -> None:
+def _headless(store, info, job: _Job, nproc: int, what: str = "DDP") -> None:
     """Plain progress lines from the store until the job ends (every ~5 % or 10 s)."""
     total = info.total_steps or 0
     every = max(1, total // 20)
     cursor, last_print = 0, 0.0
-    print(f"mdb overfit: run {info.name} · DDP job of {nproc} ranks (gloo, CPU) · steps "
+    print(f"mdb overfit: run {info.name} · {what} job of {nproc} ranks (gloo, CPU) · steps "
           f"1..{total} · db {store.path} · log {job.log}", flush=True)
     while True:
         alive = job.alive()
@@ -172,7 +181,8 @@ def run_ddp(args, options, store_path: Path, name: str) -> int:
     options_file = tmp / "options.json"
     options_file.write_text(json.dumps(options.to_dict()), encoding="utf-8")
     argv = command(args.nproc, options_file, store_path, name,
-                   gather_every=args.gather_every, threads=args.threads)
+                   gather_every=args.gather_every, threads=args.threads,
+                   parallel=_parallel(args))
     job = _Job(argv, log_path(store_path, name), args.threads)
     job.forward_signals()
     quit_early = False  # q on the live screen stopped it: a normal end, as in mdb overfit
@@ -190,7 +200,7 @@ def run_ddp(args, options, store_path: Path, name: str) -> int:
                     quit_early = True
                     job.stop(signal.SIGTERM)
             else:
-                _headless(store, info, job, args.nproc)
+                _headless(store, info, job, args.nproc, _WHAT[_parallel(args)])
             job.stop()
             end = store.run(info.id)
             ranks = store.ranks(info.id)

@@ -182,3 +182,55 @@ def test_an_fsdp_rank_killed_with_sigkill_is_named_and_nothing_recorded_is_lost(
                 if f.kind == "rank_dead"] == [(1, pid1)]
         have = {(x.step, x.rank): x.values for x in store.rank_steps(run.id)}
         assert all(have[(s, r)] == v for s, r, v in before)
+
+
+def _overfit(tmp_path: Path, db: Path, name: str, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tui.cli", "overfit", "--nproc", "2", *extra, "--headless",
+         "--steps", "30", "--db", str(db), "--run", name, "--every", "15"],
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=900,
+        start_new_session=True)
+
+
+@pytest.mark.slow
+def test_mdb_overfit_fsdp_is_one_run_whose_losses_are_the_ddp_runs(tmp_path):
+    db = tmp_path / "m.sqlite"
+    fsdp = _overfit(tmp_path, db, "f", "--fsdp")
+    assert fsdp.returncode == 0, fsdp.stdout[-2000:] + fsdp.stderr[-2000:]
+    assert "FSDP2 job of 2 ranks" in fsdp.stdout
+    assert "run f finished: step 30/30 on 2 ranks (rank 0 30, rank 1 30)" in fsdp.stdout
+    ddp = _overfit(tmp_path, db, "d")
+    assert ddp.returncode == 0, ddp.stdout[-2000:] + ddp.stderr[-2000:]
+    with RunStore(db) as store:
+        f, d = store.run("f"), store.run("d")
+        assert (f.status, f.world_size, f.config["parallel"]) == ("finished", 2, "fsdp")
+        assert len(store.runs()) == 2  # each job one run
+        rows = {n: {(x.rank, x.step): x.values for x in store.rank_steps(r.id)}
+                for n, r in (("f", f), ("d", d))}
+        assert set(rows["f"]) == set(rows["d"]) == {(r, s) for r in (0, 1)
+                                                    for s in range(1, 31)}
+        for key, v in rows["d"].items():
+            for metric in ("ce", "aux", "total", "grad_norm"):
+                assert math.isclose(rows["f"][key][metric], v[metric], rel_tol=1e-5,
+                                    abs_tol=1e-5), (key, metric)
+        # different windows per rank, as the DDP run's
+        assert rows["f"][(0, 1)]["ce"] != rows["f"][(1, 1)]["ce"]
+        assert store.internals_steps(f.id) == [15, 30]
+        cap = store.internals(f.id, 15)
+        shapes = {p["name"]: p["shape"] for p in cap["params"]}
+        assert shapes["model.layers.0.mlp.experts.0.up_proj.weight"] == [384, 128]  # unsharded
+        assert cap["params"] == store.rank_internals(f.id, 15, 1)["params"]
+        assert [x.kind for x in store.findings(f.id)] == []
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--fsdp"], "--fsdp applies only with --nproc"),
+    (["--tp"], "--tp applies only with --nproc"),
+    (["--nproc", "2", "--fsdp", "--tp"], "--fsdp and --tp exclude each other"),
+])
+def test_bad_sharding_options_are_one_line(tmp_path, capsys, extra, needle):
+    from tui.cli import main
+
+    rc = main(["overfit", "--headless", "--db", str(tmp_path / "m.sqlite"), *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and needle in err[0], err
