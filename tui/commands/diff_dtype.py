@@ -77,7 +77,26 @@ def run_dtype(args: argparse.Namespace) -> int:
         print("\n".join(pd.lines()))
         print_table(pd.diff, "fp32", f"{pd.dtype} ({pd.how})", getattr(args, "limit", 40))
         return 0
-    from tui.screens.precision_diff import make_precision_app
-
     make_precision_app(pd).run()
     return 0
+
+
+def make_precision_app(pd):
+    """The app of ``mdb diff --dtype``: :class:`tui.app.DiffApp` opening a
+    :class:`tui.screens.precision_diff.PrecisionDiffScreen` for ``pd`` (a
+    :class:`hooks.precision.PrecisionDiff`)."""
+    from pathlib import Path
+
+    import tui.app
+    from tui.app import DiffApp
+    from tui.screens.precision_diff import PrecisionDiffScreen
+
+    class PrecisionDiffApp(DiffApp):
+        CSS_PATH = str(Path(tui.app.__file__).with_name("app.tcss"))
+        TITLE = "mdb diff --dtype"
+
+        def on_mount(self, event) -> None:
+            event.prevent_default()  # DiffApp's would open the plain DiffScreen too
+            self.push_screen(PrecisionDiffScreen(pd))
+
+    return PrecisionDiffApp(pd.reference, pd.low, pd.diff, "fp32", pd.dtype)

@@ -9,8 +9,6 @@ cursor starts on the first divergent call's row, and ``v`` comes back to it.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from textual.binding import Binding
 from textual.widgets import DataTable, Footer, Static
 
@@ -89,19 +87,3 @@ class PrecisionDiffScreen(DiffScreen):
         if not quiet:
             self.hint("")
 
-
-def make_precision_app(pd):
-    """The app of ``mdb diff --dtype``: :class:`tui.app.DiffApp` opening a
-    :class:`PrecisionDiffScreen`."""
-    import tui.app
-    from tui.app import DiffApp
-
-    class PrecisionDiffApp(DiffApp):
-        CSS_PATH = str(Path(tui.app.__file__).with_name("app.tcss"))
-        TITLE = "mdb diff --dtype"
-
-        def on_mount(self, event) -> None:
-            event.prevent_default()  # DiffApp's would open the plain DiffScreen too
-            self.push_screen(PrecisionDiffScreen(pd))
-
-    return PrecisionDiffApp(pd.reference, pd.low, pd.diff, "fp32", pd.dtype)

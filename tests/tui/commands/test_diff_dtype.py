@@ -64,8 +64,9 @@ def test_json_with_the_norm_in_fp32_says_nothing_diverged(capsys):
 
 async def test_the_screen_shows_the_first_divergent_call_on_top_and_its_row():
     from hooks.precision import precision_diff
+    from tui.commands.diff_dtype import make_precision_app
     from tui.screens.diff import CallPairScreen
-    from tui.screens.precision_diff import PrecisionDiffScreen, make_precision_app
+    from tui.screens.precision_diff import PrecisionDiffScreen
 
     pd = precision_diff(NormNet(), _batch(), "float16")
     app = make_precision_app(pd)
