@@ -60,7 +60,7 @@ def format_age(seconds: float) -> str:
     return f"{s // 86400}d{(s % 86400) // 3600}h"
 
 
-def run_record(run, store, now: float) -> dict:
+def run_record(run, store, now: float, probe: bool = False) -> dict:
     """One run as ``mdb runs --json`` prints it.
 
     Keys: every :class:`hooks.runs.store.RunInfo` field but ``config`` (``status`` is the
@@ -77,6 +77,9 @@ def run_record(run, store, now: float) -> dict:
     ``line``; also the training-loop doctor's findings of ``run.watch(..., optimizer=,
     scheduler=)``, with ``detail["severity"]`` and ``detail["evidence"]``) and ``details``
     (the lines the table prints under the run, uncut).
+
+    ``probe`` (the file is damaged): the first and last rows of the run's per-step tables are
+    read too, so that a run whose rows sit on a damaged page is said ``damaged``.
     """
     import sqlite3
 
@@ -101,6 +104,8 @@ def run_record(run, store, now: float) -> dict:
             ranks=[r.to_dict() for r in store.ranks(run.id)],
             findings=[f.to_dict() for f in store.findings(run.id)],
         )
+        if probe:
+            _probe_rows(store, run.id)
     except DatabaseLockedError:
         raise
     except RunStoreError as exc:  # a damaged metric row: the run is listed, said damaged
@@ -109,6 +114,16 @@ def run_record(run, store, now: float) -> dict:
         d["damaged"] = d["damaged"] or f"run {run.name!r}: its rows cannot be read ({exc})"
     d["details"] = detail_lines(run, d, now)
     return d
+
+
+def _probe_rows(store, run_id: int) -> None:
+    """Read the first and last rows of the run's per-step tables (raises
+    ``sqlite3.DatabaseError`` when they sit on a damaged page)."""
+    conn = store.connection
+    for table in ("metrics", "scalars", "internals", "samples"):
+        for order in ("ASC", "DESC"):
+            conn.execute(f"SELECT step FROM {table} WHERE run_id = ? ORDER BY step {order}"
+                         " LIMIT 1", (run_id,)).fetchall()
 
 
 def detail_lines(run, record: dict, now: float, db: str | None = None) -> list[str]:
@@ -273,7 +288,7 @@ def _read_all(path, now: float) -> tuple[list, list[dict], str | None]:
                     raise
                 raise MdbError(f"{damaged_error(store.path, problem)}; not even its list of "
                                f"runs can be read ({exc})") from None
-            records = [run_record(r, store, now) for r in runs]
+            records = [run_record(r, store, now, problem is not None) for r in runs]
     except RunStoreError as exc:
         raise MdbError(str(exc)) from None
     return runs, records, problem
