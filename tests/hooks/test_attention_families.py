@@ -1,7 +1,8 @@
 """Attention capture on the families issue 22 §4 brought in, against HF eager
 ``output_attentions`` of the same model: BART-style eager attention that folds the heads into
 the batch ((B·H, T, S): XGLM, TrOCR, MVP), and hybrids whose other layers mix positions without
-a softmax (Gated DeltaNet, MiniMax's lightning attention, RWKV), said by layer."""
+a softmax (Gated DeltaNet, MiniMax's lightning attention, Nemotron-H's Mamba2, RWKV), said by
+layer."""
 
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ def test_bart_style_heads_in_the_batch_equal_hf_eager_output_attentions(family):
 @pytest.mark.parametrize("family, kind, where", [
     ("lara_mini", "linear attention", "model.layers.0"),  # Gated DeltaNet, then attention
     ("minimax", "linear attention", "model.layers.1"),  # lightning attention after softmax
+    ("nemotron_h", "state-space", "model.layers.0"),  # Mamba2, MoE, attention, MLP
 ])
 def test_hybrids_record_their_softmax_layers_and_say_which_layers_have_none(family, kind, where):
     model = _build(family)
