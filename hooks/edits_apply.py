@@ -70,6 +70,17 @@ def _leaf_like(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return out.requires_grad_(like.requires_grad)
 
 
+def _top_k(t: Target) -> int | None:
+    """k of the MoE block whose router ``t`` edits (its ``top_k`` or its config's
+    ``num_experts_per_tok``), None when not declared."""
+    for owner in (t.router_owner, t.module, getattr(t.router_owner, "config", None)):
+        for attr in ("top_k", "num_experts_per_tok"):
+            v = getattr(owner, attr, None)
+            if isinstance(v, int) and v > 0:
+                return v
+    return None
+
+
 class _State:
     """Counters of one target while the step runs."""
 
@@ -335,11 +346,16 @@ class Editor:
                 return None
             parts[ii], parts[wi] = ids, w
             picked = bool((output[ii] == e).any())
-        else:
-            picked = True  # the block chooses from these logits
+        else:  # the block chooses from these logits: did E make its top k?
+            k = _top_k(t)
+            picked = True if k is None else bool(
+                (logits.detach().topk(min(k, t.size), dim=-1).indices == e).any())
             w = masked
         if picked:
             st.changed += 1
+        else:
+            st.why = (f"expert {e} was in no token's top k: dropping it changed no choice, "
+                      "the edit changed nothing")
         self._watch(st, w)
         if not isinstance(output, (tuple, list)):
             return parts[0]

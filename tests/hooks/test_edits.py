@@ -250,10 +250,13 @@ def test_an_edit_whose_expert_gets_no_tokens_is_a_note():
 
     model, batch = dead_expert()
     spec = f"zero model.layers.{DEAD_LAYER}.mlp expert={DEAD_EXPERT}"
-    _, _, trace = _forward(model, batch, [spec])
-    (rec,) = trace.edits
+    drop = f"drop model.layers.{DEAD_LAYER}.mlp expert={DEAD_EXPERT}"
+    loss, _, trace = _forward(model, batch, [spec, drop])
+    rec, rec_drop = trace.edits
     assert rec.calls == 0 and not rec.applied and "no tokens" in rec.note
-    assert any(n.kind == "edit" and spec in n.message for n in trace.notes)
+    assert rec_drop.calls == 1 and not rec_drop.applied and "no token's top k" in rec_drop.note
+    assert {n.message.split(":")[0] for n in trace.notes if n.kind == "edit"} == {spec, drop}
+    assert torch.equal(loss, _plain(model, batch)[0])
 
 
 class _Unused(nn.Module):
