@@ -82,3 +82,18 @@ def test_rwkv_says_each_block_has_no_attention_probabilities():
     notes = [n for n in trace.notes if n.kind == "attention"]
     assert [n.module for n in notes] == ["rwkv.blocks.0", "rwkv.blocks.1"]
     assert all("a RWKV layer (RwkvBlock" in n.message for n in notes)
+
+
+def test_cpmant_records_its_prompt_positions_too_and_the_rest_equals_hf():
+    # CPM-Ant prepends config.prompt_length prompt positions; HF's output_attentions crops them
+    model = _build("cpmant")
+    ids = _ids()
+    with torch.no_grad():
+        ref = model(input_ids=ids, output_attentions=True).attentions
+    trace = _captured(model, ids)
+    p = model.config.prompt_length
+    assert len(trace.attention) == len(ref) == 2
+    for rec, want in zip(trace.attention, ref, strict=True):
+        assert rec.probs.shape == (2, 4, p + 8, p + 8)
+        torch.testing.assert_close(rec.probs[:, :, p:, p:], want.float(), atol=1e-6, rtol=0)
+        assert rec.layer in (0, 1)
