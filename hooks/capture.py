@@ -162,6 +162,9 @@ class Capture:
         self.every = every
         self.bins = bins
         self.trace = Trace(meta=dict(meta or {}), step=step)
+        if self._editor is not None and not self.sampled:  # said, never silently skipped
+            self.trace.notes.append(Note("edit", f"step {step} is not captured (every={every})"
+                                         ": the edits were not applied"))
         self._active = False
         self._started = False
 

@@ -322,3 +322,12 @@ def test_rerun_edited_patches_from_the_rolled_batch_and_leaves_the_gradients_alo
         assert torch.equal(p.grad, grads[n]) if n in grads else p.grad is None
     # the unedited re-run is the step itself: no statistic differs
     assert a.diff(rerun_edited(a, ["scale model.layers.0 by=1"])).is_zero()
+
+
+def test_edits_on_a_step_that_every_skips_are_said_not_applied():
+    model = tiny()
+    batch = batch_for(model)
+    with hooks.capture(model, edits=["zero model.layers.0.mlp"], step=3, every=2) as trace:
+        loss = model(**batch).loss
+    assert not trace.captured and torch.equal(loss, _plain(model, batch)[0])
+    assert [n.kind for n in trace.notes] == ["edit"] and "not applied" in trace.notes[0].message
