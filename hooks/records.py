@@ -614,7 +614,8 @@ class Note:
             routing was not recorded), ``attention`` (attention not recorded or cut),
             ``recomputed`` (activation checkpointing re-ran calls during backward),
             ``recompute_differs`` (a re-run gave other values than the forward call) or
-            ``fast_path`` (the hooks turned off a PyTorch fast path).
+            ``fast_path`` (the hooks turned off a PyTorch fast path), ``edit`` (an edit of
+            ``capture(edits=...)`` that changed nothing, or was not applied).
         module: qualified module name, or None for the whole capture.
         call_index: the call it is about, or None.
         message: one line for a person.
