@@ -160,8 +160,9 @@ class PrecisionDiff:
     @property
     def threshold_text(self) -> str:
         """How the tolerance is set, in words."""
+        floor = f", + {self.floor:.2g}" if self.floor >= 1e-12 else ""  # bf16's: 1.5e-39
         return (f"a call diverges when max |{self.dtype} − fp32| > {FACTOR} × eps({self.dtype}) "
-                f"= {self.tolerance:.3g} × the fp32 tensor's largest |x|, + {self.floor:.2g}")
+                f"= {self.tolerance:.3g} × the fp32 tensor's largest |x|{floor}")
 
     def lines(self) -> list[str]:
         """The result in a few lines, for a terminal or a log."""
