@@ -147,7 +147,7 @@ def test_a_schema_2_database_is_migrated_on_open_with_nothing_lost(tmp_path):
     expected = json.loads((DATA / "runstore_v2.expected.json").read_text())
     with RunStore(db) as store:
         meta = dict(store.connection.execute("SELECT key, value FROM meta").fetchall())
-        assert meta["schema_version"] == str(SCHEMA_VERSION) == "3"
+        assert meta["schema_version"] == str(SCHEMA_VERSION) == "4"
         assert store.integrity_check() == "ok"
         runs = {r.name: r for r in store.runs()}
         assert sorted(runs) == sorted(expected)
@@ -179,7 +179,7 @@ def test_a_database_of_a_newer_schema_is_refused_in_one_line(tmp_path, capsys):
     db = tmp_path / "newer.sqlite"
     RunStore(db, create=True).close()
     conn = sqlite3.connect(db)
-    conn.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
+    conn.execute("UPDATE meta SET value = '5' WHERE key = 'schema_version'")
     conn.commit()
     conn.close()
     with pytest.raises(RunStoreError, match="newer mdb"):
@@ -187,7 +187,7 @@ def test_a_database_of_a_newer_schema_is_refused_in_one_line(tmp_path, capsys):
     capsys.readouterr()
     assert main(["runs", "--db", str(db)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "schema 4" in err[0] and "reads up to 3" in err[0], err
+    assert len(err) == 1 and "schema 5" in err[0] and "reads up to 4" in err[0], err
 
 
 def test_rank_rows_findings_and_checks_round_trip(tmp_path):
