@@ -197,7 +197,8 @@ class WatchScreen(ViewerControls, LiveScreen):
         from hooks.runs.trainer import load_trace
 
         with RunStore(self.store.path) as store:
-            steps = store.internals_steps(self.run.id)
+            last = store.summary(self.run.id).last_capture  # kept by the writer: no scan
+            steps = [last] if last is not None else []
             trace = load_trace(store, self.run.id, steps[-1]) if steps else None
         if trace is None:
             self.post_message(messages.Hint(
