@@ -130,3 +130,24 @@ def test_bad_specs_are_one_line_exit_2_and_nothing_runs(tmp_path, argv, words):
 def test_diff_a_b_still_needs_both(capsys):
     assert main(["diff", "only-a.mdbtrace"]) == 2
     assert "give the trace to compare it with" in capsys.readouterr().err
+
+
+def test_diff_edit_patch_from_the_batch_s_own_text_changes_nothing(capsys):
+    from tests.conftest import SAMPLES
+
+    text = (SAMPLES / "alice.txt").read_text(encoding="utf-8")[:32]  # the batch's 2×16 bytes
+    assert main(["diff", "--edit", "patch model.layers.0 from=clean", "--source-text", text,
+                 *TINY, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    (rec,) = doc["edits"]
+    assert rec["calls"] == 1 and rec["changed"] == 0 and "changed nothing" in rec["note"]
+    assert doc["loss_a"] == doc["loss_b"]
+
+
+def test_diff_edit_patch_from_a_source_batch_function(tmp_path, capsys):
+    (tmp_path / "src.py").write_text("import torch\n\ndef clean():\n"
+                                     "    return torch.arange(32).view(2, 16) + 40\n")
+    assert main(["diff", "--edit", "patch model.layers.1 from=x", "--source-batch",
+                 f"{tmp_path / 'src.py'}:clean", *TINY, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["edits"][0]["changed"] == 1 and doc["loss_a"] != doc["loss_b"]
