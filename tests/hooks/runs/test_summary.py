@@ -111,8 +111,11 @@ def test_the_writer_keeps_blocks_latest_and_captures_exactly(tmp_path):
         assert store.summary(w2.run_id).latest["loss"] == (ckpt + 1, 123.0)
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_older_databases_are_migrated_with_their_summary_filled(tmp_path, version):
+    """tests/data/runstore_v3.sqlite was written by mdb's schema-3 code (a hooks.run run with
+    NaN/Inf, a metric logged every 10th step, captures, a sample, a step logged again; a
+    2-rank run); v1 and v2 by the code of their versions."""
     db = tmp_path / "old.sqlite"
     shutil.copyfile(DATA / f"runstore_v{version}.sqlite", db)
     with RunStore(db) as store:
@@ -129,6 +132,13 @@ def test_older_databases_are_migrated_with_their_summary_filled(tmp_path, versio
             captured = {r[0] for r in conn.execute(
                 "SELECT step FROM internals WHERE run_id = ?", (run.id,))}
             _check(conn, run.id, logged, captured)
+        if version == 3:
+            api = store.run("api3")
+            assert store.summary(api.id).latest == {"loss": (150, 99.0), "lr": (150, 0.1),
+                                                    "val_loss": (150, 2.0 / 150)}
+            assert (store.summary(api.id).captures, store.summary(api.id).last_capture) == (
+                3, 150)
+            assert store.run("ddp3").world_size == 2
 
 
 def _raw_buckets(logged: dict[tuple[int, str], float], name: str, ends: list[int]):
