@@ -63,7 +63,8 @@ def _check(conn: sqlite3.Connection, run_id: int, logged: dict[tuple[int, str], 
         assert (v is None and math.isnan(x)) or v == x
     row = conn.execute("SELECT captures, last_capture FROM summary WHERE run_id = ?",
                        (run_id,)).fetchone()
-    assert (tuple(row) if row else (0, None)) == (len(captured), max(captured) if captured else None)
+    want = (len(captured), max(captured) if captured else None)
+    assert (tuple(row) if row else (0, None)) == want
 
 
 def test_the_writer_keeps_blocks_latest_and_captures_exactly(tmp_path):
