@@ -38,7 +38,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -325,7 +325,6 @@ class Target:
     size: int | None = None
     head_dim: int | None = None
     router_owner: nn.Module | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _match(edit: Edit, modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
@@ -348,6 +347,8 @@ def _target(edit: Edit, name: str, m: nn.Module, by_name: dict[str, nn.Module]) 
     if name == "":
         raise ValueError(f"edit {edit.spec!r}: the model itself cannot be edited (its output is "
                          "what the loss reads); name a submodule")
+    if edit.expert is not None:  # an MoE block, or its experts (a list of modules too)
+        return _expert_target(edit, name, m, by_name, where)
     if _is_container(m):
         raise ValueError(f"{where} is a {type(m).__name__}, a container that is never called; "
                          "name one of its modules")
@@ -360,8 +361,6 @@ def _target(edit: Edit, name: str, m: nn.Module, by_name: dict[str, nn.Module]) 
             raise ValueError(f"{where} has {h} heads (0…{h - 1}); head={edit.head} is out of "
                              "range")
         return Target(edit, name, "head", proj, f"{name}.{pname}", size=h, head_dim=dh)
-    if edit.expert is not None:
-        return _expert_target(edit, name, m, by_name, where)
     return Target(edit, name, "output", m, name)
 
 
@@ -446,14 +445,16 @@ def edit_options(model: nn.Module, module: str) -> list[str]:
     modules = named_modules(unwrap_compiled(model))
     by_name = dict(modules)
     m = by_name.get(module)
-    if not module or m is None or _is_container(m):
+    if not module or m is None:
         return []
+    moe = [f"zero {module} expert=0", f"drop {module} expert=0"] \
+        if moe_of(module, m, by_name) is not None else []
+    if _is_container(m):  # never called: only an MoE block's expert list has edits
+        return moe
     out = [f"zero {module}"]
     if not isinstance(out_projection(m), str):
         out.append(f"zero {module} head=0")
-    if moe_of(module, m, by_name) is not None:
-        out += [f"zero {module} expert=0", f"drop {module} expert=0"]
-    out += [f"scale {module} by=0.5", f"mean {module}", f"patch {module} from=rolled"]
+    out += moe + [f"scale {module} by=0.5", f"mean {module}", f"patch {module} from=rolled"]
     return out
 
 

@@ -331,3 +331,12 @@ def test_edits_on_a_step_that_every_skips_are_said_not_applied():
         loss = model(**batch).loss
     assert not trace.captured and torch.equal(loss, _plain(model, batch)[0])
     assert [n.kind for n in trace.notes] == ["edit"] and "not applied" in trace.notes[0].message
+
+
+def test_an_expert_is_named_by_its_block_or_by_its_experts_list():
+    model = tiny()
+    batch = batch_for(model)
+    by_block, _, _ = _forward(model, batch, ["zero model.layers.1.mlp expert=1"])
+    by_list, _, trace = _forward(model, batch, ["zero model.layers.1.mlp.experts expert=1"])
+    assert torch.equal(by_block, by_list)
+    assert trace.edits[0].hooked == "model.layers.1.mlp.experts.1"
