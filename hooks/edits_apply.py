@@ -48,6 +48,8 @@ def first_float(output: Any) -> tuple[torch.Tensor | None, Any]:
                 def put(new, i=i):
                     items = list(output)
                     items[i] = new
+                    if hasattr(output, "_fields"):  # a namedtuple keeps its type
+                        return type(output)(*items)
                     return type(output)(items) if isinstance(output, list) else tuple(items)
                 return x, put
         return None, None
