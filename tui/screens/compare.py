@@ -348,8 +348,10 @@ class CompareScreen(MdbScreen):
             metric = view.loss_name
             if metric:
                 names.add(metric)
-            xs, ys = view.series.metric(metric).points(chart.resolution) if metric else ([], [])
-            series.append(Series(label, xs, ys, style=view.style, marker=view.marker))
+            xs, ys, lows, highs = (view.series.metric(metric).ranges(chart.resolution)
+                                   if metric else ([], [], [], []))
+            series.append(Series(label, xs, ys, style=view.style, marker=view.marker,
+                                 lows=lows, highs=highs))  # each bucket's min-max range
         what = names.pop() if len(names) == 1 else "loss"
         chart.plot(series, title=f"{what} ({'log' if self.log_scale else 'linear'})",
                    log=self.log_scale)
