@@ -2,13 +2,14 @@
 how soon a reader sees a step, and memory over 10,000 steps.
 
 Usage: ``python benchmarks/bench_run.py [--rounds 8] [--block 100] [--every 50]
-[--scheduler] [--only-steps]``.
+[--scheduler] [--only-steps] [--doctor-cost STEPS]``.
 
 ``--scheduler`` (issue 23, the training-loop doctor): every loop steps a warmup
 ``LambdaLR`` after each optimizer step, and the watched loop is watched with
 ``optimizer=`` and ``scheduler=`` (the doctor's hooks in watched steps, its checks at them).
 Without it the watched loop has ``optimizer=`` only (which also runs the doctor, less the
-scheduler's checks). ``--only-steps``: only the steps/s comparison.
+scheduler's checks). ``--only-steps``: only the steps/s comparison. ``--doctor-cost STEPS``:
+also the doctor's own cost on a watched step (:func:`bench_doctor_cost`).
 
 Goals (issue 11):
 
@@ -152,6 +153,55 @@ def bench_steps(db: Path, rounds: int, block: int, every: int,
     return med
 
 
+def bench_doctor_cost(db: Path, steps: int) -> dict[str, float]:
+    """The training-loop doctor's cost on a watched step: the sample's tiny GPT watched at
+    ``every=1`` with a capture only (``watch(model, every=1)``) against the same with
+    ``optimizer=`` and ``scheduler=`` (capture + doctor), steps interleaved one by one, median
+    step times. Its first three watched steps replay the micro-batch (the accumulation
+    check), the later ones only observe; both medians are printed."""
+    text = (ROOT / "samples" / "alice.txt").read_text(encoding="utf-8")
+    chars = sorted(set(text))
+    data = torch.tensor([chars.index(c) for c in text])
+    bs, seq = 16, 32
+    g = torch.Generator().manual_seed(0)
+    sides = {}
+    for name in ("capture", "doctor"):
+        torch.manual_seed(0)
+        model = TinyGPT(len(chars), block=seq)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100))
+        run = hooks.run(f"bench-{name}", db=db)
+        if name == "doctor":
+            run.watch(model, every=1, optimizer=opt, scheduler=sched)
+        else:
+            run.watch(model, every=1)
+        sides[name] = (model, opt, sched, run)
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    for _ in range(steps):
+        i = torch.randint(len(data) - seq - 1, (bs,), generator=g).tolist()
+        x = torch.stack([data[j : j + seq] for j in i])
+        y = torch.stack([data[j + 1 : j + seq + 1] for j in i])
+        for name, (model, opt, sched, run) in sides.items():
+            t0 = time.perf_counter()
+            _, loss = model(x, y)
+            loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            run.log(loss=loss)
+            times[name].append(time.perf_counter() - t0)
+    for _, _, _, run in sides.values():
+        run.finish()
+    first = {k: statistics.median(v[:3]) for k, v in times.items()}
+    later = {k: statistics.median(v[3:]) for k, v in times.items()}
+    print(f"a watched step (capture) against a watched step with the loop doctor, median of "
+          f"{steps} interleaved steps: {later['capture'] * 1e3:.1f} ms vs "
+          f"{later['doctor'] * 1e3:.1f} ms (×{later['doctor'] / later['capture']:.2f}); its "
+          f"first 3 (the accumulation check's replay): {first['capture'] * 1e3:.1f} vs "
+          f"{first['doctor'] * 1e3:.1f} ms")
+    return later
+
+
 def bench_latency(db: Path, steps: int, interval: float) -> list[float]:
     """Seconds from each ``log()`` to a reader thread seeing the step."""
     logged: dict[int, float] = {}
@@ -230,13 +280,17 @@ def main() -> None:
     parser.add_argument("--scheduler", action="store_true",
                         help="a warmup scheduler in every loop, watch(scheduler=) too")
     parser.add_argument("--only-steps", action="store_true",
-                        help="only the steps/s comparison")
+                        help="only the steps/s comparison (and --doctor-cost)")
+    parser.add_argument("--doctor-cost", type=int, default=0, metavar="STEPS",
+                        help="also time STEPS watched steps with and without the loop doctor")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         db = Path(tmp) / "bench.sqlite"
         bench_log(db, args.log_calls)
         bench_steps(db, args.rounds, args.block, args.every, args.scheduler)
+        if args.doctor_cost:
+            bench_doctor_cost(db, args.doctor_cost)
         if args.only_steps:
             return
         bench_latency(db, args.latency_steps, 0.01)

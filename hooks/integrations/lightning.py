@@ -95,7 +95,7 @@ def _make() -> type:
             if run is None or run.status != "running":
                 return
             step = trainer.global_step
-            if step <= run.step and run.step:
+            if step == 0 or step <= run.step:
                 return  # a micro-batch of an optimizer step not yet taken
             values = numeric({k: v for k, v in trainer.callback_metrics.items()})
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs

@@ -170,3 +170,16 @@ def test_the_example_of_the_guide_runs_and_finds_what_it_says(tmp_path, monkeypa
         "norm.weight", "norm.bias", "head.bias"]
     assert "100-step warmup ends after 25 optimizer steps" in [
         f for f in found if f.subject == "LinearLR"][0].line
+
+
+def test_the_replays_are_not_in_the_watched_step_s_capture(db):
+    """The accumulation check replays the 4 micro-batches while the capture of that step
+    records: the stored capture holds the loop's 4 forwards only (6 modules each)."""
+    from hooks.runs.store import RunStore
+
+    found = run_loop(db, _accumulating("tokens", n=8), name="cap")
+    assert found == []
+    with RunStore(db) as store:
+        forward = store.internals(store.run("cap").id, 1)["forward"]
+    roots = [r for r in forward if r["module"] == ""]
+    assert len(roots) == 4 and len(forward) == 4 * len(list(TinyLM().modules()))
