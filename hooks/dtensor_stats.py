@@ -76,6 +76,9 @@ def is_dtensor(t: Any) -> bool:
 def local_piece(t: torch.Tensor) -> torch.Tensor:
     """This rank's piece of ``t``, detached: a DTensor's local shard, else ``t`` itself."""
     if is_dtensor(t):
+        local = getattr(t, "_local_tensor", None)  # what to_local() returns, without dispatch
+        if isinstance(local, torch.Tensor):
+            return local.detach()
         with torch.no_grad():
             return t.detach().to_local()
     return t.detach()
@@ -99,15 +102,22 @@ def _key(text: str) -> int:
 
 
 class _Entry:
-    __slots__ = ("mesh", "weights", "moments", "minmax", "sample", "fingerprint", "key")
+    """One tensor's piece on this rank: ``head`` (count of finite values, NaN, Inf, numel, the
+    rank's bit when non-finite, -min, max) as Python numbers, ``sums`` (fp64 sum, sum of
+    squares, non-zero count; a ``light`` entry: only the sum of squares, any float dtype), the
+    histogram ``sample`` of its finite values and, for a plain tensor, its ``fingerprint``
+    (checksum tensor, shape hash)."""
 
-    def __init__(self, mesh: Any, weights: list[float] | None, moments: torch.Tensor,
-                 minmax: torch.Tensor, sample: torch.Tensor, fingerprint: torch.Tensor,
-                 key: int = 0):
+    __slots__ = ("mesh", "weights", "head", "sums", "light", "sample", "fingerprint", "key")
+
+    def __init__(self, mesh: Any, weights: list[float] | None, head: list[float],
+                 sums: torch.Tensor, sample: torch.Tensor, fingerprint: Any, key: int = 0,
+                 light: bool = False):
         self.mesh = mesh
         self.weights = weights  # per mesh dimension (DTensor), or None: from fingerprints
-        self.moments = moments
-        self.minmax = minmax
+        self.head = head
+        self.sums = sums
+        self.light = light
         self.sample = sample
         self.fingerprint = fingerprint
         self.key = key  # which tensor of the capture it is (matched across ranks)
@@ -115,41 +125,70 @@ class _Entry:
     @classmethod
     def absent(cls, mesh: Any, key: int) -> _Entry:
         """A tensor another rank captured and this one did not: counts nothing."""
-        mom = torch.zeros(8, dtype=torch.float64)
-        mm = torch.full((2,), -math.inf, dtype=torch.float64)
-        fp = torch.tensor([-1 - _rank(), -1], dtype=torch.int64)  # a replica of nothing
-        return cls(mesh, None, mom, mm, torch.zeros(0), fp, key)
+        head = [0.0, 0.0, 0.0, 0.0, 0.0, -math.inf, -math.inf]
+        fp = (torch.tensor(-1 - _rank(), dtype=torch.int64), -1)  # a replica of nothing
+        return cls(mesh, None, head, _ZERO3, _EMPTY, fp, key)
 
 
-def _moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(8 fp64 moments, (-min, max), histogram sample of the finite values) of a local piece."""
-    n = x.numel()
-    if x.dtype not in (torch.float32, torch.float64):
+_ZERO3 = torch.zeros(3, dtype=torch.float64)
+_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_EMPTY = torch.zeros(0)
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype is not torch.float32 and x.dtype is not torch.float64:
         x = x.float()
-    xf = x.reshape(-1)
+    return x.view(-1) if x.is_contiguous() else x.reshape(-1)
+
+
+def _nonfinite(xf: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    """(NaN count, Inf count, the finite values) of a flat tensor."""
+    fin = torch.isfinite(xf)
+    nan = int(torch.isnan(xf).sum())
+    good = xf[fin]
+    return nan, xf.numel() - good.numel() - nan, good
+
+
+def _moments(x: torch.Tensor) -> tuple[list[float], torch.Tensor, torch.Tensor]:
+    """(head, sums, histogram sample of the finite values) of a local piece (see
+    :class:`_Entry`): few kernels, no copy of the tensor (min and max tell a finite one)."""
+    n = x.numel()
+    xf = _flat(x)
     last = x.shape[-1] if x.dim() else 1
     nan = inf = 0
-    if n and not bool(torch.isfinite(xf).all()):
-        nan = int(torch.isnan(xf).sum())
-        fin = torch.isfinite(xf)
-        inf = n - int(fin.sum()) - nan
-        xf = xf[fin]
-    count = xf.numel()
-    if count:
-        xd = xf.double()
+    if not n:
+        return [0.0, 0.0, 0.0, 0.0, 0.0, -math.inf, -math.inf], _ZERO3, _EMPTY
+    mn, mx = torch.aminmax(xf)
+    lo, hi = mn.item(), mx.item()
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        nan, inf, xf = _nonfinite(xf)
+        if not xf.numel():
+            bit = float(2 ** _rank())
+            return [0.0, nan, inf, n, bit, -math.inf, -math.inf], _ZERO3, _EMPTY
         mn, mx = torch.aminmax(xf)
-        s, ss, nnz = xd.sum(), torch.dot(xd, xd), torch.count_nonzero(xf).double()
-        sample, k = _hist_sample(xf, last)
-        sample = sample[:k].clone()
-        minmax = torch.stack([-mn.double(), mx.double()])
-    else:
-        s = ss = nnz = torch.zeros((), dtype=torch.float64)
-        sample = xf.new_zeros(0)
-        minmax = torch.tensor([-math.inf, -math.inf], dtype=torch.float64)
-    head = torch.tensor([count], dtype=torch.float64)
-    tail = torch.tensor([nan, inf, n, float(2 ** _rank()) if nan or inf else 0.0],
-                        dtype=torch.float64)
-    return torch.cat([head, torch.stack([s, ss, nnz]), tail]), minmax, sample
+        lo, hi = mn.item(), mx.item()
+    xd = xf.double()
+    sums = torch.stack([xd.sum(), torch.dot(xd, xd), torch.count_nonzero(xf).double()])
+    sample, k = _hist_sample(xf, last)
+    bit = float(2 ** _rank()) if nan or inf else 0.0
+    return [float(xf.numel()), nan, inf, n, bit, -lo, hi], sums, sample[:k]
+
+
+def _light(x: torch.Tensor) -> tuple[list[float], torch.Tensor]:
+    """(head, sum of squares) of a parameter's or gradient's local piece: what a
+    :class:`~hooks.records.ParamGradRecord` needs (norm, abs-max, NaN/Inf counts)."""
+    n = x.numel()
+    if not n:
+        return [0.0, 0.0, 0.0, 0.0, 0.0, -math.inf, -math.inf], torch.zeros(1)
+    xf = _flat(x)
+    mn, mx = torch.aminmax(xf)
+    lo, hi = mn.item(), mx.item()
+    nan = inf = 0
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        nan, inf, xf = _nonfinite(xf)
+        lo, hi = (xf.min().item(), xf.max().item()) if xf.numel() else (math.inf, -math.inf)
+    bit = float(2 ** _rank()) if nan or inf else 0.0
+    return [float(xf.numel()), nan, inf, n, bit, -lo, hi], torch.dot(xf, xf).reshape(1)
 
 
 def _mesh_groups(mesh: Any) -> list[Any]:
@@ -182,6 +221,7 @@ class MeshStats:
         #: tensor's rank in that group, it names the tensor across ranks.
         self.where = ""
         self._seen: dict[str, int] = {}
+        self._coords: dict[int, list[int]] = {}
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, bins: int = NUM_BINS) -> MeshStats | None:
@@ -215,8 +255,8 @@ class MeshStats:
         self.touched.add(name)
         g = param.grad
         if g is not None and is_dtensor(g):
-            self._at_grad[name] = (self._entry(g, f"grad {name}"),
-                                   self._entry(param, f"param {name}"))
+            self._at_grad[name] = (self._entry(g, f"grad {name}", light=True),
+                                   self._entry(param, f"param {name}", light=True))
 
     # -- adding ------------------------------------------------------------------------------
     def add(self, t: torch.Tensor) -> int | None:
@@ -236,21 +276,29 @@ class MeshStats:
         self._seen[where] = k + 1
         return _key(f"{where}:{k}")
 
-    def _entry(self, t: torch.Tensor, where: str | None = None) -> _Entry:
+    def _entry(self, t: torch.Tensor, where: str | None = None, light: bool = False) -> _Entry:
         mesh, weights = self.mesh, None
         if is_dtensor(t):
             t = self._without_partial(t)
             mesh = t.device_mesh
-            coord = mesh.get_coordinate() or [0] * mesh.ndim
-            weights = [1.0 if p.is_shard() else float(coord[d] == 0)
-                       for d, p in enumerate(t.placements)]
+            weights = self._placement_weights(mesh, t.placements)
             x = local_piece(t)
-            fp = torch.zeros(2, dtype=torch.int64)
+            fp = None
         else:
             x = t.detach()
             fp = self._fingerprint(x)
-        moments, minmax, sample = _moments(x)
-        return _Entry(mesh, weights, moments, minmax, sample, fp, self._name(where))
+        key = self._name(where)
+        if light:
+            head, sums = _light(x)
+            return _Entry(mesh, weights, head, sums, _EMPTY, fp, key, light=True)
+        head, sums, sample = _moments(x)
+        return _Entry(mesh, weights, head, sums, sample, fp, key)
+
+    def _placement_weights(self, mesh: Any, placements: Any) -> list[float]:
+        coord = self._coords.get(id(mesh))
+        if coord is None:
+            coord = self._coords[id(mesh)] = mesh.get_coordinate() or [0] * mesh.ndim
+        return [1.0 if p.is_shard() else float(coord[d] == 0) for d, p in enumerate(placements)]
 
     @staticmethod
     def _without_partial(t: Any) -> Any:
@@ -263,17 +311,15 @@ class MeshStats:
                 t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])
 
     @staticmethod
-    def _fingerprint(x: torch.Tensor) -> torch.Tensor:
+    def _fingerprint(x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(checksum, shape hash): the sum of the elements' bit patterns as integers of their
         width, in int64 (as ``hooks.runs.rank_checksums.tensor_checksum``), and the shape."""
         y = x.reshape(-1)
         if y.dtype == torch.bool:
             y = y.view(torch.uint8)
-        width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
-            y.element_size()]
-        bits = (y if y.dtype == width else y.view(width)).sum(dtype=torch.int64).cpu()
-        shape = hash(tuple(x.shape)) & 0x7FFFFFFFFFFF
-        return torch.stack([bits, torch.tensor(shape, dtype=torch.int64)])
+        width = _WIDTH[y.element_size()]
+        bits = (y if y.dtype == width else y.view(width)).sum(dtype=torch.int64)
+        return bits, hash(tuple(x.shape)) & 0x7FFFFFFFFFFF
 
     # -- parameters --------------------------------------------------------------------------
     def add_params(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -287,9 +333,10 @@ class MeshStats:
                 self._params[name] = (self._append(at[0]), self._append(at[1]))
                 continue
             g = p.grad
-            gslot = self._append(self._entry(g, f"grad {name}")) \
+            gslot = self._append(self._entry(g, f"grad {name}", light=True)) \
                 if g is not None and is_dtensor(g) else None
-            self._params[name] = (gslot, self._append(self._entry(p, f"param {name}")))
+            self._params[name] = (gslot, self._append(self._entry(p, f"param {name}",
+                                                                  light=True)))
 
     # -- reducing ----------------------------------------------------------------------------
     def finalize(self, trace: Any = None) -> list[TensorStats]:
@@ -331,9 +378,8 @@ class MeshStats:
         if not entries:
             return
         weights = self._weights(entries, mesh, groups)
-        mom = torch.stack([e.moments for e in entries])
+        mom, mm = _matrices(entries)
         mom[:, :_BITS] *= weights[:, None]
-        mm = torch.stack([e.minmax for e in entries])
         for g in groups:
             dist.all_reduce(mom, group=g)
             dist.all_reduce(mm, op=dist.ReduceOp.MAX, group=g)
@@ -383,7 +429,11 @@ class MeshStats:
         for i, e in enumerate(entries):
             if e.weights is not None:
                 w[i] = math.prod(e.weights)
-        fps = torch.stack([e.fingerprint for e in entries])  # (N, 2)
+        zero = torch.zeros((), dtype=torch.int64)
+        fps = torch.stack([  # (N, 2): checksum, shape hash (0, 0 for a DTensor)
+            torch.stack([e.fingerprint[0] if e.fingerprint else zero for e in entries]),
+            torch.tensor([e.fingerprint[1] if e.fingerprint else 0 for e in entries],
+                         dtype=torch.int64)], dim=1)
         coord = mesh.get_coordinate() or [0] * mesh.ndim
         plain = [i for i, e in enumerate(entries) if e.weights is None]
         for d, g in enumerate(groups):
@@ -401,19 +451,21 @@ class MeshStats:
                     weights: torch.Tensor) -> torch.Tensor:
         """(N, bins + 1): each entry's sample binned over the common range like
         ``torch.histc``, weighted; the last column is the number of values binned."""
-        nb = self.bins
-        hist = torch.zeros(len(entries), nb + 1, dtype=torch.float64)
-        for row, e in enumerate(entries):
-            k = e.sample.numel()
-            if not k or not weights[row]:
-                continue
-            lo, hi = -float(mm[row, 0]), float(mm[row, 1])
-            if lo == hi:
-                lo, hi = lo - 1.0, hi + 1.0
-            x = e.sample.double()
-            idx = ((x - lo) * nb / (hi - lo)).nan_to_num_(nan=nb // 2).clamp_(0, nb - 1)
-            hist[row, :nb] = torch.bincount(idx.to(torch.int64), minlength=nb)[:nb].double()
-            hist[row, nb] = k
+        nb, n = self.bins, len(entries)
+        hist = torch.zeros(n, nb + 1, dtype=torch.float64)
+        rows = [r for r, e in enumerate(entries) if e.sample.numel() and weights[r]]
+        if not rows:
+            return hist
+        lens = torch.tensor([entries[r].sample.numel() for r in rows])
+        x = torch.cat([entries[r].sample.double() for r in rows])  # every sample, one vector
+        which = torch.repeat_interleave(torch.tensor(rows), lens)
+        lo, hi = -mm[:, 0], mm[:, 1].clone()
+        same = lo == hi
+        lo, hi = torch.where(same, lo - 1.0, lo), torch.where(same, hi + 1.0, hi)
+        idx = ((x - lo[which]) * nb / (hi - lo)[which]).nan_to_num_(nan=nb // 2)
+        idx = idx.clamp_(0, nb - 1).to(torch.int64) + which * nb
+        hist[:, :nb] = torch.bincount(idx, minlength=n * nb).view(n, nb).double()
+        hist[rows, nb] = lens.double()
         return hist
 
     @staticmethod
@@ -509,6 +561,21 @@ def _norm(st: TensorStats) -> float:
     if st.inf_count:
         return math.inf
     return st.l2 if st.l2 is not None else 0.0
+
+
+def _matrices(entries: list[_Entry]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, 8) moments (see the ``_COUNT`` … ``_BITS`` columns) and (N, 2) (-min, max), fp64."""
+    head = torch.tensor([e.head for e in entries], dtype=torch.float64)  # (N, 7)
+    sums = torch.zeros(len(entries), 3, dtype=torch.float64)
+    full = [i for i, e in enumerate(entries) if not e.light]
+    light = [i for i, e in enumerate(entries) if e.light]
+    if full:
+        sums[full] = torch.stack([entries[i].sums for i in full])
+    if light:
+        sums[light, 1] = torch.cat([entries[i].sums.double() for i in light])
+        sums[light, 2] = head[light, 0]  # non-zeros not counted: taken as all non-zero
+    mom = torch.cat([head[:, :1], sums, head[:, 1:5]], dim=1)
+    return mom, head[:, 5:7].clone()
 
 
 class Results:

@@ -10,7 +10,9 @@ takes its own rows of the global batch), ``fsdp_keep`` (the same with
 ``reshard_after_forward=False``), ``tp`` (``ColwiseParallel`` ``w1``, ``RowwiseParallel``
 ``w2`` of each block; every rank runs the whole batch), ``fsdp_nan`` (``fsdp``; after a first
 step rank 1 writes a NaN into its shard of ``blocks.1.w2.weight``, then the step is captured),
-``fsdp_uneven`` (``fsdp``; rank 1 alone calls ``blocks.0.act`` once more, on three 0.5s).
+``fsdp_uneven`` (``fsdp``; rank 1 alone calls ``blocks.0.act`` once more, on three 0.5s),
+``fsdp_mp`` (``fsdp`` with ``MixedPrecisionPolicy(param_dtype=bfloat16,
+reduce_dtype=float32)``).
 """
 
 from __future__ import annotations
@@ -114,10 +116,14 @@ def main() -> None:
                 parallelize_module(blk, mesh, {"w1": ColwiseParallel(),
                                                "w2": RowwiseParallel()})
         else:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
             keep = scenario == "fsdp_keep"
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+                if scenario == "fsdp_mp" else MixedPrecisionPolicy()
             for blk in model.blocks:
-                fully_shard(blk, mesh=mesh, reshard_after_forward=not keep)
-            fully_shard(model, mesh=mesh, reshard_after_forward=not keep)
+                fully_shard(blk, mesh=mesh, reshard_after_forward=not keep, mp_policy=mp)
+            fully_shard(model, mesh=mesh, reshard_after_forward=not keep, mp_policy=mp)
             rows = ROWS // world
             x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
         if scenario == "fsdp_nan":

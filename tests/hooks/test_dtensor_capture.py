@@ -23,7 +23,7 @@ from hooks.dtensor_stats import MeshStats, is_dtensor
 from tests import dtensor_worker as worker
 
 REPO = Path(__file__).resolve().parents[2]
-SCENARIOS = ("fsdp", "fsdp_keep", "tp", "fsdp_nan", "fsdp_uneven")
+SCENARIOS = ("fsdp", "fsdp_keep", "tp", "fsdp_nan", "fsdp_uneven", "fsdp_mp")
 RTOL = 1e-5
 
 
@@ -140,6 +140,27 @@ def test_a_call_one_rank_alone_made_is_its_own_and_the_rest_stays_global(job):
     head = common[("head", 0)]["outputs"][0]["stats"]
     assert _close(head["mean"], float(want.mean())) and head["numel"] == want.numel()
     assert any(n["kind"] == "sharded" for n in r0["notes"])
+
+
+@pytest.mark.slow
+def test_mixed_precision_weights_are_the_fp32_shards_and_activations_bfloat16(job):
+    """MixedPrecisionPolicy(param_dtype=bfloat16): the weights are the fp32 sharded ones
+    (exact), the forward runs in bfloat16: activations recorded as bfloat16 and near the
+    reference model's cast to bfloat16 (bfloat16 has 8 bits of mantissa)."""
+    ref, _ = _reference()
+    got = _read(job, "fsdp_mp", 0)
+    assert got == _read(job, "fsdp_mp", 1)
+    for name, r in ref.items():
+        p = got["params"][name]
+        assert p["shape"] == r["shape"] and _close(p["weight_norm"], r["weight_norm"])
+        assert math.isclose(p["grad_norm"], r["grad_norm"], rel_tol=3e-2), name
+    model = worker.build().to(torch.bfloat16)
+    x, _ = worker.batch()
+    want = model(x.to(torch.bfloat16)).double()
+    head = [f for f in got["forward"] if f["module"] == "head"][0]["outputs"][0]
+    assert head["stats"]["numel"] == want.numel()
+    for key, w in (("mean", want.mean()), ("std", want.std()), ("l2", want.norm())):
+        assert math.isclose(head["stats"][key], float(w), rel_tol=3e-2, abs_tol=1e-2), key
 
 
 def test_without_a_process_group_nothing_is_sharded():

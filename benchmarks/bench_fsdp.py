@@ -1,0 +1,194 @@
+"""Cost of watching a 2-rank FSDP2 job: a captured step, and ``hooks.run`` on the other steps.
+
+Usage: ``python benchmarks/bench_fsdp.py [--repeats 20] [--rounds 6] [--block 40]`` (it
+starts itself under ``torchrun``: 2 ranks, gloo, CPU, one torch thread each).
+
+The model is minillm's ``seed-test-c`` preset (D=128, 4 layers, 4 experts top-2), sharded
+as ``mdb overfit --fsdp`` shards it (:func:`hooks.runs.sharding.shard_fsdp`), AdamW, a batch
+of 4 × 64 tokens per rank. Goals (issue 24):
+
+* a **captured step** (forward, backward and the optimizer step under ``hooks.capture``, whose
+  exit reduces every statistic across the mesh) costs ≤ 1.3× the **plain step**: the two are
+  timed alternately, step by step (the order flipped every round), medians compared;
+* **unwatched steps** with ``hooks.run`` (``run.log`` every step, ``run.watch(model,
+  every=10**9)``: the sentinel's hooks, the compute-time hook and the cross-rank checksums of
+  the gathered steps, no capture) keep ≥ 0.98× the steps/s without it: interleaved blocks of
+  ``--block`` steps, the order flipped every round, medians compared.
+
+For scale, the same model and batch are first timed in this process, unsharded, plain and
+under ``hooks.capture`` (what a capture costs without a mesh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _worker(args: argparse.Namespace) -> None:
+    sys.path.insert(0, str(ROOT))
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import hooks
+    from hooks.runs.run import Run
+    from hooks.runs.sharding import ExpertUse, shard_fsdp
+    from minillm import load_preset
+    from minillm.model import MiniLLM
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    config = load_preset("seed-test-c")
+    model = MiniLLM(config)
+    experts = ExpertUse(model, mesh)
+    shard_fsdp(model, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(rank)
+    bs, seq = 4, 64
+
+    def step(run=None) -> None:
+        x = torch.randint(config.vocab_size, (bs, seq), generator=g)
+        out = model(input_ids=x, labels=x)
+        out.loss.backward()
+        experts.drop_unused()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if run is not None:
+            run.log(loss=out.loss)
+
+    def captured() -> None:
+        with hooks.capture(model):
+            step()
+
+    # 1. a captured step against a plain one, alternately
+    times: dict[str, list[float]] = {"plain": [], "captured": []}
+    for i in range(args.repeats + 3):
+        for name in ("plain", "captured") if i % 2 == 0 else ("captured", "plain"):
+            dist.barrier()
+            t0 = time.perf_counter()
+            (captured if name == "captured" else step)()
+            if i >= 3:  # warm-up
+                times[name].append(time.perf_counter() - t0)
+    # 2. unwatched steps with hooks.run against none, in blocks
+    rates: dict[str, list[float]] = {"plain": [], "hooks.run": []}
+
+    def block(name: str, k: int) -> float:
+        dist.barrier()
+        if name == "plain":
+            t0 = time.perf_counter()
+            for _ in range(args.block):
+                step()
+            return args.block / (time.perf_counter() - t0)
+        with Run(f"bench-{k}", db=args.db, gather_every=50) as run:
+            run.watch(model, every=10**9)
+            for _ in range(5):  # the run joins the other ranks meanwhile
+                step(run)
+            t0 = time.perf_counter()
+            for _ in range(args.block):
+                step(run)
+            return args.block / (time.perf_counter() - t0)
+
+    for name in rates:  # warm-up
+        block(name, -1)
+    for r in range(args.rounds):
+        for name in tuple(rates) if r % 2 == 0 else tuple(rates)[::-1]:
+            rates[name].append(block(name, r))
+    if rank == 0:
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print(f"2-rank FSDP2 job, minillm seed-test-c (D=128, 4 layers, 4 experts), batch "
+              f"{bs}×{seq} per rank, AdamW, gloo on CPU, one thread per rank")
+        for name, v in times.items():
+            q = statistics.quantiles(v, n=4)
+            print(f"  {name:>9} step: median {med[name] * 1e3:7.1f} ms  IQR [{q[0] * 1e3:.1f}, "
+                  f"{q[2] * 1e3:.1f}] ms  ({len(v)} steps)")
+        print(f"  captured / plain: {med['captured'] / med['plain']:.3f}  (goal ≤ 1.3)")
+        rm = {k: statistics.median(v) for k, v in rates.items()}
+        for name, v in rates.items():
+            print(f"  {name:>9}: {rm[name]:6.2f} steps/s (min {min(v):.2f}, max {max(v):.2f}) "
+                  f"over {args.rounds} blocks of {args.block} steps")
+        paired = statistics.median(a / b for a, b in zip(rates["hooks.run"], rates["plain"],
+                                                         strict=True))
+        print(f"  hooks.run / plain steps/s: ratio of medians {rm['hooks.run'] / rm['plain']:.3f}"
+              f", median of the rounds' ratios {paired:.3f}  (goal ≥ 0.98)", flush=True)
+    dist.destroy_process_group()
+
+
+def _single(repeats: int) -> None:
+    """The same model and batch in one process, unsharded: what a capture costs without the
+    mesh (the part of the captured step's cost that is not the reduction's)."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    import hooks
+    from minillm import load_preset
+    from minillm.model import MiniLLM
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    config = load_preset("seed-test-c")
+    model = MiniLLM(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+
+    def step() -> None:
+        x = torch.randint(config.vocab_size, (4, 64), generator=g)
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def captured() -> None:
+        with hooks.capture(model):
+            step()
+
+    from _timing import interleaved
+
+    times = interleaved({"plain": step, "captured": captured}, repeats, warmup=3)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"one process, the same model and batch, unsharded: plain {med['plain'] * 1e3:.1f} ms"
+          f", captured {med['captured'] * 1e3:.1f} ms, captured / plain "
+          f"{med['captured'] / med['plain']:.3f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--block", type=int, default=40)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--db", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        _worker(args)
+        return
+    _single(args.repeats)
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               "2", str(Path(__file__).resolve()), "--worker", "--db", str(Path(tmp) / "b.sqlite"),
+               "--repeats", str(args.repeats), "--rounds", str(args.rounds), "--block",
+               str(args.block)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+        out = [x for x in proc.stdout.splitlines() if not x.startswith("mdb:")]
+        print("\n".join(out))
+        if proc.returncode != 0:
+            print(proc.stderr[-3000:], file=sys.stderr)
+            sys.exit(proc.returncode)
+
+
+if __name__ == "__main__":
+    main()
