@@ -10,21 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.terminal import STOP_SIGNALS, terminal_signals  # noqa: F401  (re-exported)
+
 REPO = Path(__file__).resolve().parent.parent
 SAMPLES = REPO / "samples"
 
-#: A minimal MoE config for training tests that must run thousands of steps quickly.
-TINY_TOML = """\
-vocab_size = 256
-hidden_size = 16
-intermediate_size = 32
-num_hidden_layers = 1
-num_attention_heads = 2
-num_key_value_heads = 1
-num_local_experts = 2
-num_experts_per_tok = 1
-max_position_embeddings = 128
-"""
+from tests.models import TINY_TOML  # noqa: E402,F401  (re-exported: many tests import it here)
 
 
 @pytest.fixture(autouse=True)
@@ -42,21 +33,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-#: The signals that stop a command, with the dispositions a user's shell gives a command it runs
-#: in the foreground. ``nohup … &`` (and some CI runners) ignore SIGINT and SIGHUP, and an
-#: ignored signal stays ignored in every child, across exec.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
-
-
-def terminal_signals() -> None:
-    """``preexec_fn`` of a child process that a test sends signals to: the stop signals at their
-    defaults, as in a terminal, whatever this process inherited. A Python child then raises
-    ``KeyboardInterrupt`` on SIGINT (Python installs that handler only for a SIGINT that was not
-    ignored when it started)."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_DFL)
 
 
 @pytest.fixture
@@ -79,6 +55,14 @@ async def wait_until(pilot, cond, timeout: float = 60.0) -> None:
         if time.monotonic() - t0 > timeout:
             raise AssertionError("timed out")
         await pilot.pause(0.05)
+
+
+async def drawn(pilot, screen, timeout: float = 60.0) -> None:
+    """Wait until the live screen has drawn everything it was told to (no redraw pending):
+    a known point after which what it shows is what it has, however loaded the machine."""
+    await wait_until(pilot, lambda: not (screen._dirty_text or screen._dirty_charts)
+                     and screen._redraw_timer is None, timeout)
+    await pilot.pause()
 
 
 def wait_for(cond, timeout: float = 120.0, what: str = "condition"):

@@ -5,16 +5,15 @@ numbers out of range, a trace nested too deep, a forward that never returns."""
 from __future__ import annotations
 
 import os
-import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tui import cli
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.processes import main_rc as _main
+from tests.processes import mdb_argv
+from tests.processes import one_error_line as _one_line
+from tests.terminal import spawn_in_pty
 
 BAD_MODEL = '''
 import torch
@@ -101,23 +100,8 @@ def bad_models(tmp_path_factory) -> Path:
     return path
 
 
-def _main(argv: list[str]) -> int:
-    """``mdb ARGV`` in-process; argparse's own refusals (SystemExit) give their code too."""
-    try:
-        return cli.main(argv)
-    except SystemExit as exc:
-        return int(exc.code)
-
-
 def _line(path: Path, mark: str) -> int:
     return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if mark in line)
-
-
-def _one_line(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err
-    assert err[0].startswith("mdb: error: ") and "Traceback" not in err[0]
-    return err[0]
 
 
 @pytest.mark.parametrize("command", ["summary", "capture", "overfit", "doctor"])
@@ -142,12 +126,8 @@ def test_a_forward_that_raises_names_the_module_and_the_line(command, bad_models
 def test_mdb_step_in_a_terminal_names_the_module_and_the_line(bad_models):
     """``mdb step`` needs a terminal: run it in a pty, as a user would."""
     pexpect = pytest.importorskip("pexpect")
-    exe = shutil.which("mdb")
-    argv = ([exe] if exe else [sys.executable, "-m", "tui.cli"]) + [
-        "step", "--model", f"{bad_models}:forward_raises"]
-    env = dict(os.environ, TERM="xterm", PYTHONPATH=str(REPO))
-    child = pexpect.spawn(argv[0], argv[1:], env=env, cwd=str(bad_models.parent),
-                          dimensions=(24, 80), encoding="utf-8", timeout=180)
+    child = spawn_in_pty(mdb_argv() + ["step", "--model", f"{bad_models}:forward_raises"],
+                         cwd=bad_models.parent)
     try:
         child.expect(pexpect.EOF)
     finally:
@@ -311,7 +291,7 @@ def test_gather_every_without_nproc_is_refused(tmp_path, capsys):
 
 async def test_keys_do_nothing_while_the_terminal_is_too_small():
     from tests.conftest import wait_until
-    from tests.tui.test_tui_step import tiny_workload
+    from tests.models import tiny_workload
     from tui.app import make_step_app
     from tui.commands.capturing import capture_step
     from tui.screens.step import StepScreen
@@ -357,12 +337,8 @@ def build():
 def test_quitting_while_the_forward_sleeps_ends_the_process(tmp_path):
     pexpect = pytest.importorskip("pexpect")
     (tmp_path / "sleepy.py").write_text(SLEEPY)
-    exe = shutil.which("mdb")
-    argv = [exe] if exe else [sys.executable, "-m", "tui.cli"]
-    env = dict(os.environ, TERM="xterm", PYTHONPATH=str(REPO))
-    child = pexpect.spawn(argv[0], [*argv[1:], "step", "--model", f"{tmp_path}/sleepy.py:build"],
-                          env=env, cwd=str(tmp_path), dimensions=(24, 80), encoding="utf-8",
-                          timeout=120)
+    child = spawn_in_pty(mdb_argv() + ["step", "--model", f"{tmp_path}/sleepy.py:build"],
+                         cwd=tmp_path, timeout=120)
     try:
         child.expect("capturing one forward and backward pass")
         child.send("q")

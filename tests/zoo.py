@@ -19,26 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minillm import MiniLLM, load_preset
+from minillm import MiniLLM
 from minillm.attention import MiniLLMAttention, causal_mask
 from minillm.layers import MiniLLMRMSNorm, MiniLLMRotaryEmbedding, apply_rotary_pos_emb
 from minillm.moe import load_balancing_loss
-
-SEQ = 64
-
-
-def tiny(**changes) -> MiniLLM:
-    torch.manual_seed(0)
-    cfg = load_preset("tiny")
-    if changes:
-        cfg = cfg.replace(**changes)
-    return MiniLLM(cfg)
-
-
-def batch_for(model: MiniLLM, b: int = 2, t: int = SEQ) -> dict:
-    g = torch.Generator().manual_seed(123)
-    ids = torch.randint(0, model.config.vocab_size, (b, t), generator=g)
-    return {"input_ids": ids, "labels": ids}
+from tests.models import SEQ, batch_for, tiny  # noqa: F401  (the zoo's size; re-exported)
 
 
 # -- attention variants ------------------------------------------------------------------------

@@ -8,10 +8,9 @@ import math
 import pytest
 import torch
 
-from hooks.runs.overfit import OverfitOptions, OverfitSession
 from hooks.runs.store import MetricRow, RunStore
-from minillm import MiniLLMConfig
-from tests.conftest import wait_until
+from tests.conftest import drawn, wait_until
+from tests.models import tiny_session
 from tui.screens.live_chart import Series, _line, chart_rows
 from tui.screens.live_data import Downsampler, RunSeries, matching_prefix
 
@@ -19,24 +18,6 @@ TEXT = "人工智能正在改变世界。" * 3
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def tiny_session(tmp_path, steps: int = 20, name: str = "live", **kw) -> OverfitSession:
-    cfg = MiniLLMConfig(vocab_size=16, hidden_size=32, intermediate_size=64,
-                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                        num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
-    opts = OverfitOptions(text=TEXT, model_config=cfg.to_dict(), steps=steps, lr=1e-2,
-                          sample_every=5, every=0, **kw)
-    store = RunStore(tmp_path / "mdb.sqlite", create=True)
-    return OverfitSession.create(store, name, opts)
-
-
-async def drawn(pilot, screen, timeout: float = 60.0) -> None:
-    """Wait until the live screen has drawn everything it was told to (no redraw pending):
-    a known point after which what it shows is what it has, however loaded the machine."""
-    await wait_until(pilot, lambda: not (screen._dirty_text or screen._dirty_charts)
-                     and screen._redraw_timer is None, timeout)
-    await pilot.pause()
 
 
 # -- pure parts ----------------------------------------------------------------------------------

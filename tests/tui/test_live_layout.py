@@ -6,7 +6,6 @@ forward that never returns (``q q`` and Ctrl-C end the process)."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -18,8 +17,9 @@ import pytest
 from textual.geometry import Region
 
 from hooks.runs.store import FIXED_METRICS, MetricRow, RunStore
-from tests.conftest import REPO, terminal_signals, wait_until
-from tests.tui.test_live import drawn
+from tests.conftest import drawn, wait_until
+from tests.processes import mdb_argv
+from tests.terminal import spawn_in_pty
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -147,7 +147,7 @@ async def test_watch_help_lists_the_viewer_keys_and_wraps_whole_words(tmp_path):
 
 @pytest.mark.slow
 async def test_every_hint_of_the_training_screen_fits_one_line(tmp_path):
-    from tests.tui.test_live import tiny_session
+    from tests.models import tiny_session
     from tui.live_app import make_overfit_app
     from tui.screens.live import LiveScreen
     from tui.screens.step import StepScreen
@@ -192,7 +192,7 @@ async def test_every_hint_of_the_training_screen_fits_one_line(tmp_path):
 
 
 async def test_a_spike_during_training_is_flagged_from_the_writers_record(tmp_path):
-    from tests.tui.test_live import tiny_session
+    from tests.models import tiny_session
     from tui.live_app import make_overfit_app
 
     session = tiny_session(tmp_path, steps=45)
@@ -244,15 +244,10 @@ def build():
 def _spawn_live(tmp_path: Path, after: int):
     pexpect = pytest.importorskip("pexpect")
     (tmp_path / "sleepy.py").write_text(SLEEPY)
-    exe = shutil.which("mdb")
-    argv = [exe] if exe else [sys.executable, "-m", "tui.cli"]
-    env = dict(os.environ, TERM="xterm", PYTHONPATH=str(REPO), SLEEP_AFTER=str(after))
     db = tmp_path / "mdb.sqlite"
-    child = pexpect.spawn(argv[0], [*argv[1:], "overfit", "--model",
-                                    f"{tmp_path}/sleepy.py:build", "--db", str(db), "--run",
-                                    "sl"],
-                          env=env, cwd=str(tmp_path), dimensions=(24, 80), encoding="utf-8",
-                          timeout=180, preexec_fn=terminal_signals)
+    child = spawn_in_pty(mdb_argv() + ["overfit", "--model", f"{tmp_path}/sleepy.py:build",
+                                       "--db", str(db), "--run", "sl"],
+                         cwd=tmp_path, SLEEP_AFTER=str(after))
     return pexpect, child, db
 
 

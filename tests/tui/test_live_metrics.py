@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 
 from hooks.runs.store import RunUpdate
-from tests.conftest import wait_until
-from tests.tui.test_live import drawn
+from tests.conftest import drawn, wait_until
 from tui.screens.live_chart import Series, chart_rows
 from tui.screens.live_data import RunSeries, is_loss_like, metric_values
 

@@ -6,7 +6,7 @@ import torch
 from textual.widgets import DataTable
 
 from hooks.checks import run_checks
-from tests.tui.test_tui_step import tiny_workload
+from tests.models import tiny_workload
 from tui.app import MdbApp
 from tui.commands.capturing import capture_step
 from tui.commands.step import run_doctor

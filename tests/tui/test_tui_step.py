@@ -7,7 +7,6 @@ from the widgets under test.
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import pytest
@@ -15,11 +14,10 @@ import torch
 from textual.app import App
 from textual.widgets import DataTable, Static
 
+from tests.models import tiny_workload
 from tui import messages
 from tui.app import make_step_app
 from tui.commands.capturing import capture_step
-from tui.commands.options import add_model_arguments
-from tui.commands.workload import build_workload
 from tui.screens.attention import AttentionScreen
 from tui.screens.gradients import GradientsScreen
 from tui.screens.help import HelpScreen
@@ -28,12 +26,6 @@ from tui.screens.step import StepScreen
 from tui.widgets import fmt
 
 SIZE = (80, 24)
-
-
-def tiny_workload(seq_len: int = 16):
-    parser = argparse.ArgumentParser()
-    add_model_arguments(parser)
-    return build_workload(parser.parse_args(["--preset", "tiny", "--seq-len", str(seq_len)]))
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,8 @@
 module whose class and children are named like nothing mdb knows (``Mixer`` with ``wqkv``)
 is measured by the GQA check, not reported as "no attention module found".
 
-The models are factories for ``--model tests/hooks/checks/test_doctor_attention_found.py:FUNCTION``."""
+The models are factories for
+``--model tests/hooks/checks/test_doctor_attention_found.py:FUNCTION``."""
 
 from __future__ import annotations
 

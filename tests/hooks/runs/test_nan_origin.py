@@ -168,7 +168,7 @@ def test_a_poisoned_weight_is_named_as_the_parameter_that_holds_it(monkeypatch):
     """minillm with its own (fused, machine-dependent) attention: a NaN in q_proj's weight is
     named as that parameter, whether this CPU's SDPA keeps the loss finite or not."""
     from minillm import MiniLLM
-    from tests.hooks.runs.test_training import tiny_config
+    from tests.models import tiny_config
 
     torch.manual_seed(0)
     model = MiniLLM(tiny_config(num_hidden_layers=2))

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 
 from hooks.runs.overfit import ModelOverfitOptions, ModelOverfitSession, resume_session
 from hooks.runs.store import RunStore
-from tests.conftest import REPO
+from tests.conftest import REPO, drawn
 from tests.families import FAMILIES
-from tests.tui.test_live import drawn
+from tests.processes import one_error_line as _one_error_line
 from tui.cli import main
 from tui.commands.overfit import _build_workload
 from tui.screens.live_data import metric_values
@@ -149,13 +149,6 @@ def build():
 def no_loss():
     return Tiny().emb, torch.zeros(2, 8, dtype=torch.long)
 """
-
-
-def _one_error_line(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err
-    assert err[0].startswith("mdb: error: ") and "Traceback" not in err[0]
-    return err[0]
 
 
 def test_cli_model_run_resume_and_a_changed_factory_refused(tmp_path, capsys, monkeypatch):

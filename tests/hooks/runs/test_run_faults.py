@@ -18,8 +18,9 @@ import pytest
 
 from hooks.runs.store import RunStore
 from tests.conftest import TINY_TOML
-from tests.tui.commands.test_overfit_cli import _run_row, _wait_for
-from tests.tui.commands.test_overfit_cli import _spawn as _spawn_logged
+from tests.conftest import wait_for as _wait_for
+from tests.processes import run_row as _run_row
+from tests.processes import spawn_logged as _spawn_logged
 from tui.cli import main
 from tui.screens.live_data import metric_values
 

@@ -13,26 +13,15 @@ import tomllib
 
 import hooks
 from hooks.runs.store import DamagedRunError, RunStore
-from tests.conftest import TINY_TOML
-from tests.tui.test_live import drawn
+from tests.conftest import TINY_TOML, drawn
+from tests.processes import main_rc as _main
+from tests.processes import one_error_line
 from tui.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _main(argv: list[str]) -> int:
-    """``mdb`` with ``argv``; argparse's own errors exit through SystemExit."""
-    try:
-        return main(argv)
-    except SystemExit as exc:
-        return int(exc.code)
-
-
-def _err_line(capsys) -> str:
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1, err
-    assert err[0].startswith("mdb: error: ") and "Traceback" not in err[0]
-    return err[0]
+_err_line = one_error_line
 
 
 @pytest.fixture(scope="module")

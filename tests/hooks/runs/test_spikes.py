@@ -15,8 +15,7 @@ import pytest
 import hooks
 from hooks.runs.spikes import FACTOR, MIN_HISTORY, MIN_RISE, WINDOW, Spike, SpikeDetector
 from hooks.runs.store import MetricRow, RunStore
-from tests.conftest import wait_until
-from tests.tui.test_live import drawn
+from tests.conftest import drawn, wait_until
 from tui.cli import main
 from tui.screens.live_chart import FLAG, Series, chart_rows
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import math
 import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,39 +26,15 @@ from hooks.runs.trainer import (
     locate_nonfinite,
     signal_exit_code,
 )
-from minillm import MiniLLM, MiniLLMConfig, load_preset
+from minillm import MiniLLM, load_preset
+from tests.conftest import wait_for as _wait_for
+from tests.models import tiny_config, tiny_setup
 from tui.screens.live_data import metric_values
 
 TEXT = "人工智能正在改变世界。" * 2
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def tiny_config(vocab: int = 11, **kw) -> MiniLLMConfig:
-    base = dict(
-        vocab_size=vocab,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        num_local_experts=2,
-        num_experts_per_tok=1,
-        max_position_embeddings=64,
-    )
-    base.update(kw)
-    return MiniLLMConfig(**base)
-
-
-def tiny_setup(seed: int = 0, layers: int = 1):
-    torch.manual_seed(seed)
-    cfg = tiny_config(num_hidden_layers=layers)
-    model = MiniLLM(cfg)
-    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
-    batch = {"input_ids": ids, "labels": ids}
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return model, batch, opt
 
 
 def test_expert_load_matches_a_loop_count():
@@ -134,13 +109,6 @@ class CountingControl(TrainControl):
         with self._seen:
             assert self._seen.wait_for(lambda: self.waits > after, timeout), "no wait"
             return self.waits
-
-
-def _wait_for(cond, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 def test_controls_pause_single_step_resume_stop():

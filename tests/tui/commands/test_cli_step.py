@@ -4,17 +4,15 @@ quits with exit code 0."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.processes import mdb_argv
+from tests.processes import one_error_line as _one_error_line
+from tests.terminal import spawn_in_pty
 from tui import cli
 from tui.app import MdbApp
-
-REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture
@@ -25,14 +23,6 @@ def no_app(monkeypatch):
         raise AssertionError("the app started although the input was bad")
 
     monkeypatch.setattr(MdbApp, "run", refuse)
-
-
-def _one_error_line(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err
-    assert err[0].startswith("mdb: error: ")
-    assert "Traceback" not in err[0]
-    return err[0]
 
 
 USER_BODIES = {
@@ -84,11 +74,6 @@ def _write(path: Path, data: bytes) -> Path:
     return path
 
 
-def _mdb_argv() -> list[str]:
-    exe = shutil.which("mdb")
-    return [exe] if exe else [sys.executable, "-m", "tui.cli"]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "extra, term, no_color",
@@ -97,13 +82,8 @@ def _mdb_argv() -> list[str]:
 )
 def test_real_mdb_step_in_a_pty(extra, term, no_color):
     pexpect = pytest.importorskip("pexpect")
-    env = dict(os.environ, TERM=term, PYTHONPATH=str(REPO))
-    env.pop("NO_COLOR", None)
-    if no_color:
-        env["NO_COLOR"] = "1"
-    argv = _mdb_argv() + ["step", *extra]
-    child = pexpect.spawn(argv[0], argv[1:], env=env, cwd=str(REPO), dimensions=(24, 80),
-                          encoding="utf-8", timeout=180)
+    child = spawn_in_pty(mdb_argv() + ["step", *extra], TERM=term,
+                         NO_COLOR="1" if no_color else "")
     try:
         child.expect("forward · call 1/")
         child.send("n")

@@ -11,6 +11,7 @@ import torch
 
 from hooks import Trace
 from minillm import MiniLLM, load_preset
+from tests.terminal import spawn_in_pty
 from tui import cli
 from tui.commands.step import load_trace
 from tui.widgets.fmt import sci
@@ -176,34 +177,16 @@ def test_columns_120_shows_every_column_and_wide_ignores_columns(saved_trace, ca
 
 def test_in_a_terminal_the_table_fits_it(saved_trace):
     """A real pseudo-terminal of 80×24 (what tmux gives): the table fits 80 columns."""
-    import fcntl
-    import os
-    import pty
-    import struct
-    import subprocess
     import sys
-    import termios
 
+    pexpect = pytest.importorskip("pexpect")
     path, _ = saved_trace
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
-    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    env.update(TERM="xterm", NO_COLOR="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "tui.cli", "summary", "--trace", path],
-                            stdout=slave, stderr=slave, stdin=subprocess.DEVNULL, env=env)
-    os.close(slave)
-    chunks = []
-    while True:
-        try:
-            data = os.read(master, 65536)
-        except OSError:  # the child closed the terminal
-            break
-        if not data:
-            break
-        chunks.append(data)
-    assert proc.wait(timeout=300) == 0
-    os.close(master)
-    text = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", b"".join(chunks).decode())
+    child = spawn_in_pty([sys.executable, "-m", "tui.cli", "summary", "--trace", path],
+                         timeout=300, NO_COLOR="1", OMP_NUM_THREADS="1", COLUMNS="", LINES="")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0, child.before
+    text = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", child.before)
     lines = [line.rstrip() for line in text.replace("\r", "").splitlines()]
     assert lines and max(len(line) for line in lines) <= 80
     assert any(line.startswith("module") and "param ‖∇‖" in line for line in lines)

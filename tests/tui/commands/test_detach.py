@@ -19,16 +19,17 @@ from hooks.runs.control import request
 from hooks.runs.store import RunStore
 from tests.conftest import REPO, TINY_TOML, terminal_signals, wait_until
 from tests.conftest import wait_for as _wait
+from tests.processes import spawn_mdb
+from tests.terminal import spawn_in_pty
 from tui.cli import main
 
 pytestmark = pytest.mark.slow  # every test starts a trainer process
 ENV = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+MDB = [sys.executable, "-m", "tui.cli"]
 
 
-def _mdb(*args: str, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tui.cli", *args], env=ENV, cwd=kw.pop(
-        "cwd", None), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=terminal_signals, **kw)
+def _mdb(*args: str, cwd=None) -> subprocess.Popen:
+    return spawn_mdb(list(args), cwd=cwd, env=ENV)
 
 
 def _info(db: Path, name: str):
@@ -262,10 +263,9 @@ def test_losing_the_terminal_leaves_training_running(tmp_path, tiny):
     ends it with a checkpoint and an intact database."""
     pexpect = pytest.importorskip("pexpect")
     db = tmp_path / "r.sqlite"
-    child = pexpect.spawn(sys.executable, ["-m", "tui.cli", "overfit", "--config", str(tiny),
-                                           "--steps", "100000", "--db", str(db), "--run", "t"],
-                          env=dict(ENV, TERM="xterm"), cwd=str(tmp_path), dimensions=(24, 80),
-                          encoding="utf-8", timeout=120, preexec_fn=terminal_signals)
+    child = spawn_in_pty(MDB + ["overfit", "--config", str(tiny), "--steps", "100000", "--db",
+                                str(db), "--run", "t"], cwd=tmp_path, timeout=120,
+                         OMP_NUM_THREADS="1")
     try:
         child.expect("running")
         os.killpg(child.pid, signal.SIGHUP)
@@ -273,9 +273,8 @@ def test_losing_the_terminal_leaves_training_running(tmp_path, tiny):
         held = _info(db, "t").last_step
         _wait(lambda: _info(db, "t").last_step > held + 20, what="training after SIGHUP")
         assert _info(db, "t").writer_state() == "running"
-        watch = pexpect.spawn(sys.executable, ["-m", "tui.cli", "watch", "t", "--db", str(db)],
-                              env=dict(ENV, TERM="xterm"), cwd=str(tmp_path),
-                              dimensions=(24, 80), encoding="utf-8", timeout=60)
+        watch = spawn_in_pty(MDB + ["watch", "t", "--db", str(db)], cwd=tmp_path, timeout=60,
+                             OMP_NUM_THREADS="1")
         watch.expect("running")
         watch.send("d")
         watch.expect("re-attach: mdb watch t --db")
@@ -293,9 +292,7 @@ def test_losing_the_terminal_leaves_training_running(tmp_path, tiny):
 
 def test_ctrl_c_quits_mdb_step_in_a_pty():
     pexpect = pytest.importorskip("pexpect")
-    child = pexpect.spawn(sys.executable, ["-m", "tui.cli", "step", "--preset", "tiny"],
-                          env=dict(ENV, TERM="xterm"), cwd=str(REPO), dimensions=(24, 80),
-                          encoding="utf-8", timeout=120)
+    child = spawn_in_pty(MDB + ["step", "--preset", "tiny"], timeout=120, OMP_NUM_THREADS="1")
     try:
         child.expect("forward · call 1/")
         child.sendcontrol("c")
@@ -330,9 +327,8 @@ def test_two_viewers_from_before_the_first_step_until_the_writer_is_killed(tmp_p
     try:
         _wait(lambda: _info(db, "gated"), what="the run")
         for _ in range(2):
-            v = pexpect.spawn(sys.executable, ["-m", "tui.cli", "watch", "gated", "--db",
-                                               str(db)], env=dict(ENV, TERM="xterm"),
-                              dimensions=(24, 80), encoding="utf-8", timeout=60)
+            v = spawn_in_pty(MDB + ["watch", "gated", "--db", str(db)], timeout=60,
+                             OMP_NUM_THREADS="1")
             v.expect("step 0")
             viewers.append(v)
         gate.touch()

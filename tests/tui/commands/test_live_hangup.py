@@ -13,8 +13,8 @@ import time
 import pytest
 
 from hooks.runs.store import RunStore
-from tests.conftest import REPO, terminal_signals
-from tests.tui.commands.test_cli_step import _mdb_argv
+from tests.processes import mdb_argv
+from tests.terminal import spawn_in_pty
 from tui.cli import main
 
 
@@ -25,12 +25,9 @@ def _run(db):
 
 @pytest.mark.slow
 def test_a_hangup_ends_the_viewer_and_training_goes_on(tmp_path):
-    pexpect = pytest.importorskip("pexpect")
     db = tmp_path / "runs.sqlite"
-    argv = _mdb_argv() + ["overfit", "--db", str(db), "--run", "hup", "--steps", "100000"]
-    env = dict(os.environ, TERM="xterm", PYTHONPATH=str(REPO))
-    child = pexpect.spawn(argv[0], argv[1:], env=env, cwd=str(tmp_path), dimensions=(24, 80),
-                          encoding="utf-8", timeout=120, preexec_fn=terminal_signals)
+    child = spawn_in_pty(mdb_argv() + ["overfit", "--db", str(db), "--run", "hup", "--steps",
+                                       "100000"], cwd=tmp_path, timeout=120)
     try:
         child.expect("running")
         os.close(child.child_fd)  # the terminal is gone for good

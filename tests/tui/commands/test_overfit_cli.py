@@ -3,11 +3,8 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import sqlite3
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -16,7 +13,12 @@ import pytest
 import torch
 
 from hooks.runs.store import RunStore
-from tests.conftest import REPO, TINY_TOML, terminal_signals
+from tests.conftest import TINY_TOML
+from tests.conftest import wait_for as _wait_for
+from tests.processes import error_line as _the_error_line
+from tests.processes import one_error_line as _one_error_line
+from tests.processes import run_row as _run_row
+from tests.processes import spawn_logged as _spawn
 from tui.cli import main
 
 
@@ -32,17 +34,6 @@ def tiny(tmp_path) -> Path:
     p = tmp_path / "tiny.toml"
     p.write_text(TINY_TOML)
     return p
-
-
-def _one_error_line(capsys) -> str:
-    return _the_error_line(capsys.readouterr().err)
-
-
-def _the_error_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("mdb: error: ")
-    return lines[0]
 
 
 def test_headless_run_then_runs_table(tmp_path, tiny, capsys):
@@ -160,43 +151,6 @@ def test_bad_input_is_one_line_exit_2(tmp_path, tiny, capsys, argv, message):
 # ---------------------------------------------------------------------------------------------
 # Real processes
 # ---------------------------------------------------------------------------------------------
-
-
-def _spawn(args, tmp_path: Path, tag: str) -> tuple[subprocess.Popen, Path]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("MDB_DB", None)
-    log = tmp_path / f"{tag}.log"
-    f = open(log, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tui.cli", *args],
-        cwd=tmp_path,
-        env=env,
-        stdout=f,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        preexec_fn=terminal_signals,  # the tests send it signals
-    )
-    f.close()
-    return proc, log
-
-
-def _wait_for(cond, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _run_row(db: Path, name: str):
-    if not db.exists():
-        return None
-    try:
-        with RunStore(db) as store:
-            return store.run(name)
-    except Exception:
-        return None
 
 
 @pytest.mark.slow

@@ -22,11 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import TINY_TOML, terminal_signals
+from tests.conftest import TINY_TOML
+from tests.processes import REPO, error_line
+from tests.processes import main_rc as _main
+from tests.processes import run_mdb as _mdb
+from tests.terminal import terminal_signals
 from tui import cli
 from tui.errors import MAX_QUOTED, clip
 
-REPO = Path(__file__).resolve().parents[3]
 CPUS = os.cpu_count() or 1
 #: A file name longer than any file system's 255-byte limit on one name.
 LONG = "a" * 300
@@ -34,37 +37,15 @@ LONG = "a" * 300
 TINY = TINY_TOML  # the tiny MoE config of the training tests
 
 
-def _main(argv: list[str]) -> int:
-    """``mdb ARGV`` in-process; argparse's own refusals (SystemExit) give their code too."""
-    try:
-        return cli.main(argv)
-    except SystemExit as exc:
-        return int(exc.code)
-
-
 def _one_line(capsys) -> str:
     """The only line on stderr, an ``mdb: error:`` line (nothing on stdout)."""
     out, err = capsys.readouterr()
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("mdb: error: ") and "Traceback" not in err
     assert out == ""
-    return lines[0]
-
-
-def _mdb(argv: list[str], cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess:
-    """``mdb ARGV`` as a user runs it, in its own process (a hang fails the test at
-    ``timeout`` instead of blocking the suite)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "tui.cli", *argv], cwd=cwd, env=env,
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          timeout=timeout)
+    return error_line(err)
 
 
 def _error_line(proc: subprocess.CompletedProcess) -> str:
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("mdb: error: "), proc.stderr
-    return lines[0]
+    return error_line(proc.stderr)
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from hooks.runs.store import RunStore
-from tests.conftest import REPO, TINY_TOML, wait_until
-from tests.tui.test_live import drawn
+from tests.conftest import REPO, TINY_TOML, drawn, wait_until
+from tests.processes import one_error_line as _one_error_line
 from tui.cli import main
 
 
@@ -215,13 +215,6 @@ async def test_watch_c_opens_the_latest_stored_capture_in_the_step_view(tmp_path
         assert app.screen is app.live
         await pilot.press("q")
     store.close()
-
-
-def _one_error_line(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err
-    assert err[0].startswith("mdb: error: ")
-    return err[0]
 
 
 def test_watch_bad_input_one_line_exit_2(tmp_path, capsys):
