@@ -99,7 +99,7 @@ FACTORY = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("argv, words", [
+BAD = [
     (["capture", "--edit", "zero nothing"], "no module matches 'nothing'"),
     (["capture", "--edit", "zero head head=0"], "attention"),
     (["capture", "--edit", "frob head"], "unknown operation"),
@@ -110,21 +110,37 @@ FACTORY = textwrap.dedent("""
     (["diff", "--edit", "patch emb from=s", "--source-ids", "1,2,3"], "the batch is 2×4"),
     (["diff", "a.mdbtrace", "b.mdbtrace", "--edit", "zero head"], "one of them"),
     (["diff"], "one of them"),
-])
-def test_bad_specs_are_one_line_exit_2_and_nothing_runs(tmp_path, argv, words):
+]
+
+
+def _bad_argv(tmp_path, argv):
     (tmp_path / "fac.py").write_text(FACTORY)
     extra = ["--model", f"{tmp_path / 'fac.py'}:build"]
     if argv[0] == "capture":
         extra += ["--out", str(tmp_path / "o.mdbtrace")]
     if argv[1:2] == ["a.mdbtrace"] or argv == ["diff"]:
         extra = []
-    proc = subprocess.run([sys.executable, "-m", "tui.cli", *argv, *extra], cwd=Path.cwd(),
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    err = proc.stderr.strip().splitlines()
+    return [*argv, *extra]
+
+
+@pytest.mark.parametrize("argv, words", BAD)
+def test_bad_specs_are_one_line_exit_2_and_nothing_runs(tmp_path, capsys, argv, words):
+    assert main(_bad_argv(tmp_path, argv)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("mdb: error:") and words in err[0], err
     assert not (tmp_path / "ran").exists()  # the model's forward never ran
     assert not (tmp_path / "o.mdbtrace").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv, words", [BAD[0], BAD[7]])
+def test_bad_specs_in_a_process_of_their_own(tmp_path, argv, words):
+    proc = subprocess.run([sys.executable, "-m", "tui.cli", *_bad_argv(tmp_path, argv)],
+                          cwd=Path.cwd(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mdb: error:") and words in err[0], err
+    assert not (tmp_path / "ran").exists()
 
 
 def test_diff_a_b_still_needs_both(capsys):
