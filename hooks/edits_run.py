@@ -130,14 +130,16 @@ def rerun_edited(trace, edits: Sequence[Any], *, sources: Mapping[str, Any] | No
     """Run the step ``trace`` recorded again, with ``edits`` (B of "A as is, B edited").
 
     Uses ``trace.replay`` (the model and the root call's arguments, the random state at the
-    step's start); a ``patch ... from=rolled`` takes its source from the batch's rows rolled
-    by one (:func:`rolled`) unless ``sources`` names another.
+    step's start, and the step's batch and loss function when the capture kept them:
+    ``tui.commands.capturing.capture_step`` does); a ``patch ... from=rolled`` takes its
+    source from the batch's rows rolled by one (:func:`rolled`) unless ``sources`` names
+    another.
 
     Args:
         trace: a :class:`hooks.Trace` captured in this process (not loaded from disk).
         edits: edit specs or :class:`hooks.edits.Edit` objects.
         sources: batches by name for ``patch``.
-        loss_fn: the loss function the step used, when it had one.
+        loss_fn: the loss function the step used (default: the replay's).
 
     Returns:
         hooks.Trace: the edited step, with ``meta`` copied from ``trace`` and its own loss.
@@ -153,10 +155,11 @@ def rerun_edited(trace, edits: Sequence[Any], *, sources: Mapping[str, Any] | No
     if replay is None:
         raise ValueError("this trace was loaded from disk: it holds no model to re-run; "
                          "capture the step here, or use mdb diff --edit")
+    loss_fn = loss_fn if loss_fn is not None else getattr(replay, "loss_fn", None)
     if loss_fn is None and str(trace.meta.get("loss_source", "")).startswith("loss_fn"):
         raise ValueError("the step's loss came from a loss_fn the trace does not hold; use "
                          "mdb diff --edit with your --model factory")
-    batch = Batch(replay.args, replay.kwargs)
+    batch = getattr(replay, "batch", None) or Batch(replay.args, replay.kwargs)
     srcs = dict(sources or {})
     parsed = [parse_edit(e) for e in edits]
     if any(e.op == "patch" and e.source == ROLLED for e in parsed) and ROLLED not in srcs:

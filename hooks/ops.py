@@ -412,6 +412,10 @@ class Replay:
         rng_cpu: ``torch.get_rng_state()`` before that call.
         rng_cuda: ``torch.cuda.get_rng_state_all()`` or None.
         training: the model's train flag at that call.
+        batch: the :class:`hooks.Batch` the step ran on, when the caller says
+            (``capture_step``), for a loss function that reads it (``batch.targets``).
+        loss_fn: the step's ``loss_fn(output, batch)``, when it had one; with ``batch``, what
+            re-runs the whole step (:func:`hooks.edits_run.rerun_edited`).
     """
 
     model: nn.Module
@@ -420,6 +424,8 @@ class Replay:
     rng_cpu: torch.Tensor
     rng_cuda: list[torch.Tensor] | None
     training: bool
+    batch: Any = None
+    loss_fn: Any = None
 
     @classmethod
     def at(cls, model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Replay:

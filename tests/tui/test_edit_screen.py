@@ -164,3 +164,24 @@ async def test_the_app_of_mdb_diff_edit_quits_with_q_and_edits_again_with_e(step
         await wait_until(pilot, lambda: isinstance(app.screen, EditDiffScreen))
         await pilot.press("q")
         await wait_until(pilot, lambda: not app.is_running)
+
+
+def test_e_re_runs_a_step_whose_loss_comes_from_the_factory_s_loss_fn():
+    """A user's factory returning (model, batch, loss_fn) whose loss reads batch.targets: the
+    re-run uses the step's own batch and loss function (kept on the trace's replay)."""
+    from hooks.batch import Batch
+    from hooks.edits_run import rerun_edited
+    from tui.commands.workload import Workload
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    x, y = torch.randn(5, 6), torch.tensor([0, 2, 1, 1, 0])
+
+    def loss_fn(out, batch):
+        return torch.nn.functional.cross_entropy(out, batch.targets)
+
+    trace = capture_step(Workload(model, Batch((x,), targets=y), loss_fn), attention=False)
+    b = rerun_edited(trace, ["scale 0 by=0"])
+    with torch.no_grad():
+        ref = torch.nn.functional.cross_entropy(model[2](torch.relu(model[0](x) * 0)), y)
+    assert b.edits[0].applied and abs(b.meta["loss"] - float(ref)) < 1e-6

@@ -83,6 +83,8 @@ def capture_step(workload: Workload, *, attention: bool = True, keep_bytes: int 
     if aux_losses is not None:
         meta["aux_losses"] = [float(v) for v in aux_losses.detach()]
     trace.meta.update(meta)
+    if trace.replay is not None:  # what re-runs the whole step (e in the step view)
+        trace.replay.batch, trace.replay.loss_fn = batch, workload.loss_fn
     _step_into(trace, workload, ops or [])
     return trace
 
