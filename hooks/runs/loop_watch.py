@@ -337,6 +337,8 @@ class LoopWatch:
             if target is not None:
                 target.register_hook(lambda g, mb=mb, lg=logits is not None: self._on_grad(
                     mb, g, lg))
+            if len(self._mbs) == 1 and mb.mask is not None:
+                self._add(aux_padding_findings(self._step, output, mb.mask))
         except Exception:
             pass
 
@@ -540,6 +542,37 @@ class LoopWatch:
             if per_token is not None:
                 flat = flat / (per_token[0] * per_token[1])
         return flat
+
+
+def aux_padding_findings(step: int | None, output: Any,
+                         mask: torch.Tensor) -> list[dict[str, Any]]:
+    """Pad positions counted in an MoE auxiliary (load-balancing) loss: the gradient of the
+    output's ``aux_loss`` with respect to its ``router_logits`` (one (N, E) tensor per MoE
+    layer, N = B·T) is non-zero at positions whose ``attention_mask`` (B, T) is 0
+    (transformers #28505). Computed on the forward's own graph, kept for the user's backward
+    (``retain_graph``); ``[]`` when the output has no aux loss or router logits."""
+    aux = getattr(output, "aux_loss", None)
+    routers = getattr(output, "router_logits", None)
+    if not (isinstance(aux, torch.Tensor) and aux.requires_grad and routers):
+        return []
+    routers = [r for r in routers if isinstance(r, torch.Tensor) and r.requires_grad
+               and r.ndim == 2 and r.shape[0] == mask.numel()]
+    pads = mask.reshape(-1) == 0
+    if not routers or not bool(pads.any()):
+        return []
+    grads = torch.autograd.grad(aux.reshape(()), routers, retain_graph=True,
+                                allow_unused=True)
+    counted = max((int((g[pads].abs().amax(-1) > 0).sum()) for g in grads if g is not None),
+                  default=0)
+    if not counted:
+        return []
+    return [lc.finding(
+        "padding", step, "aux loss",
+        f"{counted} of {int(pads.sum())} pad positions (attention_mask 0) count in the MoE "
+        f"aux loss at step {step}: compute the router statistics over real tokens only",
+        f"pad rows of router_logits with a non-zero gradient of aux_loss: {counted} of "
+        f"{int(pads.sum())} ({len(routers)} MoE layer(s))", counted=counted,
+        pads=int(pads.sum()))]
 
 
 def _logits_of(output: Any, ids: torch.Tensor | None) -> torch.Tensor | None:

@@ -298,3 +298,41 @@ def test_watch_keywords_fail_at_once(db):
     assert not m._forward_pre_hooks and not m._forward_hooks
     with RunStore(db) as store:
         assert store.findings(store.run("kw").id) == []
+
+
+@pytest.mark.parametrize("bug", [True, False])
+def test_pad_positions_counted_in_the_moe_aux_loss(db, bug):
+    """minillm's tiny MoE (4 experts, top-2) on right-padded rows: its aux loss counts real
+    tokens only; a variant that drops the mask from the aux loss (transformers #28505) is
+    caught. The reference: appending pads changes the buggy aux loss, not the healthy one."""
+    from tests.zoo import tiny
+
+    model = tiny()
+    original = model._aux_losses
+    if bug:
+        model._aux_losses = lambda r, real, logits: original(r, None, logits)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16),
+                        generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[:, -6:] = 0
+    with torch.no_grad():  # the independent reference
+        padded = model(ids, attention_mask=mask).aux_loss
+        real = model(ids[:, :10]).aux_loss
+    assert (abs(float(padded) - float(real)) > 1e-6) == bug
+
+    def loop(run):
+        o = torch.optim.AdamW(no_decay_groups(model), lr=1e-3)
+        run.watch(model, every=1, optimizer=o)
+        for _ in range(2):
+            model(ids, labels=ids, attention_mask=mask).loss.backward()
+            o.step()
+            o.zero_grad()
+            run.log(loss=1.0)
+
+    found = run_loop(db, loop)
+    if not bug:
+        assert found == []
+        return
+    (f,) = found
+    assert (f.kind, f.step, f.subject) == ("padding", 1, "aux loss")
+    assert f.detail["pads"] == 12 and f.detail["counted"] == 12
