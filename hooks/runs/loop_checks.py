@@ -40,6 +40,7 @@ __all__ = [
     "dropout_modules",
     "finding",
     "label_findings",
+    "low_precision_accumulation",
     "lost_update_findings",
     "optimizer_param_findings",
     "param_names",
@@ -342,6 +343,37 @@ def accumulation_findings(step: int, accumulated: torch.Tensor, per_batch: list[
     return []
 
 
+def low_precision_accumulation(step: int, accumulated: torch.Tensor,
+                               per_batch: list[torch.Tensor],
+                               dtype: torch.dtype) -> list[dict[str, Any]]:
+    """Gradients accumulated in bf16/fp16 across micro-batches (``.grad`` of ``dtype``, no
+    fp32 accumulator): the real accumulated gradient against the best fp64 combination of
+    the micro-batches' gradients (least squares, as :func:`accumulation_findings`); a relative
+    difference above 1e-3 is reported (DeepSpeed #2768: small contributions rounded away;
+    64 additions of 1e-3 to 1.0 stay 1.0 in bf16)."""
+    if dtype not in (torch.bfloat16, torch.float16) or len(per_batch) < 2:
+        return []
+    gm = torch.stack([g.double() for g in per_batch])
+    acc = accumulated.double()
+    norm = float(acc.norm())
+    if norm == 0 or not math.isfinite(norm):
+        return []
+    a = torch.linalg.lstsq(gm @ gm.T, (gm @ acc).unsqueeze(1)).solution.squeeze(1)
+    rel = float((acc - a @ gm).norm()) / norm
+    if rel <= 1e-3:
+        return []
+    name = str(dtype).removeprefix("torch.")
+    return [finding(
+        "precision", step, "gradient accumulation",
+        f"gradients accumulate in {name} over {len(per_batch)} micro-batches at step {step}: "
+        f"the accumulated .grad is {rel:.2g} (relative) off the fp32 sum of the "
+        "micro-batches' gradients; accumulate in fp32 (fp32 master parameters, or an fp32 "
+        "gradient buffer)",
+        f".grad dtype {name}; ||.grad − Σ a_i·g_i|| / ||.grad|| = {rel:.3g} (the g_i in "
+        "fp32 from the replayed micro-batches)", relative_error=rel, dtype=str(dtype),
+        micro_batches=len(per_batch))]
+
+
 # -- labels and padding, from the gradient of the logits ------------------------------------------
 def target_alignment(grad: torch.Tensor, ids: torch.Tensor) -> tuple[int | None, dict]:
     """Which target alignment the loss used, read from the gradient of the logits.
@@ -455,13 +487,14 @@ def lost_update_findings(step: int, named: list[tuple[str, torch.Tensor, torch.T
         return []
     eps = torch.finfo(dtype).eps
     return [finding(
-        "precision", step, worst[0].split(" ")[0] if worst else "parameters",
+        "precision", step, "parameter updates",
         f"{lost} of {total} updates at step {step} were lost: the optimizer updates "
         f"{str(dtype).removeprefix('torch.')} parameters with no fp32 master copy (a step "
         f"below |w|·{eps:.3g} rounds away); keep fp32 master weights (torch.autocast, or "
         "an fp32 copy the optimizer steps)",
         f"elements with a non-zero gradient left unchanged by optimizer.step (lr {lr:g}): "
-        f"{_names(worst)}", lost=lost, updated=total, dtype=str(dtype), lr=lr)]
+        f"{_names(worst)}", lost=lost, updated=total, dtype=str(dtype), lr=lr,
+        params=[w.rsplit(" (", 1)[0] for w in worst])]
 
 
 def dropout_modules(model: nn.Module) -> list[str]:

@@ -491,6 +491,9 @@ class LoopWatch:
         usual = self._usual
         self._usual = k if usual is None else max(usual, k)
         self._add(lc.accumulation_findings(self._step, acc, per, tokens, usual))
+        low = [snap[i].dtype for i in trainable if snap[i] is not None]
+        if low:
+            self._add(lc.low_precision_accumulation(self._step, acc, per, low[0]))
 
     @staticmethod
     def _count(mb: _MicroBatch) -> int:

@@ -242,7 +242,8 @@ def test_bf16_parameters_without_a_master_copy_lose_updates(db):
 
     found = run_loop(db, lambda r: loop(r, torch.bfloat16))
     (f,) = _only(found, "precision")
-    assert (f.step, f.subject) == (1, "weight") and f.detail["lost"] == f.detail["updated"] == 64
+    assert (f.step, f.subject) == (1, "parameter updates") and f.detail["params"] == ["weight"]
+    assert f.detail["lost"] == f.detail["updated"] == 64
     assert run_loop(db, lambda r: loop(r, torch.float32), name="fp32") == []
 
 
@@ -336,3 +337,41 @@ def test_pad_positions_counted_in_the_moe_aux_loss(db, bug):
     (f,) = found
     assert (f.kind, f.step, f.subject) == ("padding", 1, "aux loss")
     assert f.detail["pads"] == 12 and f.detail["counted"] == 12
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gradients_accumulated_in_bf16(db, dtype):
+    """8 micro-batches accumulated into bf16 .grad drift from the fp32 sum of their gradients;
+    fp32 .grad does not. The reference, here: the micro-batches' gradients of the model's
+    weights summed one by one in the dtype against the same sum in fp64."""
+    torch.manual_seed(0)
+    ref_model = TinyLM(p=0.0).to(dtype)
+    grads = [torch.autograd.grad(ref_model(**b)[1] / 8, list(ref_model.parameters()))
+             for b in batches(8)]
+    acc = [torch.zeros_like(g) for g in grads[0]]
+    for gs in grads:
+        acc = [a + g for a, g in zip(acc, gs, strict=True)]
+    exact = [sum(gs[i].double() for gs in grads) for i in range(len(acc))]
+    num = sum(float((a.double() - e).norm() ** 2) for a, e in zip(acc, exact, strict=True))
+    rel = num ** 0.5 / sum(float(e.norm() ** 2) for e in exact) ** 0.5
+    assert (rel > 1e-3) == (dtype == torch.bfloat16)
+
+    def loop(run):
+        torch.manual_seed(0)
+        m = TinyLM(p=0.0).to(dtype)
+        o = torch.optim.AdamW(no_decay_groups(m), lr=1e-3)
+        run.watch(m, every=1, optimizer=o)
+        data = batches(8)
+        for b in data:
+            (m(**b)[1] / 8).backward()
+        o.step()
+        o.zero_grad()
+        run.log(loss=1.0)
+
+    found = [f for f in run_loop(db, loop) if f.subject == "gradient accumulation"]
+    if dtype == torch.float32:
+        assert found == []
+        return
+    (f,) = found
+    assert (f.kind, f.step) == ("precision", 1) and f.detail["micro_batches"] == 8
+    assert f.detail["relative_error"] > 1e-3
