@@ -15,8 +15,8 @@ N's rows.
 The export streams: SQLite pivots the run's values into one row per step and orders them
 (:func:`hooks.runs.table.table_batches`), and the rows are written in batches of 20,000 by
 the ``csv`` module, with no Python object per step; memory stays flat whatever the run's
-length (a run of a million steps × 5 metrics takes about 1.5× what the ``sqlite3`` command line
-takes to print the same values; ``benchmarks/bench_store.py``).
+length (a run of a million steps × 5 metrics takes about 2× what the ``sqlite3`` command line
+takes to print the same values, which it cuts to 15 digits; ``benchmarks/bench_store.py``).
 """
 
 from __future__ import annotations
