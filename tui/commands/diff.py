@@ -19,6 +19,7 @@ import json
 import sys
 from pathlib import Path
 
+from tui.commands.diff_table import print_table
 from tui.commands.options import check_path, nonneg_int
 from tui.errors import MdbError
 
@@ -83,43 +84,6 @@ def resolve_trace(spec: str, db: str | None = None):
     return load_run_trace(spec, db, label="")
 
 
-def print_table(diff, a: str, b: str, limit: int) -> None:
-    import os
-
-    from rich.console import Console
-    from rich.table import Table
-
-    from tui.widgets.diff_rows import rows, summary_line
-
-    tty = sys.stdout.isatty()
-    width = None
-    if not tty:  # piped: $COLUMNS when set, else wide enough for the longest module names
-        cols = os.environ.get("COLUMNS", "")
-        width = int(cols) if cols.isdigit() and int(cols) > 0 else 160
-    console = Console(file=sys.stdout, width=width, no_color=not tty or None, highlight=False)
-    console.print(f"A = {a}\nB = {b}\n{summary_line(diff, a, b)}", markup=False)
-    if diff.is_zero():
-        return
-    table = Table(title="B - A per module call, largest change first", title_justify="left",
-                  show_edge=False, pad_edge=False)
-    for col, just in (("pass", "left"), ("call", "left"), ("tensor", "left"),
-                      ("shape", "left"), ("Δmean", "right"), ("Δstd", "right"),
-                      ("change", "right")):
-        table.add_column(col, justify=just, no_wrap=col in ("call", "change"))
-    rs = rows(diff)
-    for r in rs[:limit] if limit else rs:
-        table.add_row(r["pass"], r["call"], r["tensor"], r["shape"], r["mean"], r["std"],
-                      r["change"])
-    console.print(table)
-    if limit and len(rs) > limit:
-        console.print(f"… {len(rs) - limit} more (--limit 0 lists all)", markup=False)
-    for label, keys in (("only in A", diff.only_in_self), ("only in B", diff.only_in_other)):
-        if keys:
-            shown = ", ".join(keys[:12]) + (f", … {len(keys) - 12} more" if len(keys) > 12
-                                             else "")
-            console.print(f"{label}: {shown}", markup=False)
-
-
 _MODEL_OPTIONS = ("preset", "config", "model", "text", "source_text", "source_ids",
                   "source_batch")
 
@@ -150,21 +114,13 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of ``mdb diff``."""
     mode = _mode(args)
     if mode == "dtype":
-        # by name, as tui.cli loads the commands: tui.commands.diff_dtype reads this module's
-        # print_table, and is absent from an mdb built without precision diff
-        import importlib
+        from tui.commands.diff_dtype import run_dtype
 
-        try:
-            dtype_mode = importlib.import_module("tui.commands.diff_dtype")
-        except ModuleNotFoundError as exc:
-            if exc.name != "tui.commands.diff_dtype":
-                raise
-            raise MdbError("--dtype: precision diff is not available in this mdb") from None
-        return dtype_mode.run_dtype(args)
+        return run_dtype(args)
     if mode == "edit":
         from tui.commands.diff_edit import run_edit
 
-        return run_edit(args, print_table)
+        return run_edit(args)
     a = resolve_trace(args.a, args.db)
     b = resolve_trace(args.b, args.db)
     diff = a.diff(b)

@@ -71,7 +71,7 @@ def run_dtype(args: argparse.Namespace) -> int:
         print(json.dumps(to_json(pd), allow_nan=False, default=str))
         return 0
     if getattr(args, "table", False) or not (sys.stdin.isatty() and sys.stdout.isatty()):
-        from tui.commands.diff import print_table
+        from tui.commands.diff_table import print_table
 
         print(workload.description)
         print("\n".join(pd.lines()))

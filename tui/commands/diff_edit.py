@@ -45,9 +45,10 @@ def edited_pair(workload, edits: list[str], sources: dict):
     return traces[0], traces[1]
 
 
-def run_edit(args: argparse.Namespace, print_table) -> int:
-    """``mdb diff --edit``; ``print_table`` is :func:`tui.commands.diff.print_table` (passed
-    in: this module is imported by that one)."""
+def run_edit(args: argparse.Namespace) -> int:
+    """``mdb diff --edit``: the step as is (A) and edited (B); the what-if view in a terminal,
+    else the printed table (:func:`tui.commands.diff_table.print_table`) or ``--json``."""
+    from tui.commands.diff_table import print_table
     from tui.commands.editing import edit_lines, edit_plan
     from tui.commands.step import set_threads
     from tui.commands.workload import build_workload
