@@ -26,9 +26,8 @@ them from the rows (:func:`rebuild`). This module uses only the standard library
 
 from __future__ import annotations
 
-import math
 import sqlite3
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 #: log2 of the steps per block of ``blocks``.
@@ -40,20 +39,6 @@ _MAX = 1.7976931348623157e308
 #: SQL: ``value`` when finite, else ``NULL``.
 _FINITE = f"CASE WHEN value BETWEEN -{_MAX!r} AND {_MAX!r} THEN value END"
 
-_UPSERT_BLOCK = (
-    "INSERT INTO blocks (run_id, metric, block, first_step, last_step, count, n, total, lo, hi)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (run_id, metric, block) DO UPDATE SET"
-    " first_step = min(first_step, excluded.first_step),"
-    " last_step = max(last_step, excluded.last_step),"
-    " count = count + excluded.count, n = n + excluded.n, total = total + excluded.total,"
-    " lo = min(coalesce(lo, excluded.lo), coalesce(excluded.lo, lo)),"
-    " hi = max(coalesce(hi, excluded.hi), coalesce(excluded.hi, hi))"
-)
-_UPSERT_LATEST = (
-    "INSERT INTO latest (run_id, metric, step, value) VALUES (?, ?, ?, ?)"
-    " ON CONFLICT (run_id, metric) DO UPDATE SET step = excluded.step, value = excluded.value"
-    " WHERE excluded.step >= latest.step"
-)
 #: SQL: the ``blocks`` rows of one run's scalars with ``lo <= step <= hi`` (parameters: run_id,
 #: lo, hi), recomputed from ``scalars``.
 _BLOCKS_FROM_SCALARS = (
@@ -65,54 +50,48 @@ _BLOCKS_FROM_SCALARS = (
 )
 
 
-def _finite(v: float | None) -> bool:
-    return v is not None and math.isfinite(v)
+#: SQL: add the ``blocks`` of one run's scalars with ``lo <= step <= hi`` (parameters: run_id,
+#: lo, hi) to those stored — for steps that were not stored before.
+_ADD_BLOCKS = (
+    _BLOCKS_FROM_SCALARS.replace("INSERT OR REPLACE INTO", "INSERT INTO")
+    + " ON CONFLICT (run_id, metric, block) DO UPDATE SET"
+    " first_step = min(first_step, excluded.first_step),"
+    " last_step = max(last_step, excluded.last_step),"
+    " count = count + excluded.count, n = n + excluded.n, total = total + excluded.total,"
+    " lo = min(coalesce(lo, excluded.lo), coalesce(excluded.lo, lo)),"
+    " hi = max(coalesce(hi, excluded.hi), coalesce(excluded.hi, hi))"
+)
+#: SQL: each metric's value at its last step with ``lo <= step <= hi`` (parameters: run_id,
+#: lo, hi) becomes its ``latest`` unless that is later already (SQLite gives the bare column
+#: ``value`` of the row of ``max(step)``).
+_SET_LATEST = (
+    "INSERT INTO latest (run_id, metric, step, value) SELECT run_id, metric, max(step), value"
+    " FROM scalars WHERE run_id = ? AND step BETWEEN ? AND ? GROUP BY metric"
+    " ON CONFLICT (run_id, metric) DO UPDATE SET step = excluded.step, value = excluded.value"
+    " WHERE excluded.step >= latest.step"
+)
 
 
-def record_scalars(conn: sqlite3.Connection, run_id: int,
-                   scalars: Sequence[tuple[int, int, int, float | None]],
+def record_scalars(conn: sqlite3.Connection, run_id: int, lo: int, hi: int,
                    relogged: bool) -> None:
-    """Update ``blocks`` and ``latest`` for scalar rows just written, inside the writer's
-    transaction.
+    """Update ``blocks`` and ``latest`` for the scalars just written with ``lo <= step <=
+    hi``, inside the writer's transaction, by SQLite (no Python work per value).
 
     Args:
         conn: The writer's connection, in its write transaction.
         run_id: The run.
-        scalars: The rows written to ``scalars``: ``(run_id, step, metric id, value)``,
-            ``None`` = NaN.
+        lo: The first step written.
+        hi: The last step written.
         relogged: Some of these steps may have been written before (a step logged again
-            replaces a value): their blocks are recomputed from ``scalars`` instead of added to.
+            replaces a value): their blocks are recomputed from ``scalars`` instead of added
+            to. Without it, every row with ``lo <= step <= hi`` must be new.
     """
-    if not scalars:
-        return
     if relogged:
-        lo = min(r[1] for r in scalars)
-        hi = max(r[1] for r in scalars)
         conn.execute(_BLOCKS_FROM_SCALARS, (run_id, (lo >> BLOCK_BITS) << BLOCK_BITS,
                                             ((hi >> BLOCK_BITS) << BLOCK_BITS) + BLOCK - 1))
     else:
-        acc: dict[tuple[int, int], list] = {}
-        for _run, step, mid, v in scalars:
-            key = (mid, step >> BLOCK_BITS)
-            a = acc.get(key)
-            if a is None:
-                a = acc[key] = [step, step, 0, 0, 0.0, None, None]
-            a[0] = min(a[0], step)
-            a[1] = max(a[1], step)
-            a[2] += 1
-            if _finite(v):
-                a[3] += 1
-                a[4] += v
-                a[5] = v if a[5] is None else min(a[5], v)
-                a[6] = v if a[6] is None else max(a[6], v)
-        conn.executemany(_UPSERT_BLOCK, [(run_id, mid, block, *a)
-                                         for (mid, block), a in acc.items()])
-    last: dict[int, tuple[int, float | None]] = {}
-    for _run, step, mid, v in scalars:
-        prev = last.get(mid)
-        if prev is None or step >= prev[0]:
-            last[mid] = (step, v)
-    conn.executemany(_UPSERT_LATEST, [(run_id, mid, s, v) for mid, (s, v) in last.items()])
+        conn.execute(_ADD_BLOCKS, (run_id, lo, hi))
+    conn.execute(_SET_LATEST, (run_id, lo, hi))
 
 
 def record_captures(conn: sqlite3.Connection, run_id: int, steps: Iterable[int],

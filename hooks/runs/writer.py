@@ -273,7 +273,9 @@ class RunWriter:
             "INSERT OR REPLACE INTO scalars (run_id, step, metric, value) VALUES (?, ?, ?, ?)",
             scalars,
         )
-        record_scalars(conn, self.run_id, scalars, relogged)
+        if scalars:
+            record_scalars(conn, self.run_id, min(r[0] for r in rows), max(r[0] for r in rows),
+                           relogged)
         if extras_i:
             self._count_captures(conn, [e[1] for e in extras_i], relogged)
             conn.executemany(
