@@ -2,7 +2,10 @@
 
 * :mod:`hooks.runs.store` — the SQLite run store (one writer, any number of readers): its
   file format in :mod:`hooks.runs.schema`, its rows in :mod:`hooks.runs.rows`, its writer in
-  :mod:`hooks.runs.writer`, opening and locks in :mod:`hooks.runs.sqlite_open`;
+  :mod:`hooks.runs.writer`, opening and locks in :mod:`hooks.runs.sqlite_open`; what the
+  writer keeps so that readers never scan a long run (latest values, per-block aggregates,
+  capture count) in :mod:`hooks.runs.summary`, a run as one table pivoted by SQLite (``mdb
+  export``) in :mod:`hooks.runs.table`;
 * :mod:`hooks.runs.spikes` — loss spikes, found by the store's writer as steps are written;
 * :mod:`hooks.runs.run` — ``hooks.run``: record your own training loop (:class:`Run`);
 * :mod:`hooks.runs.trainer` — a UI-free training loop with live controls (:class:`Trainer`);
