@@ -167,6 +167,8 @@ class LensScreen(ViewScreen):
         self.query_one("#status", Static).update(
             f"sequence {self.row + 1}/{b} · {lens.num_layers} layers × {t} positions · "
             "Enter: a cell's top k · x: next sequence")
+        if texts and texts[0]:
+            table.move_cursor(row=0, column=1)  # on the first position, not the layer names
         table.focus()
 
     def _cell(self) -> tuple[int, int] | None:
