@@ -45,6 +45,8 @@ from hooks.runs import loop_checks as lc
 
 __all__ = ["LoopWatch", "check_watch_arguments"]
 
+#: No instance attribute of that name before :meth:`LoopWatch._wrap`.
+_ABSENT = object()
 #: Watched steps over which a parameter held by the optimizer must get a gradient.
 NO_GRAD_WINDOWS = 3
 #: Gradient-accumulation checks made on the first watched steps (later ones only when the
@@ -180,7 +182,7 @@ class LoopWatch:
         self.findings: list[dict[str, Any]] = []
         self._said: set[tuple[str, str]] = set()
         self._handles: list[Any] = []
-        self._patched: list[tuple[Any, str]] = []
+        self._patched: list[tuple[Any, str, Any]] = []
         self._step: int | None = None
         self._inside = False
         self._names = lc.param_names(model)
@@ -252,14 +254,17 @@ class LoopWatch:
             self._wrap(self.scheduler, "step", self._on_sched_step)
 
     def _wrap(self, obj: Any, name: str, note: Callable[[], None]) -> None:
+        """Wrap ``obj.name`` on the instance (restored by :meth:`_detach`: the instance's own
+        attribute if it had one, else the class's method again)."""
         original = getattr(obj, name)
+        own = vars(obj).get(name, _ABSENT) if hasattr(obj, "__dict__") else _ABSENT
 
         def wrapped(_self: Any, *args: Any, **kwargs: Any) -> Any:
             note()
             return original(*args, **kwargs)
 
         setattr(obj, name, types.MethodType(wrapped, obj))
-        self._patched.append((obj, name))
+        self._patched.append((obj, name, own))
 
     def disarm(self) -> None:
         """Close the window: the end-of-step checks, then detach everything."""
@@ -282,9 +287,12 @@ class LoopWatch:
             with contextlib.suppress(Exception):
                 h.remove()
         self._handles = []
-        for obj, name in self._patched:
+        for obj, name, own in reversed(self._patched):
             with contextlib.suppress(Exception):
-                delattr(obj, name)  # the class's method again
+                if own is _ABSENT:
+                    delattr(obj, name)  # the class's method again
+                else:
+                    setattr(obj, name, own)
         self._patched = []
 
     def close(self) -> None:

@@ -375,3 +375,26 @@ def test_gradients_accumulated_in_bf16(db, dtype):
     (f,) = found
     assert (f.kind, f.step) == ("precision", 1) and f.detail["micro_batches"] == 8
     assert f.detail["relative_error"] > 1e-3
+
+
+def test_an_instance_method_patched_before_is_restored(db):
+    """A ``zero_grad`` the user (or a library) set on the optimizer instance before is put
+    back after each watched step, not replaced by the class's."""
+    m = TinyLM()
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    calls = []
+    own = o.zero_grad
+
+    def mine(set_to_none=True):
+        calls.append(1)
+        own(set_to_none=set_to_none)
+
+    o.zero_grad = mine
+    with hooks.run("own", db=db) as run:
+        run.watch(m, every=1, optimizer=o)
+        for b in batches(2):
+            m(**b)[1].backward()
+            o.step()
+            o.zero_grad()
+            run.log(loss=1.0)
+        assert vars(o)["zero_grad"] is mine and len(calls) == 2
