@@ -110,11 +110,13 @@ class _Entry:
 
     __slots__ = ("mesh", "weights", "head", "sums", "light", "sample", "fingerprint", "key")
 
-    def __init__(self, mesh: Any, weights: list[float] | None, head: list[float],
+    def __init__(self, mesh: Any, weights: list[float | None] | None, head: list[float],
                  sums: torch.Tensor, sample: torch.Tensor, fingerprint: Any, key: int = 0,
                  light: bool = False):
         self.mesh = mesh
-        self.weights = weights  # per mesh dimension (DTensor), or None: from fingerprints
+        # per mesh dimension (DTensor; None on a dimension: from fingerprints), or None: all
+        # dimensions from fingerprints (a plain tensor)
+        self.weights = weights
         self.head = head
         self.sums = sums
         self.light = light
@@ -284,6 +286,9 @@ class MeshStats:
             weights = self._placement_weights(mesh, t.placements)
             x = local_piece(t)
             fp = None
+            spread = None if light else self._on_main_mesh(mesh, weights)
+            if spread is not None:  # e.g. an activation on the "tp" sub-mesh of (dp, tp)
+                mesh, weights, fp = self.mesh, spread, self._fingerprint(x)
         else:
             x = t.detach()
             fp = self._fingerprint(x)
@@ -294,11 +299,28 @@ class MeshStats:
         head, sums, sample = _moments(x)
         return _Entry(mesh, weights, head, sums, sample, fp, key)
 
+    def _on_main_mesh(self, mesh: Any, weights: list[float]) -> list[float | None] | None:
+        """A DTensor activation on a sub-mesh of the capture's mesh (a tensor-parallel layer's
+        input in a 2-D job): its weights on the capture's mesh dimensions, ``None`` on those
+        its mesh lacks (its pieces there differ by data, or are replicas: told by
+        checksums). ``None`` when ``mesh`` is the capture's or cannot be placed in it."""
+        main = self.mesh
+        if mesh is main or mesh.ndim >= main.ndim:
+            return None
+        names, mains = getattr(mesh, "mesh_dim_names", None), getattr(main, "mesh_dim_names",
+                                                                     None)
+        if not names or not mains or not set(names) <= set(mains):
+            return None
+        by_name = dict(zip(names, weights, strict=True))
+        return [by_name.get(n) for n in mains]
+
     def _placement_weights(self, mesh: Any, placements: Any) -> list[float]:
         coord = self._coords.get(id(mesh))
         if coord is None:
             coord = self._coords[id(mesh)] = mesh.get_coordinate() or [0] * mesh.ndim
-        return [1.0 if p.is_shard() else float(coord[d] == 0) for d, p in enumerate(placements)]
+        # a Replicate dimension counts on coordinate 0 only; Shard and _StridedShard (FSDP2
+        # over a tensor-parallel dimension) on every coordinate (Partial was reduced before)
+        return [float(not p.is_replicate() or coord[d] == 0) for d, p in enumerate(placements)]
 
     @staticmethod
     def _without_partial(t: Any) -> Any:
@@ -428,19 +450,20 @@ class MeshStats:
         w = torch.ones(len(entries), dtype=torch.float64)
         for i, e in enumerate(entries):
             if e.weights is not None:
-                w[i] = math.prod(e.weights)
+                w[i] = math.prod(x for x in e.weights if x is not None)
         zero = torch.zeros((), dtype=torch.int64)
         fps = torch.stack([  # (N, 2): checksum, shape hash (0, 0 for a DTensor)
             torch.stack([e.fingerprint[0] if e.fingerprint else zero for e in entries]),
             torch.tensor([e.fingerprint[1] if e.fingerprint else 0 for e in entries],
                          dtype=torch.int64)], dim=1)
         coord = mesh.get_coordinate() or [0] * mesh.ndim
-        plain = [i for i, e in enumerate(entries) if e.weights is None]
         for d, g in enumerate(groups):
             size = dist.get_world_size(g)
             got = [torch.zeros_like(fps) for _ in range(size)]
             dist.all_gather(got, fps, group=g)
             me = coord[d]
+            # along this dimension: plain tensors, and DTensors of a sub-mesh without it
+            plain = [i for i, e in enumerate(entries) if e.weights is None or e.weights[d] is None]
             for i in plain:
                 mine = got[me][i]
                 if any(bool(torch.equal(got[c][i], mine)) for c in range(me)):

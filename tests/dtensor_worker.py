@@ -12,7 +12,8 @@ takes its own rows of the global batch), ``fsdp_keep`` (the same with
 step rank 1 writes a NaN into its shard of ``blocks.1.w2.weight``, then the step is captured),
 ``fsdp_uneven`` (``fsdp``; rank 1 alone calls ``blocks.0.act`` once more, on three 0.5s),
 ``fsdp_mp`` (``fsdp`` with ``MixedPrecisionPolicy(param_dtype=bfloat16,
-reduce_dtype=float32)``).
+reduce_dtype=float32)``), ``fsdp_tp`` (4 ranks, a 2-D mesh: ``tp`` within pairs of ranks,
+``fully_shard`` across them, each pair on its own rows).
 """
 
 from __future__ import annotations
@@ -105,7 +106,22 @@ def main() -> None:
     for scenario in args.scenario.split(","):
         model = build()
         x, y = batch()
-        if scenario == "tp":
+        if scenario == "fsdp_tp":  # 2-D: data parallel (FSDP2) × tensor parallel, 4 ranks
+            from torch.distributed.tensor.parallel import (
+                ColwiseParallel,
+                RowwiseParallel,
+                parallelize_module,
+            )
+
+            mesh2 = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+            for blk in model.blocks:
+                parallelize_module(blk, mesh2["tp"], {"w1": ColwiseParallel(),
+                                                      "w2": RowwiseParallel()})
+                fully_shard(blk, mesh=mesh2["dp"])
+            fully_shard(model, mesh=mesh2["dp"])
+            dp, rows = mesh2.get_coordinate()[0], ROWS // (world // 2)
+            x, y = x[dp * rows:(dp + 1) * rows], y[dp * rows:(dp + 1) * rows]
+        elif scenario == "tp":
             from torch.distributed.tensor.parallel import (
                 ColwiseParallel,
                 RowwiseParallel,

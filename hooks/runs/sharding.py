@@ -176,7 +176,7 @@ def global_grad_norm(grads: Sequence[torch.Tensor]) -> float:
         coord = mesh.get_coordinate() or [0] * mesh.ndim
         parts = []
         for g in sharded:
-            keep = all(p.is_shard() or coord[d] == 0 for d, p in enumerate(g.placements))
+            keep = all(not p.is_replicate() or coord[d] == 0 for d, p in enumerate(g.placements))
             x = g.to_local().detach().reshape(-1).double()
             parts.append(torch.dot(x, x) if keep else x.new_zeros(()))
         sq = torch.stack(parts).sum().reshape(1)

@@ -27,17 +27,20 @@ SCENARIOS = ("fsdp", "fsdp_keep", "tp", "fsdp_nan", "fsdp_uneven", "fsdp_mp")
 RTOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def job(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("dtensor")
+def _torchrun(out: Path, nproc: int, scenarios: str) -> Path:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(REPO / "tests" / "dtensor_worker.py"), "--out", str(out),
-         "--scenario", ",".join(SCENARIOS)],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         str(nproc), str(REPO / "tests" / "dtensor_worker.py"), "--out", str(out),
+         "--scenario", scenarios],
         cwd=out, env=env, capture_output=True, text=True, timeout=600, start_new_session=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> Path:
+    return _torchrun(tmp_path_factory.mktemp("dtensor"), 2, ",".join(SCENARIOS))
 
 
 def _read(job: Path, scenario: str, rank: int) -> dict:
@@ -52,6 +55,8 @@ def _reference() -> tuple[dict[str, dict[str, float]], list[tuple[str, torch.Ten
     names = {m: n for n, m in model.named_modules()}
     hooks_ = [m.register_forward_hook(lambda m, a, o: outs.append((names[m], o.detach())))
               for m in model.modules()]
+    hooks_ += [m.register_forward_pre_hook(
+        lambda m, a: outs.append((names[m] + " <in>", a[0].detach()))) for m in model.modules()]
     x, y = worker.batch()
     F.mse_loss(model(x), y).backward()
     for h in hooks_:
@@ -80,17 +85,17 @@ def test_parameters_are_those_of_the_unsharded_model_on_the_global_batch(job, sc
             assert _close(p[key], r[key]), (scenario, name, key, p[key], r[key])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("scenario", ["fsdp", "fsdp_keep", "tp"])
-def test_activation_statistics_are_those_of_the_global_batch(job, scenario):
+def _check_activations(got: dict, scenario: str) -> None:
+    """Every module call's first input and its output against the reference's."""
     _, outs = _reference()
-    got = _read(job, scenario, 0)
     fwd = {(f["module"], f["call"]): f for f in got["forward"]}
     seen: dict[str, int] = {}
     for name, t in outs:
         call = seen.get(name, 0)
         seen[name] = call + 1
-        st = fwd[(name, call)]["outputs"][0]["stats"]
+        module, _, what = name.partition(" <")
+        rec = fwd[(module, call)]
+        st = (rec["inputs"] if what else rec["outputs"])[0]["stats"]
         t64 = t.double()
         assert st["numel"] == t.numel() and st["nan_count"] == 0, (scenario, name)
         for key, want in (("mean", t64.mean()), ("std", t64.std()), ("min", t64.min()),
@@ -103,7 +108,30 @@ def test_activation_statistics_are_those_of_the_global_batch(job, scenario):
                            max=float(t.max())).tolist()
         assert st["hist_count"] == t.numel() == sum(st["hist"])
         assert sum(abs(a - b) for a, b in zip(st["hist"], want, strict=True)) <= 2, name
-    assert len(seen) == len(fwd) or set(seen) >= {m for m, _ in fwd}
+    assert {m for m, _ in fwd} <= {n.partition(" <")[0] for n in seen}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["fsdp", "fsdp_keep", "tp"])
+def test_activation_statistics_are_those_of_the_global_batch(job, scenario):
+    _check_activations(_read(job, scenario, 0), scenario)
+
+
+@pytest.mark.slow
+def test_a_2d_mesh_of_fsdp2_and_tensor_parallel_on_4_ranks(tmp_path):
+    """dp × tp = 2 × 2: the column-parallel weights are _StridedShard × Shard, the layers'
+    inputs DTensors of the tp sub-mesh, every rank's pair its own rows; all four ranks hold
+    the numbers of the unsharded model on the global batch."""
+    out = _torchrun(tmp_path, 4, "fsdp_tp")
+    got = [_read(out, "fsdp_tp", r) for r in range(4)]
+    assert all(g == got[0] for g in got[1:])
+    ref, _ = _reference()
+    for name, r in ref.items():
+        p = got[0]["params"][name]
+        assert p["shape"] == r["shape"] and p["status"] == "ok", (name, p)
+        for key in ("grad_norm", "weight_norm", "grad_abs_max"):
+            assert _close(p[key], r[key]), (name, key, p[key], r[key])
+    _check_activations(got[0], "fsdp_tp")
 
 
 @pytest.mark.slow
@@ -156,7 +184,7 @@ def test_mixed_precision_weights_are_the_fp32_shards_and_activations_bfloat16(jo
         assert math.isclose(p["grad_norm"], r["grad_norm"], rel_tol=3e-2), name
     model = worker.build().to(torch.bfloat16)
     x, _ = worker.batch()
-    want = model(x.to(torch.bfloat16)).double()
+    want = model(x.to(torch.bfloat16)).detach().double()
     head = [f for f in got["forward"] if f["module"] == "head"][0]["outputs"][0]
     assert head["stats"]["numel"] == want.numel()
     for key, w in (("mean", want.mean()), ("std", want.std()), ("l2", want.norm())):
