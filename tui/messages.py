@@ -138,6 +138,19 @@ class RunPolled(Message):
 
 
 @dataclass
+class HistoryDetail(Message):
+    """A worker read the detail a watch's first frame left out (from the store's bucketed
+    history): the expert load of every step before the last ones.
+
+    Attributes:
+        experts: Per MoE layer, per expert, a :class:`tui.screens.live_data.Downsampler` of
+            those steps, shape (L_moe, E).
+    """
+
+    experts: Any
+
+
+@dataclass
 class Hint(Message):
     """A one-line status for the screen's hint bar, from a worker.
 

@@ -166,6 +166,19 @@ class Downsampler:
             self._halve()
         self.width = max(self.width, max(self._counts, default=1))
 
+    def prepend(self, older: Downsampler) -> None:
+        """Put the buckets of ``older`` (points of earlier steps, read after this one was
+        started) before this one's; more than ``capacity`` are merged pairwise."""
+        self._xs = older._xs + self._xs
+        self._sums = older._sums + self._sums
+        self._counts = older._counts + self._counts
+        self._lows = older._lows + self._lows
+        self._highs = older._highs + self._highs
+        self.count += older.count
+        self.width = max(self.width, older.width)
+        while len(self._counts) > self.capacity:
+            self._halve()
+
     def _halve(self) -> None:
         n = len(self._counts)
         xs, sums, counts, lows, highs = [], [], [], [], []
@@ -372,6 +385,36 @@ class RunSeries:
         self.rows = max((sum(b.count) for b in history.metrics.values()), default=0)
         for row in recent:
             self._add_detail(row, metric_values(row, self.declared))
+
+    def expert_samplers(self, loads: Sequence[tuple[int, Sequence[Sequence[float]]]],
+                        slots: float | None) -> list[list[Downsampler]]:
+        """Per MoE layer, per expert, a :class:`Downsampler` of ``loads`` (``(step, (L_moe, E)
+        fractions)``, in step order), each fraction times ``slots`` (tokens routed per step,
+        N·k) when given: the expert-load history a first frame left out
+        (:meth:`prepend_experts`)."""
+        out: list[list[Downsampler]] = []
+        for step, load in loads:
+            if len(out) != len(load):
+                if out:
+                    continue  # a row of another shape (a changed model): not mixed in
+                out = [[Downsampler(self.capacity) for _ in layer] for layer in load]
+            for samplers, fractions in zip(out, load, strict=False):
+                for sampler, frac in zip(samplers, fractions, strict=False):
+                    sampler.append(step, frac * slots if slots else frac)
+        return out
+
+    def prepend_experts(self, older: list[list[Downsampler]]) -> None:
+        """Put the expert-load history of earlier steps (:meth:`expert_samplers`) before what
+        the series has (its last steps): the detail a first frame from the store's bucketed
+        history leaves out."""
+        if not self.experts:
+            self.experts = older
+            return
+        if [len(x) for x in older] != [len(x) for x in self.experts]:
+            return
+        for mine, theirs in zip(self.experts, older, strict=True):
+            for sampler, before in zip(mine, theirs, strict=True):
+                sampler.prepend(before)
 
     def metric(self, name: str) -> Downsampler:
         """The :class:`Downsampler` of ``name`` (an empty one when the run does not log it)."""

@@ -5,8 +5,9 @@ The first read of a run of :data:`HISTORY_AFTER_STEPS` steps or more takes its h
 bucketed by the store (``RunStore.history``: per metric, at most as many step ranges as a
 chart has points, with min/max/mean each, from the per-block aggregates the writer keeps, plus
 its last steps' rows), so the first frame of a run of a million steps costs the same as one of
-ten thousand; the expert-load chart of such a run starts at those last steps. Then a thread
-worker reads everything new about the run (``RunStore.poll``) and posts
+ten thousand; the expert load of its earlier steps is filled in after that frame by a worker
+(20,000 rows at a time, downsampled as read). Then a thread worker reads everything new about
+the run (``RunStore.poll``) and posts
 :class:`tui.messages.RunPolled`; the handler re-arms the next poll with ``set_timer`` (every
 ``poll_interval`` seconds, 0.2 by default, so a new step shows within ~0.3 s). Watching a
 finished run replays it; the status line says when the writer finished, was interrupted,
@@ -175,6 +176,8 @@ class WatchScreen(ViewerControls, LiveScreen):
         self._cursor = u.last_step if u.metrics else self._cursor
         if message.history is not None:
             self._cursor = message.history.last
+            if self.series.experts and u.metrics:  # the expert load of the steps before
+                self._fill_experts(message.history.first, u.metrics[0].step)
         state = u.run.writer_state()
         if state == "running" and u.run.paused:
             state = "paused"
@@ -187,6 +190,48 @@ class WatchScreen(ViewerControls, LiveScreen):
         # An ended run may still be resumed by `mdb overfit --resume`: keep looking, less often.
         delay = self.poll_interval if state in ("running", "paused") else 1.0
         self.set_timer(delay, self._poll)
+
+    @work(thread=True, exclusive=True, exit_on_error=False, group="detail",
+          description="read the expert load of a long run's earlier steps")
+    def _fill_experts(self, first: int, before: int) -> None:
+        """After a first frame from the bucketed history: the expert load of steps ``first``
+        to ``before`` (exclusive), read 20,000 rows at a time on a connection of this thread
+        and downsampled as read (memory stays flat), posted as
+        :class:`messages.HistoryDetail`."""
+        import json
+
+        from hooks.runs.store import RunStore
+
+        series = self.series
+        slots = (series._tokens_per_step or 0.0) * series.top_k
+        loads: list = []
+        older = None
+        cursor = first - 1
+        with RunStore(self.store.path) as store:
+            while not self._unmounted:
+                rows = store.connection.execute(
+                    "SELECT step, expert_load FROM metrics WHERE run_id = ? AND step > ?"
+                    " AND step < ? AND expert_load IS NOT NULL ORDER BY step LIMIT 20000",
+                    (self.run.id, cursor, before)).fetchall()
+                if not rows:
+                    break
+                cursor = rows[-1][0]
+                loads = [(step, json.loads(text)) for step, text in rows]
+                part = series.expert_samplers(loads, slots)
+                if older is None:
+                    older = part
+                elif [len(x) for x in part] == [len(x) for x in older]:
+                    for mine, theirs in zip(part, older, strict=True):
+                        for sampler, before_it in zip(mine, theirs, strict=True):
+                            sampler.prepend(before_it)
+                    older = part
+        if older and not self._unmounted:
+            self.post_message(messages.HistoryDetail(older))
+
+    def on_history_detail(self, message: messages.HistoryDetail) -> None:
+        message.stop()
+        self.series.prepend_experts(message.experts)
+        self._data_changed()
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="stored-capture",
           description="read the latest stored capture")

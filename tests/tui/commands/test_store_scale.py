@@ -262,3 +262,31 @@ def test_export_of_a_distributed_run_has_a_row_per_rank_and_step(tmp_path, capsy
     err = capsys.readouterr().err
     assert err.startswith("mdb: error: --rank 0: run 'big' is a single process") and \
         err.count("\n") == 1
+
+
+async def test_watch_fills_in_the_expert_load_of_a_long_run_after_its_first_frame(tmp_path):
+    """The first frame of a run of 6,000 steps has the expert load of its last steps; the rest
+    is read after it (the share of expert 0 of layer 0 peaks at 0.97 at step 10)."""
+    from tests.conftest import wait_until
+    from tui.commands.watch import open_run
+    from tui.live_app import make_watch_app
+
+    db = tmp_path / "moe.sqlite"
+    with RunStore(db, create=True) as store:
+        w = store.create_run("moe", {}, kind="api")
+        w.log_steps([({"step": s, "wall": float(s), "values": {"loss": 1.0},
+                       "expert_load": [[0.97, 0.03] if s == 10 else [0.4, 0.6], [0.5, 0.5]]},
+                      None, None) for s in range(1, 6001)])
+        w.finish("finished")
+    store, run = open_run(str(db), "moe")
+    app = make_watch_app(store, run)
+    try:
+        async with app.run_test(size=(120, 36)) as pilot:
+            s = app.live.series
+            await wait_until(pilot, lambda: app.live.polls >= 1, timeout=60)
+            await wait_until(pilot, lambda: s.experts[0][0].count == 6000, timeout=60)
+            xs, _means, lows, highs = s.experts[0][0].ranges()
+            assert max(highs) == 0.97 and min(lows) == 0.4 and xs[-1] == 6000
+            assert len(s.experts) == 2 and xs[0] <= 64
+    finally:
+        store.close()
