@@ -6,12 +6,15 @@ paints to ``$MDB_PAINT_LOG`` and exits right after the step view's (``MDB_EXIT_A
 Interleaved with it, in the same run: ``mdb --help`` and a bare ``python -c "import torch"``
 (the floor any torch program pays). The budget is 2.5 s on 2 cores.
 
-Key latency: in-process with Textual's Pilot (headless, 80×24) on the default trace, the time for
-``await pilot.press(key)`` — the key event, the action, the re-render and the refresh — for n
-(next call), p (previous call), N (next layer), b (backward/forward) and r + s (open and close
-the router view).
+Key latency: in-process (headless, 80×24) on the default trace, from the key event sent as the
+terminal driver sends it to the last frame the compositor drew for it (the action, the
+re-render, Textual's layout and compositor included; its 60 fps update timer too), for n (next
+call), p (previous call), N/P (next/previous layer), b (backward/forward), r + s (open and close
+the router view) and N/P inside the router view; also ``await pilot.press(key)``, which adds
+Pilot's own idle waits (at least two 20 ms sleeps). Bounds (issue 25): step view keys ≤ 50 ms,
+the router view ≤ 100 ms, medians of the frame time.
 
-Run: ``python benchmarks/bench_startup.py [--runs 5]``.
+Run: ``python benchmarks/bench_startup.py [--runs 5] [--only startup|keys]``.
 """
 
 from __future__ import annotations
@@ -86,24 +89,66 @@ def bench_startup(runs: int) -> dict[str, list[float]]:
     return times
 
 
-async def _key_latency(trace, presses: int) -> dict[str, list[float]]:
+#: Key sequences timed in the step view (and in the router view it opens).
+KEY_SEQUENCES = {"n": ["n"], "p": ["p"], "N then P (layers)": ["N", "P"],
+                 "b (bwd/fwd)": ["b"], "r then s (router view)": ["r", "s"],
+                 "router view: N then P": ["N", "P"]}
+
+
+async def _frame_after(app, key: str, frames: list[float], quiet: float) -> float:
+    """Send ``key`` as the terminal would and wait until the app has drawn its last frame for
+    it (no new frame for ``quiet`` s and nothing left to draw); seconds from the key to it."""
+    from textual import events
+
+    n0 = len(frames)
+    t0 = time.perf_counter()
+    event = events.Key(key, key if len(key) == 1 else None)
+    event.set_sender(app)
+    app._driver.send_message(event)
+    while True:
+        await asyncio.sleep(0.001)
+        now = time.perf_counter()
+        screen = app.screen
+        busy = screen._dirty_widgets or screen._layout_required or screen._repaint_required
+        if len(frames) > n0 and not busy and now - frames[-1] > quiet:
+            return frames[-1] - t0
+        if now - t0 > 10:
+            raise SystemExit(f"no frame drawn within 10 s of key {key!r}")
+
+
+async def _key_latency(trace, presses: int, quiet: float = 0.06) -> dict[str, tuple]:
+    """Per key sequence: (key → last frame drawn, ``await pilot.press``) wall seconds, and the
+    process CPU seconds of the pilot presses."""
     from tui.app import make_step_app
 
     app = make_step_app(trace, exit_after_paint=False)
-    out: dict[str, tuple[list[float], list[float]]] = {}
+    frames: list[float] = []
+    display = app._display
+
+    def timed_display(screen, renderable) -> None:  # every frame the compositor renders
+        display(screen, renderable)
+        frames.append(time.perf_counter())
+
+    app._display = timed_display
+    out: dict[str, tuple[list[float], list[float], list[float]]] = {}
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.pause()
-        sequences = {"n": ["n"], "p": ["p"], "N (next layer)": ["N"], "b (bwd/fwd)": ["b"],
-                     "r then s (router view)": ["r", "s"]}
-        for name, keys in sequences.items():
-            wall, cpu = [], []
+        for name, keys in KEY_SEQUENCES.items():
+            if name.startswith("router view"):
+                await pilot.press("r")
+            framed, wall, cpu = [], [], []
+            for _ in range(presses):
+                for key in keys:
+                    framed.append(await _frame_after(app, key, frames, quiet))
             for _ in range(presses):
                 for key in keys:
                     t0, c0 = time.perf_counter(), time.process_time()
                     await pilot.press(key)
                     wall.append(time.perf_counter() - t0)
                     cpu.append(time.process_time() - c0)
-            out[name] = (wall, cpu)
+            if name.startswith("router view"):
+                await pilot.press("s")
+            out[name] = (framed, wall, cpu)
     return out
 
 
@@ -127,9 +172,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--presses", type=int, default=20)
+    parser.add_argument("--only", choices=["startup", "keys"], help="run one half only")
     args = parser.parse_args()
-    print(f"start-up, {args.runs} interleaved runs each, 80×24 pty, {os.cpu_count()} CPUs")
-    times = bench_startup(args.runs)
+    if args.only != "keys":
+        _print_startup(args.runs)
+    if args.only != "startup":
+        _print_keys(args.presses)
+    print(f"load average at the end: {os.getloadavg()[0]:.2f} (other work on this machine "
+          "slows every number above)")
+
+
+def _print_startup(runs: int) -> None:
+    print(f"start-up, {runs} interleaved runs each, 80×24 pty, {os.cpu_count()} CPUs")
+    times = bench_startup(runs)
     for name, ts in times.items():
         print(f"  {name:<38} median {statistics.median(ts):6.3f} s  "
               f"(min {min(ts):.3f}, max {max(ts):.3f})")
@@ -137,15 +192,17 @@ def main() -> None:
     floor = statistics.median(times["python -c 'import torch'"])
     print(f"  ratio mdb step / import torch: {step / floor:.2f}×; "
           f"mdb step / budget {BUDGET_S} s: {step / BUDGET_S:.2f}")
-    print(f"key latency, {args.presses} presses each (Pilot, headless 80×24, default model):")
-    print("  wall = await pilot.press (includes Pilot's own idle waits); cpu = process CPU time")
-    for name, (wall, cpu) in bench_keys(args.presses).items():
-        w = statistics.median(wall) * 1e3
-        c = statistics.median(cpu) * 1e3
-        print(f"  {name:<24} wall median {w:6.1f} ms (max {max(wall) * 1e3:6.1f})  "
-              f"cpu median {c:6.1f} ms")
-    print(f"load average at the end: {os.getloadavg()[0]:.2f} (other work on this machine "
-          "slows every number above)")
+
+
+def _print_keys(presses: int) -> None:
+    print(f"key latency, {presses} presses each (Pilot, headless 80×24, default model):")
+    print("  frame = key event sent → the last frame the compositor drew for it; pilot = await "
+          "pilot.press (adds Pilot's idle waits, 2 × 20 ms sleeps at least); cpu = CPU of "
+          "the pilot presses")
+    for name, (framed, wall, cpu) in bench_keys(presses).items():
+        f, w, c = (statistics.median(x) * 1e3 for x in (framed, wall, cpu))
+        print(f"  {name:<28} frame median {f:6.1f} ms (max {max(framed) * 1e3:6.1f})  "
+              f"pilot median {w:6.1f} ms  cpu median {c:6.1f} ms")
 
 
 if __name__ == "__main__":

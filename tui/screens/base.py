@@ -99,6 +99,13 @@ class MdbScreen(Screen):
             self.set_focus(widget)
 
     def hint(self, text: str) -> None:
-        """Show ``text`` in the hint line above the footer (empty string clears it)."""
-        for w in self.query("#hint"):
-            w.update(text)
+        """Show ``text`` in the hint line above the footer (empty string clears it). The line
+        is one row high (``app.tcss``): a new text repaints it without a layout, the same text
+        not at all."""
+        hints = getattr(self, "_hint_widgets", None)
+        if hints is None or any(not w.is_attached for w in hints):
+            hints = self._hint_widgets = list(self.query("#hint"))  # a DOM query costs ~1 ms
+        for w in hints:
+            if getattr(w, "_mdb_text", None) != text:
+                w._mdb_text = text
+                w.update(text, layout=False)

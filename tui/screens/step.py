@@ -134,11 +134,14 @@ class StepScreen(MdbScreen):
     def refresh_view(self) -> None:
         """Redraw the status line, the tree cursor and the details for the current record."""
         st = self.stepper
-        self.query_one("#status", Static).update(st.status())
+        # one row high (app.tcss): repainted without a layout
+        self.query_one("#status", Static).update(st.status(), layout=False)
         if st.module is not None:
             self.query_one("#tree", ModuleTree).show_module(st.module)
-        self.query_one("#details", CallDetails).show(st)
-        self.query_one("#details", CallDetails).scroll_home(animate=False)
+        details = self.query_one("#details", CallDetails)
+        details.show(st)
+        if details.scroll_y:
+            details.scroll_home(animate=False)
         if st.current is not None:
             self.post_message(messages.Moved(st.direction, st.index, st.module))
 

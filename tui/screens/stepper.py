@@ -154,13 +154,30 @@ class Stepper:
 
     # -- related records ------------------------------------------------------------------------
     def grads_of(self, call: CallRecord) -> list[GradRecord]:
-        """Gradient records of ``call``'s outputs, in autograd order."""
-        return [g for g in self.trace.backward if g.forward_index == call.index]
+        """Gradient records of ``call``'s outputs, in autograd order (indexed once per
+        stepper: a trace does not change once captured)."""
+        by_call = self.__dict__.get("_grads_by_call")
+        if by_call is None:
+            by_call = self.__dict__["_grads_by_call"] = {}
+            for g in self.trace.backward:
+                by_call.setdefault(g.forward_index, []).append(g)
+        return list(by_call.get(call.index, ()))
 
     def params_of(self, module: str) -> list:
         """ParamGradRecords registered directly on ``module`` (not on its children)."""
-        prefix = f"{module}." if module else ""
-        return [
-            p for name, p in self.trace.params.items()
-            if name.startswith(prefix) and "." not in name[len(prefix):]
-        ]  # fmt: skip
+        by_module = self.__dict__.get("_params_by_module")
+        if by_module is None:
+            by_module = self.__dict__["_params_by_module"] = {}
+            for name, p in self.trace.params.items():
+                by_module.setdefault(name.rsplit(".", 1)[0] if "." in name else "",
+                                     []).append(p)
+        return list(by_module.get(module or "", ()))
+
+    def rows_by_module(self) -> tuple[dict[str, int], int | None]:
+        """:func:`hooks.verdicts.rows_by_module` of the trace, computed once per stepper."""
+        rows = self.__dict__.get("_rows_by_module")
+        if rows is None:
+            from hooks.verdicts import rows_by_module
+
+            rows = self.__dict__["_rows_by_module"] = rows_by_module(self.trace)
+        return rows

@@ -130,6 +130,12 @@ def io_table(call, width: int | None = None) -> Text:
     return out
 
 
+def _rows_by_module(trace):
+    from hooks.verdicts import rows_by_module
+
+    return rows_by_module(trace)
+
+
 def section(title: str) -> Text:
     return Text(f"── {title} ", style="bold")
 
@@ -137,20 +143,40 @@ def section(title: str) -> Text:
 class CallDetails(VerticalScroll):
     """The details pane of the step view; :meth:`show` redraws it for the stepper's position."""
 
+    #: Rendered records kept per pane (a key press back to one of them skips rendering it).
+    CACHE_SIZE = 256
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._stepper = None
+        self._shown: tuple | None = None
+        self._rendered: dict[tuple, Text] = {}
+
     def compose(self):
         yield Static(id="details-body")
 
     def show(self, stepper) -> None:
-        """Render the details of ``stepper``'s current record (a call, or a gradient)."""
+        """Render the details of ``stepper``'s current record (a call, or a gradient).
+
+        What is on show already is not drawn again, and a record drawn before at this width is
+        taken from a per-pane cache (a trace does not change once captured)."""
         self._stepper = stepper
         width = self.scrollable_content_region.width
-        self.query_one("#details-body", Static).update(
-            self.render_details(stepper, width if width > 0 else None))
+        width = width if width > 0 else None
+        key = (id(stepper.trace), stepper.direction, stepper.index, width)
+        if key == self._shown:
+            return
+        text = self._rendered.get(key)
+        if text is None:
+            if len(self._rendered) >= self.CACHE_SIZE:
+                self._rendered.clear()
+            text = self._rendered[key] = self.render_details(stepper, width)
+        self._shown = key
+        self.query_one("#details-body", Static).update(text)
 
     def on_resize(self) -> None:
-        stepper = getattr(self, "_stepper", None)
-        if stepper is not None:
-            self.show(stepper)
+        if self._stepper is not None:  # redrawn only when the width changed (see show)
+            self.show(self._stepper)
 
     @staticmethod
     def render_details(stepper, width: int | None = None) -> Text:
@@ -198,9 +224,8 @@ class CallDetails(VerticalScroll):
         # the parameters before the histogram: a 24-line terminal shows them without scrolling
         params = stepper.params_of(call.module)
         if params:
-            from hooks.verdicts import rows_by_module
-
-            rows, batch_rows = rows_by_module(stepper.trace)
+            rows, batch_rows = (stepper.rows_by_module() if hasattr(stepper, "rows_by_module")
+                                else _rows_by_module(stepper.trace))
             parts.append(section("parameters"))
             parts.append(params_table(params, rows.get(call.module), batch_rows))
         if hist is not None:
