@@ -8,7 +8,7 @@ import torch
 
 from hooks.runs.store import RunStore
 from tests.conftest import wait_until
-from tests.hooks.runs.loop_models import TinyLM, batches, run_loop
+from tests.loop_models import TinyLM, batches, run_loop
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hooks.runs.store import RunStore
-from tests.hooks.runs.loop_models import TinyLM, batches, no_decay_groups
+from tests.loop_models import TinyLM, batches, no_decay_groups
 
 pl = pytest.importorskip("lightning.pytorch")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.hooks.runs.loop_models import TinyLM, batches, no_decay_groups, run_loop
+from tests.loop_models import TinyLM, batches, no_decay_groups, run_loop
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

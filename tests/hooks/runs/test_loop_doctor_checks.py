@@ -15,7 +15,7 @@ from transformers import get_linear_schedule_with_warmup
 
 import hooks
 from hooks.runs.store import RunStore
-from tests.hooks.runs.loop_models import TinyLM, batches, no_decay_groups, run_loop
+from tests.loop_models import TinyLM, batches, no_decay_groups, run_loop
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

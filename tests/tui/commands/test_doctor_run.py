@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tests.hooks.runs.loop_models import TinyLM, batches, run_loop
+from tests.loop_models import TinyLM, batches, run_loop
 from tui.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
