@@ -153,6 +153,7 @@ class RankLink:
         self._names: dict[int, str] = {}
         self._ddp = False
         self._checked = False  # DDP or sharded: the cross-rank checks run
+        self._param_tags: set[int] = set()  # steps whose parameters were checked
         self._watch_every: int | None = None
         self._ignored: set[str] = set()
         self._handles: list[Any] = []
@@ -258,6 +259,7 @@ class RankLink:
             res = self._results.setdefault(tag, {})
             res.setdefault("params", {}).update(checksums(params))
             res["where"] = "optimizer"
+            self._param_tags.add(tag)
 
     # -- per step (training thread) --------------------------------------------------------------
     def row(self, step: int, wall: float, values: Mapping[str, float], *, new: bool,
@@ -299,13 +301,12 @@ class RankLink:
     def _final_checks(self, step: int) -> None:
         """The parameters as they are at the job's last step (``step``), unless that step's
         optimizer step was checked already: compared like the others, at the end."""
-        if self._model is None or not self._checked:
+        if self._model is None or not self._checked or int(step) in self._param_tags:
             return
         with contextlib.suppress(Exception):
             res = self._results.setdefault(int(step), {})
-            if "params" not in res:
-                res["params"] = checksums(self._model.named_parameters())
-                res["where"] = "end"
+            res["params"] = checksums(self._model.named_parameters())
+            res["where"] = "end"
 
     def set_nonfinite(self, nf: Mapping[str, Any], order: tuple[int, int]) -> None:
         """This rank's first non-finite value (``order``: (step, index of the metric in its
@@ -330,6 +331,7 @@ class RankLink:
                 res = out.setdefault(step, {})
                 res["params"] = checksums(self._model.named_parameters())
                 res["where"] = "log"
+                self._param_tags.add(step)
         return out
 
     def gather_point(self, step: int, kind: str = "step") -> None:
