@@ -13,7 +13,8 @@ step rank 1 writes a NaN into its shard of ``blocks.1.w2.weight``, then the step
 ``fsdp_uneven`` (``fsdp``; rank 1 alone calls ``blocks.0.act`` once more, on three 0.5s),
 ``fsdp_mp`` (``fsdp`` with ``MixedPrecisionPolicy(param_dtype=bfloat16,
 reduce_dtype=float32)``), ``fsdp_tp`` (4 ranks, a 2-D mesh: ``tp`` within pairs of ranks,
-``fully_shard`` across them, each pair on its own rows).
+``fully_shard`` across them, each pair on its own rows), ``tp_sp`` (:class:`SeqNet` with
+sequence parallelism, :func:`_sequence_parallel`; every rank runs the whole batch).
 """
 
 from __future__ import annotations
@@ -67,6 +68,54 @@ def build() -> Net:
     return Net()
 
 
+class SeqNet(nn.Module):
+    """A model over sequences (B, T, D_IN) for sequence parallelism: embed, norm, MLP, head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(D_IN, D)
+        self.norm = nn.LayerNorm(D)
+        self.w1 = nn.Linear(D, 2 * D)
+        self.act = nn.Tanh()
+        self.w2 = nn.Linear(2 * D, D)
+        self.head = nn.Linear(D, D_OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.w2(self.act(self.w1(self.norm(self.embed(x))))))
+
+
+def build_seq() -> SeqNet:
+    """The sequence model every rank (and the reference) starts from."""
+    torch.manual_seed(0)
+    return SeqNet()
+
+
+def seq_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of the sequence model: (2, 4, D_IN) and (2, 4, D_OUT)."""
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(2, 4, D_IN, generator=g), torch.randn(2, 4, D_OUT, generator=g)
+
+
+def _sequence_parallel(model: SeqNet, mesh) -> None:
+    """torchtitan's plan: the embedding's output and the norm sharded along the sequence
+    (``SequenceParallel``), the MLP column/row parallel, the head's output replicated."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    parallelize_module(model, mesh, {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "w1": ColwiseParallel(input_layouts=Shard(1)),
+        "w2": RowwiseParallel(output_layouts=Shard(1)),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })
+
+
 def batch(step: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of ``step``: inputs (ROWS, D_IN) and targets (ROWS, D_OUT)."""
     g = torch.Generator().manual_seed(100 + step)
@@ -106,7 +155,11 @@ def main() -> None:
     for scenario in args.scenario.split(","):
         model = build()
         x, y = batch()
-        if scenario == "fsdp_tp":  # 2-D: data parallel (FSDP2) × tensor parallel, 4 ranks
+        if scenario == "tp_sp":
+            model = build_seq()
+            x, y = seq_batch()
+            _sequence_parallel(model, mesh)
+        elif scenario == "fsdp_tp":  # 2-D: data parallel (FSDP2) × tensor parallel, 4 ranks
             from torch.distributed.tensor.parallel import (
                 ColwiseParallel,
                 RowwiseParallel,

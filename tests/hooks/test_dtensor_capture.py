@@ -23,7 +23,7 @@ from hooks.dtensor_stats import MeshStats, is_dtensor
 from tests import dtensor_worker as worker
 
 REPO = Path(__file__).resolve().parents[2]
-SCENARIOS = ("fsdp", "fsdp_keep", "tp", "fsdp_nan", "fsdp_uneven", "fsdp_mp")
+SCENARIOS = ("fsdp", "fsdp_keep", "tp", "fsdp_nan", "fsdp_uneven", "fsdp_mp", "tp_sp")
 RTOL = 1e-5
 
 
@@ -47,17 +47,18 @@ def _read(job: Path, scenario: str, rank: int) -> dict:
     return json.loads((job / f"{scenario}.rank{rank}.json").read_text(encoding="utf-8"))
 
 
-def _reference() -> tuple[dict[str, dict[str, float]], list[tuple[str, torch.Tensor]]]:
+def _reference(build=worker.build, batch=worker.batch
+               ) -> tuple[dict[str, dict[str, float]], list[tuple[str, torch.Tensor]]]:
     """Plain torch, one process: per parameter (grad norm, weight norm, grad abs-max) and every
     module call's output, on the whole global batch."""
-    model = worker.build()
+    model = build()
     outs: list[tuple[str, torch.Tensor]] = []
     names = {m: n for n, m in model.named_modules()}
     hooks_ = [m.register_forward_hook(lambda m, a, o: outs.append((names[m], o.detach())))
               for m in model.modules()]
     hooks_ += [m.register_forward_pre_hook(
         lambda m, a: outs.append((names[m] + " <in>", a[0].detach()))) for m in model.modules()]
-    x, y = worker.batch()
+    x, y = batch()
     F.mse_loss(model(x), y).backward()
     for h in hooks_:
         h.remove()
@@ -85,9 +86,10 @@ def test_parameters_are_those_of_the_unsharded_model_on_the_global_batch(job, sc
             assert _close(p[key], r[key]), (scenario, name, key, p[key], r[key])
 
 
-def _check_activations(got: dict, scenario: str) -> None:
+def _check_activations(got: dict, scenario: str, outs=None) -> None:
     """Every module call's first input and its output against the reference's."""
-    _, outs = _reference()
+    if outs is None:
+        _, outs = _reference()
     fwd = {(f["module"], f["call"]): f for f in got["forward"]}
     seen: dict[str, int] = {}
     for name, t in outs:
@@ -189,6 +191,22 @@ def test_mixed_precision_weights_are_the_fp32_shards_and_activations_bfloat16(jo
     assert head["stats"]["numel"] == want.numel()
     for key, w in (("mean", want.mean()), ("std", want.std()), ("l2", want.norm())):
         assert math.isclose(head["stats"][key], float(w), rel_tol=3e-2, abs_tol=1e-2), key
+
+
+@pytest.mark.slow
+def test_sequence_parallel_pieces_are_reduced_like_the_others(job):
+    """torchtitan's plan on a sequence model: the embedding's output and the norm sharded along
+    the sequence (``SequenceParallel``, DTensor ``Shard(1)`` activations), the MLP
+    column/row parallel; every call and parameter equals the unsharded model's."""
+    ref, outs = _reference(worker.build_seq, worker.seq_batch)
+    got = _read(job, "tp_sp", 0)
+    assert got == _read(job, "tp_sp", 1)
+    for name, r in ref.items():
+        p = got["params"][name]
+        assert p["shape"] == r["shape"], name
+        for key in ("grad_norm", "weight_norm", "grad_abs_max"):
+            assert _close(p[key], r[key]), (name, key, p[key], r[key])
+    _check_activations(got, "tp_sp", outs)
 
 
 def test_without_a_process_group_nothing_is_sharded():
