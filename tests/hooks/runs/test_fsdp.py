@@ -223,6 +223,32 @@ def test_mdb_overfit_fsdp_is_one_run_whose_losses_are_the_ddp_runs(tmp_path):
         assert [x.kind for x in store.findings(f.id)] == []
 
 
+@pytest.mark.slow
+def test_mdb_overfit_tp_runs_the_global_batch_on_every_rank(tmp_path):
+    """--tp: every rank runs the windows of all ranks, so at step 1 (the same weights) its ce
+    is the mean of the DDP ranks' ce; the run is one run of two ranks with equal losses."""
+    db = tmp_path / "m.sqlite"
+    for name, extra in (("t", ["--tp"]), ("d", [])):
+        proc = subprocess.run(
+            [sys.executable, "-m", "tui.cli", "overfit", "--nproc", "2", *extra, "--headless",
+             "--steps", "3", "--db", str(db), "--run", name, "--every", "3"],
+            cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=900,
+            start_new_session=True)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    with RunStore(db) as store:
+        t, d = store.run("t"), store.run("d")
+        assert (t.status, t.world_size, t.config["parallel"]) == ("finished", 2, "tp")
+        rows = {n: {(x.rank, x.step): x.values for x in store.rank_steps(r.id)}
+                for n, r in (("t", t), ("d", d))}
+        assert rows["t"][(0, 1)]["ce"] == rows["t"][(1, 1)]["ce"]
+        mean = (rows["d"][(0, 1)]["ce"] + rows["d"][(1, 1)]["ce"]) / 2
+        assert math.isclose(rows["t"][(0, 1)]["ce"], mean, rel_tol=1e-5)
+        cap = store.internals(t.id, 3)
+        shapes = {p["name"]: p["shape"] for p in cap["params"]}
+        assert shapes["model.layers.0.self_attn.q_proj.weight"] == [128, 128]  # unsharded
+        assert [x.kind for x in store.findings(t.id)] == []
+
+
 @pytest.mark.parametrize("extra,needle", [
     (["--fsdp"], "--fsdp applies only with --nproc"),
     (["--tp"], "--tp applies only with --nproc"),
