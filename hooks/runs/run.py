@@ -649,7 +649,7 @@ class Run(RunControls):
         if self._doctor is not None:
             self._doctor_findings(close=True)
             self._doctor = None
-        if optimizer is not None:  # the training-loop doctor (optimizer= or scheduler=)
+        if optimizer is not None and self.rank == 0:  # the loop doctor (rank 0 writes)
             sentinel = self._sentinel
             self._doctor = LoopWatch(self._model, optimizer, scheduler,
                                      capture=lambda: self._capture,
