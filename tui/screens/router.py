@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import math
 
+from rich.cells import cell_len
+from rich.text import Text
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import DataTable, Footer, Static
@@ -70,6 +72,41 @@ def source_line(rec) -> str:
     if rec.source == "router":
         return f"ids, weights: as {rec.router} returned them"
     return f"ids, weights: recomputed from {rec.router or 'the router'}'s logits (block's rule)"
+
+
+def _width(cell) -> int:
+    return cell.cell_len if isinstance(cell, Text) else cell_len(cell)
+
+
+def refill(table: DataTable, labels: list[str], keys: list[str], rows: list[list],
+           row_keys: list[str] | None = None) -> None:
+    """Show ``rows`` (cells: str or Text) in ``table``, under columns ``labels``/``keys``, rows
+    keyed ``row_keys`` (default ``"0"``, ``"1"``, …).
+
+    From one layer to the next mostly the cells change: when the columns, the row keys and
+    every column's width (its widest cell or label) are those on show, only the cells that
+    differ are updated, in place (the table is neither rebuilt nor measured again) and the
+    cursor goes back to the first row, as in a rebuilt table; otherwise the table is rebuilt.
+    """
+    row_keys = row_keys if row_keys is not None else [str(n) for n in range(len(rows))]
+    widths = [max([cell_len(label)] + [_width(r[i]) for r in rows])
+              for i, label in enumerate(labels)]
+    layout = (labels, keys, row_keys, widths)
+    shown = getattr(table, "_mdb_shown", None)
+    if shown is not None and shown[0] == layout and table.row_count == len(rows):
+        for key, old, new in zip(row_keys, shown[1], rows, strict=True):
+            for column, a, b in zip(keys, old, new, strict=True):
+                if a is not b and a != b:
+                    table.update_cell(key, column, b)
+        table.move_cursor(row=0, column=0, animate=False)
+        table.scroll_to(0, 0, animate=False)
+    else:
+        table.clear(columns=True)
+        for label, key in zip(labels, keys, strict=True):
+            table.add_column(label, key=key)
+        for key, cells in zip(row_keys, rows, strict=True):
+            table.add_row(*cells, key=key)
+    table._mdb_shown = (layout, rows)
 
 
 class RouterScreen(LayerViewScreen):
@@ -120,49 +157,51 @@ class RouterScreen(LayerViewScreen):
         """Fill both tables and the summary for the current MoE layer."""
         rec = self.record
         layer = "?" if rec.layer is None else rec.layer
-        self.query_one("#title", Static).update(
+        self.query_one("#title", Static).update(  # one row high (app.tcss): no layout
             f"router · layer {layer} ({self.position + 1}/{len(self.records)}) · {rec.module}"
-            f" · E={rec.num_experts} top-{rec.top_k} · N={rec.top_k_ids.shape[0]} tokens"
+            f" · E={rec.num_experts} top-{rec.top_k} · N={rec.top_k_ids.shape[0]} tokens",
+            layout=False,
         )
         self._fill_tokens(rec)
         rows = self._fill_experts(rec)
         self._fill_summary(rec, rows)
 
+    def _token_rows(self, rec) -> list[list[str]]:
+        """The cells of the tokens table for ``rec`` (formatted once per layer)."""
+        cache = self.__dict__.setdefault("_token_rows_cache", {})
+        rows = cache.get(id(rec))
+        if rows is None:
+            tokens = self.trace.meta.get("tokens") or []
+            shape = self.trace.meta.get("input_shape") or [1, rec.top_k_ids.shape[0]]
+            seq = int(shape[-1]) if shape else rec.top_k_ids.shape[0]
+            ids = rec.top_k_ids.tolist()
+            weights = rec.top_k_weights.tolist()
+            rows = []
+            for n, (row_ids, row_w) in enumerate(zip(ids, weights, strict=True)):
+                tok = tokens[n] if n < len(tokens) else "?"
+                cells = [f"{n // seq}:{n % seq}", tok[:6]]
+                for e, w in zip(row_ids, row_w, strict=True):
+                    cells += [str(int(e)), f"{w:.2f}"]
+                rows.append(cells)
+            cache[id(rec)] = rows
+        return rows
+
     def _fill_tokens(self, rec) -> None:
-        table = self.query_one("#tokens", DataTable)
-        table.clear(columns=True)
-        table.add_column("b:t", key="pos")
-        table.add_column("tok", key="tok")
-        for j in range(rec.top_k):
-            table.add_column(f"e{j + 1}", key=f"e{j}")
-            table.add_column(f"w{j + 1}", key=f"w{j}")
-        tokens = self.trace.meta.get("tokens") or []
-        shape = self.trace.meta.get("input_shape") or [1, rec.top_k_ids.shape[0]]
-        seq = int(shape[-1]) if shape else rec.top_k_ids.shape[0]
-        ids = rec.top_k_ids.tolist()
-        weights = rec.top_k_weights.tolist()
-        for n, (row_ids, row_w) in enumerate(zip(ids, weights, strict=True)):
-            tok = tokens[n] if n < len(tokens) else "?"
-            cells = [f"{n // seq}:{n % seq}", tok[:6]]
-            for e, w in zip(row_ids, row_w, strict=True):
-                cells += [str(int(e)), f"{w:.2f}"]
-            table.add_row(*cells, key=str(n))
+        labels = ["b:t", "tok"] + [f"{c}{j + 1}" for j in range(rec.top_k) for c in "ew"]
+        keys = ["pos", "tok"] + [f"{c}{j}" for j in range(rec.top_k) for c in "ew"]
+        refill(self.query_one("#tokens", DataTable), labels, keys, self._token_rows(rec))
 
     def _fill_experts(self, rec) -> list:
-        table = self.query_one("#experts", DataTable)
-        table.clear(columns=True)
         # "tok": tokens that chose the expert (of N); "picks": its share of the N·k top-k picks
-        for label, key in (("e", "expert"), ("tok", "tokens"), ("picks", "share"),
-                           ("", "bar"), ("×1/E", "vs"), ("", "flag")):
-            table.add_column(label, key=key)
+        labels = ["e", "tok", "picks", "", "×1/E", ""]
+        keys = ["expert", "tokens", "share", "bar", "vs", "flag"]
         rows = expert_rows(rec)
         top = max((r.share for r in rows), default=1.0) or 1.0
-        for r in rows:
-            table.add_row(
-                str(r.expert), str(r.tokens), fmt.pct(r.share), fmt.bar(r.share / top, 5),
-                f"{r.ratio:.2f}", fmt.flag(r.flag) if r.flag != "ok" else "",
-                key=str(r.expert),
-            )
+        cells = [[str(r.expert), str(r.tokens), fmt.pct(r.share), fmt.bar(r.share / top, 5),
+                  f"{r.ratio:.2f}", fmt.flag(r.flag) if r.flag != "ok" else ""]
+                 for r in rows]
+        refill(self.query_one("#experts", DataTable), labels, keys, cells,
+               [str(r.expert) for r in rows])
         return rows
 
     def _fill_summary(self, rec, rows: list) -> None:
