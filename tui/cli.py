@@ -40,8 +40,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {clip(message)} (see {self.prog} -h)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Return the full ``mdb`` parser with every available subcommand registered."""
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Return the full ``mdb`` parser with every available subcommand registered (``only``: that
+    subcommand alone, so that running one imports no other command's module)."""
     parser = _Parser(
         prog="mdb",
         description="mdb: a terminal debugger for the internals of a small "
@@ -50,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"mdb {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name in COMMANDS.items():
+        if only is not None and name != only:
+            continue
         try:
             module = importlib.import_module(f"tui.commands.{module_name}")
         except ModuleNotFoundError as exc:  # a command not built yet is simply not listed
@@ -111,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     command's, 2 with one ``mdb: error:`` line for bad input (:class:`MdbError`), 130 with
     ``mdb: interrupted`` for a SIGINT at any point, the parser's start included."""
     try:
-        parser = build_parser()
+        words = list(argv) if argv is not None else sys.argv[1:]
+        # `mdb step ...` builds step's parser only (the start-up of mdb step, issue 25)
+        parser = build_parser(words[0] if words and words[0] in COMMANDS else None)
         args = parser.parse_args(argv)
         args._argv = list(argv) if argv is not None else sys.argv[1:]  # the trainer's
         if not getattr(args, "_run", None):
