@@ -55,7 +55,14 @@ def main() -> None:
                 torch.stack([source[j + 1 : j + t + 1] for j in i]))
 
     model = TinyGPT(len(chars))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    # weight decay on the weight matrices only, not on norms, biases or embeddings (the loop
+    # doctor names those: docs/loop-doctor.md)
+    embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding)
+                  for p in m.parameters()}
+    matrices = [p for p in model.parameters() if p.dim() >= 2 and id(p) not in embeddings]
+    others = [p for p in model.parameters() if p.dim() < 2 or id(p) in embeddings]
+    opt = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1},
+                             {"params": others, "weight_decay": 0.0}], lr=3e-3)
     config = {"lr": 3e-3, "batch": 16, "block": 32, "steps": args.steps}
 
     with hooks.run("own-loop", db=args.db, config=config, total_steps=args.steps) as run:
