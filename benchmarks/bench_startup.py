@@ -32,10 +32,22 @@ sys.path.insert(0, str(REPO))
 BUDGET_S = 2.5
 
 
-def _env() -> dict[str, str]:
+#: Where the children keep mdb's compiled bytecode (see :func:`_env`).
+PYCACHE = Path(os.environ.get("TMPDIR", "/tmp")) / "mdb-bench-pycache"
+
+
+def _env(bytecode: bool = True) -> dict[str, str]:
+    """The children's environment. ``bytecode``: mdb's modules are loaded from compiled
+    bytecode, as from any installed package (kept under :data:`PYCACHE`, outside the
+    repository), whatever ``PYTHONDONTWRITEBYTECODE`` says: torch's own come from their
+    ``.pyc`` files, and a shell that forbids writing bytecode would otherwise charge mdb alone
+    for compiling its ~100 modules on every start."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TERM", "xterm-256color")
+    if bytecode:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = str(PYCACHE)
     return env
 
 
@@ -63,11 +75,11 @@ def time_in_pty(argv: list[str], env: dict[str, str], timeout: float = 120.0,
     return out
 
 
-def bench_startup(runs: int) -> dict[str, list[float]]:
+def bench_startup(runs: int, bytecode: bool = True) -> dict[str, list[float]]:
     import tempfile
 
     log = Path(tempfile.mkdtemp()) / "paint.log"
-    env = _env()
+    env = _env(bytecode)
     step_env = dict(env, MDB_EXIT_AFTER_PAINT="1", MDB_PAINT_LOG=str(log))
     mdb = [sys.executable, "-m", "tui.cli"]
     times: dict[str, list[float]] = {
@@ -77,7 +89,8 @@ def bench_startup(runs: int) -> dict[str, list[float]]:
         "mdb step: step view painted": [],
         "mdb step: process exit": [],
     }
-    time_in_pty(mdb + ["step"], step_env, paint_log=log)  # warm the file cache once
+    # warm the file cache once (and write the bytecode)
+    time_in_pty(mdb + ["step"], step_env, paint_log=log)
     for _ in range(runs):
         times["python -c 'import torch'"].append(
             time_in_pty([sys.executable, "-c", "import torch"], env)["exit"])
@@ -173,18 +186,22 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--presses", type=int, default=20)
     parser.add_argument("--only", choices=["startup", "keys"], help="run one half only")
+    parser.add_argument("--no-bytecode", action="store_true",
+                        help="start-up: keep PYTHONDONTWRITEBYTECODE (mdb's modules compiled "
+                             "from source on every start)")
     args = parser.parse_args()
     if args.only != "keys":
-        _print_startup(args.runs)
+        _print_startup(args.runs, not args.no_bytecode)
     if args.only != "startup":
         _print_keys(args.presses)
     print(f"load average at the end: {os.getloadavg()[0]:.2f} (other work on this machine "
           "slows every number above)")
 
 
-def _print_startup(runs: int) -> None:
-    print(f"start-up, {runs} interleaved runs each, 80×24 pty, {os.cpu_count()} CPUs")
-    times = bench_startup(runs)
+def _print_startup(runs: int, bytecode: bool = True) -> None:
+    print(f"start-up, {runs} interleaved runs each, 80×24 pty, {os.cpu_count()} CPUs, mdb's "
+          f"modules {'from cached bytecode' if bytecode else 'compiled on every start'}")
+    times = bench_startup(runs, bytecode)
     for name, ts in times.items():
         print(f"  {name:<38} median {statistics.median(ts):6.3f} s  "
               f"(min {min(ts):.3f}, max {max(ts):.3f})")
