@@ -71,6 +71,7 @@ def read_views(store, names: Sequence[str],
     """A :class:`tui.screens.compare_data.RunView` per name with everything the store holds
     (a name not in the store gets an empty view; ``status`` may say why)."""
     from tui.screens.compare_data import RunView
+    from tui.screens.live_data import first_read
 
     by_name = {r.name: r for r in store.runs()}
     views = []
@@ -78,7 +79,7 @@ def read_views(store, names: Sequence[str],
         view = RunView(name, i)
         run = by_name.get(name)
         if run is not None:
-            view.add_update(store.poll(run.id, 0))
+            view.add_update(*first_read(store, run.id, 0))  # a long run: bucketed history
         view.external = status(name) if status is not None else None
         views.append(view)
     return views

@@ -52,6 +52,7 @@ from tui.screens.compare_data import (
 )
 from tui.screens.help import HelpScreen, help_text
 from tui.screens.live_chart import LineChart, Series
+from tui.screens.live_data import first_read
 from tui.store_handle import StoreHandle
 
 #: Columns between two markers of one line.
@@ -77,7 +78,9 @@ class Controller(Protocol):
 
 @dataclass
 class ComparePolled(Message):
-    """The poll worker's read of the store: every run row, and what is new per shown run."""
+    """The poll worker's read of the store: every run row, and what is new per shown run
+    (``updates``: name → ``(RunUpdate, History or None)`` of
+    :func:`tui.screens.live_data.first_read`)."""
 
     runs: list
     updates: dict
@@ -256,9 +259,9 @@ class CompareScreen(MdbScreen):
             updates, last_rows = {}, {}
             for name, cursor, last in targets:
                 run = by_name.get(name)
-                if run is not None:
-                    updates[name] = store.poll(run.id, cursor)
-                    if last and updates[name].run.status != "running":
+                if run is not None:  # a long run's first read: its bucketed history
+                    updates[name] = first_read(store, run.id, cursor)
+                    if last and updates[name][0].run.status != "running":
                         last_rows[name] = store.last_metrics(run.id)
         self.post_message(ComparePolled(runs, updates, last_rows))
 
@@ -277,7 +280,7 @@ class CompareScreen(MdbScreen):
         for view in self.views:
             update = message.updates.get(view.name)
             if update is not None:
-                view.add_update(update)
+                view.add_update(*update)
                 changed = True  # the status may have changed
                 if view.name in message.last_rows and view.needs_last_row:
                     view.add_last_row(message.last_rows[view.name])

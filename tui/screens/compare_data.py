@@ -155,14 +155,20 @@ class RunView:
 
             self.arch, self.arch_why = arch_numbers(config), ""
 
-    def add_update(self, update: Any) -> bool:
-        """Feed a :class:`hooks.runs.store.RunUpdate`; whether anything new arrived."""
+    def add_update(self, update: Any, history: Any = None) -> bool:
+        """Feed a :class:`hooks.runs.store.RunUpdate`; whether anything new arrived. With
+        ``history`` (a first read of a long run, :func:`tui.screens.live_data.first_read`),
+        the series starts from the run's bucketed history instead of its rows."""
         if update.restarted:  # resumed from an earlier checkpoint: read it again
             self.series.reset()
             self.cursor = 0
             self.set_info(update.run)
             return True
         self.set_info(update.run)
+        if history is not None:
+            self.series.load_history(history, update.metrics)
+            self.cursor = history.last
+            return True
         for row in update.metrics:
             self.series.add(row)
         if update.metrics:

@@ -24,6 +24,10 @@ from typing import Any
 
 #: Buckets kept per series: about two points per column of a full-width chart.
 DEFAULT_CAPACITY = 256
+#: A run of at least this many steps is first read as its history bucketed by the store
+#: (:meth:`hooks.runs.store.RunStore.history`: min/max/mean per bucket, so spikes stay
+#: visible), not from all its rows (:func:`first_read`); shorter ones are read whole.
+HISTORY_AFTER_STEPS = 4096
 #: The fixed metric columns of a run store without ``MetricRow.values`` (and what an
 #: ``mdb overfit`` run of minillm logs), in logging order.
 FIXED_METRICS = ("ce", "aux", "total", "grad_norm", "lr", "step_time", "tokens_per_s",
@@ -522,6 +526,20 @@ class RunSeries:
         if spp is None:
             return None
         return max(0, self.total_steps - self.step) * spp
+
+
+def first_read(store, run_id: int, cursor: int,
+               capacity: int = DEFAULT_CAPACITY) -> tuple[Any, Any]:
+    """A viewer's next read of a run: ``(store.poll(run_id, cursor), None)``, or on a first
+    read (``cursor`` 0) of a run of :data:`HISTORY_AFTER_STEPS` steps or more ``(update,
+    history)`` from :meth:`hooks.runs.store.RunStore.history` (its metrics bucketed into at
+    most ``capacity`` step ranges; ``update.metrics`` only its last steps), for
+    :meth:`RunSeries.load_history`. A store-like object with ``poll`` only is polled."""
+    if cursor == 0 and hasattr(store, "history"):
+        update, history = store.history(run_id, capacity)
+        if history.last is not None and history.last - history.first >= HISTORY_AFTER_STEPS:
+            return update, history
+    return store.poll(run_id, cursor), None
 
 
 def run_declaration(run) -> dict[str, Any]:

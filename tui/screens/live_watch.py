@@ -1,7 +1,8 @@
 """``WatchScreen``: a viewer of a run in the run store — ``mdb watch``, and the live screen of
 ``mdb overfit``, whose trainer is a process of its own.
 
-The first read of a run of :data:`HISTORY_AFTER_STEPS` steps or more takes its history
+The first read of a run of
+:data:`tui.screens.live_data.HISTORY_AFTER_STEPS` steps or more takes its history
 bucketed by the store (``RunStore.history``: per metric, at most as many step ranges as a
 chart has points, with min/max/mean each, from the per-block aggregates the writer keeps, plus
 its last steps' rows), so the first frame of a run of a million steps costs the same as one of
@@ -29,16 +30,11 @@ from textual.worker import Worker, WorkerState
 from tui import messages
 from tui.screens.live import LiveScreen
 from tui.screens.live_controls import ViewerControls
-from tui.screens.live_data import nonfinite_of, run_declaration
+from tui.screens.live_data import first_read, nonfinite_of, run_declaration
 from tui.screens.live_findings import LoopFindings
 from tui.screens.live_ranks import RanksSummary
 
 __all__ = ["WatchScreen"]
-
-#: A run of at least this many steps is first drawn from its history bucketed by the store
-#: (:meth:`hooks.runs.store.RunStore.history`: min/max/mean per bucket, so spikes stay
-#: visible), not from all its rows; shorter ones are read whole (expert load of every step).
-HISTORY_AFTER_STEPS = 4096
 
 
 class WatchScreen(ViewerControls, LiveScreen):
@@ -74,7 +70,6 @@ class WatchScreen(ViewerControls, LiveScreen):
         self.fatal: str | None = None
         self.polls = 0
         self._cursor = 0
-        self._first_read = True
         # held while a worker reads the store: unmounting waits for it, so that the caller
         # can close the store once the app returned (tui.store_handle explains why)
         self._store_lock = threading.Lock()
@@ -131,15 +126,10 @@ class WatchScreen(ViewerControls, LiveScreen):
         with self._store_lock:
             if self._unmounted:
                 return
-            if self._first_read:  # a long run: its history bucketed by the store, not its rows
-                self._first_read = False
-                update, history = self.store.history(self.run.id, self.series.capacity)
-                if history.last is not None and (history.last - history.first
-                                                 >= HISTORY_AFTER_STEPS):
-                    self.post_message(messages.RunPolled(update, history))
-                    return
-            update = self.store.poll(self.run.id, self._cursor)
-        self.post_message(messages.RunPolled(update))
+            # a first read of a long run: its history bucketed by the store, not its rows
+            update, history = first_read(self.store, self.run.id, self._cursor,
+                                         self.series.capacity)
+        self.post_message(messages.RunPolled(update, history))
 
     def on_unmount(self) -> None:
         with self._store_lock:

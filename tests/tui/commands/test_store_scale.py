@@ -290,3 +290,23 @@ async def test_watch_fills_in_the_expert_load_of_a_long_run_after_its_first_fram
             assert len(s.experts) == 2 and xs[0] <= 64
     finally:
         store.close()
+
+
+def test_compare_of_a_long_run_reads_its_bucketed_history_with_exact_last_and_best(
+        store_20k, tmp_path, capsys):
+    import shutil
+
+    src, steps, spike = store_20k
+    db = tmp_path / "c.sqlite"
+    shutil.copyfile(src, db)
+    with RunStore(db) as store:
+        w = store.create_run("small", {}, kind="api")
+        w.log_steps([({"step": s, "wall": float(s), "values": {"loss": 5.0 - s / 100}}, None,
+                      None) for s in range(1, 101)])
+        w.finish("finished")
+    assert main(["compare", "big", "small", "--json", "--db", str(db)]) == 0
+    rows = {r["label"]: r["cells"] for r in json.loads(capsys.readouterr().out)["rows"]}
+    losses = [value(s, 0, spike) for s in range(1, steps + 1)]
+    assert rows["last loss"] == [f"{losses[-1]:.4f}", "4.0000"]
+    assert rows["best loss"] == [f"{min(losses):.4f}", "4.0000"]
+    assert rows["step"] == [f"{steps}/{steps}", "100"]
