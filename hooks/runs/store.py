@@ -617,21 +617,27 @@ class RunStore:
         return [RankInfo(*tuple(r)) for r in rows]
 
     def rank_steps(self, run_id: int, after_step: int = 0,
-                   rank: int | None = None) -> list[RankRow]:
+                   rank: int | None = None, limit: int | None = None) -> list[RankRow]:
         """Every rank's steps with ``step > after_step`` (of ``rank`` alone if given), in
-        (step, rank) order, each with every scalar that rank logged (:class:`RankRow`)."""
+        (step, rank) order, each with every scalar that rank logged (:class:`RankRow`); at
+        most ``limit`` rows (``None``: all; a reader of a long run reads it a page at a
+        time)."""
         with self._transaction(immediate=False):
             conn = self.connection
             where, params = "run_id = ? AND step > ?", [run_id, after_step]
             if rank is not None:
                 where += " AND rank = ?"
                 params.append(int(rank))
+            page = f" LIMIT {int(limit)}" if limit is not None else ""
             rows = conn.execute(
                 f"SELECT step, rank, wall, step_time, compute_time, expert_load FROM rank_steps"
-                f" WHERE {where} ORDER BY step, rank", params,
+                f" WHERE {where} ORDER BY step, rank{page}", params,
             ).fetchall()
             if not rows:
                 return []
+            if limit is not None:  # the scalars of the rows read, not of later steps
+                where += " AND step <= ?"
+                params.append(rows[-1][0])
             values: dict[tuple[int, int], dict[str, float | None]] = {
                 (r[0], r[1]): {} for r in rows}
             names = self._metric_names(run_id)

@@ -49,6 +49,8 @@ BAND = (("max", "red", "▲"), ("med", "cyan", "●"), ("min", "green", "▼"))
 MAX_FINDINGS_SHOWN = 5
 #: Ranks listed in the table of the ranks screen.
 MAX_RANKS_SHOWN = 8
+#: Rows of one rank read per poll: a long job is read a page at a time (memory stays flat).
+RANK_PAGE = 20_000
 
 
 def _num(x: float | None) -> str:
@@ -81,12 +83,14 @@ def _pct(rel: float | None) -> str:
 
 class RanksPolled(Message):
     """What :class:`RanksSummary`'s worker read: the run row, its ranks, their new rows, the
-    findings after the last one seen, and the checks."""
+    findings after the last one seen, and the checks; ``more``: a rank's page of rows was
+    full (:data:`RANK_PAGE`), so there are more to read at once."""
 
-    def __init__(self, run: Any, ranks: list, rows: list, findings: list, checks: list) -> None:
+    def __init__(self, run: Any, ranks: list, rows: list, findings: list, checks: list,
+                 more: bool = False) -> None:
         super().__init__()
         self.run, self.ranks, self.rows = run, ranks, rows
-        self.findings, self.checks = findings, checks
+        self.findings, self.checks, self.more = findings, checks, more
 
 
 class RanksSummary(Static):
@@ -173,12 +177,15 @@ class RanksSummary(Static):
                 return
             run = store.run(rid)
             ranks = store.ranks(rid)
-            rows = []
-            for r in range(run.world_size or 1):
-                rows += store.rank_steps(rid, after_step=self._cursor.get(r, 0), rank=r)
+            rows, full = [], False
+            for r in range(run.world_size or 1):  # a page per rank: memory stays flat
+                page = store.rank_steps(rid, after_step=self._cursor.get(r, 0), rank=r,
+                                        limit=RANK_PAGE)
+                full |= len(page) == RANK_PAGE
+                rows += page
             findings = store.findings(rid, after_id=self._findings_after)
             checks = store.checks(rid)
-        self.post_message(RanksPolled(run, ranks, rows, findings, checks))
+        self.post_message(RanksPolled(run, ranks, rows, findings, checks, full))
 
     def on_ranks_polled(self, message: RanksPolled) -> None:
         message.stop()
@@ -206,6 +213,9 @@ class RanksSummary(Static):
         self.catching_up = message.run.status == "running" and self.catching_up
         self.update(self.summary())
         ended = message.run.status != "running"
+        if message.more:  # a long run read a page at a time: the next page at once
+            self._poll_in(0.01)
+            return
         self._poll_in(self.POLL_INTERVAL * (4 if ended else 1))
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:

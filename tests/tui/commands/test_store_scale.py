@@ -310,3 +310,31 @@ def test_compare_of_a_long_run_reads_its_bucketed_history_with_exact_last_and_be
     assert rows["last loss"] == [f"{losses[-1]:.4f}", "4.0000"]
     assert rows["best loss"] == [f"{min(losses):.4f}", "4.0000"]
     assert rows["step"] == [f"{steps}/{steps}", "100"]
+
+
+async def test_the_ranks_of_a_long_job_are_read_a_page_at_a_time(tmp_path, monkeypatch):
+    from tests.conftest import wait_until
+    from tui.live_app import make_watch_app
+    from tui.screens import live_ranks
+
+    db = tmp_path / "r.sqlite"
+    with RunStore(db, create=True) as store:
+        w = store.create_run("ddp", {}, kind="api", world_size=2)
+        w.set_ranks([{"rank": 0}, {"rank": 1}])
+        for rank in (0, 1):
+            w.log_rank_steps(rank, [{"step": s, "wall": float(s), "values": {
+                "loss": 10.0 + s + rank}} for s in range(1, 11)])
+        w.log_steps([({"step": s, "wall": float(s), "values": {"loss": 10.0 + s}}, None, None)
+                     for s in range(1, 11)])
+        w.finish("finished")
+        page = store.rank_steps(store.run("ddp").id, after_step=2, rank=1, limit=3)
+        assert [(r.step, r.rank, r.values) for r in page] == [
+            (s, 1, {"loss": 11.0 + s}) for s in (3, 4, 5)]
+    monkeypatch.setattr(live_ranks, "RANK_PAGE", 3)
+    with RunStore(db) as store:
+        app = make_watch_app(store, store.run("ddp"))
+        async with app.run_test(size=(80, 24)) as pilot:
+            summary = app.live.query_one(live_ranks.RanksSummary)
+            await wait_until(pilot, lambda: summary.series.step == 10, timeout=30)
+            assert summary.polls >= 4  # 10 steps, 3 a page
+            assert "loss 20‥21" in summary.summary().plain
