@@ -408,9 +408,10 @@ class MeshStats:
         hist = self._histograms(entries, mm, weights)
         for g in groups:
             dist.all_reduce(hist, group=g)
+        moms, mms, hists = mom.tolist(), mm.tolist(), hist.tolist()  # one read-back each
         for row, i in zip(rows, idxs, strict=True):
-            out[i] = self._stats(mom[row], mm[row], hist[row, :-1], int(hist[row, -1]))
-            bits = int(mom[row, _BITS])
+            out[i] = self._stats(moms[row], mms[row], hists[row][:-1], int(hists[row][-1]))
+            bits = int(moms[row][_BITS])
             self.nonfinite_ranks[i] = [r for r in range(bits.bit_length()) if bits >> r & 1]
 
     @staticmethod
@@ -464,10 +465,12 @@ class MeshStats:
             me = coord[d]
             # along this dimension: plain tensors, and DTensors of a sub-mesh without it
             plain = [i for i, e in enumerate(entries) if e.weights is None or e.weights[d] is None]
-            for i in plain:
-                mine = got[me][i]
-                if any(bool(torch.equal(got[c][i], mine)) for c in range(me)):
-                    w[i] = 0.0
+            if not plain or me == 0:
+                continue
+            idx = torch.tensor(plain)
+            lower = torch.stack(got[:me])[:, idx]  # (me, P, 2): the lower coordinates' pieces
+            replica = (lower == got[me][idx]).all(-1).any(0)  # (P,)
+            w[idx[replica]] = 0.0
         return w
 
     def _histograms(self, entries: list[_Entry], mm: torch.Tensor,
@@ -492,16 +495,16 @@ class MeshStats:
         return hist
 
     @staticmethod
-    def _stats(mom: torch.Tensor, mm: torch.Tensor, hist: torch.Tensor | None,
+    def _stats(mom: list[float], mm: list[float], hist: list[float],
                hist_count: int) -> TensorStats:
-        count, s, ss, nnz, nan, inf, n, _ = mom.tolist()
+        count, s, ss, nnz, nan, inf, n, _ = mom
         count, nan, inf, n = int(count), int(nan), int(inf), int(n)
         if count == 0:
             return TensorStats(numel=n, nan_count=nan, inf_count=inf)
         mean = s / count
         var = max((ss - count * mean * mean) / (count - 1), 0.0) if count > 1 else 0.0
-        lo, hi = -float(mm[0]), float(mm[1])
-        h = [int(v) for v in hist.tolist()] if hist is not None else []
+        lo, hi = -mm[0], mm[1]
+        h = [int(v) for v in hist]
         return _from_moments(n, count, mean, var, lo, hi, ss, nnz, nan, inf, h, hist_count)
 
     # -- parameter records -------------------------------------------------------------------
