@@ -9,7 +9,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["CallbackOptions", "numeric", "plain_config"]
+__all__ = ["CallbackOptions", "lazy_callback", "numeric", "plain_config"]
 
 
 class CallbackOptions:
@@ -76,3 +76,23 @@ def numeric(values: Mapping[str, Any]) -> dict[str, float]:
         if isinstance(v, numbers.Real) and not isinstance(v, bool):
             out[str(k)] = float(v) if math.isfinite(float(v)) else float(v)
     return out
+
+
+def lazy_callback(module: dict[str, Any], make) -> Any:
+    """The module ``__getattr__`` of an integration: ``MdbCallback`` is built by ``make()``
+    (which imports the library it subclasses) on first use and cached in the module's
+    globals ``module``, so importing the integration imports neither library.
+
+    Raises (from the returned function):
+        AttributeError: any other name.
+    """
+
+    def __getattr__(name: str) -> Any:
+        if name == "MdbCallback":
+            cls = make()
+            cls.__module__ = module["__name__"]
+            module["MdbCallback"] = cls
+            return cls
+        raise AttributeError(f"module {module['__name__']!r} has no attribute {name!r}")
+
+    return __getattr__

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from hooks.integrations._common import lazy_callback
+
 __all__ = ["MdbCallback"]  # noqa: F822 (made on first use: __getattr__)
 
 
@@ -120,13 +122,7 @@ def _make() -> type:
                 self.run.finish("interrupted" if isinstance(exception, KeyboardInterrupt)
                                 else "failed", reason=line)
 
-    MdbCallback.__module__ = __name__
     return MdbCallback
 
 
-def __getattr__(name: str) -> Any:
-    if name == "MdbCallback":
-        cls = _make()
-        globals()["MdbCallback"] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_callback(globals(), _make)
