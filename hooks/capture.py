@@ -920,6 +920,12 @@ def capture(
     computes exactly what it computes without them (outputs and gradients are read, never
     replaced). Run forward, and optionally backward, inside the block.
 
+    A sharded model (``DTensor`` parameters: FSDP2 ``fully_shard``, tensor parallel, both on a
+    2-D mesh) is summarised as the whole job's tensors: parameter names and shapes of the
+    unsharded parameters, every statistic reduced exactly across the mesh at exit
+    (:mod:`hooks.dtensor_stats`, a few collectives), so every rank of the mesh must run the
+    capture (and leave it) at the same step.
+
     Args:
         model: any ``torch.nn.Module`` (minillm, HF ``LlamaForCausalLM``/``MixtralForCausalLM``,
             a CNN...).
