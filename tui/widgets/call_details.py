@@ -150,7 +150,8 @@ class CallDetails(VerticalScroll):
         super().__init__(*args, **kwargs)
         self._stepper = None
         self._shown: tuple | None = None
-        self._rendered: dict[tuple, Text] = {}
+        self._rendered: dict[tuple, Text] = {}  # of _rendered_trace's records
+        self._rendered_trace = None
 
     def compose(self):
         yield Static(id="details-body")
@@ -163,7 +164,10 @@ class CallDetails(VerticalScroll):
         self._stepper = stepper
         width = self.scrollable_content_region.width
         width = width if width > 0 else None
-        key = (id(stepper.trace), stepper.direction, stepper.index, width)
+        if stepper.trace is not self._rendered_trace:  # another trace: nothing cached holds
+            self._rendered_trace, self._shown = stepper.trace, None
+            self._rendered.clear()
+        key = (stepper.direction, stepper.index, width)
         if key == self._shown:
             return
         text = self._rendered.get(key)
