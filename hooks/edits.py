@@ -94,7 +94,8 @@ class Edit:
         if self.expert is not None:
             parts.append(f"expert={self.expert}")
         if self.by is not None:
-            parts.append(f"by={self.by:g}")
+            short = f"{self.by:g}"
+            parts.append(f"by={short if float(short) == self.by else repr(self.by)}")
         if self.source is not None:
             parts.append(f"from={self.source}")
         if self.pos is not None:
@@ -135,7 +136,7 @@ def parse_positions(text: str) -> list[int] | slice:
 
 
 def parse_edit(spec: str | Edit) -> Edit:
-    """Parse one edit spec (an :class:`Edit` is returned as is).
+    """Parse one edit spec (an :class:`Edit` is checked as its spec string is).
 
     Args:
         spec: ``"OP MODULE [key=value ...]"``, e.g. ``"zero model.layers.1.self_attn head=3"``.
@@ -147,8 +148,8 @@ def parse_edit(spec: str | Edit) -> Edit:
         ValueError: one line naming the spec and what is wrong (unknown op, missing module,
             unknown or repeated key, a value that is not a number, ``head`` with ``expert``).
     """
-    if isinstance(spec, Edit):
-        return spec
+    if isinstance(spec, Edit):  # checked like a spec string (an Edit can be built by hand)
+        return parse_edit(spec.spec)
     if not isinstance(spec, str):
         raise ValueError(f"an edit is a spec string or a hooks.edits.Edit, got "
                          f"{type(spec).__name__}")

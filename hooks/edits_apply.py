@@ -137,7 +137,9 @@ class Editor:
         """Run the ``patch`` sources (each once, ``no_grad``, random state restored) and put
         the hooks in place."""
         self._record_sources()
-        for i, t in enumerate(self.targets):
+        # each hook is prepended (before the capture's own), so the last registered runs
+        # first: register in reverse, and edits of one module run in the order given
+        for i, t in reversed(list(enumerate(self.targets))):
             if t.kind in ("head", "expert_fused"):
                 self._handles.append(t.module.register_forward_pre_hook(
                     self._pre_hook(i), with_kwargs=True, prepend=True))
@@ -192,6 +194,10 @@ class Editor:
             try:
                 with torch.random.fork_rng(devices=[]), torch.no_grad():
                     self.sources[name].call(self.model)
+            except Exception as exc:  # the model refused the source batch: one line
+                text = " ".join(f"{type(exc).__name__}: {exc}".split())
+                raise ValueError(f"patch source {name!r}: the model raised {text[:300]}") \
+                    from None
             finally:
                 for h in handles:
                     h.remove()
@@ -259,12 +265,11 @@ class Editor:
                 return None
             return _leaf_like(src, x)
         pos = parse_positions(e.pos)
-        if x.dim() < 2 or src.dim() != x.dim() or src.shape[0] != x.shape[0] \
-                or src.shape[2:] != x.shape[2:]:
-            st.why = (f"pos= patches dimension 1 of (B, T, ...) outputs; source "
-                      f"{tuple(src.shape)} vs {tuple(x.shape)}: not patched")
+        if x.dim() < 3 or src.shape != x.shape:
+            st.why = (f"pos= patches the positions T of (B, T, ...) outputs of the source's "
+                      f"shape; source {tuple(src.shape)} vs {tuple(x.shape)}: not patched")
             return None
-        n = min(x.shape[1], src.shape[1])
+        n = x.shape[1]
         try:
             idx = torch.arange(n)[pos] if isinstance(pos, slice) else torch.tensor(
                 [p + n if p < 0 else p for p in pos])

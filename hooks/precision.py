@@ -167,7 +167,7 @@ class PrecisionDiff:
     def lines(self) -> list[str]:
         """The result in a few lines, for a terminal or a log."""
         how = ("a deep copy cast to " + self.dtype if self.how == "cast"
-               else f"fp32 weights under CPU autocast to {self.dtype}")
+               else f"fp32 weights under autocast to {self.dtype}")
         out = [f"precision diff: fp32 (A) against {how} (B)", self.threshold_text]
         if self.loss:
             out.append("loss: " + " · ".join(f"{k} {v:.6g}" for k, v in self.loss.items()))
@@ -188,8 +188,9 @@ def _cast_value(x: Any, dtype: torch.dtype) -> Any:
 def _step(model: nn.Module, batch: Batch, loss_fn, *, autocast: torch.dtype | None) -> tuple[
         Trace, float]:
     """One captured forward and backward; the loss as a float."""
-    ctx = (torch.autocast("cpu", dtype=autocast) if autocast is not None
-           else torch.autocast("cpu", enabled=False))
+    device = next((t.device.type for t in model.parameters()), "cpu")  # CPU or CUDA autocast
+    ctx = (torch.autocast(device, dtype=autocast) if autocast is not None
+           else torch.autocast(device, enabled=False))
     with capture(model, keep_bytes=KEEP_BYTES) as trace:
         with ctx:
             output = batch.call(model)

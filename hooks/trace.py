@@ -195,9 +195,18 @@ class Trace:
                 f"the ops of {module or '<root>'} call {call_index} were not recorded, and this "
                 "trace cannot replay its forward (it was loaded from disk); step in from a live "
                 "`mdb step`, or record them with `mdb capture --ops MODULE`")
+        self._no_edits("the ops of this step")
         ot = record_ops(self.replay, module, call_index, expected=rec.outputs)
         self.op_traces[key] = ot
         return ot
+
+    def _no_edits(self, what: str) -> None:
+        """Refuse an op replay of an edited step (``LookupError``): the replay re-runs the
+        model without the edits, so it would show numbers the edited step did not compute."""
+        if self.edits:
+            raise LookupError(f"{what} cannot be replayed: the step was edited "
+                              f"({'; '.join(e.spec for e in self.edits)}) and the replay "
+                              "runs the model as it is; step in on the unedited step")
 
     def locate_backward_origin(self, loss_of_output) -> BackwardOrigin | None:
         """Find the forward op whose backward produced the first non-finite gradient
@@ -212,6 +221,7 @@ class Trace:
         """
         if self.replay is None:
             raise LookupError("this trace cannot replay its forward (it was loaded from disk)")
+        self._no_edits("the origin of its non-finite gradient")
         self.backward_origin = backward_origin(self.replay, loss_of_output)
         return self.backward_origin
 

@@ -3,6 +3,7 @@ first non-finite call's, the backward origin, and those of the modules ``--ops``
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from tui.commands.workload import Workload
@@ -57,7 +58,12 @@ def capture_step(workload: Workload, *, attention: bool = True, keep_bytes: int 
                             edits=edits, sources=sources)
     except ValueError as exc:  # a bad edit: nothing ran
         raise MdbError(str(exc)) from None
-    with cap as trace:
+    stack = contextlib.ExitStack()
+    try:
+        trace = stack.enter_context(cap)
+    except ValueError as exc:  # a patch source the model refused (it runs on entry)
+        raise ModelError(str(exc)) from None
+    with stack:
         try:
             output = batch.call(model)
         except Exception as exc:  # the user's model: one line with the module and its line

@@ -23,7 +23,7 @@ def header_lines(pd) -> tuple[str, str, str]:
                                    f"none beyond what {pd.dtype} explains")
     nonfinite = "first non-finite: " + (bad.describe() if bad else "none")
     how = (f"B = a copy cast to {pd.dtype}" if pd.how == "cast"
-           else f"B = fp32 weights under CPU autocast to {pd.dtype}")
+           else f"B = fp32 weights under autocast to {pd.dtype}")
     return first, nonfinite, f"{how} · {pd.threshold_text}"
 
 
