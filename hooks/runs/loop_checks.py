@@ -56,6 +56,9 @@ ACCUM_TOL = 0.05
 #: The least-squares fit of the accumulated gradient must explain it to this relative residual,
 #: else the check says nothing (another loss term, stale gradients).
 ACCUM_FIT = 0.05
+#: The smallest factor read as an AMP loss scale (GradScaler starts at 2**16 and halves on
+#: overflow; no loop accumulates 128 micro-batches into one summed loss by mistake unnoticed).
+MIN_LOSS_SCALE = 128
 #: Share of positions whose gradient names the token of one alignment for it to be the one.
 ALIGN_SHARE = 0.9
 #: Names listed in one line at most (the evidence keeps them all).
@@ -297,14 +300,20 @@ def accumulation_findings(step: int, accumulated: torch.Tensor, per_batch: list[
     norm = float(acc.norm())
     if k == 0 or norm == 0 or not math.isfinite(norm):
         return []
-    a = torch.linalg.lstsq(gm @ gm.T, (gm @ acc).unsqueeze(1)).solution.squeeze(1)
-    resid = float((acc - a @ gm).norm()) / norm
+    a = torch.linalg.lstsq(gm.T, acc.unsqueeze(1)).solution.squeeze(1)  # not the normal
+    resid = float((acc - a @ gm).norm()) / norm  # equations: they square the conditioning
     if resid > ACCUM_FIT:
         return []
     total = sum(tokens)
     w = torch.tensor([n / total for n in tokens], dtype=torch.float64)
     scale = float(a.sum())
+    loss_scale = _loss_scale(scale)
+    if loss_scale > 1:  # a GradScaler's power of two: judge the weights, not the factor
+        a, scale = a / loss_scale, scale / loss_scale
     ref = w @ gm
+    # the weights are only told apart where the one-batch gradient (at the fitted scale)
+    # really misses .grad: nearly parallel micro-batch gradients fit many weight vectors
+    misses = float((acc - scale * loss_scale * ref).norm()) / norm > ACCUM_FIT
     cos = float(acc @ ref) / (norm * float(ref.norm()) + 1e-300)
     nums = {"weights": [round(float(x), 6) for x in a], "expected": [round(float(x), 6)
             for x in w], "tokens": tokens, "factor": round(scale, 6), "cosine": round(cos, 8),
@@ -314,12 +323,12 @@ def accumulation_findings(step: int, accumulated: torch.Tensor, per_batch: list[
     evidence = (f"{k} micro-batch(es), tokens {tokens}; .grad = Σ a_i·g_i with a = [{ws}]; "
                 f"as one batch a = [{es}]; cosine(.grad, one-batch gradient) = {cos:.6f}")
     left = [i for i in range(k) if abs(float(a[i])) < ACCUM_TOL * float(a.abs().max())]
-    if left:
+    if left and misses:
         return [finding("grad_accumulation", step, "micro-batches",
                         f"micro-batch(es) {', '.join(str(i + 1) for i in left)} of {k} left "
                         f"out of the accumulated gradient at step {step} (its forward ran, its "
                         "loss never reached .grad)", evidence, **nums)]
-    if scale > 0 and float((a / scale - w).abs().max()) > ACCUM_TOL * float(w.max()):
+    if misses and scale > 0 and float((a / scale - w).abs().max()) > ACCUM_TOL * float(w.max()):
         same = float((a - a.mean()).abs().max()) < ACCUM_TOL * float(a.abs().max())
         why = ("each micro-batch's loss is a mean over its own tokens, and the counts differ: "
                "normalise by the window's total token count" if same and len(set(tokens)) > 1
@@ -329,7 +338,7 @@ def accumulation_findings(step: int, accumulated: torch.Tensor, per_batch: list[
         return [finding("grad_accumulation", step, "micro-batch weights",
                         f"the accumulated gradient at step {step} points elsewhere than the "
                         f"one-batch gradient (cosine {cos:.4f}): {why}", evidence, **nums)]
-    if abs(scale - 1) > ACCUM_TOL:
+    if abs(scale - 1) > ACCUM_TOL and loss_scale == 1:
         if usual and k < usual and abs(scale - k / usual) < ACCUM_TOL * k / usual:
             why = (f"a last window of {k} micro-batches divided by the full count {usual}: "
                    f"divide by {k}")
@@ -341,6 +350,17 @@ def accumulation_findings(step: int, accumulated: torch.Tensor, per_batch: list[
                         f"the accumulated gradient at step {step} is {scale:.3g}x the "
                         f"one-batch gradient: {why}", evidence, **nums)]
     return []
+
+
+def _loss_scale(factor: float) -> float:
+    """The power of two ≥ :data:`MIN_LOSS_SCALE` that ``factor`` equals (to
+    :data:`ACCUM_TOL`): an AMP ``GradScaler``'s loss scale left in ``.grad`` until
+    ``unscale_``; else 1. (A summed loss times a loss scale is a power of two too: such a
+    factor is not judged.)"""
+    if factor < MIN_LOSS_SCALE:
+        return 1.0
+    power = 2.0 ** round(math.log2(factor))
+    return power if abs(factor / power - 1) < ACCUM_TOL else 1.0
 
 
 def low_precision_accumulation(step: int, accumulated: torch.Tensor,

@@ -649,7 +649,10 @@ class Run(RunControls):
         if self._doctor is not None:
             self._doctor_findings(close=True)
             self._doctor = None
-        if optimizer is not None and self.rank == 0:  # the loop doctor (rank 0 writes)
+        if optimizer is not None and self.rank == 0 and self._sharded(self._model):
+            self._say(f"run {self.name}: the loop doctor is off for a sharded (FSDP2/tensor-"
+                      "parallel) model: its checks would run collectives on rank 0 alone")
+        elif optimizer is not None and self.rank == 0:  # the loop doctor (rank 0 writes)
             sentinel = self._sentinel
             self._doctor = LoopWatch(self._model, optimizer, scheduler,
                                      capture=lambda: self._capture,
@@ -658,6 +661,14 @@ class Run(RunControls):
             self._doctor_findings(close=False)
         if not self._closed and nxt % every == 0:
             self._start_capture(nxt)
+
+    @staticmethod
+    def _sharded(model: Any) -> bool:
+        """Whether ``model`` holds DTensor parameters (FSDP2, tensor parallel): the loop
+        doctor's replays and gradient norms would be collectives that only rank 0 issues."""
+        from hooks.dtensor_stats import sharded_parameters
+
+        return bool(sharded_parameters(model))
 
     def _doctor_findings(self, *, close: bool) -> None:
         """Close the loop doctor's window (``close``: detach it for good) and hand its

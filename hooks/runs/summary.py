@@ -229,9 +229,10 @@ def history(conn: sqlite3.Connection, run_id: int, buckets: int) -> History:
     buckets = max(1, int(buckets))
     width = -(-(last - first + 1) // buckets)
     if width >= BLOCK:
-        k = -(-width // BLOCK)
+        base = first >> BLOCK_BITS  # buckets of whole blocks start at first's block
+        per_bucket = -(-(last - (base << BLOCK_BITS) + 1) // buckets)  # steps, rounded up
+        k = -(-per_bucket // BLOCK)  # whole blocks a bucket
         width = k * BLOCK
-        base = first >> BLOCK_BITS
         rows = conn.execute(
             "SELECT metric, max(last_step), sum(count), sum(n), total(total), min(lo), max(hi)"
             " FROM blocks WHERE run_id = ? GROUP BY metric, (block - ?) / ?"

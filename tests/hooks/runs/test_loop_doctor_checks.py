@@ -398,3 +398,46 @@ def test_an_instance_method_patched_before_is_restored(db):
             o.zero_grad()
             run.log(loss=1.0)
     assert vars(o)["zero_grad"] is mine and len(calls) == 2  # called through the wrapper
+
+
+def test_an_amp_grad_scaler_is_not_a_gradient_scale_bug(db):
+    """A GradScaler's loss scale stays in ``.grad`` until ``unscale_``: a healthy AMP loop
+    (loss / ga, unscale_, clipping, scaler.step) gets no accumulation finding."""
+
+    def loop(run):
+        torch.manual_seed(0)
+        m = TinyLM(p=0.0)
+        o = torch.optim.AdamW(no_decay_groups(m), lr=1e-3, weight_decay=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        run.watch(m, every=1, optimizer=o)
+        data = batches(8)
+        for step in range(3):
+            for i in range(2):
+                _, loss = m(**data[2 * step + i])
+                scaler.scale(loss / 2).backward()
+            scaler.unscale_(o)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            scaler.step(o)
+            scaler.update()
+            o.zero_grad()
+            run.log(loss=loss)
+
+    assert _only(run_loop(db, loop), "grad_accumulation") == []
+
+
+def test_nearly_parallel_micro_batch_gradients_are_not_a_direction_change():
+    """Two micro-batch gradients 1e-4 apart, .grad their proper mean plus noise 3e-3: many
+    weight vectors fit, and the one-batch gradient explains .grad: nothing to report (the
+    normal equations' fit read [0.69, 0.31] here)."""
+    from hooks.runs.loop_checks import accumulation_findings
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(4000, generator=g, dtype=torch.float64)
+    g1, g2 = base, base + 1e-4 * torch.randn(4000, generator=g, dtype=torch.float64)
+    acc = 0.5 * g1 + 0.5 * g2 + 3e-3 * torch.randn(4000, generator=g, dtype=torch.float64)
+    assert accumulation_findings(1, acc.float(), [g1.float(), g2.float()], [10, 10], 2) == []
+    # a real direction change (means over 10 and 30 tokens) on distinct gradients is found
+    g3 = torch.randn(4000, generator=g, dtype=torch.float64)
+    found = accumulation_findings(1, (0.5 * g1 + 0.5 * g3).float(), [g1.float(), g3.float()],
+                                  [10, 30], 2)
+    assert [f["subject"] for f in found] == ["micro-batch weights"]
