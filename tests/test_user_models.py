@@ -57,3 +57,22 @@ def test_a_model_file_imports_the_module_beside_it(tmp_path, monkeypatch, capsys
     assert main(["summary", "--model", "proj/factory.py:build"]) == 0
     out = capsys.readouterr()
     assert "Net from factory.py:build" in out.out and "fc" in out.out and out.err == ""
+
+
+def test_folders_named_like_mdbs_packages_beside_the_model_do_not_shadow_them(tmp_path):
+    """``--model DIR/m.py:build`` puts DIR on sys.path; a ``minillm/`` or ``hooks/`` folder
+    there (as ``tests/`` has) must not take the place of mdb's own packages."""
+    from tests.processes import run_mdb
+
+    for name in ("minillm", "hooks"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("raise ImportError('the wrong package')\n")
+    (tmp_path / "m.py").write_text(
+        "import torch\nfrom minillm import MiniLLM, load_preset\n\n\n"
+        "def build():\n    torch.manual_seed(0)\n    model = MiniLLM(load_preset('tiny'))\n"
+        "    return model, torch.randint(0, 256, (1, 8))\n")
+    elsewhere = tmp_path / "cwd"  # not the model's folder: python -m puts the cwd first
+    elsewhere.mkdir()
+    proc = run_mdb(["summary", "--model", f"{tmp_path}/m.py:build"], cwd=elsewhere, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    assert "MiniLLM" in proc.stdout

@@ -152,7 +152,12 @@ def _import_factory_module(spec: str, module_name: str):
     """The module of ``--model``: a ``.py`` file (or a path) run as a module, with the file's
     folder put first on ``sys.path`` (and left there, as ``python FILE`` does) so that it and
     its factory import the modules beside it; else imported by name from the current directory
-    or ``sys.path``. Any failure -> one MdbError line."""
+    or ``sys.path``. mdb's own packages are bound first (their ``__init__`` is cheap), so a
+    folder ``hooks/`` or ``minillm/`` beside the file does not take their place. Any failure ->
+    one MdbError line."""
+    import hooks  # noqa: F401  (bound before the user's folder joins sys.path)
+    import minillm  # noqa: F401
+
     try:
         if module_name.endswith(".py") or os.sep in module_name:
             path = Path(module_name)
