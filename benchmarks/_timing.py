@@ -37,3 +37,17 @@ def report(times: dict[str, list[float]], baseline: str) -> dict[str, float]:
             f"IQR [{q[0] * 1e3:.2f}, {q[2] * 1e3:.2f}] ms  ratio to {baseline}: {ratio:.3f}"
         )
     return med
+
+
+def preset_workload(preset: str, batch_size: int, seq_len: int):
+    """The workload ``mdb step --preset PRESET --batch-size B --seq-len T`` builds (model,
+    batch, loss): what the step view's benchmarks time."""
+    import argparse
+
+    from tui.commands.options import add_model_arguments
+    from tui.commands.workload import build_workload
+
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    return build_workload(parser.parse_args(["--preset", preset, "--batch-size", str(batch_size),
+                                             "--seq-len", str(seq_len)]))

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _timing import interleaved, report  # noqa: E402
+from _timing import interleaved, preset_workload, report  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,14 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     import hooks
     from hooks.edits_run import rerun_edited
     from tui.commands.capturing import capture_step
-    from tui.commands.options import add_model_arguments
-    from tui.commands.workload import build_workload
 
-    p = argparse.ArgumentParser()
-    add_model_arguments(p)
-    workload = build_workload(p.parse_args(["--preset", args.preset, "--batch-size",
-                                            str(args.batch_size), "--seq-len",
-                                            str(args.seq_len)]))
+    workload = preset_workload(args.preset, args.batch_size, args.seq_len)
     model, batch = workload.model, workload.batch
     step = capture_step(workload, attention=True)  # the step view's trace (A), as mdb step
     model.zero_grad(set_to_none=True)

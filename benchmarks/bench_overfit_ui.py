@@ -32,8 +32,8 @@ latency (a ``mdb overfit --headless`` writer subprocess, a reader polling ``RunS
 every 100 ms: time from a step's commit to the reader seeing it; goal < 0.5 s), and the same
 through the ``mdb watch`` screen (the real app under Textual's headless driver at 80×24: time
 from a step's commit to the screen holding it, for every new step it shows while the writer
-runs; goal < 0.5 s — the bound ``tests/tui/commands/test_watch.py`` asserted before it moved here, since a
-wall-clock bound fails on a loaded machine).
+runs; goal < 0.5 s — the bound ``tests/tui/commands/test_watch.py`` asserted before it moved
+here, since a wall-clock bound fails on a loaded machine).
 """
 
 from __future__ import annotations

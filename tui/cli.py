@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         # `mdb step ...` builds step's parser only (the start-up of mdb step, issue 25)
         parser = build_parser(words[0] if words and words[0] in COMMANDS else None)
         args = parser.parse_args(argv)
-        args._argv = list(argv) if argv is not None else sys.argv[1:]  # the trainer's
+        args._argv = words  # the trainer's
         if not getattr(args, "_run", None):
             parser.print_help()
             return 0
