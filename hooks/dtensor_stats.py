@@ -137,6 +137,18 @@ _WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _EMPTY = torch.zeros(0)
 
 
+_POSITIONS = torch.zeros(0, dtype=torch.int64)
+
+
+def _positions(n: int, device: torch.device) -> torch.Tensor:
+    """``1, 2, …, n`` as int64 on ``device`` (cached: the longest asked for so far, sliced)."""
+    global _POSITIONS
+    if _POSITIONS.numel() < n or _POSITIONS.device != device:
+        size = max(n, 2 * _POSITIONS.numel() if _POSITIONS.device == device else n)
+        _POSITIONS = torch.arange(1, size + 1, dtype=torch.int64, device=device)
+    return _POSITIONS[:n]
+
+
 def _flat(x: torch.Tensor) -> torch.Tensor:
     if x.dtype is not torch.float32 and x.dtype is not torch.float64:
         x = x.float()
@@ -334,13 +346,16 @@ class MeshStats:
 
     @staticmethod
     def _fingerprint(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """(checksum, shape hash): the sum of the elements' bit patterns as integers of their
-        width, in int64 (as ``hooks.runs.rank_checksums.tensor_checksum``), and the shape."""
+        """(checksum, shape hash): the elements' bit patterns as integers of their width, each
+        times its position + 1, summed in int64 (wrapping), and the shape. Weighting by position
+        makes the checksum tell a reordering apart: the embeddings of a cyclic shift of the
+        same tokens (the windows of a periodic text) have the same plain sum of bits."""
         y = x.reshape(-1)
         if y.dtype == torch.bool:
             y = y.view(torch.uint8)
         width = _WIDTH[y.element_size()]
-        bits = (y if y.dtype == width else y.view(width)).sum(dtype=torch.int64)
+        ints = (y if y.dtype == width else y.view(width)).to(torch.int64)
+        bits = (ints * _positions(ints.numel(), ints.device)).sum()
         return bits, hash(tuple(x.shape)) & 0x7FFFFFFFFFFF
 
     # -- parameters --------------------------------------------------------------------------

@@ -136,6 +136,25 @@ def _rows_by_module(trace):
     return rows_by_module(trace)
 
 
+def job_wide_line(tensors: list[tuple[str, list[int], object]]) -> Text | None:
+    """A line for statistics taken over more values than the shape shown holds: in a sharded
+    job (FSDP2, tensor parallel) an activation's statistics are those of the whole job's tensor
+    (every rank's batch), while its shape is this rank's. ``tensors``: (label, shape,
+    TensorStats | None); ``None`` when every count matches its shape."""
+    wide = []
+    for label, shape, st in tensors:
+        n = 1
+        for d in shape:
+            n *= d
+        if st is not None and st.numel != n:
+            wide.append(f"{label} {st.numel:,} values (this rank's "
+                        f"{fmt.dims(shape)}: {n:,})")
+    if not wide:
+        return None
+    return Text("statistics of the whole job's tensor, every rank's piece: " + "; ".join(wide),
+                style="dim")
+
+
 def section(title: str) -> Text:
     return Text(f"── {title} ", style="bold")
 
@@ -203,6 +222,10 @@ class CallDetails(VerticalScroll):
             out = call.output(g.output)
             parts.append(section(f"statistics · {g.output} and its gradient"))
             parts.append(stats_table([("value", out.stats if out else None), ("∇ grad", g.stats)]))
+            wide = job_wide_line(([("value", out.shape, out.stats)] if out else [])
+                                 + [("∇ grad", g.shape, g.stats)])
+            if wide is not None:
+                parts.append(wide)
             hist = histogram_block(f"∇ gradient of {g.output} {fmt.shape(g.shape)}", g.stats)
         else:
             shown = [t for t in call.outputs if t.stats is not None][:MAX_STAT_COLUMNS]
@@ -211,6 +234,10 @@ class CallDetails(VerticalScroll):
                 # under "statistics of the outputs" the common "out." goes: loss, logits
                 parts.append(stats_table([(t.path.removeprefix("out."), t.stats)
                                           for t in shown]))
+                wide = job_wide_line([(t.path.removeprefix("out."), t.shape, t.stats)
+                                      for t in shown])
+                if wide is not None:
+                    parts.append(wide)
                 extra = len(call.outputs) - len(shown)
                 if extra > 0:
                     parts.append(Text(f"… {extra} more output(s)", style="dim"))
