@@ -24,6 +24,7 @@ from tui.screens.help import HelpScreen
 from tui.screens.router import RouterScreen
 from tui.screens.step import StepScreen
 from tui.widgets import fmt
+from tui.widgets.call_details import CallDetails
 
 SIZE = (80, 24)
 
@@ -100,7 +101,7 @@ async def test_backward_steps_in_autograd_order_and_shows_gradient(tiny):
         await pilot.press("n", "n", "n", "n")
         g = trace.backward[4]
         assert step.stepper.current is g
-        text = str(step.query_one("#details-body", Static).render())
+        text = str(step.query_one("#details", CallDetails).text)
         assert "∇ grad" in text
         assert fmt.sci(g.stats.l2) in text  # the gradient's own statistics are shown
         await pilot.press("b")  # back to the forward call of this gradient
@@ -115,7 +116,7 @@ async def test_details_show_shapes_stats_and_params(tiny):
     async with app.run_test(size=SIZE) as pilot:
         app.screen.jump(call.module)
         await pilot.pause()
-        text = str(app.screen.query_one("#details-body", Static).render())
+        text = str(app.screen.query_one("#details", CallDetails).text)
         out = call.outputs[0]
         assert fmt.shape(out.shape) in text and out.dtype in text
         assert fmt.shape(call.inputs[0].shape) in text

@@ -22,6 +22,7 @@ from tui.app import make_step_app
 from tui.commands.capturing import capture_step
 from tui.commands.workload import Workload
 from tui.widgets import fmt
+from tui.widgets.call_details import CallDetails
 
 SIZE = (80, 24)
 
@@ -156,7 +157,7 @@ async def test_gradients_view_few_tokens_vanishing_and_not_called():
         # the step view's parameter table on module b says the same
         app.screen.jump("b")
         await pilot.pause()
-        details = str(app.screen.query_one("#details-body", Static).render())
+        details = str(app.screen.query_one("#details", CallDetails).text)
         assert "◦ few tokens" in details
 
 

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from rich.cells import cell_len
 from rich.text import Text
-from textual.containers import VerticalScroll
-from textual.widgets import Static
+from textual.geometry import Size
+from textual.scroll_view import ScrollView
+from textual.selection import Selection
+from textual.strip import Strip
+from textual.visual import Visual, visualize
 
 from tui.widgets import fmt
 from tui.widgets.module_tree import main_output
@@ -159,8 +162,15 @@ def section(title: str) -> Text:
     return Text(f"── {title} ", style="bold")
 
 
-class CallDetails(VerticalScroll):
-    """The details pane of the step view; :meth:`show` redraws it for the stepper's position."""
+class CallDetails(ScrollView, can_focus=True):
+    """The details pane of the step view; :meth:`show` redraws it for the stepper's position.
+
+    A Line API widget (:class:`textual.scroll_view.ScrollView`): it renders its own lines and
+    keeps its size whatever their number, so a key press repaints the pane without a layout
+    pass (a pane sized by its content took a second layout, and a second frame, whenever the
+    new record had another number of lines). Its vertical scroll bar's column is always kept
+    (``scrollbar-gutter: stable`` in ``app.tcss``): the bar appearing or going costs no reflow.
+    """
 
     #: Rendered records kept per pane (a key press back to one of them skips rendering it).
     CACHE_SIZE = 256
@@ -171,9 +181,10 @@ class CallDetails(VerticalScroll):
         self._shown: tuple | None = None
         self._rendered: dict[tuple, Text] = {}  # of _rendered_trace's records
         self._rendered_trace = None
-
-    def compose(self):
-        yield Static(id="details-body")
+        self._strips: list[Strip] | None = None  # self.text rendered at self._strips_width
+        self._strips_width = 0
+        #: what the pane shows (a Rich ``Text``; tests read it)
+        self.text: Text = Text()
 
     def show(self, stepper) -> None:
         """Render the details of ``stepper``'s current record (a call, or a gradient).
@@ -195,7 +206,54 @@ class CallDetails(VerticalScroll):
                 self._rendered.clear()
             text = self._rendered[key] = self.render_details(stepper, width)
         self._shown = key
-        self.query_one("#details-body", Static).update(text)
+        self.update(text)
+
+    def update(self, text: Text) -> None:
+        """Show ``text`` (wrapped to the pane's width); repaints the pane, and lays it out
+        again only when its vertical scroll bar appears or goes."""
+        self.text = text
+        self._strips = None
+        if self.scrollable_content_region.width <= 0:  # not laid out yet: drawn on resize
+            return
+        lines = self._render_strips()
+        size = Size(self._strips_width, len(lines))
+        if size != self.virtual_size:
+            # set without Textual's layout pass (the pane's own size does not change): only
+            # the scroll bar follows the new height
+            self.set_reactive(CallDetails.virtual_size, size)
+            self._scroll_update(size)
+        self.refresh()
+
+    def _render_strips(self) -> list[Strip]:
+        width = max(self.scrollable_content_region.width, 1)
+        if self._strips is None or self._strips_width != width:
+            self._strips_width = width
+            self._strips = Visual.to_strips(self, visualize(self, self.text), width, None,
+                                            self.visual_style, apply_selection=False)
+        return self._strips
+
+    def render_line(self, y: int) -> Strip:
+        """Line ``y`` of the pane (scrolled), as a Line API widget draws it."""
+        lines = self._render_strips()
+        y += self.scroll_offset.y
+        width = self._strips_width
+        if y >= len(lines):
+            return Strip.blank(width, self.visual_style.rich_style)
+        if self.text_selection is not None:  # drawn with the selection, not cached
+            lines = Visual.to_strips(self, visualize(self, self.text), width, None,
+                                     self.visual_style)
+        return lines[y].crop_extend(0, width, self.visual_style.rich_style).apply_offsets(0, y)
+
+    def get_selection(self, selection: Selection) -> tuple[str, str] | None:
+        """The selected part of the pane's text (mouse selection and copy)."""
+        return selection.extract(self.text.plain), "\n"
+
+    def selection_updated(self, selection: Selection | None) -> None:
+        self.refresh()
+
+    def notify_style_update(self) -> None:
+        super().notify_style_update()
+        self._strips = None  # drawn in the old style (focus tint)
 
     def on_resize(self) -> None:
         if self._stepper is not None:  # redrawn only when the width changed (see show)
