@@ -692,6 +692,9 @@ class Run(RunControls):
             "step": step,
             "description": f"run {self.name} · {type(model).__name__}",
         }
+        if self.world_size > 1:  # shapes, routing and attention are this rank's batch
+            meta["description"] += f" · rank {self.rank} of {self.world_size}"
+            meta["rank"], meta["world_size"] = self.rank, self.world_size
         try:
             cap = capture(model, step=step, meta=meta, **self._capture_options)
             cap.start()

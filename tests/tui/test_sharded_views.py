@@ -74,6 +74,9 @@ async def test_step_view_of_a_sharded_capture_shows_unsharded_parameters_and_say
         cfg = MiniLLMConfig.from_dict(run.config["resolved_model_config"])
         stored = {p["name"]: p for p in store.internals(run.id, 10)["params"]}
     reference = {n: list(p.shape) for n, p in MiniLLM(cfg).named_parameters()}
+    # whose batch the shapes, routing and attention are
+    assert trace.meta["description"].endswith(" · rank 0 of 2")
+    assert (trace.meta["rank"], trace.meta["world_size"]) == (0, 2)
     stepper = Stepper(trace)
     assert stepper.jump_module("model.embed_tokens")
     text = CallDetails.render_details(stepper, 200).plain.replace("\n", " ")
