@@ -98,6 +98,25 @@ class MdbScreen(Screen):
         if widget is not None and widget.is_attached and self.focused is None:
             self.set_focus(widget)
 
+    def flush_repaints(self) -> None:
+        """Hand the screen now every repaint its widgets asked for during this action, so that
+        they all land in one frame.
+
+        Textual delivers a widget's ``refresh()`` to the screen from that widget's own task,
+        when it is next idle: after a key press that changed several widgets, the screen's 60
+        fps timer could draw a frame with some of them and a second one, a timer period later,
+        with the rest (the hint line, a scroll bar). Widgets with nothing pending are left
+        alone; on a Textual without the private hook this does nothing."""
+        for widget in self.walk_children(with_self=False):
+            for w in (widget, getattr(widget, "_vertical_scrollbar", None),
+                      getattr(widget, "_horizontal_scrollbar", None)):
+                if w is None or not (getattr(w, "_repaint_required", False)
+                                     or getattr(w, "_layout_required", False)):
+                    continue
+                check = getattr(w, "_check_refresh", None)
+                if check is not None:
+                    check()
+
     def hint(self, text: str) -> None:
         """Show ``text`` in the hint line above the footer (empty string clears it). The line
         is one row high (``app.tcss``): a new text repaints it without a layout, the same text

@@ -241,7 +241,8 @@ class RouterScreen(LayerViewScreen):
         lines += [f"rule: {rec.rule_text()}", source_line(rec)]
         if rec.note:
             lines.append(rec.note)
-        self.query_one("#router-summary", Static).update("\n".join(lines))
+        # its height is the side's rest (app.tcss), whatever the text: repainted, no layout
+        self.query_one("#router-summary", Static).update("\n".join(lines), layout=False)
 
     def _model_layer_aux(self) -> float | None:
         """This layer's aux loss as the model returned it

@@ -145,10 +145,13 @@ class StepScreen(MdbScreen):
         if st.current is not None:
             self.post_message(messages.Moved(st.direction, st.index, st.module))
 
-    def _moved(self, ok: bool, why: str) -> None:
-        self.hint("" if ok else why)
+    def _moved(self, ok: bool, why: str, hint: str = "") -> None:
+        """After a move: ``hint`` (``why`` when it did not move), the view redrawn, and every
+        widget's repaint handed to the screen at once (one frame per key)."""
+        self.hint(hint if ok else why)
         if ok:
             self.refresh_view()
+        self.flush_repaints()
 
     # -- actions --------------------------------------------------------------------------------
     def action_next(self) -> None:
@@ -168,9 +171,9 @@ class StepScreen(MdbScreen):
 
     def action_toggle_pass(self) -> None:
         ok = self.stepper.toggle_pass()
-        self._moved(ok, "no backward pass recorded in this trace")
-        if ok and self.stepper.direction == "backward":
-            self.hint("backward: gradients in the order autograd produced them · b returns")
+        self._moved(ok, "no backward pass recorded in this trace",
+                    "backward: gradients in the order autograd produced them · b returns"
+                    if self.stepper.direction == "backward" else "")
 
     def action_first_nonfinite(self) -> None:
         hit = self.stepper.first_nonfinite()
@@ -179,6 +182,7 @@ class StepScreen(MdbScreen):
             return
         self.refresh_view()
         self.hint(f"✗ first non-finite: {hit.describe()}{self._origin_text(hit)}")
+        self.flush_repaints()
 
     def _origin_text(self, hit) -> str:
         """`` · made by SqrtBackward0 (forward sqrt at m.py:9: ...) · i steps in`` for a

@@ -168,8 +168,9 @@ class CallDetails(ScrollView, can_focus=True):
     A Line API widget (:class:`textual.scroll_view.ScrollView`): it renders its own lines and
     keeps its size whatever their number, so a key press repaints the pane without a layout
     pass (a pane sized by its content took a second layout, and a second frame, whenever the
-    new record had another number of lines). Its vertical scroll bar's column is always kept
-    (``scrollbar-gutter: stable`` in ``app.tcss``): the bar appearing or going costs no reflow.
+    new record had another number of lines). Its vertical scroll bar is always shown (empty
+    when everything fits; ``overflow-y: scroll`` in ``app.tcss``): a bar appearing or going
+    would cost a reflow.
     """
 
     #: Rendered records kept per pane (a key press back to one of them skips rendering it).
