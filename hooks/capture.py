@@ -116,7 +116,12 @@ class Capture:
 
     Prefer :func:`capture`, which builds one. ``start()``/``stop()`` are the same as
     ``__enter__``/``__exit__`` for code that cannot use ``with``.
+
+    ``Capture.background`` (default True): CPU statistics are taken on hooks.stats' worker
+    thread while the model runs; False takes them in the hooks (benchmarks compare the two).
     """
+
+    background = True
 
     def __init__(
         self,
@@ -218,9 +223,13 @@ class Capture:
             raise ValueError(f"the model has no data: {no_data} is on the meta device; "
                              "materialise it first: model.to_empty(device='cpu'), then "
                              "initialise or load its weights")
-        self._batch = StatsBatch(bins=self.bins)
         # a sharded model (DTensor parameters): full-tensor statistics reduced across the mesh
         self._dist = MeshStats.for_model(self.model, self.bins)
+        # CPU statistics on the worker thread (hooks.stats), checked against in-place writes
+        self._bg = self.background and self._dist is None
+        self._batch = StatsBatch(bins=self.bins, background=self._bg)
+        self._param_jobs: dict[str, tuple[torch.Tensor, torch.Tensor, int, int]] = {}
+        self._drain_queued = False
         self._pending: list[tuple[Any, int]] = []  # (TensorInfo | GradRecord, slot)
         self._cache: dict[Any, tuple[weakref.ref, int, int]] = {}
         self._counts: dict[str, int] = {}
@@ -306,6 +315,8 @@ class Capture:
             rec.notes.append("call did not finish (an exception unwound it)")
         self._stack.clear()
         self._rstack.clear()
+        self._drain()
+        modified, errors = set(self._batch.modified), dict(self._batch.errors)
         results = self._batch.finalize()
         if self._dist is not None:
             named = named_parameters(self._modules) if self.params else []
@@ -314,6 +325,8 @@ class Capture:
             results = self._results = Results(results, self._dist.finalize(tr))
         for obj, slot in self._pending:
             obj.stats = results[slot]
+        if modified or errors:
+            self._note_unread(modified, errors)
         self._pending.clear()
         self._finish_recompute(results)
         self._finish_fast_path()
@@ -360,7 +373,56 @@ class Capture:
             return False
         return any(fnmatch.fnmatchcase(name, p) or name.startswith(p + ".") for p in a)
 
-    def _slot(self, t: torch.Tensor) -> int | None:
+    def _drain(self) -> None:
+        """Wait for the worker's statistics; drop those of tensors written in place since their
+        hook (``StatsBatch.drain``); check the parameters' the same way, recomputing any whose
+        gradient or weight moved (from the values they hold now, which backward produced)."""
+        self._drain_queued = False
+        if not self._bg:
+            return
+        self._batch.drain()
+        for name, (g, w, gv, wv) in self._param_jobs.items():
+            if g._version != gv or w._version != wv:
+                self._param_stats((name, g, w))
+        self._param_jobs.clear()
+
+    def _drain_after_backward(self) -> None:
+        try:
+            self._drain()
+        except Exception as exc:  # pragma: no cover - never break the user's backward
+            self._error("", exc)
+
+    def _queue_drain(self) -> None:
+        """At the end of this backward pass (autograd's queue_callback), wait for the worker:
+        parameters are checked before an optimizer can change them, and tensors are freed."""
+        if not self._drain_queued and self._bg:
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    self._drain_after_backward)
+                self._drain_queued = True
+            except RuntimeError:  # not inside a backward pass: drained at stop
+                pass
+
+    def _note_unread(self, modified: set[int], errors: dict[int, str]) -> None:
+        """Notes for statistics the worker did not keep: written in place after the hook, or
+        failed."""
+        tr = self.trace
+        unread = {id(obj): slot for obj, slot in self._pending if slot in modified}
+        where = [f"{r.module or '<root>'}#{r.call_index} {t.path}" for r in tr.forward
+                 for t in (*r.inputs, *r.outputs) if id(t) in unread]
+        where += [f"{g.module or '<root>'}#{g.call_index} grad {g.path}" for g in tr.backward
+                  if id(g) in unread]
+        if where:
+            tr.notes.append(Note(
+                "modified_in_place",
+                f"{len(where)} tensor(s) were written in place after their hook, before the "
+                "statistics worker read them: statistics not recorded (never numbers of "
+                f"values the module did not return); first: {', '.join(where[:3])}"))
+        if errors:
+            tr.notes.append(Note("hook_error", f"statistics of {len(errors)} tensor(s) failed on "
+                                 f"the worker thread: {next(iter(errors.values()))}"))
+
+    def _slot(self, t: torch.Tensor, sync: bool = False) -> int | None:
         # A tensor seen before (the same object, or a contiguous view of the same memory, e.g.
         # ``x.reshape(-1, d)`` passed on to the next module) reuses its statistics, as long as
         # the first tensor is alive (its memory cannot have been reused) and neither was
@@ -377,7 +439,7 @@ class Capture:
         hit = self._cache.get(key)
         if hit is not None and hit[0]() is not None and hit[1] == version:
             return hit[2]
-        slot = self._add(t)
+        slot = self._add(t, sync)
         if slot is not None:
             try:
                 self._cache[key] = (weakref.ref(t), version, slot)
@@ -385,12 +447,12 @@ class Capture:
                 pass
         return slot
 
-    def _add(self, t: torch.Tensor) -> int | None:
-        return self._batch.add(t) if self._dist is None else self._dist.add(t)
+    def _add(self, t: torch.Tensor, sync: bool = False) -> int | None:
+        return self._batch.add(t, sync) if self._dist is None else self._dist.add(t)
 
-    def _info(self, path: str, t: torch.Tensor) -> TensorInfo:
+    def _info(self, path: str, t: torch.Tensor, sync: bool = False) -> TensorInfo:
         info = TensorInfo(path, list(t.shape), dtype_name(t.dtype), t.requires_grad)
-        slot = self._slot(t)
+        slot = self._slot(t, sync)
         if slot is not None:
             self._pending.append((info, slot))
         return info
@@ -449,7 +511,12 @@ class Capture:
                     find_tensors(kwargs, "kwargs", tensors, others)
                 if self._dist is not None:  # names the tensors across ranks
                     self._dist.where = f"{name}#{ci}/in"
-                rec.inputs = [self._info(p, t) for p, t in tensors]
+                # an in-place module (ReLU(inplace=True)) overwrites its inputs: their
+                # statistics are taken now, and earlier tensors read before it runs
+                sync = self._bg and getattr(module, "inplace", False) is True
+                if sync:
+                    self._drain()
+                rec.inputs = [self._info(p, t, sync) for p, t in tensors]
                 self._sigs[rec.index] = _signature(tensors)
             stack.append(rec)
             self._t0.append(time.perf_counter())
@@ -533,6 +600,8 @@ class Capture:
             )
             if self._dist is not None:
                 self._dist.where = f"{rec.module}#{rec.call_index}/grad {path}"
+            elif not self._drain_queued:
+                self._queue_drain()
             slot = self._slot(grad)  # hooks on one tensor share one gradient object
             if slot is not None:
                 self._pending.append((g, slot))
@@ -566,9 +635,27 @@ class Capture:
                 w = w.to(g.dtype)
             gf = g.view(-1) if g.is_contiguous() else g.reshape(-1)
             wf = w.view(-1) if w.is_contiguous() else w.reshape(-1)
+            if self._bg and gf.is_cpu and wf.is_cpu:
+                # on the worker; checked at the end of this backward pass (_drain)
+                self._param_jobs[name] = (gf, wf, gf._version, wf._version)
+                self._batch.submit(self._param_stats, (name, gf, wf))
+                if not self._drain_queued:
+                    self._queue_drain()
+                return
             lo, hi = torch.aminmax(gf)
             # dot(x, x) is the fastest sum of squares on CPU (BLAS); sqrt taken at exit
             self._touched[name] = (torch.dot(gf, gf), lo, hi, torch.dot(wf, wf))
+        except Exception as exc:
+            self._error(name, exc)
+
+    def _param_stats(self, job: tuple[str, torch.Tensor, torch.Tensor]) -> None:
+        """|g|^2, min g, max g, |w|^2 of a flat gradient and weight as Python floats (run on
+        the worker thread, or at _drain)."""
+        name, gf, wf = job
+        try:
+            lo, hi = torch.aminmax(gf)
+            self._touched[name] = (torch.dot(gf, gf).item(), lo.item(), hi.item(),
+                                   torch.dot(wf, wf).item())
         except Exception as exc:
             self._error(name, exc)
 
@@ -690,7 +777,8 @@ class Capture:
         differs: list[tuple[CallRecord, TensorInfo, TensorStats]] = []
         for orig, info, slot in self._recheck:
             again = results[slot]
-            if info.stats is not None and not _same_values(info.stats, again):
+            if info.stats is not None and again is not None and not _same_values(info.stats,
+                                                                                  again):
                 differs.append((orig, info, again))
                 orig.notes.append(
                     f"recomputed {info.path} differs from this call's: mean "
@@ -813,10 +901,12 @@ class Capture:
         if sharded:
             self._dist.set_shapes(named, sharded)
         touched = self._touched
-        names = list(touched)
-        # every parameter's four numbers read back at once (stack promotes mixed dtypes)
+        # floats from the worker; tensors otherwise, every parameter's four numbers read back
+        # at once (stack promotes mixed dtypes)
+        vals = {n: v for n, v in touched.items() if not isinstance(v[0], torch.Tensor)}
+        names = [n for n in touched if n not in vals]
         flat = torch.stack([v for n in names for v in touched[n]]).tolist() if names else []
-        vals = {n: flat[4 * i : 4 * i + 4] for i, n in enumerate(names)}
+        vals.update({n: flat[4 * i : 4 * i + 4] for i, n in enumerate(names)})
         out: dict[str, ParamGradRecord] = {}
         with torch.no_grad():
             # parameters not seen by the hook (frozen, no grad, stale grad): one fused launch

@@ -19,12 +19,24 @@ are binned together at the end.
 
 On other devices :class:`StatsBatch` uses a sync-free formulation and keeps every result on the
 device until :meth:`StatsBatch.finalize` converts all of them with one ``tolist()`` per statistic.
+
+``StatsBatch(background=True)`` summarises CPU tensors (of at least
+:data:`BACKGROUND_MIN_NUMEL` elements) on one shared worker thread (torch set to
+one thread there) while the caller's thread goes on: the batch keeps each tensor and its version
+counter (``Tensor._version``) until :meth:`StatsBatch.drain`, which waits for the worker and
+drops the statistics of any tensor written in place since it was added (a view or an in-place
+op bumps the shared counter): such a slot is ``None`` and listed in :attr:`StatsBatch.modified`,
+never filled with numbers of values the tensor no longer held when it was added.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
+import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,6 +210,85 @@ def _count_nonzero(xf: torch.Tensor) -> int:
     return int(torch.count_nonzero(xf).item())
 
 
+#: A background batch summarises tensors of fewer elements at once, in the caller's thread:
+#: their reductions cost less than handing them over, and their results never depend on when
+#: the worker reads them.
+BACKGROUND_MIN_NUMEL = 1 << 12
+#: A sleeping worker is woken once this many jobs wait (or by a drain): one wake-up, and one
+#: handover of the GIL, per several tensors instead of per tensor.
+WAKE_AFTER = 8
+
+
+class _Worker:
+    """One daemon thread that runs jobs ``fn(arg)`` in submission order (torch set to one
+    thread there, beside the caller's)."""
+
+    def __init__(self) -> None:
+        self.jobs: collections.deque[tuple[Callable[[Any], None], Any]] = collections.deque()
+        self.wake = threading.Event()
+        self.sleeping = False
+        self.backlog = 0
+        n = torch.get_num_threads()
+        ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(ready,), name="mdb-stats",
+                                       daemon=True)
+        self.thread.start()
+        ready.wait()
+        # set_num_threads(1) there also became the default of threads started later: restore
+        # it (this thread's own count is unchanged)
+        torch.set_num_threads(n)
+
+    def _run(self, ready: threading.Event) -> None:
+        torch.set_num_threads(1)  # this thread's OpenMP team: one thread beside the model's
+        # ATen initialises a thread's count lazily, from the process default, on its first
+        # parallel call: make that happen now, while the default is 1
+        torch.get_num_threads()
+        ready.set()
+        jobs, wake = self.jobs, self.wake
+        while True:
+            while jobs:
+                fn, arg = jobs.popleft()
+                fn(arg)  # jobs catch their own errors
+            self.sleeping = True
+            if jobs:  # appended before we said so: the appender did not wake us
+                self.sleeping = False
+                continue
+            wake.wait()
+            wake.clear()
+            self.sleeping = False
+
+    def put(self, fn: Callable[[Any], None], arg: Any, urgent: bool = False) -> None:
+        self.jobs.append((fn, arg))
+        if self.sleeping:
+            self.backlog += 1
+            if urgent or self.backlog >= WAKE_AFTER:
+                self.backlog = 0
+                self.wake.set()
+
+
+_worker: _Worker | None = None
+_worker_lock = threading.Lock()
+
+
+def _shared_worker() -> _Worker:
+    """The shared statistics worker, started on first use (and again in a forked child, which
+    has no copy of the thread)."""
+    global _worker
+    with _worker_lock:
+        if _worker is None or not _worker.thread.is_alive():
+            _worker = _Worker()
+        return _worker
+
+
+def _forget_worker() -> None:
+    global _worker, _worker_lock
+    _worker, _worker_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_worker)
+
+
 def summarize_tensor(t: torch.Tensor, bins: int = NUM_BINS) -> TensorStats:
     """Summarise one tensor (any shape, any real dtype, any device).
 
@@ -232,34 +323,61 @@ class StatsBatch:
         bins: histogram bins per tensor.
         sync_free: use the device-agnostic formulation that never reads a value back before
             ``finalize`` (default: only on non-CPU devices, where a read-back would stall).
+        background: summarise CPU tensors on the shared worker thread (see the module's
+            docstring): ``add`` keeps the tensor until :meth:`drain`, which drops the result of
+            any tensor written in place after it was added (:attr:`modified`).
+
+    Attributes:
+        modified: slots whose tensor was written in place between ``add`` and :meth:`drain`
+            (their result is ``None``), in slot order.
+        errors: slot -> one line, for a tensor the worker could not summarise (result ``None``).
     """
 
-    def __init__(self, bins: int = NUM_BINS, sync_free: bool | None = None) -> None:
+    def __init__(
+        self, bins: int = NUM_BINS, sync_free: bool | None = None, background: bool = False
+    ) -> None:
         self.bins = bins
         self.sync_free = sync_free
+        self.background = background
         self._out: list[TensorStats | None] = []
-        # CPU path: histogram samples binned in finalize
-        self._samples: list[torch.Tensor] = []  # HIST_SAMPLE values each (see _hist_sample)
-        self._sample_lens: list[int] = []  # how many of them are the sample
-        self._sample_slots: list[int] = []
+        # CPU path: histogram samples binned in finalize, one (sample, k, slot) per tensor:
+        # HIST_SAMPLE values each (see _hist_sample), the first k of them the sample
+        self._samples: list[tuple[torch.Tensor, int, int]] = []
         # sync-free path: per slot device tensors, converted in finalize
         self._dev: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        # background: (slot, tensor, its version when added), until drain
+        self._jobs: list[tuple[int, torch.Tensor, int]] = []
+        self._worker: _Worker | None = None
+        self.modified: list[int] = []
+        self.errors: dict[int, str] = {}
 
     def __len__(self) -> int:
         return len(self._out)
 
-    def add(self, t: torch.Tensor) -> int | None:
-        """Summarise ``t``; return its slot, or ``None`` for a complex tensor."""
+    def add(self, t: torch.Tensor, sync: bool = False) -> int | None:
+        """Summarise ``t``; return its slot, or ``None`` for a complex tensor. ``sync`` computes
+        the statistics now even in a background batch (a tensor about to be overwritten)."""
         x = t.detach()
         if x.is_complex():
             return None
-        if x.dtype is not torch.float32 and x.dtype is not torch.float64:
-            x = x.float()
         slot = len(self._out)
         n = x.numel()
         if n == 0:
             self._out.append(TensorStats(numel=0))
             return slot
+        if (self.background and not sync and n >= BACKGROUND_MIN_NUMEL and x.is_cpu
+                and not self.sync_free):
+            try:
+                version = x._version
+            except RuntimeError:  # an inference tensor counts no versions: summarised now
+                pass
+            else:
+                self._out.append(None)
+                self._jobs.append((slot, x, version))
+                self.submit(self._job, (slot, x, n))
+                return slot
+        if x.dtype is not torch.float32 and x.dtype is not torch.float64:
+            x = x.float()
         self._out.append(None)
         sync_free = self.sync_free if self.sync_free is not None else not x.is_cpu
         if sync_free:
@@ -267,6 +385,41 @@ class StatsBatch:
         else:
             self._add_cpu(slot, x, n)
         return slot
+
+    def submit(self, fn: Callable[[Any], None], arg: Any) -> None:
+        """Run ``fn(arg)`` on the shared worker thread, after every job submitted before it;
+        :meth:`drain` waits for it. ``fn`` must catch its own exceptions."""
+        if self._worker is None:
+            self._worker = _shared_worker()
+        self._worker.put(fn, arg)
+
+    def _job(self, arg: tuple[int, torch.Tensor, int]) -> None:
+        slot, x, n = arg
+        try:
+            if x.dtype is not torch.float32 and x.dtype is not torch.float64:
+                x = x.float()
+            self._add_cpu(slot, x, n)
+        except Exception as exc:  # said by the caller, never raised on the worker
+            self.errors[slot] = f"{type(exc).__name__}: {exc}"
+
+    def drain(self) -> None:
+        """Wait until the worker has run every job submitted so far; then drop (``None``, and
+        listed in :attr:`modified`) the result of every tensor whose version counter moved
+        since ``add``, and release the tensors. No-op for a batch with nothing pending."""
+        if self._worker is None:
+            return
+        done = threading.Event()
+        self._worker.put(threading.Event.set, done, urgent=True)
+        done.wait()
+        out, errors = self._out, self.errors
+        for slot, x, version in self._jobs:
+            if x._version != version:
+                out[slot] = None
+                self.modified.append(slot)
+                errors.pop(slot, None)
+            elif slot in errors:
+                out[slot] = None
+        self._jobs.clear()
 
     # -- CPU: read a few numbers back (free on CPU), skip NaN/Inf passes for finite tensors --
     def _add_cpu(self, slot: int, x: torch.Tensor, n: int) -> None:
@@ -318,9 +471,7 @@ class StatsBatch:
             var = ss2 / (count - 1)
             ss_ = ss2 + count * mean * mean
         var = max(var, 0.0)
-        self._samples.append(sample)
-        self._sample_lens.append(k)
-        self._sample_slots.append(slot)
+        self._samples.append((sample, k, slot))  # one append: the worker may add beside us
         st = _from_moments(n, count, mean, var, lo, hi, ss_, nnz_, nan, inf, [], k)
         st.zero_exact = zero_exact
         self._out[slot] = st
@@ -333,14 +484,16 @@ class StatsBatch:
         ``bincount`` counts everything. A row's padding (the positions past its sample, all equal
         to the value at position ``k``) is then taken back out of the bin it went to.
         """
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, sample in enumerate(self._samples):
-            by_dtype.setdefault(sample.dtype, []).append(i)
+        by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, int, int]]] = {}
+        out = self._out
+        for item in self._samples:
+            if out[item[2]] is not None:  # not dropped by drain
+                by_dtype.setdefault(item[0].dtype, []).append(item)
         nb, size = self.bins, HIST_SAMPLE
-        for idxs in by_dtype.values():
-            stats = [self._out[self._sample_slots[i]] for i in idxs]
+        for items in by_dtype.values():
+            stats = [out[slot] for _, _, slot in items]
             rows = len(stats)
-            mat = torch.stack([self._samples[i] for i in idxs])
+            mat = torch.stack([sample for sample, _, _ in items])
             lo_hi = [(st.hist_min, st.hist_max) for st in stats]  # type: ignore[union-attr]
             bounds = torch.tensor(lo_hi, dtype=mat.dtype)
             lo, width = bounds[:, :1], bounds[:, 1:] - bounds[:, :1]
@@ -360,7 +513,7 @@ class StatsBatch:
             offsets = torch.arange(0, rows * nb, nb, dtype=torch.int32)[:, None]
             idx = mat.to(torch.int32).add_(offsets)
             counts = torch.bincount(idx.view(-1), minlength=rows * nb)
-            lens = torch.tensor([self._sample_lens[i] for i in idxs])
+            lens = torch.tensor([k for _, k, _ in items])
             pad_bins = idx[torch.arange(rows), lens.clamp(max=size - 1)].long()
             counts.index_add_(0, pad_bins, lens - size)  # rows with no padding subtract 0
             for st, h in zip(stats, counts.view(rows, nb).tolist(), strict=True):
@@ -412,12 +565,15 @@ class StatsBatch:
     def finalize(self) -> list[TensorStats]:
         """Finish every pending result; return one :class:`TensorStats` per slot, in slot order.
 
-        The batch is empty afterwards (it drops the samples and device results).
+        Drains a background batch first (:meth:`drain`); a slot it dropped is ``None`` (read
+        :attr:`modified` and :attr:`errors` after ``drain``, before ``finalize``). The batch is
+        empty afterwards (it drops the samples and device results).
         """
+        self.drain()
         self._bin_samples()
         self._convert_dev()
         out = self._out
-        self.__init__(self.bins, self.sync_free)  # type: ignore[misc]
+        self.__init__(self.bins, self.sync_free, self.background)  # type: ignore[misc]
         return out  # type: ignore[return-value]
 
 

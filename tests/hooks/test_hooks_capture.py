@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import threading
 import weakref
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 import hooks
+from hooks.capture import Capture
 
 
 def close(a: float, b: float, rel: float = 1e-5) -> bool:
@@ -527,3 +529,80 @@ def test_cached_statistics_follow_views_and_in_place_changes():
     assert tr.call("b").inputs[0].stats is tr.call("a").outputs[0].stats
     assert_stats(tr.call("c").inputs[0].stats, 2.0 * h)
     assert_stats(tr.call("a").outputs[0].stats, h)  # summarised before the in-place change
+
+
+# -- statistics on the worker thread (Capture.background): exact, or not recorded ---------------
+class WrittenAfterHook(nn.Module):
+    """``a``'s output is doubled in place by the parent after ``a``'s forward hook ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(128, 128)
+        self.b = nn.Linear(128, 128)
+
+    def forward(self, x):
+        h = self.a(x)
+        keep = self.b(x)
+        h.mul_(2.0)
+        return h + keep
+
+
+def test_output_written_in_place_after_its_hook_is_exact_or_not_recorded():
+    from hooks.stats import _shared_worker
+
+    torch.manual_seed(0)
+    m = WrittenAfterHook()
+    x = torch.randn(64, 128)  # 8192 elements per tensor: summarised on the worker
+    with torch.no_grad():
+        a_out, b_out = m.a(x), m.b(x)  # the values the modules returned
+    gate = threading.Event()  # hold the worker until the forward has written h
+    _shared_worker().put(lambda _: gate.wait(10), None, urgent=True)
+    with torch.no_grad(), hooks.capture(m) as tr:
+        m(x)
+        gate.set()
+    assert tr.call("a").outputs[0].stats is None  # never the doubled values
+    assert_stats(tr.call("b").outputs[0].stats, b_out)
+    (note,) = [n for n in tr.notes if n.kind == "modified_in_place"]
+    assert "1 tensor(s)" in note.message and "a#0 out" in note.message
+    # the same capture with the statistics taken in the hooks: a's output as returned
+    Capture.background = False
+    try:
+        with torch.no_grad(), hooks.capture(m) as tr2:
+            m(x)
+    finally:
+        Capture.background = True
+    assert_stats(tr2.call("a").outputs[0].stats, a_out)
+    assert not [n for n in tr2.notes if n.kind == "modified_in_place"]
+
+
+def test_in_place_module_inputs_are_read_before_it_runs():
+    torch.manual_seed(1)
+    m = nn.Sequential(nn.Linear(128, 128), nn.ReLU(inplace=True), nn.Linear(128, 64))
+    x = torch.randn(64, 128)
+    with torch.no_grad():
+        pre = m[0](x)  # what ReLU(inplace=True) overwrites
+    with hooks.capture(m) as tr:
+        m(x).square().mean().backward()
+    assert_stats(tr.call("0").outputs[0].stats, pre)
+    assert_stats(tr.call("1").inputs[0].stats, pre)
+    assert_stats(tr.call("1").outputs[0].stats, pre.clamp_min(0))
+    assert not [n for n in tr.notes if n.kind == "modified_in_place"]
+
+
+def test_parameter_records_are_those_after_backward_when_the_optimizer_runs_inside():
+    torch.manual_seed(2)
+    m = nn.Sequential(nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 64))
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    x = torch.randn(64, 128)
+    with hooks.capture(m) as tr:
+        m(x).square().mean().backward()
+        ref = {n: (torch.linalg.vector_norm(p.grad).item(), p.grad.abs().max().item(),
+                   torch.linalg.vector_norm(p).item()) for n, p in m.named_parameters()}
+        opt.step()  # weights written in place
+        opt.zero_grad(set_to_none=False)  # gradients zeroed in place
+    assert set(tr.params) == set(ref)
+    for name, (g, gmax, w) in ref.items():
+        rec = tr.params[name]
+        assert rec.status == "ok"
+        assert close(rec.grad_norm, g) and close(rec.grad_abs_max, gmax), name
+        assert close(rec.weight_norm, w), name

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
 
 import hooks
-from hooks.stats import HIST_SAMPLE, NUM_BINS, ZERO_EXACT_NUMEL, StatsBatch, TensorStats
+from hooks.stats import (
+    BACKGROUND_MIN_NUMEL,
+    HIST_SAMPLE,
+    NUM_BINS,
+    ZERO_EXACT_NUMEL,
+    StatsBatch,
+    TensorStats,
+)
 
 
 def reference(x: torch.Tensor) -> dict[str, float]:
@@ -222,3 +230,91 @@ def test_uncounted_zero_fraction_is_not_compared_by_diff():
     assert not st.zero_exact and st.values()["zero_frac"] is None
     small = hooks.summarize_tensor(torch.tensor([0.0, 1.0]))
     assert small.zero_exact and small.values()["zero_frac"] == 0.5
+
+
+# -- background batches: the worker thread, and in-place writes after add ---------------------
+def _gate(batch: StatsBatch) -> threading.Event:
+    """Hold the shared worker until the returned event is set (jobs run in order)."""
+    gate = threading.Event()
+    batch.submit(lambda _: gate.wait(10), None)
+    return gate
+
+
+def test_background_batch_matches_torch_reductions_and_the_inline_batch():
+    torch.manual_seed(0)
+    xs = [torch.randn(64, 96) * 3 + 1, torch.randn(4, 128, 32).half(), torch.rand(3, 7)]
+    xs[0][5] = 0.0
+    bg, inline = StatsBatch(background=True), StatsBatch()
+    slots = [bg.add(x) for x in xs]
+    for x in xs:
+        inline.add(x)
+    got, ref = bg.finalize(), inline.finalize()
+    for slot, x, r in zip(slots, xs, ref, strict=True):
+        assert_matches(got[slot], x.float())
+        assert got[slot].hist == r.hist and got[slot].hist_count == r.hist_count
+    assert got[slots[0]].zero_frac == pytest.approx(96 / xs[0].numel())
+
+
+def test_background_batch_drops_a_tensor_written_in_place_before_the_worker_read_it():
+    torch.manual_seed(1)
+    batch = StatsBatch(background=True)
+    gate = _gate(batch)
+    x, y, z = torch.randn(64, 128), torch.randn(64, 128), torch.randn(64, 128)
+    y_before = y.clone()
+    sx, sy, sz = batch.add(x), batch.add(y), batch.add(z)
+    x.mul_(2.0)  # the worker has not read x yet
+    z.view(-1)[:10].add_(1.0)  # through a view: the version counter is shared
+    gate.set()
+    batch.drain()
+    assert batch.modified == [sx, sz]
+    out = batch.finalize()
+    assert out[sx] is None and out[sz] is None
+    assert_matches(out[sy], y_before)
+
+
+def test_background_batch_keeps_values_written_after_the_drain():
+    torch.manual_seed(2)
+    batch = StatsBatch(background=True)
+    x = torch.randn(96, 64)
+    before = x.clone()
+    slot = batch.add(x)
+    batch.drain()
+    x.zero_()  # after the drain: the statistics are those of the values added
+    assert_matches(batch.finalize()[slot], before)
+    assert batch.modified == []
+
+
+def test_small_tensors_and_sync_adds_are_summarised_at_once():
+    batch = StatsBatch(background=True)
+    gate = _gate(batch)
+    small = torch.randn(BACKGROUND_MIN_NUMEL - 1)
+    big = torch.randn(BACKGROUND_MIN_NUMEL)
+    ref_small, ref_big = small.clone(), big.clone()
+    s1, s2 = batch.add(small), batch.add(big, sync=True)
+    small.fill_(3.0)
+    big.fill_(3.0)
+    gate.set()
+    out = batch.finalize()
+    assert_matches(out[s1], ref_small)
+    assert_matches(out[s2], ref_big)
+
+
+def test_worker_runs_one_torch_thread_and_leaves_the_callers_count():
+    from hooks.stats import _Worker
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        worker = _Worker()
+        seen: list[int] = []
+        done = threading.Event()
+        worker.put(lambda _: seen.append(torch.get_num_threads()), None)
+        worker.put(threading.Event.set, done, urgent=True)
+        assert done.wait(10)
+        later: list[int] = []
+        t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert seen == [1] and torch.get_num_threads() == 2 and later == [2]
+    finally:
+        torch.set_num_threads(before)
