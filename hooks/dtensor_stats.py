@@ -11,13 +11,23 @@ whole job, not as this rank's piece of it (:class:`MeshStats`):
   sample (at most :data:`hooks.stats.HIST_SAMPLE` values).
 * **Each element is counted once.** A DTensor's placements say it: a ``Shard`` mesh dimension
   holds different elements on each rank (counted on all), a ``Replicate`` one the same elements
-  (counted on coordinate 0 only); a ``Partial`` DTensor is first reduced to ``Replicate``. A
+  (counted on coordinate 0 only). A ``Partial`` DTensor's piece is kept (a copy) and reduced
+  at the end, like ``redistribute`` to ``Replicate`` would (one flat buffer per Partial
+  dimensions and dtype), once a probe showed that every rank of its mesh met the same Partial
+  tensors: a collective where the hooks meet it would hang the job, or sum different tensors,
+  when the ranks meet them in different orders or numbers. Those not every rank met are not
+  recorded (``None``; a note says "the ranks met different partial-sum tensors"). A
   plain tensor carries no placement: along each mesh dimension, ranks whose pieces are bitwise
   equal (the same checksum of their bits, and shape) hold a
   replica and count once (the input of a ``ColwiseParallel`` layer, a ``RowwiseParallel``
   output after its all-reduce, position ids), while pieces that differ are shards or another
   rank's data (a ``ColwiseParallel`` output, the batch of a data-parallel rank) and all count.
   So an activation of an FSDP2 job is summarised as the activation of the global batch.
+* **Every mesh in one order.** The capture reduces every mesh it knows (the parameters', known
+  to every rank at the start, then those met later) in an order that does not depend on the
+  rank (the main mesh first, then by dimension names, shape and ranks), a mesh this rank met
+  nothing on as well; when the ranks did not meet the same later meshes (told by the main
+  mesh's probe), only the parameters' meshes are reduced and the rest is not recorded.
 * **Few collectives, on the mesh's own groups**, once per capture and per mesh, whatever the
   number of tensors (each an ``all_reduce``/``all_gather`` along every mesh dimension): the
   number of tensors (a check that every rank captured the same ones), the plain tensors'
@@ -108,12 +118,16 @@ class _Entry:
     histogram ``sample`` of its finite values and, for a plain tensor, its ``fingerprint``
     (checksum tensor, shape hash)."""
 
-    __slots__ = ("mesh", "weights", "head", "sums", "light", "sample", "fingerprint", "key")
+    __slots__ = ("mesh", "weights", "head", "sums", "light", "sample", "fingerprint", "key",
+                 "pending", "dropped")
 
-    def __init__(self, mesh: Any, weights: list[float | None] | None, head: list[float],
-                 sums: torch.Tensor, sample: torch.Tensor, fingerprint: Any, key: int = 0,
-                 light: bool = False):
+    def __init__(self, mesh: Any, weights: list[float | None] | None, head: list[float] | None,
+                 sums: torch.Tensor | None, sample: torch.Tensor, fingerprint: Any,
+                 key: int = 0, light: bool = False):
         self.mesh = mesh
+        #: a Partial DTensor's piece, summarised at finalize (:class:`_Pending`), else None
+        self.pending: _Pending | None = None
+        self.dropped = False  # not recorded (its TensorStats is None)
         # per mesh dimension (DTensor; None on a dimension: from fingerprints), or None: all
         # dimensions from fingerprints (a plain tensor)
         self.weights = weights
@@ -130,6 +144,27 @@ class _Entry:
         head = [0.0, 0.0, 0.0, 0.0, 0.0, -math.inf, -math.inf]
         fp = (torch.tensor(-1 - _rank(), dtype=torch.int64), -1)  # a replica of nothing
         return cls(mesh, None, head, _ZERO3, _EMPTY, fp, key)
+
+    def drop(self) -> None:
+        """Not recorded on this rank: counts nothing in the reduction, its result is None."""
+        self.head = [0.0, 0.0, 0.0, 0.0, 0.0, -math.inf, -math.inf]
+        self.sums, self.sample, self.light, self.weights = _ZERO3, _EMPTY, False, None
+        self.fingerprint = (torch.tensor(-1 - _rank(), dtype=torch.int64), -1)
+        self.pending, self.dropped = None, True
+
+
+class _Pending:
+    """A ``Partial`` DTensor's local piece, kept (a copy) until :meth:`MeshStats.finalize`
+    reduces it: ``pkey`` (which tensor, its shape, dtype and partial dimensions: matched across
+    ranks), ``dims`` (``(mesh dimension, reduce op)`` of each ``Partial`` one), ``mesh`` (its
+    DTensor's mesh), ``spread`` (a fingerprint is wanted after the reduction) and ``where``."""
+
+    __slots__ = ("x", "pkey", "dims", "mesh", "spread", "where")
+
+    def __init__(self, x: torch.Tensor, key: int, dims: tuple[tuple[int, str], ...], mesh: Any,
+                 spread: bool, where: str) -> None:
+        self.x, self.dims, self.mesh, self.spread, self.where = x, dims, mesh, spread, where
+        self.pkey = _key(f"{key}|{tuple(x.shape)}|{x.dtype}|{dims}")
 
 
 _ZERO3 = torch.zeros(3, dtype=torch.float64)
@@ -236,6 +271,11 @@ class MeshStats:
         self.where = ""
         self._seen: dict[str, int] = {}
         self._coords: dict[int, list[int]] = {}
+        #: every mesh of the capture: the main one, the parameters' (known to every rank
+        #: before the capture starts: ``_planned`` of them), then those met later
+        self._meshes: list[Any] = [mesh]
+        self._canon: dict[int, tuple[Any, Any]] = {id(mesh): (mesh, mesh)}
+        self._planned = 1
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, bins: int = NUM_BINS) -> MeshStats | None:
@@ -253,6 +293,9 @@ class MeshStats:
             return None
         mesh = max(meshes.values(), key=lambda m: (m.size(), m.ndim))
         ms = cls(mesh, bins)
+        for m in meshes.values():  # the parameters' meshes, the same on every rank
+            ms._know(m)
+        ms._planned = len(ms._meshes)
         for name, p in sharded_parameters(model):
             g = p.grad
             ms._grads_before[name] = (id(g), g._version) if g is not None else (0, -1)
@@ -291,20 +334,29 @@ class MeshStats:
         return _key(f"{where}:{k}")
 
     def _entry(self, t: torch.Tensor, where: str | None = None, light: bool = False) -> _Entry:
-        mesh, weights = self.mesh, None
+        mesh, weights, dims = self.mesh, None, ()
         if is_dtensor(t):
-            t = self._without_partial(t)
-            mesh = t.device_mesh
+            mesh = self._know(t.device_mesh)
             weights = self._placement_weights(mesh, t.placements)
             x = local_piece(t)
             fp = None
             spread = None if light else self._on_main_mesh(mesh, weights)
+            # a Partial one: its piece kept, reduced at finalize once every rank is known to
+            # hold the same ones (a collective here would hang when they do not)
+            dims = tuple((d, p.reduce_op) for d, p in enumerate(t.placements) if p.is_partial())
+            pmesh = mesh
             if spread is not None:  # e.g. an activation on the "tp" sub-mesh of (dp, tp)
-                mesh, weights, fp = self.mesh, spread, self._fingerprint(x)
+                mesh, weights = self.mesh, spread
+                fp = None if dims else self._fingerprint(x)
         else:
             x = t.detach()
             fp = self._fingerprint(x)
+        text = self.where if where is None else where
         key = self._name(where)
+        if dims:
+            e = _Entry(mesh, weights, None, None, _EMPTY, None, key, light=light)
+            e.pending = _Pending(x.clone(), key, dims, pmesh, spread is not None, text)
+            return e
         if light:
             head, sums = _light(x)
             return _Entry(mesh, weights, head, sums, _EMPTY, fp, key, light=True)
@@ -331,18 +383,24 @@ class MeshStats:
         if coord is None:
             coord = self._coords[id(mesh)] = mesh.get_coordinate() or [0] * mesh.ndim
         # a Replicate dimension counts on coordinate 0 only; Shard and _StridedShard (FSDP2
-        # over a tensor-parallel dimension) on every coordinate (Partial was reduced before)
-        return [float(not p.is_replicate() or coord[d] == 0) for d, p in enumerate(placements)]
+        # over a tensor-parallel dimension) on every coordinate; a Partial one like Replicate
+        # (its pieces are summed at finalize, every coordinate then holds the sum)
+        return [float(not (p.is_replicate() or p.is_partial()) or coord[d] == 0)
+                for d, p in enumerate(placements)]
 
-    @staticmethod
-    def _without_partial(t: Any) -> Any:
-        if not any(p.is_partial() for p in t.placements):
-            return t
-        from torch.distributed.tensor import Replicate
-
-        with torch.no_grad():
-            return t.detach().redistribute(
-                t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])
+    def _know(self, mesh: Any) -> Any:
+        """The mesh this capture uses for ``mesh``: the first one met equal to it (a
+        ``DeviceMesh`` compares by ranks, layout and dimension names), so that one mesh's
+        entries are reduced together, on one set of groups."""
+        hit = self._canon.get(id(mesh))
+        if hit is not None:
+            return hit[1]
+        same = next((m for m in self._meshes if m == mesh), None)
+        if same is None:
+            self._meshes.append(mesh)
+            same = mesh
+        self._canon[id(mesh)] = (mesh, same)  # the mesh held: its id is not reused
+        return same
 
     @staticmethod
     def _fingerprint(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -376,38 +434,152 @@ class MeshStats:
                                                                   light=True)))
 
     # -- reducing ----------------------------------------------------------------------------
-    def finalize(self, trace: Any = None) -> list[TensorStats]:
+    def finalize(self, trace: Any = None) -> list[TensorStats | None]:
         """Reduce every entry across its mesh (collectives: every rank of the mesh must call
-        this at the same point) and return one :class:`TensorStats` per slot, in slot order;
-        notes go to ``trace.notes``."""
-        by_mesh: dict[int, list[int]] = {}
-        meshes: dict[int, Any] = {id(self.mesh): self.mesh}
-        by_mesh[id(self.mesh)] = []
-        for i, e in enumerate(self._entries):
-            meshes.setdefault(id(e.mesh), e.mesh)
-            by_mesh.setdefault(id(e.mesh), []).append(i)
+        this at the same point) and return one :class:`TensorStats` per slot, in slot order
+        (``None``: not recorded, a note says why); notes go to ``trace.notes``.
+
+        Every mesh of the capture is processed, in an order that does not depend on the rank
+        (the main mesh first, then by dimension names, shape and ranks), a mesh this rank has
+        no entry on as well: the collectives of every rank match. A probe per mesh (counts
+        and hashes of the tensors' keys, one ``all_reduce`` per mesh dimension) tells whether
+        the ranks met the same tensors before anything depends on it."""
         out: list[TensorStats | None] = [None] * len(self._entries)
         self.nonfinite_ranks = [[] for _ in self._entries]
-        for key, idxs in by_mesh.items():
-            self._reduce(meshes[key], idxs, out, trace)
-        return out  # type: ignore[return-value]
+        meshes = [self.mesh] + sorted(self._meshes[1:], key=_mesh_order)
+        by_mesh: list[list[int]] = [[] for _ in meshes]
+        partial: list[list[int]] = [[] for _ in meshes]
+        at = {id(m): j for j, m in enumerate(meshes)}
+        for i, e in enumerate(self._entries):
+            by_mesh[at[id(e.mesh)]].append(i)
+            if e.pending is not None:
+                partial[at[id(e.pending.mesh)]].append(i)
+        # the main mesh's probe also compares the meshes met after the start: when they
+        # differ, only the parameters' meshes (the same everywhere) are reduced
+        extra = sorted(_mesh_name(m) for m in meshes if all(m is not k for k in
+                                                            self._meshes[:self._planned]))
+        first = self._probe(meshes[0], by_mesh[0], partial[0], extra)
+        sames = [first[:2]]
+        if not first[2]:
+            meshes, lost = self._planned_only(meshes, by_mesh, partial)
+            if trace is not None and lost:
+                trace.notes.append(Note(
+                    "sharded", f"{lost} tensor(s) not recorded: they are DTensors of a device "
+                    "mesh that not every rank met during the capture"))
+        sames += [self._probe(m, by_mesh[j], partial[j]) for j, m in enumerate(meshes) if j]
+        for j, m in enumerate(meshes):
+            self._partials(m, partial[j], sames[j][1], trace)
+        for j, m in enumerate(meshes):
+            self._reduce(m, by_mesh[j], out, trace, sames[j][0])
+        return out
 
-    def _reduce(self, mesh: Any, idxs: list[int], out: list, trace: Any) -> None:
+    def _planned_only(self, meshes: list[Any], by_mesh: list[list[int]],
+                      partial: list[list[int]]) -> tuple[list[Any], int]:
+        """Keep the meshes known at the start (drop the entries of the others, and the
+        Partial ones of the others on a kept mesh); edits the lists in place."""
+        planned = {id(m) for m in self._meshes[:self._planned]}
+        keep = [j for j, m in enumerate(meshes) if id(m) in planned]
+        lost = 0
+        for j, m in enumerate(meshes):
+            for i in by_mesh[j]:
+                e = self._entries[i]
+                if id(m) not in planned or (e.pending is not None
+                                            and id(e.pending.mesh) not in planned):
+                    e.drop()
+                    lost += 1
+        by_mesh[:] = [by_mesh[j] for j in keep]
+        partial[:] = [[i for i in partial[j] if not self._entries[i].dropped] for j in keep]
+        return [meshes[j] for j in keep], lost
+
+    def _probe(self, mesh: Any, idxs: list[int], pidxs: list[int],
+               extra: list[str] | None = None) -> list[bool]:
+        """Whether every rank of ``mesh`` holds [the same entries in the same order, the same
+        Partial pieces, (``extra``) the same names of other meshes]: counts and hashes,
+        ``max`` of each and of its negative, one ``all_reduce`` per mesh dimension."""
+        import torch.distributed as dist
+
+        lists = [[self._entries[i].key for i in idxs],
+                 sorted(self._entries[i].pending.pkey for i in pidxs)]
+        if extra is not None:
+            lists.append([_key(x) for x in extra])
+        v = []
+        for keys in lists:
+            h = 0
+            for k in keys:
+                h = (h * 1_000_003 + k) % (1 << 61)
+            v += [len(keys), h]
+        probe = torch.tensor(v + [-x for x in v], dtype=torch.int64)
+        for g in _mesh_groups(mesh):
+            dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=g)
+        n = len(v)
+        same = (probe[:n] == -probe[n:]).tolist()
+        return [same[k] and same[k + 1] for k in range(0, n, 2)]
+
+    def _partials(self, mesh: Any, idxs: list[int], same: bool, trace: Any) -> None:
+        """Sum (or reduce by their op) the Partial pieces of ``mesh`` that every rank holds,
+        one flat buffer per (Partial dimensions, dtype), and summarise them; the others are
+        not recorded (a note)."""
+        import torch.distributed as dist
+
+        groups = _mesh_groups(mesh)
+        es = sorted((self._entries[i] for i in idxs), key=lambda e: e.pending.pkey)
+        if not same:  # only the pieces every rank of the mesh holds
+            common = set(_gathered([e.pending.pkey for e in es], groups, both=True)[0])
+            gone = [e for e in es if e.pending.pkey not in common]
+            es = [e for e in es if e.pending.pkey in common]
+            if trace is not None and gone:
+                names = ", ".join(e.pending.where for e in gone[:4])
+                trace.notes.append(Note(
+                    "sharded", f"{len(gone)} partial-sum DTensor(s) not recorded ({names}"
+                    f"{' ...' if len(gone) > 4 else ''}): the ranks met different partial-sum "
+                    "tensors, and summing their pieces would mix different tensors"))
+            for e in gone:
+                e.drop()
+        buckets: dict[tuple, list[_Entry]] = {}
+        for e in es:
+            buckets.setdefault((e.pending.dims, str(e.pending.x.dtype)), []).append(e)
+        for bk in sorted(buckets, key=repr):
+            group = buckets[bk]
+            flat = torch.cat([e.pending.x.reshape(-1) for e in group])
+            for d, op in bk[0]:
+                if op == "avg":
+                    dist.all_reduce(flat, group=groups[d])
+                    flat /= dist.get_world_size(groups[d])
+                else:
+                    dist.all_reduce(flat, op=getattr(dist.ReduceOp, op.upper(),
+                                                     dist.ReduceOp.SUM), group=groups[d])
+            pos = 0
+            for e in group:
+                x = e.pending.x
+                self._fill(e, flat[pos:pos + x.numel()].view(x.shape))
+                pos += x.numel()
+
+    def _fill(self, e: _Entry, x: torch.Tensor) -> None:
+        """Summarise a reduced Partial piece ``x`` into ``e``."""
+        spread, e.pending = e.pending.spread, None
+        if e.light:
+            e.head, e.sums = _light(x)
+        else:
+            e.head, e.sums, e.sample = _moments(x)
+        if spread:
+            e.fingerprint = self._fingerprint(x)
+
+    def _reduce(self, mesh: Any, idxs: list[int], out: list, trace: Any, same: bool) -> None:
         import torch.distributed as dist
 
         groups = _mesh_groups(mesh)
         mine = [self._entries[i] for i in idxs]
-        union = self._union([e.key for e in mine], groups)
-        if union is None:  # every rank captured the same tensors, in the same order
+        if same:  # every rank captured the same tensors, in the same order
             entries, rows = mine, list(range(len(mine)))
         else:  # calls some ranks made and others did not (an MoE expert without tokens)
+            union, differ = _gathered([e.key for e in mine], groups, both=False)
             at = {k: j for j, k in enumerate(union)}
             entries = [_Entry.absent(mesh, k) for k in union]
             rows = []
             for e in mine:
                 entries[at[e.key]] = e
                 rows.append(at[e.key])
-            if trace is not None:
+            if trace is not None and differ:  # (not only in another order)
                 trace.notes.append(Note(
                     "sharded", f"the ranks captured different tensors ({len(mine)} here, "
                     f"{len(union)} in all): each is reduced over the ranks that hold it; a call "
@@ -425,37 +597,11 @@ class MeshStats:
             dist.all_reduce(hist, group=g)
         moms, mms, hists = mom.tolist(), mm.tolist(), hist.tolist()  # one read-back each
         for row, i in zip(rows, idxs, strict=True):
+            if self._entries[i].dropped:
+                continue
             out[i] = self._stats(moms[row], mms[row], hists[row][:-1], int(hists[row][-1]))
             bits = int(moms[row][_BITS])
             self.nonfinite_ranks[i] = [r for r in range(bits.bit_length()) if bits >> r & 1]
-
-    @staticmethod
-    def _union(keys: list[int], groups: list[Any]) -> list[int] | None:
-        """``None`` when every rank of the mesh holds the same keys in the same order (one
-        ``all_reduce``); else the sorted union of all ranks' keys (``all_gather``s)."""
-        import torch.distributed as dist
-
-        h = 0
-        for k in keys:
-            h = (h * 1_000_003 + k) % (1 << 61)
-        probe = torch.tensor([len(keys), -len(keys), h, -h], dtype=torch.int64)
-        for g in groups:
-            dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=g)
-        if int(probe[0]) == -int(probe[1]) and int(probe[2]) == -int(probe[3]):
-            return None
-        have = sorted(set(keys))
-        for g in groups:
-            size = dist.get_world_size(g)
-            n = torch.tensor([len(have)], dtype=torch.int64)
-            ns = [torch.zeros_like(n) for _ in range(size)]
-            dist.all_gather(ns, n, group=g)
-            m = max(int(x) for x in ns)
-            mine = torch.full((m,), -1, dtype=torch.int64)
-            mine[: len(have)] = torch.tensor(have, dtype=torch.int64)
-            got = [torch.zeros_like(mine) for _ in range(size)]
-            dist.all_gather(got, mine, group=g)
-            have = sorted({int(v) for t in got for v in t.tolist() if v >= 0})
-        return have
 
     def _weights(self, entries: list[_Entry], mesh: Any, groups: list[Any]) -> torch.Tensor:
         """1.0 where this rank's piece counts, 0.0 for a replica of a lower coordinate's:
@@ -532,21 +678,22 @@ class MeshStats:
         for name, (gslot, wslot) in self._params.items():
             w = results[wslot]
             rec = ParamGradRecord(name, [], "none")
-            rec.weight_norm = _norm(w)
+            rec.weight_norm = _norm(w) if w is not None else None
+            g = results[gslot] if gslot is not None else None
             if gslot is not None:
-                g = results[gslot]
+                rec.status = "ok" if name in self.touched or self._fresh(name) else "stale"
+            if g is not None:  # (None: not recorded, a note says why)
                 rec.grad_norm = _norm(g)
                 rec.grad_abs_max = (math.nan if g.nan_count else math.inf if g.inf_count
                                     else (g.abs_max if g.abs_max is not None else 0.0))
                 rec.nan_count, rec.inf_count = g.nan_count, g.inf_count
-                rec.status = "ok" if name in self.touched or self._fresh(name) else "stale"
                 if rec.status == "ok" and rec.grad_abs_max == 0.0:
                     rec.status = "zero"
                 if not g.finite:
                     bad.append((name, "gradient", g, gslot))
             if rec.grad_norm is not None and rec.weight_norm:
                 rec.ratio = rec.grad_norm / rec.weight_norm
-            if not w.finite:
+            if w is not None and not w.finite:
                 bad.insert(sum(1 for b in bad if b[1] == "weight"), (name, "weight", w, wslot))
             out[name] = rec
         if trace is not None:
@@ -594,6 +741,40 @@ class MeshStats:
                 "nonfinite_shard", f"and {len(rest)} more non-finite parameters or gradients: "
                 + ", ".join(f"{n} ({w})" for n, w, _, _ in rest[:5])
                 + (" ..." if len(rest) > 5 else "")))
+
+
+def _mesh_name(mesh: Any) -> str:
+    """What names a mesh alike on every rank: its dimension names, number and sizes."""
+    return f"{getattr(mesh, 'mesh_dim_names', None)}|{mesh.ndim}|{tuple(mesh.shape)}"
+
+
+def _mesh_order(mesh: Any) -> tuple[str, list[int]]:
+    """A rank-independent order of meshes: by name, then by the ranks they hold (two meshes
+    of one name, e.g. ranks (0, 1) and (0, 2), come in the same order on every rank)."""
+    return _mesh_name(mesh), mesh.mesh.reshape(-1).tolist()
+
+
+def _gathered(keys: list[int], groups: list[Any], both: bool) -> tuple[list[int], bool]:
+    """The sorted union (``both``: intersection) of the keys of every rank of the mesh
+    (``all_gather``s along each of its dimensions, in turn), and whether the sets this rank
+    saw differed (False: the same keys, in another order)."""
+    import torch.distributed as dist
+
+    have, differ = sorted(set(keys)), False
+    for g in groups:
+        size = dist.get_world_size(g)
+        n = torch.tensor([len(have)], dtype=torch.int64)
+        ns = [torch.zeros_like(n) for _ in range(size)]
+        dist.all_gather(ns, n, group=g)
+        m = max(int(x) for x in ns)
+        mine = torch.full((m,), -1, dtype=torch.int64)
+        mine[: len(have)] = torch.tensor(have, dtype=torch.int64)
+        got = [torch.zeros_like(mine) for _ in range(size)]
+        dist.all_gather(got, mine, group=g)
+        sets = [{int(v) for v in t.tolist() if v >= 0} for t in got]
+        have = sorted(set.intersection(*sets) if both else set.union(*sets))
+        differ = differ or any(len(x) != len(have) for x in sets)
+    return have, differ
 
 
 def _norm(st: TensorStats) -> float:

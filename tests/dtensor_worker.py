@@ -14,7 +14,10 @@ step rank 1 writes a NaN into its shard of ``blocks.1.w2.weight``, then the step
 ``fsdp_mp`` (``fsdp`` with ``MixedPrecisionPolicy(param_dtype=bfloat16,
 reduce_dtype=float32)``), ``fsdp_tp`` (4 ranks, a 2-D mesh: ``tp`` within pairs of ranks,
 ``fully_shard`` across them, each pair on its own rows), ``tp_sp`` (:class:`SeqNet` with
-sequence parallelism, :func:`_sequence_parallel`; every rank runs the whole batch).
+sequence parallelism, :func:`_sequence_parallel`; every rank runs the whole batch),
+``tp_partial`` (:class:`PartNet`: two ``Partial`` DTensors, met by the ranks in different
+orders), ``tp_partial_uneven`` (the same; rank 0 alone meets one more), ``fsdp_tp_order``
+(4 ranks, ``fsdp_tp`` with :class:`OrderNet`: two more meshes, met in different orders).
 """
 
 from __future__ import annotations
@@ -116,6 +119,93 @@ def _sequence_parallel(model: SeqNet, mesh) -> None:
     })
 
 
+class Split(nn.Module):
+    """``scale · x`` as a ``Partial`` DTensor of ``mesh`` once set: rank r holds
+    ``scale · SHARES[r] · x`` (the shares sum to 1, so the full tensor is ``scale · x``);
+    without a mesh ``scale · x`` itself (the reference)."""
+
+    SHARES = (0.25, 0.75)
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.scale, self.mesh = scale, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mesh is None:
+            return x * self.scale
+        from torch.distributed.tensor import DTensor, Partial
+
+        share = self.SHARES[self.mesh.get_local_rank()]
+        return DTensor.from_local(x * (self.scale * share), self.mesh, [Partial()],
+                                  run_check=False)
+
+
+class PartNet(nn.Module):
+    """Two partial-sum branches (:class:`Split`), summed, then a tensor-parallel block: the
+    branches run in ``order`` (set per rank by the worker: the ranks meet the Partial
+    DTensors in different orders), their sums taken in a fixed order; ``extra``: one more
+    call of ``split_a`` (a Partial DTensor the other ranks never meet)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(D_IN, D)
+        self.split_a, self.split_b = Split(1.0), Split(2.0)
+        self.block = Block()
+        self.head = nn.Linear(D, D_OUT)
+        self.order, self.extra = ("a", "b"), False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        got = {k: getattr(self, f"split_{k}")(h) for k in self.order}
+        a, b = got["a"], got["b"]
+        if self.split_a.mesh is not None:
+            a, b = a.full_tensor(), b.full_tensor()
+        if self.extra:
+            self.split_a(h[:1] * 3)
+        return self.head(self.block(a + b))
+
+
+def build_part() -> PartNet:
+    """The partial-sum model every rank (and the reference) starts from."""
+    torch.manual_seed(0)
+    return PartNet()
+
+
+class Wrap(nn.Module):
+    """Its input as a DTensor of ``mesh`` with ``placements`` (no collective)."""
+
+    def __init__(self, mesh, placements) -> None:
+        super().__init__()
+        self.mesh, self.placements = mesh, placements
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(x, self.mesh, self.placements, run_check=False)
+
+
+class OrderNet(Net):
+    """:class:`Net` whose ``views`` first wrap the input rows as a DTensor of a second
+    (``a``, ``b``) mesh of the ranks (``views.rows``: ``Shard(0)``, ``Replicate()``) and
+    ``CONST`` as a replicated DTensor of the 1-D world mesh (``views.const``), in ``order``
+    (set per rank: the ranks meet these meshes in different orders)."""
+
+    CONST = torch.arange(6, dtype=torch.float32)
+
+    def __init__(self, ab_mesh, world_mesh) -> None:
+        from torch.distributed.tensor import Replicate, Shard
+
+        super().__init__()
+        self.views = nn.ModuleDict({"rows": Wrap(ab_mesh, [Shard(0), Replicate()]),
+                                    "const": Wrap(world_mesh, [Replicate()])})
+        self.order = ("rows", "const")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for k in self.order:
+            self.views[k](x if k == "rows" else self.CONST)
+        return super().forward(x)
+
+
 def batch(step: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of ``step``: inputs (ROWS, D_IN) and targets (ROWS, D_OUT)."""
     g = torch.Generator().manual_seed(100 + step)
@@ -137,9 +227,70 @@ def _dump(trace, path: Path) -> None:
     path.write_text(json.dumps(out), encoding="utf-8")
 
 
-def main() -> None:
+def _tp_block(blk: nn.Module, mesh) -> None:
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    parallelize_module(blk, mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+
+
+def _two_d(model: Net, world: int, rank: int, x: torch.Tensor, y: torch.Tensor):
+    """dp × tp (FSDP2 × tensor parallel, 4 ranks): each tp pair on its own rows."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    mesh2 = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    for blk in model.blocks:
+        _tp_block(blk, mesh2["tp"])
+        fully_shard(blk, mesh=mesh2["dp"])
+    fully_shard(model, mesh=mesh2["dp"])
+    dp, rows = mesh2.get_coordinate()[0], ROWS // (world // 2)
+    return model, x[dp * rows:(dp + 1) * rows], y[dp * rows:(dp + 1) * rows]
+
+
+def _setup(scenario: str, mesh, rank: int, world: int):
+    """(model, inputs, targets) of ``scenario`` on this rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = build()
+    x, y = batch()
+    if scenario == "tp_sp":
+        model = build_seq()
+        _sequence_parallel(model, mesh)
+        return (model, *seq_batch())
+    if scenario == "fsdp_tp":
+        return _two_d(model, world, rank, x, y)
+    if scenario == "fsdp_tp_order":  # the ranks meet two more meshes in different orders
+        ab = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("a", "b"))
+        torch.manual_seed(0)
+        model = OrderNet(ab, mesh)
+        model.order = ("rows", "const") if rank % 2 == 0 else ("const", "rows")
+        return _two_d(model, world, rank, x, y)
+    if scenario in ("tp", "tp_partial", "tp_partial_uneven"):
+        if scenario != "tp":
+            model = build_part()
+            model.split_a.mesh = model.split_b.mesh = mesh
+            model.order = ("a", "b") if rank == 0 else ("b", "a")
+            model.extra = scenario == "tp_partial_uneven" and rank == 0
+        for blk in (model.blocks if scenario == "tp" else [model.block]):
+            _tp_block(blk, mesh)
+        return model, x, y
+    keep = scenario == "fsdp_keep"
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if scenario == "fsdp_mp" else MixedPrecisionPolicy()
+    for blk in model.blocks:
+        fully_shard(blk, mesh=mesh, reshard_after_forward=not keep, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=not keep, mp_policy=mp)
+    rows = ROWS // world
+    return model, x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+
+
+def main() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
     import hooks
 
@@ -151,50 +302,8 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
-    model = build()
     for scenario in args.scenario.split(","):
-        model = build()
-        x, y = batch()
-        if scenario == "tp_sp":
-            model = build_seq()
-            x, y = seq_batch()
-            _sequence_parallel(model, mesh)
-        elif scenario == "fsdp_tp":  # 2-D: data parallel (FSDP2) × tensor parallel, 4 ranks
-            from torch.distributed.tensor.parallel import (
-                ColwiseParallel,
-                RowwiseParallel,
-                parallelize_module,
-            )
-
-            mesh2 = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
-            for blk in model.blocks:
-                parallelize_module(blk, mesh2["tp"], {"w1": ColwiseParallel(),
-                                                      "w2": RowwiseParallel()})
-                fully_shard(blk, mesh=mesh2["dp"])
-            fully_shard(model, mesh=mesh2["dp"])
-            dp, rows = mesh2.get_coordinate()[0], ROWS // (world // 2)
-            x, y = x[dp * rows:(dp + 1) * rows], y[dp * rows:(dp + 1) * rows]
-        elif scenario == "tp":
-            from torch.distributed.tensor.parallel import (
-                ColwiseParallel,
-                RowwiseParallel,
-                parallelize_module,
-            )
-
-            for blk in model.blocks:
-                parallelize_module(blk, mesh, {"w1": ColwiseParallel(),
-                                               "w2": RowwiseParallel()})
-        else:
-            from torch.distributed.fsdp import MixedPrecisionPolicy
-
-            keep = scenario == "fsdp_keep"
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-                if scenario == "fsdp_mp" else MixedPrecisionPolicy()
-            for blk in model.blocks:
-                fully_shard(blk, mesh=mesh, reshard_after_forward=not keep, mp_policy=mp)
-            fully_shard(model, mesh=mesh, reshard_after_forward=not keep, mp_policy=mp)
-            rows = ROWS // world
-            x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+        model, x, y = _setup(scenario, mesh, rank, world)
         if scenario == "fsdp_nan":
             F.mse_loss(model(x), y).backward()
             if rank == 1:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,20 +22,31 @@ import torch.nn.functional as F
 
 from hooks.dtensor_stats import MeshStats, is_dtensor
 from tests import dtensor_worker as worker
+from tests.conftest import terminal_signals
 
 REPO = Path(__file__).resolve().parents[2]
-SCENARIOS = ("fsdp", "fsdp_keep", "tp", "fsdp_nan", "fsdp_uneven", "fsdp_mp", "tp_sp")
+SCENARIOS = ("fsdp", "fsdp_keep", "tp", "fsdp_nan", "fsdp_uneven", "fsdp_mp", "tp_sp",
+             "tp_partial")
 RTOL = 1e-5
 
 
-def _torchrun(out: Path, nproc: int, scenarios: str) -> Path:
+def _torchrun(out: Path, nproc: int, scenarios: str, timeout: float = 300) -> Path:
+    """Run the worker's ``scenarios`` under torchrun; a job still running after ``timeout``
+    seconds (a hang: mismatched collectives) is killed with its ranks and fails the test."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
          str(nproc), str(REPO / "tests" / "dtensor_worker.py"), "--out", str(out),
          "--scenario", scenarios],
-        cwd=out, env=env, capture_output=True, text=True, timeout=600, start_new_session=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True, preexec_fn=terminal_signals)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank (its own session)
+        log, _ = proc.communicate()
+        pytest.fail(f"the job hung: still running after {timeout} s\n{log[-3000:]}")
+    assert proc.returncode == 0, log[-6000:]
     return out
 
 
@@ -207,6 +219,93 @@ def test_sequence_parallel_pieces_are_reduced_like_the_others(job):
         for key in ("grad_norm", "weight_norm", "grad_abs_max"):
             assert _close(p[key], r[key]), (name, key, p[key], r[key])
     _check_activations(got, "tp_sp", outs)
+
+
+def _by_call(got: dict) -> dict[tuple[str, int], dict]:
+    return {(f["module"], f["call"]): f for f in got["forward"]}
+
+
+def _check_params(got: dict, ref: dict, skip: tuple[str, ...] = ()) -> None:
+    for name, r in ref.items():
+        p = got["params"][name]
+        assert p["shape"] == r["shape"] and p["status"] == "ok", (name, p)
+        assert _close(p["weight_norm"], r["weight_norm"]), name
+        if not name.startswith(skip):
+            for key in ("grad_norm", "grad_abs_max"):
+                assert _close(p[key], r[key]), (name, key, p[key], r[key])
+
+
+@pytest.mark.slow
+def test_partial_dtensors_met_in_different_orders_are_those_of_the_unsharded_model(job):
+    """Two ``Partial`` DTensors (each rank a share of ``1·h`` and ``2·h``), met by rank 0 in
+    the order a, b and by rank 1 in b, a: each is summed with the same tensor's pieces (its
+    mean is h's, and twice h's), and every call equals the unsharded model's. (Reduced when
+    met, rank 0's ``a`` was summed with rank 1's ``b``.)"""
+    ref, outs = _reference(worker.build_part, worker.batch)
+    r0, r1 = _read(job, "tp_partial", 0), _read(job, "tp_partial", 1)
+    assert [f["module"] for f in r0["forward"]][2:4] == ["split_a", "split_b"]
+    assert [f["module"] for f in r1["forward"]][2:4] == ["split_b", "split_a"]
+    h = dict(outs)["embed"].double()
+    for got in (r0, r1):
+        calls = _by_call(got)
+        for name, scale in (("split_a", 1.0), ("split_b", 2.0)):
+            st = calls[(name, 0)]["outputs"][0]["stats"]
+            assert st["numel"] == h.numel() and _close(st["mean"], scale * float(h.mean()))
+            assert _close(st["l2"], scale * float(h.norm())), (name, st)
+        _check_activations(got, "tp_partial", outs)
+        # the embedding's gradient is each rank's share (Split's backward); the rest is exact
+        _check_params(got, ref, skip=("embed.",))
+        assert not [n for n in got["notes"] if "partial" in n["message"]]
+
+
+@pytest.mark.slow
+def test_a_partial_dtensor_one_rank_alone_met_is_not_recorded_and_the_job_finishes(tmp_path):
+    """Rank 0 alone calls ``split_a`` once more: that Partial DTensor has no counterpart on
+    rank 1, so its statistics are not recorded (a note says why) instead of a collective
+    that hangs the job or sums different tensors; everything else is the unsharded model's."""
+    out = _torchrun(tmp_path, 2, "tp_partial_uneven", timeout=90)
+    ref, outs = _reference(worker.build_part, worker.batch)
+    r0, r1 = _read(out, "tp_partial_uneven", 0), _read(out, "tp_partial_uneven", 1)
+    extra = _by_call(r0)[("split_a", 1)]
+    assert extra["outputs"][0]["stats"] is None and ("split_a", 1) not in _by_call(r1)
+    notes = [n["message"] for n in r0["notes"] if "partial-sum" in n["message"]]
+    assert len(notes) == 1 and "the ranks met different partial-sum tensors" in notes[0]
+    assert "split_a#1/out" in notes[0]
+    row = 3 * dict(outs)["embed"][:1].double()  # its input, rank 0's own (plain) tensor
+    st = extra["inputs"][0]["stats"]
+    assert st["numel"] == row.numel() and _close(st["mean"], float(row.mean()))
+    for got in (r0, r1):
+        _check_activations(got, "tp_partial_uneven", outs)
+        _check_params(got, ref, skip=("embed.",))
+
+
+@pytest.mark.slow
+def test_a_2d_job_whose_ranks_meet_meshes_in_different_orders(tmp_path):
+    """dp × tp on 4 ranks, and two more meshes met during the forward, by even ranks in one
+    order and by odd ranks in the other (the input rows as a DTensor of an (a, b) mesh,
+    ``Shard(0)`` × ``Replicate()``; a constant replicated over the 1-D world mesh): every
+    mesh is reduced in the same order on every rank, and the numbers are the unsharded
+    model's on the global batch. (In each rank's own order the ranks waited on each other's
+    collectives until gloo's timeout.)"""
+    out = _torchrun(tmp_path, 4, "fsdp_tp_order", timeout=90)
+    got = [_read(out, "fsdp_tp_order", r) for r in range(4)]
+    assert [f["module"] for f in got[0]["forward"]][1:3] == ["views.rows", "views.const"]
+    assert [f["module"] for f in got[1]["forward"]][1:3] == ["views.const", "views.rows"]
+    ref, outs = _reference()
+    x, _ = worker.batch()
+    for g in got:
+        assert _by_call(g) == _by_call(got[0]) and g["params"] == got[0]["params"]
+    _check_params(got[0], ref)
+    calls = _by_call(got[0])
+    for name, t in (("views.rows", x.double()), ("views.const", worker.OrderNet.CONST.double())):
+        st = calls[(name, 0)]["outputs"][0]["stats"]
+        assert st["numel"] == t.numel(), (name, st)
+        for key, want in (("mean", t.mean()), ("std", t.std()), ("min", t.min()),
+                          ("max", t.max()), ("l2", t.norm())):
+            assert _close(st[key], float(want)), (name, key, st[key], float(want))
+    rest = {**got[0], "forward": [f for f in got[0]["forward"]
+                                  if not f["module"].startswith("views")]}
+    _check_activations(rest, "fsdp_tp_order", outs)
 
 
 def test_without_a_process_group_nothing_is_sharded():
