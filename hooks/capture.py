@@ -22,7 +22,6 @@ How it works (and why):
 from __future__ import annotations
 
 import fnmatch
-import math
 import sys
 import time
 import weakref
@@ -45,6 +44,7 @@ from hooks.capture_fast_path import (
     _has_forward_hooks,
     encoder_layer_fast_path_blocker,
 )
+from hooks.capture_params import param_records
 from hooks.capture_recompute import _in_backward, _Recomputed, _same_values, _signature
 from hooks.dtensor_stats import MeshStats, Results
 from hooks.edits_apply import Editor
@@ -71,6 +71,15 @@ def _matches(name: str, module: nn.Module, selectors: Sequence[Selector]) -> boo
         elif fnmatch.fnmatchcase(name, sel) or (sel and name.startswith(sel + ".")):
             return True
     return False
+
+
+def _check_data(model: nn.Module) -> None:
+    no_data = next((n for n, t in (*model.named_parameters(), *model.named_buffers())
+                    if t.is_meta), None)
+    if no_data is not None:
+        raise ValueError(f"the model has no data: {no_data} is on the meta device; "
+                         "materialise it first: model.to_empty(device='cpu'), then "
+                         "initialise or load its weights")
 
 
 def module_infos(
@@ -217,12 +226,7 @@ class Capture:
         tr.captured = self.sampled
         if not tr.captured:
             return tr
-        no_data = next((n for n, t in (*self.model.named_parameters(),
-                                       *self.model.named_buffers()) if t.is_meta), None)
-        if no_data is not None:
-            raise ValueError(f"the model has no data: {no_data} is on the meta device; "
-                             "materialise it first: model.to_empty(device='cpu'), then "
-                             "initialise or load its weights")
+        _check_data(self.model)
         # a sharded model (DTensor parameters): full-tensor statistics reduced across the mesh
         self._dist = MeshStats.for_model(self.model, self.bins)
         # CPU statistics on the worker thread (hooks.stats), checked against in-place writes
@@ -900,82 +904,7 @@ class Capture:
         sharded = self._dist.param_records(self._results, self.trace) if self._dist else {}
         if sharded:
             self._dist.set_shapes(named, sharded)
-        touched = self._touched
-        # floats from the worker; tensors otherwise, every parameter's four numbers read back
-        # at once (stack promotes mixed dtypes)
-        vals = {n: v for n, v in touched.items() if not isinstance(v[0], torch.Tensor)}
-        names = [n for n in touched if n not in vals]
-        flat = torch.stack([v for n in names for v in touched[n]]).tolist() if names else []
-        vals.update({n: flat[4 * i : 4 * i + 4] for i, n in enumerate(names)})
-        out: dict[str, ParamGradRecord] = {}
-        with torch.no_grad():
-            # parameters not seen by the hook (frozen, no grad, stale grad): one fused launch
-            rest = [(n, p.detach()) for n, p in named if n not in vals and n not in sharded]
-            rest_w = dict(zip([n for n, _ in rest], _norms([p for _, p in rest]), strict=True))
-            for name, p in named:
-                if name in sharded:
-                    out[name] = sharded[name]
-                    continue
-                rec = ParamGradRecord(name, list(p.shape), "none")
-                if name in vals:
-                    g2, lo, hi, w2 = vals[name]
-                    rec.grad_norm = math.sqrt(g2) if g2 >= 0 else math.nan
-                    rec.weight_norm = math.sqrt(w2) if w2 >= 0 else math.nan
-                    rec.grad_abs_max = math.nan if math.isnan(lo + hi) else max(-lo, hi)
-                    rec.status = "zero" if rec.grad_abs_max == 0.0 else "ok"
-                else:
-                    rec.weight_norm = rest_w[name]
-                    if not p.requires_grad:
-                        rec.status = "frozen"
-                    elif p.grad is not None:
-                        g = _dense(p.grad)
-                        rec.status = "stale"
-                        rec.grad_norm = _norms([g])[0]
-                        rec.grad_abs_max = _abs_maxes([g])[0]
-                if rec.grad_norm is not None and not (
-                    math.isfinite(rec.grad_norm) and math.isfinite(rec.grad_abs_max)
-                ):
-                    g = p.grad
-                    if g is not None:
-                        g = _dense(g)
-                        rec.nan_count = int(torch.isnan(g).sum())
-                        rec.inf_count = int(torch.isinf(g).sum())
-                if rec.grad_norm is not None and rec.weight_norm:
-                    rec.ratio = rec.grad_norm / rec.weight_norm
-                out[name] = rec
-        return out
-
-
-# -- helpers of the parameter records above ------------------------------------------------------
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    return t.coalesce().values() if t.is_sparse else t
-
-
-def _norms(tensors: list[torch.Tensor]) -> list[float]:
-    """L2 norms of many tensors (``torch._foreach_norm``: one fused launch per dtype/device)."""
-    if not tensors:
-        return []
-    try:
-        norms = torch._foreach_norm(tensors, 2)
-    except Exception:  # pragma: no cover - combos _foreach_norm refuses
-        norms = [torch.linalg.vector_norm(t.float()) for t in tensors]
-    return torch.stack([n.float().cpu() for n in norms]).tolist()
-
-
-def _abs_maxes(tensors: list[torch.Tensor]) -> list[float]:
-    """max |x| per tensor, NaN when the tensor has a NaN (aminmax propagates it).
-
-    ``_foreach_norm(ord=inf)`` would do it in one call but runs ~10x slower on CPU.
-    """
-    if not tensors:
-        return []
-    mm = [torch.aminmax(t.reshape(-1)) if t.numel() else (t.new_zeros(()),) * 2 for t in tensors]
-    flat = torch.stack([torch.stack([a.float().cpu(), b.float().cpu()]) for a, b in mm]).tolist()
-    out = []
-    for lo, hi in flat:
-        out.append(math.nan if (math.isnan(lo) or math.isnan(hi)) else max(-lo, hi))
-    return out
+        return param_records(named, self._touched, sharded)
 
 
 def capture(
