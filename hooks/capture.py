@@ -73,9 +73,10 @@ def _matches(name: str, module: nn.Module, selectors: Sequence[Selector]) -> boo
     return False
 
 
-def _check_data(model: nn.Module) -> None:
-    no_data = next((n for n, t in (*model.named_parameters(), *model.named_buffers())
-                    if t.is_meta), None)
+def _check_data(modules: list[tuple[str, nn.Module]]) -> None:
+    no_data = next((f"{prefix}.{n}" if prefix else n for prefix, m in modules
+                    for d in (m._parameters, m._buffers) for n, t in d.items()
+                    if t is not None and t.is_meta), None)
     if no_data is not None:
         raise ValueError(f"the model has no data: {no_data} is on the meta device; "
                          "materialise it first: model.to_empty(device='cpu'), then "
@@ -226,7 +227,7 @@ class Capture:
         tr.captured = self.sampled
         if not tr.captured:
             return tr
-        _check_data(self.model)
+        _check_data(named_modules(unwrap_compiled(self.model)))
         # a sharded model (DTensor parameters): full-tensor statistics reduced across the mesh
         self._dist = MeshStats.for_model(self.model, self.bins)
         # CPU statistics on the worker thread (hooks.stats), checked against in-place writes

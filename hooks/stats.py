@@ -240,6 +240,11 @@ class _Worker:
 
     def _run(self, ready: threading.Event) -> None:
         torch.set_num_threads(1)  # this thread's OpenMP team: one thread beside the model's
+        try:  # Linux: the model's threads go first; the worker takes the time they leave idle
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + 5)
+        except (AttributeError, OSError):  # pragma: no cover - other systems
+            pass
         # ATen initialises a thread's count lazily, from the process default, on its first
         # parallel call: make that happen now, while the default is 1
         torch.get_num_threads()
@@ -345,8 +350,11 @@ class StatsBatch:
         self._samples: list[tuple[torch.Tensor, int, int]] = []
         # sync-free path: per slot device tensors, converted in finalize
         self._dev: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
-        # background: (slot, tensor, its version when added), until drain
-        self._jobs: list[tuple[int, torch.Tensor, int]] = []
+        # background: (slot, tensor, its version when added), until checked after the worker
+        # read it (release); _done counts the jobs the worker finished, _checked those checked
+        self._jobs: collections.deque[tuple[int, torch.Tensor, int]] = collections.deque()
+        self._done = 0
+        self._checked = 0
         self._worker: _Worker | None = None
         self.modified: list[int] = []
         self.errors: dict[int, str] = {}
@@ -372,6 +380,8 @@ class StatsBatch:
             except RuntimeError:  # an inference tensor counts no versions: summarised now
                 pass
             else:
+                if self._checked < self._done:
+                    self.release()
                 self._out.append(None)
                 self._jobs.append((slot, x, version))
                 self.submit(self._job, (slot, x, n))
@@ -401,6 +411,24 @@ class StatsBatch:
             self._add_cpu(slot, x, n)
         except Exception as exc:  # said by the caller, never raised on the worker
             self.errors[slot] = f"{type(exc).__name__}: {exc}"
+        self._done += 1  # only this thread writes it
+
+    def release(self) -> None:
+        """Check, without waiting, the tensors the worker has finished reading, and let them
+        go (a tensor kept until :meth:`drain` would hold its memory): one whose version counter
+        moved since ``add`` is dropped (:attr:`modified`). Call it from the thread that runs the
+        model, between its ops (no write can be under way then); ``add`` does."""
+        jobs, out, errors = self._jobs, self._out, self.errors
+        done = self._done
+        while self._checked < done:
+            slot, x, version = jobs.popleft()
+            self._checked += 1
+            if x._version != version:
+                out[slot] = None
+                self.modified.append(slot)
+                errors.pop(slot, None)
+            elif slot in errors:
+                out[slot] = None
 
     def drain(self) -> None:
         """Wait until the worker has run every job submitted so far; then drop (``None``, and
@@ -411,15 +439,7 @@ class StatsBatch:
         done = threading.Event()
         self._worker.put(threading.Event.set, done, urgent=True)
         done.wait()
-        out, errors = self._out, self.errors
-        for slot, x, version in self._jobs:
-            if x._version != version:
-                out[slot] = None
-                self.modified.append(slot)
-                errors.pop(slot, None)
-            elif slot in errors:
-                out[slot] = None
-        self._jobs.clear()
+        self.release()
 
     # -- CPU: read a few numbers back (free on CPU), skip NaN/Inf passes for finite tensors --
     def _add_cpu(self, slot: int, x: torch.Tensor, n: int) -> None:
