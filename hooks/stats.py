@@ -50,6 +50,7 @@ HIST_SAMPLE = 1024
 #: counted exactly when its histogram sample holds a zero (see ``TensorStats.zero_exact``).
 ZERO_EXACT_NUMEL = 1 << 14
 _EXACT_COUNT = 1 << 24  # float32 sums of ones are exact below this
+_AMINMAX_NUMEL = 1 << 18  # larger tensors take torch.aminmax, smaller ones amin and amax
 
 _STAT_FIELDS = ("mean", "std", "min", "max", "abs_max", "l2", "zero_frac")
 
@@ -445,8 +446,11 @@ class StatsBatch:
     def _add_cpu(self, slot: int, x: torch.Tensor, n: int) -> None:
         xf = x.view(-1) if x.is_contiguous() else x.reshape(-1)
         last = x.shape[-1] if x.dim() else 1
-        mn, mx = torch.aminmax(xf)
-        lo, hi = mn.item(), mx.item()  # .item() on CPU is a plain read (~0.3 us)
+        if n <= _AMINMAX_NUMEL:  # in cache, amin + amax run ~1.4x faster than aminmax
+            lo, hi = torch.amin(xf).item(), torch.amax(xf).item()  # .item() on CPU: a read
+        else:  # from memory, aminmax's one pass wins
+            mn, mx = torch.aminmax(xf)
+            lo, hi = mn.item(), mx.item()
         nan = inf = 0
         count = n
         if math.isfinite(lo) and math.isfinite(hi):
