@@ -6,9 +6,14 @@ inputs and outputs, their gradients, parameters and parameter gradients — as t
 whole job, not as this rank's piece of it (:class:`MeshStats`):
 
 * **Each rank summarises its own piece** (a DTensor's local shard, or a plain tensor such as an
-  activation) into exact moments kept as tensors: finite count, sum and sum of squares (fp64),
-  non-zero count, NaN and Inf counts, the number of elements, min and max, and a histogram
-  sample (at most :data:`hooks.stats.HIST_SAMPLE` values).
+  activation) as one process's capture does on CPU (:class:`hooks.stats.StatsBatch`), a few
+  numbers read back at once: finite count, sum and sum of squares (fp32 kernels, no copy of
+  the tensor; fp64 where ``|mean| >> std`` would lose them), non-zero count (counted where the
+  piece has at most :data:`hooks.stats.ZERO_EXACT_NUMEL` elements or its sample holds a zero,
+  else ``zero_exact`` is False, as in one process), NaN and Inf counts, the number of
+  elements, min and max, a histogram sample (at most :data:`hooks.stats.HIST_SAMPLE` values)
+  and, for a plain tensor, a position-weighted checksum of its bits (from row and column sums:
+  no int64 copy).
 * **Each element is counted once.** A DTensor's placements say it: a ``Shard`` mesh dimension
   holds different elements on each rank (counted on all), a ``Replicate`` one the same elements
   (counted on coordinate 0 only). A ``Partial`` DTensor's piece is kept (a copy) and reduced
@@ -37,8 +42,10 @@ whole job, not as this rank's piece of it (:class:`MeshStats`):
   kept in :attr:`MeshStats.nonfinite_ranks`; the capture names them in notes (``a NaN in rank
   1's shard of w2``).
 
-Exactness: counts, min, max and the histogram are exact; sums are fp64 sums of per-rank fp64
-sums (the order differs from a single process's, so they agree to float rounding). Gradients of
+Exactness: counts, min, max and the histogram are exact; sums are fp64 sums of per-rank sums
+(the order differs from a single process's, so they agree to float rounding; the std of the
+full tensor comes from ``Σx²`` and ``Σx``, which loses digits where ``|mean| >> std``: ~1e-3
+relative at mean/std = 1e6). Gradients of
 activations are those of each rank's own backward (each data-parallel rank differentiates its
 own loss), summed like any tensor. A plain tensor whose shards happen to be bitwise equal on
 every rank of a mesh dimension (an all-zero shard everywhere) is taken for a replica.
@@ -62,7 +69,15 @@ from typing import Any
 import torch
 
 from hooks.records import Note, ParamGradRecord
-from hooks.stats import NUM_BINS, TensorStats, _from_moments, _hist_sample
+from hooks.stats import (
+    HIST_SAMPLE,
+    NUM_BINS,
+    ZERO_EXACT_NUMEL,
+    TensorStats,
+    _count_nonzero,
+    _from_moments,
+    _hist_sample,
+)
 
 __all__ = ["MeshStats", "SLOT_BASE", "is_dtensor", "local_piece", "sharded_parameters"]
 
@@ -72,8 +87,8 @@ MAX_NOTES = 4
 #: :class:`hooks.stats.StatsBatch` slots.
 SLOT_BASE = 1 << 40
 
-# columns of the summed moments
-_COUNT, _SUM, _SUMSQ, _NNZ, _NAN, _INF, _NUMEL, _BITS = range(8)
+# columns of the summed moments (_UNCOUNTED: pieces whose zeros were not counted)
+_COUNT, _SUM, _SUMSQ, _NNZ, _NAN, _INF, _NUMEL, _BITS, _UNCOUNTED = range(9)
 
 
 def is_dtensor(t: Any) -> bool:
@@ -113,16 +128,16 @@ def _key(text: str) -> int:
 
 class _Entry:
     """One tensor's piece on this rank: ``head`` (count of finite values, NaN, Inf, numel, the
-    rank's bit when non-finite, -min, max) as Python numbers, ``sums`` (fp64 sum, sum of
-    squares, non-zero count; a ``light`` entry: only the sum of squares, any float dtype), the
-    histogram ``sample`` of its finite values and, for a plain tensor, its ``fingerprint``
-    (checksum tensor, shape hash)."""
+    rank's bit when non-finite, -min, max) and ``sums`` (sum, sum of squares, non-zero count,
+    1.0 when zeros were not counted; a ``light`` entry: no sum, non-zeros not counted) as
+    Python numbers, the histogram ``sample`` of its finite values and, for a plain tensor, its
+    ``fingerprint`` (checksum tensor, shape hash)."""
 
     __slots__ = ("mesh", "weights", "head", "sums", "light", "sample", "fingerprint", "key",
                  "pending", "dropped")
 
     def __init__(self, mesh: Any, weights: list[float | None] | None, head: list[float] | None,
-                 sums: torch.Tensor | None, sample: torch.Tensor, fingerprint: Any,
+                 sums: list[float] | None, sample: torch.Tensor, fingerprint: Any,
                  key: int = 0, light: bool = False):
         self.mesh = mesh
         #: a Partial DTensor's piece, summarised at finalize (:class:`_Pending`), else None
@@ -141,14 +156,13 @@ class _Entry:
     @classmethod
     def absent(cls, mesh: Any, key: int) -> _Entry:
         """A tensor another rank captured and this one did not: counts nothing."""
-        head = [0.0, 0.0, 0.0, 0.0, 0.0, -math.inf, -math.inf]
         fp = (torch.tensor(-1 - _rank(), dtype=torch.int64), -1)  # a replica of nothing
-        return cls(mesh, None, head, _ZERO3, _EMPTY, fp, key)
+        return cls(mesh, None, list(_NONE), [0.0, 0.0, 0.0, 0.0], _EMPTY, fp, key)
 
     def drop(self) -> None:
         """Not recorded on this rank: counts nothing in the reduction, its result is None."""
-        self.head = [0.0, 0.0, 0.0, 0.0, 0.0, -math.inf, -math.inf]
-        self.sums, self.sample, self.light, self.weights = _ZERO3, _EMPTY, False, None
+        self.head, self.sums = list(_NONE), [0.0, 0.0, 0.0, 0.0]
+        self.sample, self.light, self.weights = _EMPTY, False, None
         self.fingerprint = (torch.tensor(-1 - _rank(), dtype=torch.int64), -1)
         self.pending, self.dropped = None, True
 
@@ -167,7 +181,6 @@ class _Pending:
         self.pkey = _key(f"{key}|{tuple(x.shape)}|{x.dtype}|{dims}")
 
 
-_ZERO3 = torch.zeros(3, dtype=torch.float64)
 _WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _EMPTY = torch.zeros(0)
 
@@ -198,37 +211,57 @@ def _nonfinite(xf: torch.Tensor) -> tuple[int, int, torch.Tensor]:
     return nan, xf.numel() - good.numel() - nan, good
 
 
-def _moments(x: torch.Tensor) -> tuple[list[float], torch.Tensor, torch.Tensor]:
+_NONE = [0.0, 0.0, 0.0, 0.0, 0.0, -math.inf, -math.inf]
+
+
+def _moments(x: torch.Tensor) -> tuple[list[float], list[float], torch.Tensor]:
     """(head, sums, histogram sample of the finite values) of a local piece (see
-    :class:`_Entry`): few kernels, no copy of the tensor (min and max tell a finite one)."""
+    :class:`_Entry`), as :class:`hooks.stats.StatsBatch` takes them on CPU: no copy of the
+    tensor, fp32 sum and dot (fp64, from an fp64 copy, where ``|mean| >> std`` would lose
+    their precision), zeros counted where the piece is small or its sample holds one (else
+    ``sums[3]`` is 1: not counted)."""
     n = x.numel()
+    if not n:
+        return list(_NONE), [0.0, 0.0, 0.0, 0.0], _EMPTY
     xf = _flat(x)
     last = x.shape[-1] if x.dim() else 1
-    nan = inf = 0
-    if not n:
-        return [0.0, 0.0, 0.0, 0.0, 0.0, -math.inf, -math.inf], _ZERO3, _EMPTY
     mn, mx = torch.aminmax(xf)
     lo, hi = mn.item(), mx.item()
     if not (math.isfinite(lo) and math.isfinite(hi)):
-        nan, inf, xf = _nonfinite(xf)
-        if not xf.numel():
-            bit = float(2 ** _rank())
-            return [0.0, nan, inf, n, bit, -math.inf, -math.inf], _ZERO3, _EMPTY
-        mn, mx = torch.aminmax(xf)
-        lo, hi = mn.item(), mx.item()
-    xd = xf.double()
-    sums = torch.stack([xd.sum(), torch.dot(xd, xd), torch.count_nonzero(xf).double()])
+        return _moments_nonfinite(xf, n, last)
+    s, ss = xf.sum().item(), torch.dot(xf, xf).item()
     sample, k = _hist_sample(xf, last)
-    bit = float(2 ** _rank()) if nan or inf else 0.0
-    return [float(xf.numel()), nan, inf, n, bit, -lo, hi], sums, sample[:k]
+    counted = n <= ZERO_EXACT_NUMEL or torch.count_nonzero(sample).item() < HIST_SAMPLE
+    nnz = float(_count_nonzero(xf)) if counted else float(n)
+    var = (ss - s * s / n) if n > 1 else 1.0
+    if n > 1 and (not (math.isfinite(s) and math.isfinite(ss)) or var <= 1e-3 * ss):
+        xd = xf.double()
+        s, ss = xd.sum().item(), torch.dot(xd, xd).item()
+    return [float(n), 0.0, 0.0, n, 0.0, -lo, hi], [s, ss, nnz, float(not counted)], sample[:k]
 
 
-def _light(x: torch.Tensor) -> tuple[list[float], torch.Tensor]:
-    """(head, sum of squares) of a parameter's or gradient's local piece: what a
-    :class:`~hooks.records.ParamGradRecord` needs (norm, abs-max, NaN/Inf counts)."""
+def _moments_nonfinite(xf: torch.Tensor, n: int, last: int
+                       ) -> tuple[list[float], list[float], torch.Tensor]:
+    """:func:`_moments` of a piece holding NaN or Inf: of its finite values, in fp64."""
+    nan, inf, xf = _nonfinite(xf)
+    bit = float(2 ** _rank())
+    if not xf.numel():
+        return [0.0, nan, inf, n, bit, -math.inf, -math.inf], [0.0, 0.0, 0.0, 0.0], _EMPTY
+    lo, hi = (v.item() for v in torch.aminmax(xf))
+    xd = xf.double()
+    s, ss = xd.sum().item(), torch.dot(xd, xd).item()
+    sample, k = _hist_sample(xf, last)
+    return ([float(xf.numel()), nan, inf, n, bit, -lo, hi],
+            [s, ss, float(_count_nonzero(xf)), 0.0], sample[:k])
+
+
+def _light(x: torch.Tensor) -> tuple[list[float], list[float]]:
+    """(head, sums) of a parameter's or gradient's local piece: what a
+    :class:`~hooks.records.ParamGradRecord` needs (norm, abs-max, NaN/Inf counts); the sum is
+    not taken and zeros are not counted."""
     n = x.numel()
     if not n:
-        return [0.0, 0.0, 0.0, 0.0, 0.0, -math.inf, -math.inf], torch.zeros(1)
+        return list(_NONE), [0.0, 0.0, 0.0, 0.0]
     xf = _flat(x)
     mn, mx = torch.aminmax(xf)
     lo, hi = mn.item(), mx.item()
@@ -237,7 +270,9 @@ def _light(x: torch.Tensor) -> tuple[list[float], torch.Tensor]:
         nan, inf, xf = _nonfinite(xf)
         lo, hi = (xf.min().item(), xf.max().item()) if xf.numel() else (math.inf, -math.inf)
     bit = float(2 ** _rank()) if nan or inf else 0.0
-    return [float(xf.numel()), nan, inf, n, bit, -lo, hi], torch.dot(xf, xf).reshape(1)
+    count = float(xf.numel())
+    ss = torch.dot(xf, xf).item() if xf.numel() else 0.0
+    return [count, nan, inf, n, bit, -lo, hi], [0.0, ss, count, 1.0]
 
 
 def _mesh_groups(mesh: Any) -> list[Any]:
@@ -412,8 +447,16 @@ class MeshStats:
         if y.dtype == torch.bool:
             y = y.view(torch.uint8)
         width = _WIDTH[y.element_size()]
-        ints = (y if y.dtype == width else y.view(width)).to(torch.int64)
-        bits = (ints * _positions(ints.numel(), ints.device)).sum()
+        ints = y if y.dtype == width else y.view(width)
+        n, c = ints.numel(), x.shape[-1] if x.dim() else 1
+        if c < 16 or n // c < 16:  # small, or one long row: element by element
+            bits = (ints.to(torch.int64) * _positions(n, ints.device)).sum()
+        else:  # the same sum from row and column sums (no int64 copy of the tensor):
+            # position i·c + j + 1 of element (i, j) gives c·Σ_i i·r_i + Σ_j (j + 1)·c_j
+            m = ints.view(n // c, c)
+            rows, cols = m.sum(1, dtype=torch.int64), m.sum(0, dtype=torch.int64)
+            pos = _positions(max(n // c, c), ints.device)
+            bits = (rows * (pos[:n // c] - 1)).sum() * c + (cols * pos[:c]).sum()
         return bits, hash(tuple(x.shape)) & 0x7FFFFFFFFFFF
 
     # -- parameters --------------------------------------------------------------------------
@@ -658,7 +701,7 @@ class MeshStats:
     @staticmethod
     def _stats(mom: list[float], mm: list[float], hist: list[float],
                hist_count: int) -> TensorStats:
-        count, s, ss, nnz, nan, inf, n, _ = mom
+        count, s, ss, nnz, nan, inf, n, _, uncounted = mom
         count, nan, inf, n = int(count), int(nan), int(inf), int(n)
         if count == 0:
             return TensorStats(numel=n, nan_count=nan, inf_count=inf)
@@ -666,7 +709,10 @@ class MeshStats:
         var = max((ss - count * mean * mean) / (count - 1), 0.0) if count > 1 else 0.0
         lo, hi = -mm[0], mm[1]
         h = [int(v) for v in hist]
-        return _from_moments(n, count, mean, var, lo, hi, ss, nnz, nan, inf, h, hist_count)
+        st = _from_moments(n, count, mean, var, lo, hi, ss, nnz, nan, inf, h, hist_count)
+        if uncounted:
+            st.zero_exact, st.zero_frac = False, 0.0
+        return st
 
     # -- parameter records -------------------------------------------------------------------
     def param_records(self, results: Any, trace: Any = None) -> dict[str, ParamGradRecord]:
@@ -786,18 +832,11 @@ def _norm(st: TensorStats) -> float:
 
 
 def _matrices(entries: list[_Entry]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, 8) moments (see the ``_COUNT`` … ``_BITS`` columns) and (N, 2) (-min, max), fp64."""
-    head = torch.tensor([e.head for e in entries], dtype=torch.float64)  # (N, 7)
-    sums = torch.zeros(len(entries), 3, dtype=torch.float64)
-    full = [i for i, e in enumerate(entries) if not e.light]
-    light = [i for i, e in enumerate(entries) if e.light]
-    if full:
-        sums[full] = torch.stack([entries[i].sums for i in full])
-    if light:
-        sums[light, 1] = torch.cat([entries[i].sums.double() for i in light])
-        sums[light, 2] = head[light, 0]  # non-zeros not counted: taken as all non-zero
-    mom = torch.cat([head[:, :1], sums, head[:, 1:5]], dim=1)
-    return mom, head[:, 5:7].clone()
+    """(N, 9) moments (see the ``_COUNT`` … ``_UNCOUNTED`` columns) and (N, 2) (-min, max),
+    fp64, from every entry's numbers at once."""
+    tab = torch.tensor([e.head + e.sums for e in entries], dtype=torch.float64)  # (N, 11)
+    mom = tab[:, [0, 7, 8, 9, 1, 2, 3, 4, 10]]
+    return mom, tab[:, 5:7].clone()
 
 
 class Results:

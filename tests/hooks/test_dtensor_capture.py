@@ -308,6 +308,41 @@ def test_a_2d_job_whose_ranks_meet_meshes_in_different_orders(tmp_path):
     _check_activations(rest, "fsdp_tp_order", outs)
 
 
+def test_a_pieces_sums_keep_fp64_precision_where_its_mean_dwarfs_its_spread():
+    """A rank's piece is summed in fp32 like one process's capture, and again in fp64 where
+    ``|mean| >> std`` makes fp32 sums useless: 1000 + N(0, 1e-3) keeps fp64 sums (its std
+    from them, ``(Σx² − (Σx)²/n) / (n − 1)``, to ~1e-2: the formula's own cancellation)."""
+    from hooks.dtensor_stats import _moments
+
+    g = torch.Generator().manual_seed(3)
+    x = 1000 + 1e-3 * torch.randn(50_000, generator=g)
+    head, sums, _ = _moments(x)
+    xd = x.double()
+    assert head[0] == head[3] == x.numel() and -head[5] == float(x.min())
+    assert math.isclose(sums[0], float(xd.sum()), rel_tol=1e-12)
+    assert math.isclose(sums[1], float(torch.dot(xd, xd)), rel_tol=1e-12)
+    n, s, ss = x.numel(), sums[0], sums[1]
+    std = math.sqrt((ss - s * s / n) / (n - 1))
+    assert math.isclose(std, float(xd.std()), rel_tol=1e-2), (std, float(xd.std()))
+    y = torch.randn(50_000, generator=g)  # well conditioned: fp32 sums
+    _, sums, _ = _moments(y)
+    yd = y.double()
+    assert math.isclose(sums[1], float(torch.dot(yd, yd)), rel_tol=1e-5)
+    assert abs(sums[0] - float(yd.sum())) <= 1e-5 * float(yd.abs().sum())
+
+
+def test_zeros_are_counted_where_the_piece_is_small_or_its_sample_holds_one():
+    from hooks.dtensor_stats import _moments
+
+    g = torch.Generator().manual_seed(4)
+    big = torch.randn(100_000, generator=g)  # no zero: not counted, said so (sums[3])
+    assert _moments(big)[1][2:] == [100_000.0, 1.0]
+    big[::7] = 0.0  # zeros the sample meets: counted exactly
+    assert _moments(big)[1][2:] == [float(torch.count_nonzero(big)), 0.0]
+    small = torch.tensor([0.0, 1.0, -2.0, 0.0])
+    assert _moments(small)[1][2:] == [2.0, 0.0]
+
+
 def test_without_a_process_group_nothing_is_sharded():
     model = worker.build()
     assert MeshStats.for_model(model) is None
