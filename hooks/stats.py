@@ -254,7 +254,10 @@ class _Worker:
         while True:
             while jobs:
                 fn, arg = jobs.popleft()
-                fn(arg)  # jobs catch their own errors
+                try:
+                    fn(arg)  # jobs catch their own errors
+                except BaseException:  # pragma: no cover - the thread must outlive any job
+                    pass
             self.sleeping = True
             if jobs:  # appended before we said so: the appender did not wake us
                 self.sleeping = False
@@ -437,9 +440,15 @@ class StatsBatch:
         since ``add``, and release the tensors. No-op for a batch with nothing pending."""
         if self._worker is None:
             return
-        done = threading.Event()
-        self._worker.put(threading.Event.set, done, urgent=True)
-        done.wait()
+        worker = self._worker
+        if worker.thread.is_alive():
+            done = threading.Event()
+            worker.put(threading.Event.set, done, urgent=True)
+            done.wait()
+        else:  # a forked child has no copy of the thread: its jobs run here
+            while worker.jobs:
+                fn, arg = worker.jobs.popleft()
+                fn(arg)
         self.release()
 
     # -- CPU: read a few numbers back (free on CPU), skip NaN/Inf passes for finite tensors --
