@@ -15,7 +15,11 @@ new content on screen) and to the last (Textual's second layout pass and the scr
 settled); also ``await pilot.press(key)``, which adds Pilot's own idle waits (at least two 20 ms
 sleeps). Bounds (issue 25): step view keys ≤ 50 ms, the router view ≤ 100 ms, medians.
 
-Run: ``python benchmarks/bench_startup.py [--runs 5] [--only startup|keys]``.
+Before/after in one run: ``--baseline DIR`` (a checkout of another commit, e.g. ``git archive
+COMMIT | tar -x -C DIR``) is timed alongside this one: its ``mdb step`` in the same interleaved
+start-up loop, its keys in child processes alternating with this checkout's (``--rounds``).
+
+Run: ``python benchmarks/bench_startup.py [--runs 5] [--only startup|keys] [--baseline DIR]``.
 """
 
 from __future__ import annotations
@@ -29,22 +33,33 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 BUDGET_S = 2.5
+
+
+def _use_repo(argv: list[str]) -> None:
+    """``--repo DIR`` (the tree whose mdb is timed; the children of ``--baseline``): set
+    :data:`REPO` before any of mdb's modules is imported."""
+    global REPO
+    if "--repo" in argv:
+        REPO = Path(argv[argv.index("--repo") + 1]).resolve()
+    sys.path.insert(0, str(REPO))
+
+
+_use_repo(sys.argv)
 
 
 #: Where the children keep mdb's compiled bytecode (see :func:`_env`).
 PYCACHE = Path(os.environ.get("TMPDIR", "/tmp")) / "mdb-bench-pycache"
 
 
-def _env(bytecode: bool = True) -> dict[str, str]:
-    """The children's environment. ``bytecode``: mdb's modules are loaded from compiled
-    bytecode, as from any installed package (kept under :data:`PYCACHE`, outside the
-    repository), whatever ``PYTHONDONTWRITEBYTECODE`` says: torch's own come from their
-    ``.pyc`` files, and a shell that forbids writing bytecode would otherwise charge mdb alone
-    for compiling its ~100 modules on every start."""
+def _env(bytecode: bool = True, repo: Path | None = None) -> dict[str, str]:
+    """The children's environment (mdb from ``repo``, default :data:`REPO`). ``bytecode``:
+    mdb's modules are loaded from compiled bytecode, as from any installed package (kept under
+    :data:`PYCACHE`, outside the repository), whatever ``PYTHONDONTWRITEBYTECODE`` says:
+    torch's own come from their ``.pyc`` files, and a shell that forbids writing bytecode would
+    otherwise charge mdb alone for compiling its ~100 modules on every start."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(repo or REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TERM", "xterm-256color")
     if bytecode:
         env.pop("PYTHONDONTWRITEBYTECODE", None)
@@ -53,17 +68,18 @@ def _env(bytecode: bool = True) -> dict[str, str]:
 
 
 def time_in_pty(argv: list[str], env: dict[str, str], timeout: float = 120.0,
-                paint_log: Path | None = None) -> dict[str, float]:
-    """Run ``argv`` in an 80×24 pseudo-terminal; seconds from spawn to exit (``exit``) and,
-    from ``paint_log``, to each logged first paint (``loading``, ``step``)."""
+                paint_log: Path | None = None, cwd: Path | None = None) -> dict[str, float]:
+    """Run ``argv`` in an 80×24 pseudo-terminal (in ``cwd``, default :data:`REPO`); seconds
+    from spawn to exit (``exit``) and, from ``paint_log``, to each logged first paint
+    (``loading``, ``step``)."""
     import pexpect
 
     if paint_log is not None:
         paint_log.unlink(missing_ok=True)
     t_wall = time.time()
     t0 = time.perf_counter()
-    child = pexpect.spawn(argv[0], argv[1:], env=env, dimensions=(24, 80), cwd=str(REPO),
-                          timeout=timeout)
+    child = pexpect.spawn(argv[0], argv[1:], env=env, dimensions=(24, 80),
+                          cwd=str(cwd or REPO), timeout=timeout)
     child.expect(pexpect.EOF)
     child.close()
     out = {"exit": time.perf_counter() - t0}
@@ -76,12 +92,14 @@ def time_in_pty(argv: list[str], env: dict[str, str], timeout: float = 120.0,
     return out
 
 
-def bench_startup(runs: int, bytecode: bool = True) -> dict[str, list[float]]:
+def bench_startup(runs: int, bytecode: bool = True,
+                  baseline: Path | None = None) -> dict[str, list[float]]:
+    """Seconds per run of each start-up measure, interleaved (``baseline``: its ``mdb step``
+    too, in the same loop, its order flipped with this checkout's every run)."""
     import tempfile
 
     log = Path(tempfile.mkdtemp()) / "paint.log"
     env = _env(bytecode)
-    step_env = dict(env, MDB_EXIT_AFTER_PAINT="1", MDB_PAINT_LOG=str(log))
     mdb = [sys.executable, "-m", "tui.cli"]
     times: dict[str, list[float]] = {
         "python -c 'import torch'": [],
@@ -90,16 +108,24 @@ def bench_startup(runs: int, bytecode: bool = True) -> dict[str, list[float]]:
         "mdb step: step view painted": [],
         "mdb step: process exit": [],
     }
-    # warm the file cache once (and write the bytecode)
-    time_in_pty(mdb + ["step"], step_env, paint_log=log)
-    for _ in range(runs):
+    sides = {"": REPO}
+    if baseline is not None:
+        sides["baseline "] = baseline
+        times.update({f"baseline mdb step: {what}": [] for what in
+                      ("loading screen painted", "step view painted", "process exit")})
+    step_env = {prefix: dict(_env(bytecode, repo), MDB_EXIT_AFTER_PAINT="1",
+                             MDB_PAINT_LOG=str(log)) for prefix, repo in sides.items()}
+    for prefix, repo in sides.items():  # warm the file cache once (and write the bytecode)
+        time_in_pty(mdb + ["step"], step_env[prefix], paint_log=log, cwd=repo)
+    for i in range(runs):
         times["python -c 'import torch'"].append(
             time_in_pty([sys.executable, "-c", "import torch"], env)["exit"])
         times["mdb --help"].append(time_in_pty(mdb + ["--help"], env)["exit"])
-        r = time_in_pty(mdb + ["step"], step_env, paint_log=log)
-        times["mdb step: loading screen painted"].append(r["loading"])
-        times["mdb step: step view painted"].append(r["step"])
-        times["mdb step: process exit"].append(r["exit"])
+        for prefix in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
+            r = time_in_pty(mdb + ["step"], step_env[prefix], paint_log=log, cwd=sides[prefix])
+            times[f"{prefix}mdb step: loading screen painted"].append(r["loading"])
+            times[f"{prefix}mdb step: step view painted"].append(r["step"])
+            times[f"{prefix}mdb step: process exit"].append(r["exit"])
     return times
 
 
@@ -194,38 +220,90 @@ def main() -> None:
     parser.add_argument("--no-bytecode", action="store_true",
                         help="start-up: keep PYTHONDONTWRITEBYTECODE (mdb's modules compiled "
                              "from source on every start)")
+    parser.add_argument("--baseline", metavar="DIR", type=Path,
+                        help="a checkout of another commit, timed alongside this one")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="keys with --baseline: child processes per side, alternating")
+    parser.add_argument("--repo", metavar="DIR", help="the tree whose mdb is timed (default: "
+                        "this checkout)")
+    parser.add_argument("--json", metavar="FILE", type=Path,
+                        help="keys: also write the raw seconds to FILE (the --baseline runs)")
     args = parser.parse_args()
     if args.only != "keys":
-        _print_startup(args.runs, not args.no_bytecode)
+        _print_startup(args.runs, not args.no_bytecode, args.baseline)
     if args.only != "startup":
-        _print_keys(args.presses)
+        if args.baseline is not None:
+            _print_keys_against(args.baseline, args.presses, args.rounds)
+        else:
+            _print_keys(args.presses, args.json)
     print(f"load average at the end: {os.getloadavg()[0]:.2f} (other work on this machine "
           "slows every number above)")
 
 
-def _print_startup(runs: int, bytecode: bool = True) -> None:
+def _print_startup(runs: int, bytecode: bool = True, baseline: Path | None = None) -> None:
     print(f"start-up, {runs} interleaved runs each, 80×24 pty, {os.cpu_count()} CPUs, mdb's "
           f"modules {'from cached bytecode' if bytecode else 'compiled on every start'}")
-    times = bench_startup(runs, bytecode)
+    times = bench_startup(runs, bytecode, baseline)
     for name, ts in times.items():
         print(f"  {name:<38} median {statistics.median(ts):6.3f} s  "
               f"(min {min(ts):.3f}, max {max(ts):.3f})")
-    step = statistics.median(times["mdb step: step view painted"])
     floor = statistics.median(times["python -c 'import torch'"])
-    print(f"  ratio mdb step / import torch: {step / floor:.2f}×; "
-          f"mdb step / budget {BUDGET_S} s: {step / BUDGET_S:.2f}")
+    for prefix in ("", "baseline ") if baseline is not None else ("",):
+        step = statistics.median(times[f"{prefix}mdb step: step view painted"])
+        print(f"  ratio {prefix}mdb step / import torch: {step / floor:.2f}×; "
+              f"mdb step / budget {BUDGET_S} s: {step / BUDGET_S:.2f}")
 
 
-def _print_keys(presses: int) -> None:
-    print(f"key latency, {presses} presses each (Pilot, headless 80×24, default model):")
-    print("  first/last = key event sent → the first / the last frame the compositor drew for "
-          "it (new content / layout and scroll bars settled); pilot = await pilot.press (adds "
-          "Pilot's idle waits, 2 × 20 ms sleeps at least); cpu = CPU of the pilot presses; "
-          "medians in ms")
-    for name, (first, framed, wall, cpu) in bench_keys(presses).items():
+KEYS_LEGEND = ("  first/last = key event sent → the first / the last frame the compositor drew "
+               "for it (new content / layout and scroll bars settled); pilot = await "
+               "pilot.press (adds Pilot's idle waits, 2 × 20 ms sleeps at least); cpu = CPU of "
+               "the pilot presses; medians in ms")
+
+
+def _print_key_rows(results: dict, prefix: str = "") -> None:
+    for name, (first, framed, wall, cpu) in results.items():
         a, f, w, c = (statistics.median(x) * 1e3 for x in (first, framed, wall, cpu))
-        print(f"  {name:<24} first {a:6.1f}  last {f:6.1f} (max {max(framed) * 1e3:6.1f})  "
-              f"pilot {w:6.1f}  cpu {c:5.1f}")
+        print(f"  {prefix}{name:<24} first {a:6.1f}  last {f:6.1f} (max "
+              f"{max(framed) * 1e3:6.1f})  pilot {w:6.1f}  cpu {c:5.1f}")
+
+
+def _print_keys(presses: int, json_out: Path | None = None) -> None:
+    print(f"key latency, {presses} presses each (Pilot, headless 80×24, default model):")
+    print(KEYS_LEGEND)
+    results = bench_keys(presses)
+    _print_key_rows(results)
+    if json_out is not None:
+        import json
+
+        json_out.write_text(json.dumps(results))
+
+
+def _print_keys_against(baseline: Path, presses: int, rounds: int) -> None:
+    """Keys of this checkout and of ``baseline``, each in ``rounds`` child processes run
+    alternately (ABAB…, flipped every round); the presses of all rounds pooled per side."""
+    import json
+    import subprocess
+    import tempfile
+
+    print(f"key latency, this checkout against {baseline}: {rounds} alternating rounds per "
+          f"side, {presses} presses each a round (Pilot, headless 80×24, default model):")
+    print(KEYS_LEGEND)
+    out = Path(tempfile.mkdtemp()) / "keys.json"
+    sides = {"after   ": REPO, "before  ": baseline.resolve()}
+    pooled: dict[str, dict[str, list[list[float]]]] = {name: {} for name in sides}
+    for i in range(rounds):
+        for name in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
+            subprocess.run([sys.executable, __file__, "--only", "keys", "--presses",
+                            str(presses), "--repo", str(sides[name]), "--json", str(out)],
+                           check=True, stdout=subprocess.DEVNULL, env=_env(True, sides[name]))
+            for key, series in json.loads(out.read_text()).items():
+                into = pooled[name].setdefault(key, [[], [], [], []])
+                for acc, xs in zip(into, series, strict=True):
+                    acc.extend(xs)
+    for key in pooled["after   "]:
+        for name in sides:
+            if key in pooled[name]:
+                _print_key_rows({key: pooled[name][key]}, name)
 
 
 if __name__ == "__main__":

@@ -61,6 +61,9 @@ class MdbApp(App[int]):
             exit_after_paint = os.environ.get("MDB_EXIT_AFTER_PAINT") == "1"
         self.exit_after_paint = exit_after_paint
         self.error: str | None = None
+        #: turn Python's cyclic garbage collector back on once the step view is first painted
+        #: (``mdb step`` turns it off for its start-up; see :meth:`step_painted`)
+        self.gc_after_paint = False
         #: True while the loader runs in its thread (it cannot be interrupted: a user's forward
         #: may sleep or spin; the CLI does not wait for it after the app quits)
         self.loading = False
@@ -73,6 +76,21 @@ class MdbApp(App[int]):
 
             with open(self._paint_log, "a", encoding="utf-8") as f:
                 f.write(f"{label} {time.time():.6f}\n")
+
+    def step_painted(self) -> None:
+        """Called once the step view is painted: logs it (:meth:`log_paint`) and, the first
+        time, when :attr:`gc_after_paint` is set, collects the start-up's garbage, moves the
+        survivors (model, trace, widgets: they live as long as the app) out of the collector's
+        reach (``gc.freeze``, so that a later full collection does not stall a key press by
+        walking them) and turns the collector back on."""
+        self.log_paint("step")
+        if self.gc_after_paint:
+            import gc
+
+            self.gc_after_paint = False
+            gc.collect()
+            gc.freeze()
+            gc.enable()
 
     def on_mount(self) -> None:
         if self.trace is not None:

@@ -127,6 +127,45 @@ async def test_details_show_shapes_stats_and_params(tiny):
         assert "✓ ok" in text
 
 
+async def test_details_pane_draws_and_scrolls_its_text(tiny):
+    """The details pane draws its own lines (a Line API widget): what is on screen is the
+    record's text wrapped to the pane's width (Rich's own wrapping, the reference), the pane
+    scrolls over exactly those lines, and a key repaints it without a layout pass."""
+    from rich.console import Console
+
+    trace, _ = tiny
+    call = trace.call("model.layers.0.self_attn.q_proj")  # statistics and parameters: long
+    app = make_step_app(trace)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.screen
+        screen.jump(call.module)
+        await pilot.pause()
+        details = screen.query_one("#details", CallDetails)
+        width = details.scrollable_content_region.width
+        lines = [line.plain.rstrip() for line in
+                 details.text.wrap(Console(width=width), width, no_wrap=False)]
+        assert details.virtual_size.height == len(lines) > details.size.height
+        assert details.max_scroll_y == len(lines) - details.size.height
+
+        def shown() -> list[str]:
+            region = details.scrollable_content_region
+            return [strip.text[region.x:region.right].rstrip() for strip in
+                    screen._compositor.render_strips()[region.y:region.bottom]]
+
+        assert shown() == lines[:details.size.height]
+        await pilot.press("J")
+        await pilot.pause()
+        down = min(3, len(lines) - details.size.height)  # J scrolls 3 lines, to the end
+        assert details.scroll_y == down and shown() == lines[down:down + details.size.height]
+        layouts = []
+        refresh_layout = screen._refresh_layout
+        screen._refresh_layout = lambda *a, **k: (layouts.append(1), refresh_layout(*a, **k))
+        await pilot.press("n", "n", "p")
+        await pilot.pause()
+        assert details.scroll_y == 0 and not layouts
+        assert shown()[0].startswith(screen.stepper.call.module)
+
+
 async def test_tree_selection_jumps_to_first_call(tiny):
     trace, _ = tiny
     target = "model.layers.1.mlp.gate"

@@ -150,6 +150,63 @@ def build_from_args(args: argparse.Namespace):
     return build_workload(args)
 
 
+class BackgroundStep:
+    """Build minillm's workload from ``args`` and capture its step in a daemon thread, while
+    the main thread imports Textual and starts the app (start-up of ``mdb step``, issue 25:
+    torch's kernels, the weights' initialisation and most of the step's, release the GIL).
+
+    :meth:`workload` waits for the model and raises what the build raised (bad input is still
+    one line before the app takes the terminal); :meth:`trace` waits for the capture (the app's
+    loader). A user's ``--model`` factory is not run here: it runs on the main thread, as
+    before. Call :func:`set_threads` before (torch's thread count is set on the main thread).
+    """
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import threading
+
+        self._built = threading.Event()
+        self._done = threading.Event()
+        self._workload = self._trace = self._error = None
+        threading.Thread(target=self._run, args=(args,), name="mdb-build", daemon=True).start()
+
+    def _run(self, args: argparse.Namespace) -> None:
+        from tui.commands.workload import build_workload
+
+        try:  # an error is handed to the waiting thread, which raises it
+            self._workload = build_workload(args)
+        except BaseException as exc:
+            self._error = exc
+            self._done.set()
+            return
+        finally:
+            self._built.set()
+        try:
+            self._trace = capture(self._workload)
+        except BaseException as exc:
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def workload(self):
+        """The built workload; raises the build's error (:class:`MdbError` for bad input)."""
+        self._built.wait()
+        if self._workload is None:
+            raise self._error
+        return self._workload
+
+    def trace(self):
+        """The captured :class:`hooks.Trace`; raises the build's or the step's error."""
+        self._done.wait()
+        if self._trace is None:
+            raise self._error
+        return self._trace
+
+    def finish(self) -> None:
+        """Wait for the thread (before the process exits on an error: torch is not left
+        running in a daemon thread while Python shuts down)."""
+        self._done.wait()
+
+
 def capture(workload):
     """Capture one forward and backward pass of ``workload``, attention included."""
     from tui.commands.capturing import capture_step
@@ -179,14 +236,63 @@ def precheck(args: argparse.Namespace) -> None:
         raise MdbError(f"--config {args.config}: no such file")
 
 
-def run(args: argparse.Namespace) -> int:
-    from tui.app import make_loading_app, make_step_app
+def _loading_app(args: argparse.Namespace):
+    """``(app, background)``: the app that captures the step of the model ``args`` describe,
+    and the :class:`BackgroundStep` that builds and captures minillm's while Textual is
+    imported (None for a ``--model`` factory: called here, its step captured by the app's
+    loader)."""
+    background = None
+    if getattr(args, "model", None):
+        from tui.app import make_loading_app
 
+        workload = build_from_args(args)
+        load = lambda: capture(workload)  # noqa: E731
+    else:
+        set_threads(args)
+        background = BackgroundStep(args)
+        try:
+            import tui.screens.step  # noqa: F401  (imported meanwhile, not after the capture)
+            from tui.app import make_loading_app
+
+            workload = background.workload()
+        except BaseException:
+            background.finish()
+            raise
+        load = background.trace
+    app = make_loading_app(
+        load,
+        doctor_runner=lambda on_result: run_doctor(workload, on_result),
+        loading_text=f"mdb · capturing one forward and backward pass of "
+                     f"{workload.description or 'the model'}…",
+    )
+    return app, background
+
+
+def run(args: argparse.Namespace) -> int:
+    import gc
+
+    # no cyclic garbage collection until the step view is painted (MdbApp.step_painted): its
+    # passes over the start-up's ~100,000 new objects cost ~0.1 s of it (issue 25)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _run(args, collecting)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _run(args: argparse.Namespace, collecting: bool) -> int:
     precheck(args)
     check_run_options(args)
+    background = None
     if args.run:
+        from tui.app import make_step_app
+
         app = make_step_app(load_run_trace(args.run, args.db))
     elif args.trace:
+        from tui.app import make_step_app
+
         given = [f"--{o.replace('_', '-')}" for o in _MODEL_OPTIONS if getattr(args, o, None)]
         if given:
             raise MdbError(f"--trace cannot be combined with {', '.join(given)}")
@@ -196,16 +302,16 @@ def run(args: argparse.Namespace) -> int:
         # length, --model) is then one line on a normal terminal, not a flash of the app.
         if sys.stderr.isatty():
             print("mdb: building the model…", file=sys.stderr, flush=True)
-        workload = build_from_args(args)
-        app = make_loading_app(
-            lambda: capture(workload),
-            doctor_runner=lambda on_result: run_doctor(workload, on_result),
-            loading_text=f"mdb · capturing one forward and backward pass of "
-                         f"{workload.description or 'the model'}…",
-        )
+        app, background = _loading_app(args)
     # after the input checks, so that bad input is reported as such with or without a terminal
-    require_terminal("mdb step", "`mdb summary` for a table, or `mdb capture --out FILE` to "
-                     "save a trace and open it later with `mdb step --trace FILE`")
+    try:
+        require_terminal("mdb step", "`mdb summary` for a table, or `mdb capture --out FILE` "
+                         "to save a trace and open it later with `mdb step --trace FILE`")
+    except MdbError:
+        if background is not None:
+            background.finish()
+        raise
+    app.gc_after_paint = collecting
     code = app.run()
     if getattr(app, "loading", False):
         # quit while the user's forward still runs in the loader thread: a Python thread cannot

@@ -126,8 +126,8 @@ class StepScreen(MdbScreen):
                       f"{self._origin_text(self.nonfinite)}")
         elif not self.trace.backward:
             self.hint("no gradients recorded: this trace has a forward pass only")
-        if hasattr(self.app, "log_paint"):
-            self.call_after_refresh(self.app.log_paint, "step")
+        if hasattr(self.app, "step_painted"):
+            self.call_after_refresh(self.app.step_painted)
         if getattr(self.app, "exit_after_paint", False):
             self.call_after_refresh(self.app.exit)
 

@@ -1,0 +1,61 @@
+"""``mdb step`` builds minillm and captures its step in a thread while Textual is imported
+(:class:`tui.commands.step.BackgroundStep`): the same weights and the same trace as building and
+capturing in order on this thread (the reference), the build's errors raised where they are
+waited for, and Python's garbage collector on again once ``mdb step`` returns."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from tui import cli
+from tui.commands.step import BackgroundStep, build_from_args, capture
+from tui.errors import MdbError
+
+
+def _args(*words: str):
+    return cli.build_parser("step").parse_args(["step", *words])
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)  # set_threads(args) sets 1 (mdb step's default)
+
+
+def test_background_step_builds_and_captures_as_in_order(one_thread):
+    args = _args("--preset", "tiny", "--seq-len", "16", "--seed", "3")
+    background = BackgroundStep(args)
+    workload, trace = background.workload(), background.trace()
+    ref_workload = build_from_args(args)  # reseeded with --seed: the same draws, in order
+    ref = capture(ref_workload)
+    theirs = dict(ref_workload.model.named_parameters())
+    for name, p in workload.model.named_parameters():
+        assert torch.equal(p, theirs[name]), name
+    assert torch.equal(workload.batch.args[0], ref_workload.batch.args[0])
+    assert trace.meta["loss"] == pytest.approx(ref.meta["loss"], rel=1e-6)
+    assert [(r.module, r.call_index) for r in trace.forward] == \
+        [(r.module, r.call_index) for r in ref.forward]
+    for mine, other in zip(trace.forward, ref.forward, strict=True):
+        for a, b in zip(mine.outputs, other.outputs, strict=True):
+            if a.stats is not None:
+                assert a.stats.l2 == pytest.approx(b.stats.l2, rel=1e-5, abs=1e-12)
+    assert [g.module for g in trace.backward] == [g.module for g in ref.backward]
+
+
+def test_background_step_raises_the_build_error_where_waited_for(one_thread):
+    background = BackgroundStep(_args("--preset", "tiny", "--seq-len", "129"))
+    with pytest.raises(MdbError, match="longer than the model allows"):
+        background.workload()
+    with pytest.raises(MdbError, match="longer than the model allows"):
+        background.trace()
+
+
+def test_garbage_collector_on_again_after_bad_input(capsys, one_thread):
+    assert gc.isenabled()
+    assert cli.main(["step", "--preset", "tiny", "--seq-len", "129"]) == 2
+    assert "longer than the model allows" in capsys.readouterr().err
+    assert gc.isenabled()
