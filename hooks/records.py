@@ -615,7 +615,9 @@ class Note:
             ``recomputed`` (activation checkpointing re-ran calls during backward),
             ``recompute_differs`` (a re-run gave other values than the forward call) or
             ``fast_path`` (the hooks turned off a PyTorch fast path), ``edit`` (an edit of
-            ``capture(edits=...)`` that changed nothing, or was not applied).
+            ``capture(edits=...)`` that changed nothing, or was not applied),
+            ``modified_in_place`` (tensors written in place after their hook, before the
+            statistics worker read them: their statistics are not recorded).
         module: qualified module name, or None for the whole capture.
         call_index: the call it is about, or None.
         message: one line for a person.
