@@ -166,6 +166,44 @@ async def test_details_pane_draws_and_scrolls_its_text(tiny):
         assert shown()[0].startswith(screen.stepper.call.module)
 
 
+async def test_footer_keys_are_the_screens_and_kept_across_views(tiny):
+    """The footer shows the screen's shown bindings (one key per action, from Textual's
+    ``active_bindings``), and coming back from a view reuses the keys on show (MdbFooter:
+    composed again only when they change) — while the too-small guard, which changes them,
+    still redraws them."""
+    from textual.widgets._footer import FooterKey
+
+    trace, _ = tiny
+    app = make_step_app(trace)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        step = app.screen
+
+        def expected() -> list[tuple[str, bool]]:
+            seen: dict[str, tuple[str, bool]] = {}
+            for _, binding, enabled, _ in step.active_bindings.values():
+                if binding.show:
+                    seen.setdefault(binding.action, (binding.description, enabled))
+            return list(seen.values())
+
+        keys = list(step.query(FooterKey))
+        assert [(k.description, not k.has_class("-disabled")) for k in keys] == expected()
+        await pilot.press("r")
+        await pilot.pause()
+        assert isinstance(app.screen, RouterScreen)
+        await pilot.press("s")
+        await pilot.pause()
+        assert app.screen is step and list(step.query(FooterKey)) == keys  # the same widgets
+        await pilot.resize_terminal(70, 20)  # too small: the keys change (quitting only)
+        await pilot.pause()
+        shown = [(k.description, not k.has_class("-disabled")) for k in step.query(FooterKey)]
+        assert shown == expected() and len(shown) < len(keys)
+        await pilot.resize_terminal(*SIZE)
+        await pilot.pause()
+        shown = [(k.description, not k.has_class("-disabled")) for k in step.query(FooterKey)]
+        assert shown == expected() == [(k.description, True) for k in keys]
+
+
 async def test_tree_selection_jumps_to_first_call(tiny):
     trace, _ = tiny
     target = "model.layers.1.mlp.gate"

@@ -23,11 +23,12 @@ from dataclasses import dataclass
 
 from textual.binding import Binding
 from textual.containers import ScrollableContainer
-from textual.widgets import Footer, Static
+from textual.widgets import Static
 
 from hooks.attention import DEFAULT_ATTENTION_BYTES
 from tui.screens.view import VIEW_BINDINGS, LayerViewScreen
 from tui.widgets import fmt
+from tui.widgets.footer import MdbFooter
 
 LEGEND = "shade: ' ' 0 · '·' <5% · '░' <20% · '▒' <40% · '▓' <60% · '█' ≥60%"
 LEGEND_MASKED = "' ' masked · '·' <5% · '░' <20% · '▒' <40% · '▓' <60% · '█' ≥60% · '!' NaN"
@@ -211,7 +212,7 @@ class AttentionScreen(LayerViewScreen):
             yield Static("", id="grid", markup=False)
         yield Static(LEGEND, id="legend", markup=False)
         yield Static("", id="hint", markup=False)
-        yield Footer()
+        yield MdbFooter()
 
     def on_mount(self) -> None:
         if not self.records:

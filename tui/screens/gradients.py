@@ -18,10 +18,11 @@ import math
 from collections import Counter
 
 from textual.binding import Binding
-from textual.widgets import DataTable, Footer, Static
+from textual.widgets import DataTable, Static
 
 from tui.screens.view import VIEW_BINDINGS, ViewScreen
 from tui.widgets import fmt
+from tui.widgets.footer import MdbFooter
 
 BAR_WIDTH = 10
 
@@ -73,7 +74,7 @@ class GradientsScreen(ViewScreen):
         yield Static("", id="grad-summary", markup=False)
         yield DataTable(id="grads", cursor_type="row", zebra_stripes=True)
         yield Static("", id="hint", markup=False)
-        yield Footer()
+        yield MdbFooter()
 
     def on_mount(self) -> None:
         from hooks.verdicts import grad_total_norm, param_verdict, rows_by_module

@@ -30,10 +30,11 @@ from rich.cells import cell_len
 from rich.text import Text
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
-from textual.widgets import DataTable, Footer, Static
+from textual.widgets import DataTable, Static
 
 from tui.screens.view import VIEW_BINDINGS, LayerViewScreen
 from tui.widgets import fmt
+from tui.widgets.footer import MdbFooter
 
 
 def expert_rows(record) -> list:
@@ -136,7 +137,7 @@ class RouterScreen(LayerViewScreen):
                 yield DataTable(id="experts", cursor_type="row")
                 yield Static("", id="router-summary")
         yield Static("", id="hint", markup=False)
-        yield Footer()
+        yield MdbFooter()
 
     def on_mount(self) -> None:
         if not self.records:

@@ -15,13 +15,14 @@ from __future__ import annotations
 from textual import on
 from textual.binding import Binding
 from textual.containers import Horizontal
-from textual.widgets import Footer, Static, Tree
+from textual.widgets import Static, Tree
 
 from tui import messages
 from tui.screens.base import MdbScreen
 from tui.screens.stepper import Stepper
 from tui.widgets.call_details import CallDetails
 from tui.widgets.fmt import loss_line
+from tui.widgets.footer import MdbFooter
 from tui.widgets.module_tree import ModuleTree
 
 
@@ -116,7 +117,7 @@ class StepScreen(MdbScreen):
             yield ModuleTree(self.trace, id="tree")
             yield CallDetails(id="details")
         yield Static("", id="hint", markup=False)
-        yield Footer()
+        yield MdbFooter()
 
     def on_mount(self) -> None:
         self.refresh_view()
