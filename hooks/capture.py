@@ -25,6 +25,7 @@ How it works (and why):
 from __future__ import annotations
 
 import fnmatch
+import gc
 import sys
 import time
 import weakref
@@ -47,7 +48,7 @@ from hooks.capture_fast_path import (
     _has_forward_hooks,
     encoder_layer_fast_path_blocker,
 )
-from hooks.capture_params import param_records
+from hooks.capture_params import param_records, unread_notes
 from hooks.capture_recompute import _in_backward, _Recomputed, _same_values, _signature
 from hooks.dtensor_stats import MeshStats, Results
 from hooks.edits_apply import Editor
@@ -58,6 +59,10 @@ from hooks.routing import ExpertsRouting
 from hooks.stats import NUM_BINS, StatsBatch, TensorStats
 from hooks.trace import Trace
 from hooks.walk import dtype_name, find_tensors, named_modules, named_parameters
+
+#: The young-generation threshold of Python's cyclic GC while a capture records (700 by
+#: default): a capture allocates ~10,000 small objects, each 700 of which would run a collection.
+_GC_YOUNG = 20_000
 
 Selector = str | type
 """A module selector: a ``fnmatch`` pattern on the qualified name (a pattern also selects the
@@ -130,8 +135,7 @@ class Capture:
     Prefer :func:`capture`, which builds one. ``start()``/``stop()`` are the same as
     ``__enter__``/``__exit__`` for code that cannot use ``with``.
 
-    ``Capture.background`` (default True): CPU statistics are taken on hooks.stats' worker
-    thread while the model runs; False takes them in the hooks (benchmarks compare the two).
+    ``Capture.background = False`` takes CPU statistics in the hooks, not on hooks.stats' worker.
     """
 
     background = True
@@ -236,26 +240,13 @@ class Capture:
         # CPU statistics on the worker thread (hooks.stats), checked against in-place writes
         self._bg = self.background and self._dist is None
         self._batch = StatsBatch(bins=self.bins, background=self._bg)
-        self._param_jobs: dict[str, tuple[torch.Tensor, torch.Tensor, int, int]] = {}
-        self._drain_queued = False
-        self._pending: list[tuple[Any, int]] = []  # (TensorInfo | GradRecord, slot)
-        self._cache: dict[Any, tuple[weakref.ref, int, int]] = {}
-        self._counts: dict[str, int] = {}
-        self._stack: list[CallRecord] = []
-        self._t0: list[float] = []
-        self._end = 0
-        self._handles: list[Any] = []
-        self._tensor_handles: list[Any] = []
-        self._no_grad: dict[str, int] = {}
-        # name -> 0-d tensors (|g|^2, min g, max g, |w|^2), read back together at exit
-        self._touched: dict[str, tuple[torch.Tensor, ...]] = {}
-        self._kept = 0
-        self._dropped = 0
-        self._errors: dict[str, str] = {}
-        self._init_recompute()
+        self._init_state()
 
         if self._editor is not None:  # patch sources run first; edit hooks go first
             self._editor.start()
+        # thousands of small objects until stop(): fewer young-generation GC passes (_GC_YOUNG)
+        self._gc_threshold = gc.get_threshold()
+        gc.set_threshold(max(self._gc_threshold[0], _GC_YOUNG), *self._gc_threshold[1:])
         root = unwrap_compiled(self.model)
         tr.model_type = type(root).__name__
         self._modules = named_modules(root)
@@ -295,8 +286,31 @@ class Capture:
         self._watch_fast_path(fast_path)
         self._active = True
         if self._attention is not None:
-            self._attention.start()  # last: nothing is left installed if start() raised
+            try:
+                self._attention.start()  # last: nothing is left installed if start() raised
+            except BaseException:
+                gc.set_threshold(*self._gc_threshold)
+                raise
         return tr
+
+    def _init_state(self) -> None:
+        self._param_jobs: dict[str, tuple[torch.Tensor, torch.Tensor, int, int]] = {}
+        self._drain_queued = False
+        self._pending: list[tuple[Any, int]] = []  # (TensorInfo | GradRecord, slot)
+        self._cache: dict[Any, tuple[weakref.ref, int, int]] = {}
+        self._counts: dict[str, int] = {}
+        self._stack: list[CallRecord] = []
+        self._t0: list[float] = []
+        self._end = 0
+        self._handles: list[Any] = []
+        self._tensor_handles: list[Any] = []
+        self._no_grad: dict[str, int] = {}
+        # name -> (|g|^2, min g, max g, |w|^2): floats from the worker, else 0-d tensors
+        self._touched: dict[str, tuple[torch.Tensor, ...]] = {}
+        self._kept = 0
+        self._dropped = 0
+        self._errors: dict[str, str] = {}
+        self._init_recompute()
 
     def stop(self) -> Trace:
         """Remove every hook, convert the statistics and return the finished trace."""
@@ -304,6 +318,13 @@ class Capture:
         if not self._started or not tr.captured or not self._active:
             return tr
         self._active = False
+        try:
+            return self._stop()
+        finally:
+            gc.set_threshold(*self._gc_threshold)
+
+    def _stop(self) -> Trace:
+        tr = self.trace
         if self._attention is not None:
             self._attention.stop()  # restores scaled_dot_product_attention and softmax
         if self._routing is not None:
@@ -334,7 +355,7 @@ class Capture:
         for obj, slot in self._pending:
             obj.stats = results[slot]
         if modified or errors:
-            self._note_unread(modified, errors)
+            tr.notes.extend(unread_notes(tr, self._pending, modified, errors))
         self._pending.clear()
         self._finish_recompute(results)
         self._finish_fast_path()
@@ -382,9 +403,8 @@ class Capture:
         return any(fnmatch.fnmatchcase(name, p) or name.startswith(p + ".") for p in a)
 
     def _drain(self) -> None:
-        """Wait for the worker's statistics; drop those of tensors written in place since their
-        hook (``StatsBatch.drain``); check the parameters' the same way, recomputing any whose
-        gradient or weight moved (from the values they hold now, which backward produced)."""
+        """Wait for the worker (``StatsBatch.drain``); recompute a parameter's numbers whose
+        gradient or weight moved since its hook (from the values backward left)."""
         self._drain_queued = False
         if not self._bg:
             return
@@ -410,25 +430,6 @@ class Capture:
                 self._drain_queued = True
             except RuntimeError:  # not inside a backward pass: drained at stop
                 pass
-
-    def _note_unread(self, modified: set[int], errors: dict[int, str]) -> None:
-        """Notes for statistics the worker did not keep: written in place after the hook, or
-        failed."""
-        tr = self.trace
-        unread = {id(obj): slot for obj, slot in self._pending if slot in modified}
-        where = [f"{r.module or '<root>'}#{r.call_index} {t.path}" for r in tr.forward
-                 for t in (*r.inputs, *r.outputs) if id(t) in unread]
-        where += [f"{g.module or '<root>'}#{g.call_index} grad {g.path}" for g in tr.backward
-                  if id(g) in unread]
-        if where:
-            tr.notes.append(Note(
-                "modified_in_place",
-                f"{len(where)} tensor(s) were written in place after their hook, before the "
-                "statistics worker read them: statistics not recorded (never numbers of "
-                f"values the module did not return); first: {', '.join(where[:3])}"))
-        if errors:
-            tr.notes.append(Note("hook_error", f"statistics of {len(errors)} tensor(s) failed on "
-                                 f"the worker thread: {next(iter(errors.values()))}"))
 
     def _slot(self, t: torch.Tensor, sync: bool = False) -> int | None:
         # A tensor seen before (the same object, or a contiguous view of the same memory, e.g.

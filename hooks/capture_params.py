@@ -1,14 +1,16 @@
 """Per-parameter gradient records of a capture (``Trace.params``), from the numbers its hooks
 took (:meth:`hooks.capture.Capture._on_param`) and, for parameters those did not see, from the
-parameters themselves."""
+parameters themselves; and the notes on statistics the capture's worker did not keep."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
-from hooks.records import ParamGradRecord
+from hooks.records import Note, ParamGradRecord
+from hooks.trace import Trace
 
 
 def param_records(
@@ -73,6 +75,31 @@ def param_records(
                 rec.ratio = rec.grad_norm / rec.weight_norm
             out[name] = rec
     return out
+
+
+def unread_notes(
+    trace: Trace, pending: list[tuple[Any, int]], modified: set[int], errors: dict[int, str]
+) -> list[Note]:
+    """Notes for statistics the worker did not keep (``hooks.stats.StatsBatch``): tensors
+    written in place after their hook, before the worker read them (``modified`` slots), and
+    failures (``errors``: slot -> message). ``pending`` pairs each TensorInfo / GradRecord of
+    ``trace`` with its slot."""
+    notes = []
+    unread = {id(obj) for obj, slot in pending if slot in modified}
+    where = [f"{r.module or '<root>'}#{r.call_index} {t.path}" for r in trace.forward
+             for t in (*r.inputs, *r.outputs) if id(t) in unread]
+    where += [f"{g.module or '<root>'}#{g.call_index} grad {g.path}" for g in trace.backward
+              if id(g) in unread]
+    if where:
+        notes.append(Note(
+            "modified_in_place",
+            f"{len(where)} tensor(s) were written in place after their hook, before the "
+            "statistics worker read them: statistics not recorded (never numbers of "
+            f"values the module did not return); first: {', '.join(where[:3])}"))
+    if errors:
+        notes.append(Note("hook_error", f"statistics of {len(errors)} tensor(s) failed on "
+                          f"the worker thread: {next(iter(errors.values()))}"))
+    return notes
 
 
 # -- helpers ------------------------------------------------------

@@ -217,7 +217,7 @@ def _count_nonzero(xf: torch.Tensor) -> int:
 BACKGROUND_MIN_NUMEL = 1 << 12
 #: A sleeping worker is woken once this many jobs wait (or by a drain): one wake-up, and one
 #: handover of the GIL, per several tensors instead of per tensor.
-WAKE_AFTER = 8
+WAKE_AFTER = 32
 
 
 class _Worker:
