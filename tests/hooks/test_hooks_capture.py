@@ -606,3 +606,18 @@ def test_parameter_records_are_those_after_backward_when_the_optimizer_runs_insi
         assert rec.status == "ok"
         assert close(rec.grad_norm, g) and close(rec.grad_abs_max, gmax), name
         assert close(rec.weight_norm, w), name
+
+
+def test_gc_threshold_raised_while_recording_and_restored_after():
+    import gc
+
+    before = gc.get_threshold()
+    m = nn.Linear(4, 4)
+    with hooks.capture(m):
+        during = gc.get_threshold()
+        m(torch.randn(2, 4)).sum().backward()
+    assert during[0] >= 20_000 and during[1:] == before[1:]
+    assert gc.get_threshold() == before
+    with pytest.raises(RuntimeError), hooks.capture(m):  # restored when the body raises too
+        raise RuntimeError("boom")
+    assert gc.get_threshold() == before
