@@ -214,7 +214,8 @@ def _count_nonzero(xf: torch.Tensor) -> int:
 #: A background batch summarises tensors of fewer elements at once, in the caller's thread:
 #: their reductions cost less than handing them over, and their results never depend on when
 #: the worker reads them.
-BACKGROUND_MIN_NUMEL = 1 << 12
+BACKGROUND_MIN_NUMEL = HIST_SAMPLE
+_BIN_EVERY = 64  # the worker bins its histogram samples this many at a time
 #: A sleeping worker is woken once this many jobs wait (or by a drain): one wake-up, and one
 #: handover of the GIL, per several tensors instead of per tensor.
 WAKE_AFTER = 32
@@ -352,6 +353,7 @@ class StatsBatch:
         # CPU path: histogram samples binned in finalize, one (sample, k, slot) per tensor:
         # HIST_SAMPLE values each (see _hist_sample), the first k of them the sample
         self._samples: list[tuple[torch.Tensor, int, int]] = []
+        self._wsamples: list[tuple[torch.Tensor, int, int]] = []  # the worker's, not yet binned
         # sync-free path: per slot device tensors, converted in finalize
         self._dev: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
         # background: (slot, tensor, its version when added), until checked after the worker
@@ -412,7 +414,10 @@ class StatsBatch:
         try:
             if x.dtype is not torch.float32 and x.dtype is not torch.float64:
                 x = x.float()
-            self._add_cpu(slot, x, n)
+            self._add_cpu(slot, x, n, self._wsamples)
+            if len(self._wsamples) >= _BIN_EVERY:  # binned here, not at finalize
+                self._bin_samples(self._wsamples)
+                self._wsamples = []
         except Exception as exc:  # said by the caller, never raised on the worker
             self.errors[slot] = f"{type(exc).__name__}: {exc}"
         self._done += 1  # only this thread writes it
@@ -452,7 +457,9 @@ class StatsBatch:
         self.release()
 
     # -- CPU: read a few numbers back (free on CPU), skip NaN/Inf passes for finite tensors --
-    def _add_cpu(self, slot: int, x: torch.Tensor, n: int) -> None:
+    def _add_cpu(
+        self, slot: int, x: torch.Tensor, n: int, samples: list | None = None
+    ) -> None:
         xf = x.view(-1) if x.is_contiguous() else x.reshape(-1)
         last = x.shape[-1] if x.dim() else 1
         if n <= _AMINMAX_NUMEL:  # in cache, amin + amax run ~1.4x faster than aminmax
@@ -504,12 +511,13 @@ class StatsBatch:
             var = ss2 / (count - 1)
             ss_ = ss2 + count * mean * mean
         var = max(var, 0.0)
-        self._samples.append((sample, k, slot))  # one append: the worker may add beside us
+        # one append: the worker may add beside us
+        (self._samples if samples is None else samples).append((sample, k, slot))
         st = _from_moments(n, count, mean, var, lo, hi, ss_, nnz_, nan, inf, [], k)
         st.zero_exact = zero_exact
         self._out[slot] = st
 
-    def _bin_samples(self) -> None:
+    def _bin_samples(self, items: list[tuple[torch.Tensor, int, int]]) -> None:
         """Histogram every CPU sample at once, binning like ``torch.histc``.
 
         The samples are the rows of one (R, HIST_SAMPLE) matrix per dtype; each value maps to
@@ -519,7 +527,7 @@ class StatsBatch:
         """
         by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, int, int]]] = {}
         out = self._out
-        for item in self._samples:
+        for item in items:
             if out[item[2]] is not None:  # not dropped by drain
                 by_dtype.setdefault(item[0].dtype, []).append(item)
         nb, size = self.bins, HIST_SAMPLE
@@ -603,7 +611,7 @@ class StatsBatch:
         empty afterwards (it drops the samples and device results).
         """
         self.drain()
-        self._bin_samples()
+        self._bin_samples(self._samples + self._wsamples)
         self._convert_dev()
         out = self._out
         self.__init__(self.bins, self.sync_free, self.background)  # type: ignore[misc]

@@ -318,3 +318,17 @@ def test_worker_runs_one_torch_thread_and_leaves_the_callers_count():
         assert seen == [1] and torch.get_num_threads() == 2 and later == [2]
     finally:
         torch.set_num_threads(before)
+
+
+def test_background_batch_bins_on_the_worker_like_the_inline_batch():
+    torch.manual_seed(3)
+    xs = [torch.randn(40, 64) * (i + 1) + i for i in range(150)]  # > _BIN_EVERY per batch
+    bg, inline = StatsBatch(background=True), StatsBatch()
+    slots = [bg.add(x) for x in xs]
+    for x in xs:
+        inline.add(x)
+    got, ref = bg.finalize(), inline.finalize()
+    for slot, x, r in zip(slots, xs, ref, strict=True):
+        st = got[slot]
+        assert_matches(st, x)
+        assert st.hist == r.hist and sum(st.hist) == st.hist_count == r.hist_count > 0
