@@ -1,7 +1,10 @@
 """Cost of watching a 2-rank FSDP2 job: a captured step, and ``hooks.run`` on the other steps.
 
-Usage: ``python benchmarks/bench_fsdp.py [--repeats 20] [--rounds 6] [--block 40]`` (it
-starts itself under ``torchrun``: 2 ranks, gloo, CPU, one torch thread each).
+Usage: ``python benchmarks/bench_fsdp.py [--repeats 20] [--rounds 6] [--block 40]
+[--baseline FILE]`` (it starts itself under ``torchrun``: 2 ranks, gloo, CPU, one torch thread
+each). ``--baseline FILE`` also times captured steps whose statistics come from ``FILE``, an
+older ``hooks/dtensor_stats.py`` (``git show REV:hooks/dtensor_stats.py > FILE``), in the same
+interleaved loop: before and after in one run.
 
 The model is minillm's ``seed-test-c`` preset (D=128, 4 layers, 4 experts top-2), sharded
 as ``mdb overfit --fsdp`` shards it (:func:`hooks.runs.sharding.shard_fsdp`), AdamW, a batch
@@ -70,19 +73,33 @@ def _worker(args: argparse.Namespace) -> None:
         if run is not None:
             run.log(loss=out.loss)
 
-    def captured() -> None:
+    import importlib
+
+    capture_mod = importlib.import_module("hooks.capture")  # (hooks.capture: the function)
+
+    sides = {"plain": None, "captured": capture_mod.MeshStats}
+    if args.baseline:
+        sides["baseline"] = _load_baseline(args.baseline).MeshStats
+
+    def captured(mesh_stats) -> None:
+        capture_mod.MeshStats = mesh_stats
         with hooks.capture(model):
             step()
 
-    # 1. a captured step against a plain one, alternately
-    times: dict[str, list[float]] = {"plain": [], "captured": []}
+    # 1. a captured step against a plain one (and the baseline's), alternately
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    names = list(sides)
     for i in range(args.repeats + 3):
-        for name in ("plain", "captured") if i % 2 == 0 else ("captured", "plain"):
+        for name in names[i % len(names):] + names[:i % len(names)]:
             dist.barrier()
             t0 = time.perf_counter()
-            (captured if name == "captured" else step)()
+            if sides[name] is None:
+                step()
+            else:
+                captured(sides[name])
             if i >= 3:  # warm-up
                 times[name].append(time.perf_counter() - t0)
+    capture_mod.MeshStats = sides["captured"]
     # 2. unwatched steps with hooks.run against none, in blocks
     rates: dict[str, list[float]] = {"plain": [], "hooks.run": []}
 
@@ -114,6 +131,17 @@ def _worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def _load_baseline(path: str):
+    """``path`` (an older hooks/dtensor_stats.py) as a module of its own."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("baseline_dtensor_stats", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _report(times: dict[str, list[float]], rates: dict[str, list[float]],
             args: argparse.Namespace, what: str) -> None:
     """Rank 0 prints both comparisons."""
@@ -125,6 +153,9 @@ def _report(times: dict[str, list[float]], rates: dict[str, list[float]],
         print(f"  {name:>9} step: median {med[name] * 1e3:7.1f} ms  IQR [{q[0] * 1e3:.1f}, "
               f"{q[2] * 1e3:.1f}] ms  ({len(v)} steps)")
     print(f"  captured / plain: {med['captured'] / med['plain']:.3f}  (goal ≤ 1.3)")
+    if "baseline" in med:
+        print(f"  baseline captured / plain: {med['baseline'] / med['plain']:.3f}  (--baseline "
+              f"{args.baseline})")
     rm = {k: statistics.median(v) for k, v in rates.items()}
     for name, v in rates.items():
         print(f"  {name:>9}: {rm[name]:6.2f} steps/s (min {min(v):.2f}, max {max(v):.2f}) "
@@ -178,6 +209,8 @@ def main() -> None:
     p.add_argument("--block", type=int, default=40)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--db", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--baseline", default=None,
+                   help="an older hooks/dtensor_stats.py: its captured steps timed too")
     args = p.parse_args()
     if args.worker:
         _worker(args)
@@ -189,7 +222,8 @@ def main() -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                "2", str(Path(__file__).resolve()), "--worker", "--db", str(Path(tmp) / "b.sqlite"),
                "--repeats", str(args.repeats), "--rounds", str(args.rounds), "--block",
-               str(args.block)]
+               str(args.block)] + (["--baseline", str(Path(args.baseline).resolve())]
+                                   if args.baseline else [])
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
         out = [x for x in proc.stdout.splitlines() if not x.startswith("mdb:")]
         print("\n".join(out))
