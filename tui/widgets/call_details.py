@@ -219,10 +219,14 @@ class CallDetails(ScrollView, can_focus=True):
         lines = self._render_strips()
         size = Size(self._strips_width, len(lines))
         if size != self.virtual_size:
-            # set without Textual's layout pass (the pane's own size does not change): only
-            # the scroll bar follows the new height
-            self.set_reactive(CallDetails.virtual_size, size)
-            self._scroll_update(size)
+            scroll_update = getattr(self, "_scroll_update", None)  # Textual 8.x
+            if scroll_update is None:
+                self.virtual_size = size  # a layout pass, as Textual does it
+            else:
+                # set without Textual's layout pass (the pane's own size does not change):
+                # only the scroll bar follows the new height
+                self.set_reactive(CallDetails.virtual_size, size)
+                scroll_update(size)
         self.refresh()
 
     def _render_strips(self) -> list[Strip]:

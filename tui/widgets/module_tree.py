@@ -143,10 +143,11 @@ class ModuleTree(Tree[str]):
 
     def render_line(self, y: int):
         style = getattr(self, "_frame_style", None)
-        if style is None:
+        render = getattr(self, "_render_line", None)  # Textual's (8.x); else its own path
+        if style is None or render is None:
             return super().render_line(y)
         scroll_x, scroll_y = self.scroll_offset
-        return self._render_line(y + scroll_y, scroll_x, scroll_x + self.size.width, style)
+        return render(y + scroll_y, scroll_x, scroll_x + self.size.width, style)
 
     def _label(self, name: str, width: int | None = None) -> Text:
         leaf, calls, shape, called, n_children = self.parts[name]
