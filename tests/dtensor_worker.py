@@ -17,7 +17,9 @@ reduce_dtype=float32)``), ``fsdp_tp`` (4 ranks, a 2-D mesh: ``tp`` within pairs 
 sequence parallelism, :func:`_sequence_parallel`; every rank runs the whole batch),
 ``tp_partial`` (:class:`PartNet`: two ``Partial`` DTensors, met by the ranks in different
 orders), ``tp_partial_uneven`` (the same; rank 0 alone meets one more), ``fsdp_tp_order``
-(4 ranks, ``fsdp_tp`` with :class:`OrderNet`: two more meshes, met in different orders).
+(4 ranks, ``fsdp_tp`` with :class:`OrderNet`: two more meshes, met in different orders),
+``tp_mesh_uneven`` (``tp`` with :class:`OrderNet`: rank 0 alone meets a DTensor of another
+1-D mesh).
 """
 
 from __future__ import annotations
@@ -270,6 +272,15 @@ def _setup(scenario: str, mesh, rank: int, world: int):
         model = OrderNet(ab, mesh)
         model.order = ("rows", "const") if rank % 2 == 0 else ("const", "rows")
         return _two_d(model, world, rank, x, y)
+    if scenario == "tp_mesh_uneven":  # rank 0 alone meets a DTensor of a mesh of its own
+        x_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("x",))
+        ab = init_device_mesh("cpu", (1, world), mesh_dim_names=("a", "b"))
+        torch.manual_seed(0)
+        model = OrderNet(ab, x_mesh)
+        model.order = ("const",) if rank == 0 else ()
+        for blk in model.blocks:
+            _tp_block(blk, mesh)
+        return model, x, y
     if scenario in ("tp", "tp_partial", "tp_partial_uneven"):
         if scenario != "tp":
             model = build_part()

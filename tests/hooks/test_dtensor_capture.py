@@ -308,6 +308,28 @@ def test_a_2d_job_whose_ranks_meet_meshes_in_different_orders(tmp_path):
     _check_activations(rest, "fsdp_tp_order", outs)
 
 
+@pytest.mark.slow
+def test_a_mesh_one_rank_alone_met_is_not_reduced_and_the_job_finishes(tmp_path):
+    """Rank 0 alone wraps a constant as a DTensor of a mesh no parameter lives on: the ranks'
+    meshes differ (told by the main mesh's probe), so that DTensor is not recorded (a note)
+    instead of collectives only rank 0 runs; the rest equals the unsharded model's. (Before:
+    rank 0 waited on its own mesh's collectives until gloo's timeout.)"""
+    out = _torchrun(tmp_path, 2, "tp_mesh_uneven", timeout=90)
+    ref, outs = _reference()
+    r0, r1 = _read(out, "tp_mesh_uneven", 0), _read(out, "tp_mesh_uneven", 1)
+    const = _by_call(r0)[("views.const", 0)]
+    assert const["outputs"][0]["stats"] is None and ("views.const", 0) not in _by_call(r1)
+    notes = [n["message"] for n in r0["notes"] if "device mesh" in n["message"]]
+    assert notes == ["1 tensor(s) not recorded: they are DTensors of a device mesh that not "
+                     "every rank met during the capture"], r0["notes"]
+    assert const["inputs"][0]["stats"]["mean"] == 2.5  # its input, a plain tensor: recorded
+    for got in (r0, r1):
+        _check_params(got, ref)
+        rest = {**got, "forward": [f for f in got["forward"]
+                                   if not f["module"].startswith("views")]}
+        _check_activations(rest, "tp_mesh_uneven", outs)
+
+
 def test_a_pieces_sums_keep_fp64_precision_where_its_mean_dwarfs_its_spread():
     """A rank's piece is summed in fp32 like one process's capture, and again in fp64 where
     ``|mean| >> std`` makes fp32 sums useless: 1000 + N(0, 1e-3) keeps fp64 sums (its std
