@@ -210,10 +210,11 @@ def _checksum_np(m: Any) -> torch.Tensor:
     if _NP_POSITIONS is None or _NP_POSITIONS.size < max(r, c):
         _NP_POSITIONS = np.arange(1, max(r, c, 1 << 12) + 1, dtype=np.int64)
     pos = _NP_POSITIONS
-    rows, cols = m.sum(1, dtype=np.int64), m.sum(0, dtype=np.int64)
-    with np.errstate(over="ignore"):
-        v = (rows * (pos[:r] - 1)).sum() * np.int64(c) + (cols * pos[:c]).sum()
-    return torch.tensor(int(v), dtype=torch.int64)
+    cols = m.sum(0, dtype=np.int64)
+    v = int((cols * pos[:c]).sum())  # (array arithmetic wraps silently, as torch's does)
+    if r > 1:
+        v += int((m.sum(1, dtype=np.int64) * ((pos[:r] - 1) * c)).sum())
+    return torch.tensor((v + (1 << 63)) % (1 << 64) - (1 << 63), dtype=torch.int64)
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -468,10 +469,11 @@ class MeshStats:
         width = _WIDTH[y.element_size()]
         ints = y if y.dtype == width else y.view(width)
         n, c = ints.numel(), x.shape[-1] if x.dim() else 1
-        if c < 16 or n // c < 16:  # small, or one long row: element by element
+        if ints.is_cpu:  # numpy's integer sums run 2-3x faster than torch's on CPU
+            r = n // c if c >= 16 and n // c >= 16 else 1  # small, or one long row: (1, n)
+            bits = _checksum_np(ints.numpy().reshape(r, n // r))
+        elif c < 16 or n // c < 16:
             bits = (ints.to(torch.int64) * _positions(n, ints.device)).sum()
-        elif ints.is_cpu:  # numpy's integer sums run 2-3x faster than torch's on CPU
-            bits = _checksum_np(ints.numpy().reshape(n // c, c))
         else:  # the same sum from row and column sums (no int64 copy of the tensor):
             # position i·c + j + 1 of element (i, j) gives c·Σ_i i·r_i + Σ_j (j + 1)·c_j
             m = ints.view(n // c, c)
