@@ -48,7 +48,7 @@ from hooks.capture_fast_path import (
     _has_forward_hooks,
     encoder_layer_fast_path_blocker,
 )
-from hooks.capture_params import param_records, unread_notes
+from hooks.capture_params import flat_grad_weight, param_records, unread_notes
 from hooks.capture_recompute import _in_backward, _Recomputed, _same_values, _signature
 from hooks.dtensor_stats import MeshStats, Results
 from hooks.edits_apply import Editor
@@ -629,28 +629,15 @@ class Capture:
         if self._dist is not None and self._dist.owns(param):  # reduced at exit
             return self._dist.touch(name, param)
         try:
-            # detached reads build no graph (even under create_graph): no no_grad() needed,
-            # whose enter/exit would cost more than the Python of this hook
-            g = param.grad.detach()
-            if g.is_sparse:
-                g = g.coalesce().values()
-            if g.numel() == 0:
-                self._touched[name] = tuple(torch.zeros(4, dtype=torch.float64))
-                return
-            if g.dtype not in (torch.float32, torch.float64):
-                g = g.float()
-            w = param.detach()
-            if w.dtype is not g.dtype:
-                w = w.to(g.dtype)
-            gf = g.view(-1) if g.is_contiguous() else g.reshape(-1)
-            wf = w.view(-1) if w.is_contiguous() else w.reshape(-1)
-            if self._bg and gf.is_cpu and wf.is_cpu:
+            g = param.grad
+            if self._bg and g.is_cpu and param.is_cpu:
                 # on the worker; checked at the end of this backward pass (_drain)
-                self._param_jobs[name] = (gf, wf, gf._version, wf._version)
-                self._batch.submit(self._param_stats, (name, gf, wf))
+                self._param_jobs[name] = (g, param, g._version, param._version)
+                self._batch.submit(self._param_stats, (name, g, param))
                 if not self._drain_queued:
                     self._queue_drain()
                 return
+            gf, wf = flat_grad_weight(g, param)
             lo, hi = torch.aminmax(gf)
             # dot(x, x) is the fastest sum of squares on CPU (BLAS); sqrt taken at exit
             self._touched[name] = (torch.dot(gf, gf), lo, hi, torch.dot(wf, wf))
@@ -658,10 +645,11 @@ class Capture:
             self._error(name, exc)
 
     def _param_stats(self, job: tuple[str, torch.Tensor, torch.Tensor]) -> None:
-        """|g|^2, min g, max g, |w|^2 of a flat gradient and weight as Python floats (run on
+        """|g|^2, min g, max g, |w|^2 of a gradient and its weight as Python floats (run on
         the worker thread, or at _drain)."""
-        name, gf, wf = job
+        name, g, w = job
         try:
+            gf, wf = flat_grad_weight(g, w)
             lo, hi = torch.aminmax(gf)
             self._touched[name] = (torch.dot(gf, gf).item(), lo.item(), hi.item(),
                                    torch.dot(wf, wf).item())
