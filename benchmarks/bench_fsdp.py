@@ -44,7 +44,6 @@ def _worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    import hooks
     from hooks.runs.run import Run
     from hooks.runs.sharding import ExpertUse, shard_fsdp
     from minillm import load_preset
@@ -73,33 +72,8 @@ def _worker(args: argparse.Namespace) -> None:
         if run is not None:
             run.log(loss=out.loss)
 
-    import importlib
-
-    capture_mod = importlib.import_module("hooks.capture")  # (hooks.capture: the function)
-
-    sides = {"plain": None, "captured": capture_mod.MeshStats}
-    if args.baseline:
-        sides["baseline"] = _load_baseline(args.baseline).MeshStats
-
-    def captured(mesh_stats) -> None:
-        capture_mod.MeshStats = mesh_stats
-        with hooks.capture(model):
-            step()
-
     # 1. a captured step against a plain one (and the baseline's), alternately
-    times: dict[str, list[float]] = {name: [] for name in sides}
-    names = list(sides)
-    for i in range(args.repeats + 3):
-        for name in names[i % len(names):] + names[:i % len(names)]:
-            dist.barrier()
-            t0 = time.perf_counter()
-            if sides[name] is None:
-                step()
-            else:
-                captured(sides[name])
-            if i >= 3:  # warm-up
-                times[name].append(time.perf_counter() - t0)
-    capture_mod.MeshStats = sides["captured"]
+    times = _captured_vs_plain(model, step, args)
     # 2. unwatched steps with hooks.run against none, in blocks
     rates: dict[str, list[float]] = {"plain": [], "hooks.run": []}
 
@@ -129,6 +103,38 @@ def _worker(args: argparse.Namespace) -> None:
     if rank == 0:
         _report(times, rates, args, f"batch {bs}×{seq} per rank")
     dist.destroy_process_group()
+
+
+def _captured_vs_plain(model, step, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Seconds per step of the plain step, the captured one (and with ``--baseline``, the
+    captured one whose statistics are the baseline's), in rotating order, after 3 rounds of
+    warm-up."""
+    import importlib
+
+    import torch.distributed as dist
+
+    import hooks
+
+    capture_mod = importlib.import_module("hooks.capture")  # (hooks.capture: the function)
+    sides = {"plain": None, "captured": capture_mod.MeshStats}
+    if args.baseline:
+        sides["baseline"] = _load_baseline(args.baseline).MeshStats
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    names = list(sides)
+    for i in range(args.repeats + 3):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            if sides[name] is None:
+                step()
+            else:
+                capture_mod.MeshStats = sides[name]
+                with hooks.capture(model):
+                    step()
+            if i >= 3:  # warm-up
+                times[name].append(time.perf_counter() - t0)
+    capture_mod.MeshStats = sides["captured"]
+    return times
 
 
 def _load_baseline(path: str):
