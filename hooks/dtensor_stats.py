@@ -217,6 +217,12 @@ def _checksum_np(m: Any) -> torch.Tensor:
     return torch.tensor((v + (1 << 63)) % (1 << 64) - (1 << 63), dtype=torch.int64)
 
 
+def _host(x: torch.Tensor) -> torch.Tensor:
+    """``x`` on the CPU, where the histogram sample, the checksum and the reduction of a
+    piece are taken (a copy of a device tensor: slow, but not yet measured on GPUs here)."""
+    return x if x.is_cpu else x.cpu()
+
+
 def _flat(x: torch.Tensor) -> torch.Tensor:
     if x.dtype is not torch.float32 and x.dtype is not torch.float64:
         x = x.float()
@@ -393,7 +399,7 @@ class MeshStats:
         if is_dtensor(t):
             mesh = self._know(t.device_mesh)
             weights = self._placement_weights(mesh, t.placements)
-            x = local_piece(t)
+            x = local_piece(t) if light else _host(local_piece(t))
             fp = None
             spread = None if light else self._on_main_mesh(mesh, weights)
             # a Partial one: its piece kept, reduced at finalize once every rank is known to
@@ -404,7 +410,7 @@ class MeshStats:
                 mesh, weights = self.mesh, spread
                 fp = None if dims else self._fingerprint(x)
         else:
-            x = t.detach()
+            x = _host(t.detach())
             fp = self._fingerprint(x)
         text = self.where if where is None else where
         key = self._name(where)
