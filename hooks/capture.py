@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import fnmatch
 import gc
+import os
 import sys
 import time
 import weakref
@@ -79,6 +80,12 @@ def _matches(name: str, module: nn.Module, selectors: Sequence[Selector]) -> boo
         elif fnmatch.fnmatchcase(name, sel) or (sel and name.startswith(sel + ".")):
             return True
     return False
+
+
+def _core_left() -> bool:
+    """Whether this process may use more cores than torch's intra-op threads."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return torch.get_num_threads() < (cores or 1)
 
 
 def _check_data(modules: list[tuple[str, nn.Module]]) -> None:
@@ -135,10 +142,11 @@ class Capture:
     Prefer :func:`capture`, which builds one. ``start()``/``stop()`` are the same as
     ``__enter__``/``__exit__`` for code that cannot use ``with``.
 
-    ``Capture.background = False`` takes CPU statistics in the hooks, not on hooks.stats' worker.
+    ``Capture.background``: CPU statistics on hooks.stats' worker thread (True), in the hooks
+    (False), or on the worker only while torch leaves a core free (None, the default).
     """
 
-    background = True
+    background: bool | None = None
 
     def __init__(
         self,
@@ -238,7 +246,8 @@ class Capture:
         # a sharded model (DTensor parameters): full-tensor statistics reduced across the mesh
         self._dist = MeshStats.for_model(self.model, self.bins)
         # CPU statistics on the worker thread (hooks.stats), checked against in-place writes
-        self._bg = self.background and self._dist is None
+        bg = self.background  # the worker beside a model that takes every core slows it
+        self._bg = self._dist is None and (bg or bg is None and _core_left())
         self._batch = StatsBatch(bins=self.bins, background=self._bg)
         self._init_state()
 

@@ -547,9 +547,10 @@ class WrittenAfterHook(nn.Module):
         return h + keep
 
 
-def test_output_written_in_place_after_its_hook_is_exact_or_not_recorded():
+def test_output_written_in_place_after_its_hook_is_exact_or_not_recorded(monkeypatch):
     from hooks.stats import _shared_worker
 
+    monkeypatch.setattr(Capture, "background", True)  # whatever the cores
     torch.manual_seed(0)
     m = WrittenAfterHook()
     x = torch.randn(64, 128)  # 8192 elements per tensor: summarised on the worker
@@ -565,17 +566,15 @@ def test_output_written_in_place_after_its_hook_is_exact_or_not_recorded():
     (note,) = [n for n in tr.notes if n.kind == "modified_in_place"]
     assert "1 tensor(s)" in note.message and "a#0 out" in note.message
     # the same capture with the statistics taken in the hooks: a's output as returned
-    Capture.background = False
-    try:
-        with torch.no_grad(), hooks.capture(m) as tr2:
-            m(x)
-    finally:
-        Capture.background = True
+    monkeypatch.setattr(Capture, "background", False)
+    with torch.no_grad(), hooks.capture(m) as tr2:
+        m(x)
     assert_stats(tr2.call("a").outputs[0].stats, a_out)
     assert not [n for n in tr2.notes if n.kind == "modified_in_place"]
 
 
-def test_in_place_module_inputs_are_read_before_it_runs():
+def test_in_place_module_inputs_are_read_before_it_runs(monkeypatch):
+    monkeypatch.setattr(Capture, "background", True)
     torch.manual_seed(1)
     m = nn.Sequential(nn.Linear(128, 128), nn.ReLU(inplace=True), nn.Linear(128, 64))
     x = torch.randn(64, 128)
@@ -589,7 +588,8 @@ def test_in_place_module_inputs_are_read_before_it_runs():
     assert not [n for n in tr.notes if n.kind == "modified_in_place"]
 
 
-def test_parameter_records_are_those_after_backward_when_the_optimizer_runs_inside():
+def test_parameter_records_are_those_after_backward_when_the_optimizer_runs_inside(monkeypatch):
+    monkeypatch.setattr(Capture, "background", True)
     torch.manual_seed(2)
     m = nn.Sequential(nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 64))
     opt = torch.optim.SGD(m.parameters(), lr=0.5)
@@ -621,3 +621,15 @@ def test_gc_threshold_raised_while_recording_and_restored_after():
     with pytest.raises(RuntimeError), hooks.capture(m):  # restored when the body raises too
         raise RuntimeError("boom")
     assert gc.get_threshold() == before
+
+
+def test_the_worker_is_used_by_default_only_while_torch_leaves_a_core_free(monkeypatch):
+    import os
+
+    from hooks.capture import _core_left
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert not _core_left()  # the model's threads take both cores: statistics in the hooks
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert _core_left()
