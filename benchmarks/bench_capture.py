@@ -63,7 +63,7 @@ def naive_hooks(model: torch.nn.Module) -> list:
     return [m.register_forward_hook(fwd) for m in model.modules()]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="default")
     parser.add_argument("--batch-size", type=int, default=4)
@@ -76,19 +76,15 @@ def main() -> None:
                         "the worker")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time the statistics alone, and aminmax + var_mean instead")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    return parser.parse_args()
 
+
+def sides(model, ids, args: argparse.Namespace, last: dict) -> dict:
+    """The timed sides: plain forward+backward, the capture (default, and with the statistics
+    forced into the hooks / onto the worker), the naive hook; the last capture goes to
+    ``last["trace"]``."""
     import hooks
     from hooks.capture import Capture
-    from hooks.trace import JSON_NAME
-    from minillm import MiniLLM, load_preset
-
-    cfg = load_preset(args.preset)
-    torch.manual_seed(0)
-    model = MiniLLM(cfg).train()
-    ids = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len))
-    last: dict[str, object] = {}
 
     def plain() -> None:
         model.zero_grad(set_to_none=True)
@@ -119,41 +115,16 @@ def main() -> None:
             for h in hs:
                 h.remove()
 
-    # Same loss and gradients with and without the capture (the capture only reads).
-    torch.manual_seed(1)
-    plain()
-    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    captured()
-    same = all(torch.equal(ref[n], p.grad) for n, p in model.named_parameters() if n in ref)
-
     fns = {"forward+backward": plain, "with hooks.capture": captured}
     if not args.no_inline:
         fns["capture, stats in hooks"] = forced(False)
         fns["capture, stats on worker"] = forced(True)
     if not args.no_naive:
         fns["naive per-stat hook"] = naive
-    print(
-        f"preset={args.preset} B={args.batch_size} T={args.seq_len} threads={args.threads} "
-        f"repeats={args.repeats} params={sum(p.numel() for p in model.parameters()):,}"
-    )
-    cpu: dict[str, list[float]] = {k: [] for k in fns}
+    return fns
 
-    main: dict[str, list[float]] = {k: [] for k in fns}  # the model's thread alone
 
-    def cpu_timed(name, fn):
-        def run():
-            t0, m0 = time.process_time(), time.thread_time()
-            fn()
-            cpu[name].append(time.process_time() - t0)
-            main[name].append(time.thread_time() - m0)
-
-        return run
-
-    times = interleaved({k: cpu_timed(k, f) for k, f in fns.items()}, repeats=args.repeats)
-    med = report(times, baseline="forward+backward")
-    cpu_med = {k: statistics.median(v[-args.repeats :]) for k, v in cpu.items()}
-    main_med = {k: statistics.median(v[-args.repeats :]) for k, v in main.items()}
-    trace = last["trace"]
+def print_ratios(med: dict, times: dict, cpu_med: dict, main_med: dict) -> None:
     base, cap = "forward+backward", "with hooks.capture"
     print(
         f"capture overhead ratio: wall median {med[cap] / med[base]:.3f}, wall min "
@@ -173,6 +144,51 @@ def main() -> None:
         print(
             f"naive per-stat hook ratio: wall median {med['naive per-stat hook'] / med[base]:.3f}"
         )
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+
+    from hooks.trace import JSON_NAME
+    from minillm import MiniLLM, load_preset
+
+    cfg = load_preset(args.preset)
+    torch.manual_seed(0)
+    model = MiniLLM(cfg).train()
+    ids = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len))
+    last: dict[str, object] = {}
+    fns = sides(model, ids, args, last)
+
+    # Same loss and gradients with and without the capture (the capture only reads).
+    torch.manual_seed(1)
+    fns["forward+backward"]()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    fns["with hooks.capture"]()
+    same = all(torch.equal(ref[n], p.grad) for n, p in model.named_parameters() if n in ref)
+
+    print(
+        f"preset={args.preset} B={args.batch_size} T={args.seq_len} threads={args.threads} "
+        f"repeats={args.repeats} params={sum(p.numel() for p in model.parameters()):,}"
+    )
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
+    main: dict[str, list[float]] = {k: [] for k in fns}  # the model's thread alone
+
+    def cpu_timed(name, fn):
+        def run():
+            t0, m0 = time.process_time(), time.thread_time()
+            fn()
+            cpu[name].append(time.process_time() - t0)
+            main[name].append(time.thread_time() - m0)
+
+        return run
+
+    times = interleaved({k: cpu_timed(k, f) for k, f in fns.items()}, repeats=args.repeats)
+    med = report(times, baseline="forward+backward")
+    cpu_med = {k: statistics.median(v[-args.repeats :]) for k, v in cpu.items()}
+    main_med = {k: statistics.median(v[-args.repeats :]) for k, v in main.items()}
+    print_ratios(med, times, cpu_med, main_med)
+    trace = last["trace"]
     with tempfile.TemporaryDirectory() as tmp:
         json_bytes = (trace.save(tmp) / JSON_NAME).stat().st_size  # the JSON part save writes
     print(
@@ -183,7 +199,7 @@ def main() -> None:
     )
     print(f"gradients identical with and without capture: {same}")
     if args.breakdown:
-        breakdown(model, ids, med[cap] - med[base], args.repeats)
+        breakdown(model, ids, med["with hooks.capture"] - med["forward+backward"], args.repeats)
 
 
 def breakdown(model, ids, overhead_s: float, repeats: int) -> None:
