@@ -81,8 +81,9 @@ async def test_step_view_of_a_sharded_capture_shows_unsharded_parameters_and_say
     assert stepper.jump_module("model.embed_tokens")
     text = CallDetails.render_details(stepper, 200).plain.replace("\n", " ")
     embed = stepper.call.outputs[0]
+    label = embed.path.removeprefix("out.")
     assert ("statistics of the whole job's tensor, every rank's piece: "
-            f"{embed.path.removeprefix('out.')} {embed.stats.numel:,} values (this rank's {fmt.dims(embed.shape)}: "
+            f"{label} {embed.stats.numel:,} values (this rank's {fmt.dims(embed.shape)}: "
             f"{math.prod(embed.shape):,})") in text
     app = make_step_app(trace)
     async with app.run_test(size=SIZE) as pilot:
