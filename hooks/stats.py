@@ -525,16 +525,18 @@ class StatsBatch:
         ``bincount`` counts everything. A row's padding (the positions past its sample, all equal
         to the value at position ``k``) is then taken back out of the bin it went to.
         """
-        by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, int, int]]] = {}
+        by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, int, TensorStats]]] = {}
         out = self._out
-        for item in items:
-            if out[item[2]] is not None:  # not dropped by drain
-                by_dtype.setdefault(item[0].dtype, []).append(item)
+        for sample, k, slot in items:
+            # each result read once: on the worker, release() may drop it (None) meanwhile
+            st = out[slot]
+            if st is not None:  # not dropped by drain
+                by_dtype.setdefault(sample.dtype, []).append((sample, k, st))
         nb, size = self.bins, HIST_SAMPLE
-        for items in by_dtype.values():
-            stats = [out[slot] for _, _, slot in items]
+        for kept in by_dtype.values():
+            stats = [st for _, _, st in kept]
             rows = len(stats)
-            mat = torch.stack([sample for sample, _, _ in items])
+            mat = torch.stack([sample for sample, _, _ in kept])
             lo_hi = [(st.hist_min, st.hist_max) for st in stats]  # type: ignore[union-attr]
             bounds = torch.tensor(lo_hi, dtype=mat.dtype)
             lo, width = bounds[:, :1], bounds[:, 1:] - bounds[:, :1]
@@ -554,7 +556,7 @@ class StatsBatch:
             offsets = torch.arange(0, rows * nb, nb, dtype=torch.int32)[:, None]
             idx = mat.to(torch.int32).add_(offsets)
             counts = torch.bincount(idx.view(-1), minlength=rows * nb)
-            lens = torch.tensor([k for _, k, _ in items])
+            lens = torch.tensor([k for _, k, _ in kept])
             pad_bins = idx[torch.arange(rows), lens.clamp(max=size - 1)].long()
             counts.index_add_(0, pad_bins, lens - size)  # rows with no padding subtract 0
             for st, h in zip(stats, counts.view(rows, nb).tolist(), strict=True):
