@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import fnmatch
 import gc
-import os
 import sys
 import time
 import weakref
@@ -44,6 +43,7 @@ from hooks.capture_compile import (
     _in_compiled_wrapper,
     unwrap_compiled,
 )
+from hooks.capture_env import check_data, core_left, distributed
 from hooks.capture_fast_path import (
     _fast_path_layers,
     _has_forward_hooks,
@@ -80,22 +80,6 @@ def _matches(name: str, module: nn.Module, selectors: Sequence[Selector]) -> boo
         elif fnmatch.fnmatchcase(name, sel) or (sel and name.startswith(sel + ".")):
             return True
     return False
-
-
-def _core_left() -> bool:
-    """Whether this process may use more cores than torch's intra-op threads."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return torch.get_num_threads() < (cores or 1)
-
-
-def _check_data(modules: list[tuple[str, nn.Module]]) -> None:
-    no_data = next((f"{prefix}.{n}" if prefix else n for prefix, m in modules
-                    for d in (m._parameters, m._buffers) for n, t in d.items()
-                    if t is not None and t.is_meta), None)
-    if no_data is not None:
-        raise ValueError(f"the model has no data: {no_data} is on the meta device; "
-                         "materialise it first: model.to_empty(device='cpu'), then "
-                         "initialise or load its weights")
 
 
 def module_infos(
@@ -242,12 +226,15 @@ class Capture:
         tr.captured = self.sampled
         if not tr.captured:
             return tr
-        _check_data(named_modules(unwrap_compiled(self.model)))
+        check_data(named_modules(unwrap_compiled(self.model)))
         # a sharded model (DTensor parameters): full-tensor statistics reduced across the mesh
         self._dist = MeshStats.for_model(self.model, self.bins)
         # CPU statistics on the worker thread (hooks.stats), checked against in-place writes
         bg = self.background  # the worker beside a model that takes every core slows it
-        self._bg = self._dist is None and (bg or bg is None and _core_left())
+        # never in a distributed job: DDP writes the averaged gradients into .grad (or its
+        # bucket views) while its collectives run, so a later read could see them half done
+        self._bg = (self._dist is None and not distributed()
+                    and (bg or bg is None and core_left()))
         self._batch = StatsBatch(bins=self.bins, background=self._bg)
         self._init_state()
 

@@ -573,6 +573,35 @@ def test_output_written_in_place_after_its_hook_is_exact_or_not_recorded(monkeyp
     assert not [n for n in tr2.notes if n.kind == "modified_in_place"]
 
 
+def test_a_distributed_job_takes_its_statistics_in_the_hooks(monkeypatch, tmp_path):
+    """In a torch.distributed job (DDP writes averaged gradients into .grad while its
+    collectives run) the worker is never used, even when forced: a's output is recorded as
+    a returned it, though the parent doubles it in place after the hook."""
+    import torch.distributed as dist
+
+    from hooks.stats import _shared_worker
+
+    monkeypatch.setattr(Capture, "background", True)
+    torch.manual_seed(0)
+    m = WrittenAfterHook()
+    x = torch.randn(64, 128)
+    with torch.no_grad():
+        a_out = m.a(x)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    gate = threading.Event()  # a worker in use would read a's output after the doubling
+    try:
+        _shared_worker().put(lambda _: gate.wait(10), None, urgent=True)
+        with torch.no_grad(), hooks.capture(m) as tr:
+            m(x)
+            gate.set()
+    finally:
+        gate.set()
+        dist.destroy_process_group()
+    assert_stats(tr.call("a").outputs[0].stats, a_out)
+    assert not [n for n in tr.notes if n.kind == "modified_in_place"]
+
+
 def test_in_place_module_inputs_are_read_before_it_runs(monkeypatch):
     monkeypatch.setattr(Capture, "background", True)
     torch.manual_seed(1)
@@ -626,10 +655,10 @@ def test_gc_threshold_raised_while_recording_and_restored_after():
 def test_the_worker_is_used_by_default_only_while_torch_leaves_a_core_free(monkeypatch):
     import os
 
-    from hooks.capture import _core_left
+    from hooks.capture_env import core_left
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    assert not _core_left()  # the model's threads take both cores: statistics in the hooks
+    assert not core_left()  # the model's threads take both cores: statistics in the hooks
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    assert _core_left()
+    assert core_left()
