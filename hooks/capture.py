@@ -25,7 +25,6 @@ How it works (and why):
 from __future__ import annotations
 
 import fnmatch
-import gc
 import sys
 import time
 import weakref
@@ -43,7 +42,13 @@ from hooks.capture_compile import (
     _in_compiled_wrapper,
     unwrap_compiled,
 )
-from hooks.capture_env import check_data, core_left, distributed
+from hooks.capture_env import (
+    check_data,
+    core_left,
+    distributed,
+    fewer_gc_passes,
+    gc_passes_back,
+)
 from hooks.capture_fast_path import (
     _fast_path_layers,
     _has_forward_hooks,
@@ -60,10 +65,6 @@ from hooks.routing import ExpertsRouting
 from hooks.stats import NUM_BINS, StatsBatch, TensorStats
 from hooks.trace import Trace
 from hooks.walk import dtype_name, find_tensors, named_modules, named_parameters
-
-#: The young-generation threshold of Python's cyclic GC while a capture records (700 by
-#: default): a capture allocates ~10,000 small objects, each 700 of which would run a collection.
-_GC_YOUNG = 20_000
 
 Selector = str | type
 """A module selector: a ``fnmatch`` pattern on the qualified name (a pattern also selects the
@@ -127,10 +128,14 @@ class Capture:
     ``__enter__``/``__exit__`` for code that cannot use ``with``.
 
     ``Capture.background``: CPU statistics on hooks.stats' worker thread (True), in the hooks
-    (False), or on the worker only while torch leaves a core free (None, the default).
+    (False, the default: every tensor summarised as its hook saw it), or on the worker only
+    while torch leaves a core free (None). The worker's limits: a tensor written in place after
+    its hook and before the worker read it is not recorded (a note says which), and a write that
+    does not move the version counter (``.data``, a NumPy or DLPack alias, a raw kernel) is not
+    seen at all; never used in a ``torch.distributed`` job.
     """
 
-    background: bool | None = None
+    background: bool | None = False
 
     def __init__(
         self,
@@ -240,9 +245,6 @@ class Capture:
 
         if self._editor is not None:  # patch sources run first; edit hooks go first
             self._editor.start()
-        # thousands of small objects until stop(): fewer young-generation GC passes (_GC_YOUNG)
-        self._gc_threshold = gc.get_threshold()
-        gc.set_threshold(max(self._gc_threshold[0], _GC_YOUNG), *self._gc_threshold[1:])
         root = unwrap_compiled(self.model)
         tr.model_type = type(root).__name__
         self._modules = named_modules(root)
@@ -281,17 +283,18 @@ class Capture:
                     )
         self._watch_fast_path(fast_path)
         self._active = True
+        # thousands of small objects until stop(): fewer young-generation GC passes
+        fewer_gc_passes()
         if self._attention is not None:
             try:
                 self._attention.start()  # last: nothing is left installed if start() raised
             except BaseException:
-                gc.set_threshold(*self._gc_threshold)
+                gc_passes_back()
                 raise
         return tr
 
     def _init_state(self) -> None:
-        self._param_jobs: dict[str, tuple[torch.Tensor, torch.Tensor, int, int]] = {}
-        self._drain_queued = False
+        self._drain_task = -1  # autograd graph task whose end drains the worker
         self._pending: list[tuple[Any, int]] = []  # (TensorInfo | GradRecord, slot)
         self._cache: dict[Any, tuple[weakref.ref, int, int]] = {}
         self._counts: dict[str, int] = {}
@@ -301,7 +304,7 @@ class Capture:
         self._handles: list[Any] = []
         self._tensor_handles: list[Any] = []
         self._no_grad: dict[str, int] = {}
-        # name -> (|g|^2, min g, max g, |w|^2): floats from the worker, else 0-d tensors
+        # name -> 0-d tensors (|g|^2, min g, max g, |w|^2), read back together at exit
         self._touched: dict[str, tuple[torch.Tensor, ...]] = {}
         self._kept = 0
         self._dropped = 0
@@ -317,7 +320,7 @@ class Capture:
         try:
             return self._stop()
         finally:
-            gc.set_threshold(*self._gc_threshold)
+            gc_passes_back()
 
     def _stop(self) -> Trace:
         tr = self.trace
@@ -399,16 +402,10 @@ class Capture:
         return any(fnmatch.fnmatchcase(name, p) or name.startswith(p + ".") for p in a)
 
     def _drain(self) -> None:
-        """Wait for the worker (``StatsBatch.drain``); recompute a parameter's numbers whose
-        gradient or weight moved since its hook (from the values backward left)."""
-        self._drain_queued = False
-        if not self._bg:
-            return
-        self._batch.drain()
-        for name, (g, w, gv, wv) in self._param_jobs.items():
-            if g._version != gv or w._version != wv:
-                self._param_stats((name, g, w))
-        self._param_jobs.clear()
+        """Wait for the worker (``StatsBatch.drain``): tensors written in place since their
+        hook are dropped, the others let go."""
+        if self._bg:
+            self._batch.drain()
 
     def _drain_after_backward(self) -> None:
         try:
@@ -417,13 +414,19 @@ class Capture:
             self._error("", exc)
 
     def _queue_drain(self) -> None:
-        """At the end of this backward pass (autograd's queue_callback), wait for the worker:
-        parameters are checked before an optimizer can change them, and tensors are freed."""
-        if not self._drain_queued and self._bg:
+        """Once per backward pass, at its end (autograd's queue_callback), wait for the worker:
+        its tensors are checked and freed before an optimizer step can write them. Keyed by
+        autograd's graph task, so a backward that raised (its callbacks dropped) does not stop
+        the next one from draining."""
+        try:
+            task = torch._C._current_graph_task_id()
+        except (AttributeError, RuntimeError):  # pragma: no cover - older torch: at stop only
+            return
+        if task != self._drain_task and task >= 0:
             try:
                 torch.autograd.Variable._execution_engine.queue_callback(
                     self._drain_after_backward)
-                self._drain_queued = True
+                self._drain_task = task
             except RuntimeError:  # not inside a backward pass: drained at stop
                 pass
 
@@ -605,7 +608,7 @@ class Capture:
             )
             if self._dist is not None:
                 self._dist.where = f"{rec.module}#{rec.call_index}/grad {path}"
-            elif not self._drain_queued:
+            elif self._bg:
                 self._queue_drain()
             slot = self._slot(grad)  # hooks on one tensor share one gradient object
             if slot is not None:
@@ -625,30 +628,12 @@ class Capture:
         if self._dist is not None and self._dist.owns(param):  # reduced at exit
             return self._dist.touch(name, param)
         try:
-            g = param.grad
-            if self._bg and g.is_cpu and param.is_cpu:
-                # on the worker; checked at the end of this backward pass (_drain)
-                self._param_jobs[name] = (g, param, g._version, param._version)
-                self._batch.submit(self._param_stats, (name, g, param))
-                if not self._drain_queued:
-                    self._queue_drain()
-                return
-            gf, wf = flat_grad_weight(g, param)
+            # in the hook, never on the worker: an optimizer step in a later hook of this
+            # backward (optimizer-in-backward) would change them before the worker read them
+            gf, wf = flat_grad_weight(param.grad, param)
             lo, hi = torch.aminmax(gf)
             # dot(x, x) is the fastest sum of squares on CPU (BLAS); sqrt taken at exit
             self._touched[name] = (torch.dot(gf, gf), lo, hi, torch.dot(wf, wf))
-        except Exception as exc:
-            self._error(name, exc)
-
-    def _param_stats(self, job: tuple[str, torch.Tensor, torch.Tensor]) -> None:
-        """|g|^2, min g, max g, |w|^2 of a gradient and its weight as Python floats (run on
-        the worker thread, or at _drain)."""
-        name, g, w = job
-        try:
-            gf, wf = flat_grad_weight(g, w)
-            lo, hi = torch.aminmax(gf)
-            self._touched[name] = (torch.dot(gf, gf).item(), lo.item(), hi.item(),
-                                   torch.dot(wf, wf).item())
         except Exception as exc:
             self._error(name, exc)
 

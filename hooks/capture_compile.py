@@ -5,6 +5,7 @@ that every module hook fires (used by :class:`hooks.capture.Capture`)."""
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -61,7 +62,34 @@ def _force_eager() -> Any:
     set_stance = getattr(torch.compiler, "set_stance", None)
     if set_stance is None:
         return None
-    try:
-        return set_stance("force_eager")  # takes effect now; __exit__ restores the previous one
-    except Exception:  # e.g. called inside a compiled region
-        return None
+    with _EAGER_LOCK:  # captures overlap and stop in any order: the last one out restores
+        if _EAGER[0] == 0:
+            try:  # takes effect now; its __exit__ restores the stance before it
+                _EAGER[1] = set_stance("force_eager")
+            except Exception:  # e.g. called inside a compiled region
+                return None
+        _EAGER[0] += 1
+    return _EagerHold()
+
+
+_EAGER_LOCK = threading.Lock()
+_EAGER: list = [0, None]  # captures holding the force_eager stance, its context
+
+
+class _EagerHold:
+    """One capture's hold on the shared ``force_eager`` stance (``__exit__`` once)."""
+
+    def __init__(self) -> None:
+        self._held = True
+
+    def __exit__(self, *exc: Any) -> None:
+        with _EAGER_LOCK:
+            if not self._held:
+                return
+            self._held = False
+            _EAGER[0] -= 1
+            ctx = _EAGER[1] if _EAGER[0] == 0 else None
+            if ctx is not None:
+                _EAGER[1] = None
+        if ctx is not None:
+            ctx.__exit__(None, None, None)

@@ -105,8 +105,13 @@ def unread_notes(
     ``trace`` with its slot."""
     notes = []
     unread = {id(obj) for obj, slot in pending if slot in modified}
-    where = [f"{r.module or '<root>'}#{r.call_index} {t.path}" for r in trace.forward
-             for t in (*r.inputs, *r.outputs) if id(t) in unread]
+    where = []
+    for r in trace.forward:
+        lost = [t.path for t in (*r.inputs, *r.outputs) if id(t) in unread]
+        if lost:  # said on the call too: the details pane shows its notes
+            r.notes.append(f"statistics of {', '.join(lost)} not recorded: written in place "
+                           "after the hook, before the statistics worker read them")
+            where += [f"{r.module or '<root>'}#{r.call_index} {p}" for p in lost]
     where += [f"{g.module or '<root>'}#{g.call_index} grad {g.path}" for g in trace.backward
               if id(g) in unread]
     if where:
@@ -115,6 +120,11 @@ def unread_notes(
             f"{len(where)} tensor(s) were written in place after their hook, before the "
             "statistics worker read them: statistics not recorded (never numbers of "
             f"values the module did not return); first: {', '.join(where[:3])}"))
+        if _any_nonfinite(trace):
+            notes.append(Note(
+                "nonfinite_origin", "a NaN/Inf was recorded while some tensors were not: the "
+                "first non-finite value may be in one of those, earlier than the module named; "
+                "capture with Capture.background = False for an exact origin"))
     if errors:
         notes.append(Note("hook_error", f"statistics of {len(errors)} tensor(s) failed on "
                           f"the worker thread: {next(iter(errors.values()))}"))
@@ -122,6 +132,12 @@ def unread_notes(
 
 
 # -- helpers ------------------------------------------------------
+def _any_nonfinite(trace: Trace) -> bool:
+    return any(t.stats is not None and not t.stats.finite
+               for r in trace.forward for t in r.outputs) or any(
+        g.stats is not None and not g.stats.finite for g in trace.backward)
+
+
 def _dense(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     return t.coalesce().values() if t.is_sparse else t

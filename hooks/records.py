@@ -617,7 +617,9 @@ class Note:
             ``fast_path`` (the hooks turned off a PyTorch fast path), ``edit`` (an edit of
             ``capture(edits=...)`` that changed nothing, or was not applied),
             ``modified_in_place`` (tensors written in place after their hook, before the
-            statistics worker read them: their statistics are not recorded).
+            statistics worker read them: their statistics are not recorded) or
+            ``nonfinite_origin`` (a NaN/Inf recorded beside such tensors: its origin may be
+            earlier than the module named).
         module: qualified module name, or None for the whole capture.
         call_index: the call it is about, or None.
         message: one line for a person.

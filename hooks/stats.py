@@ -219,6 +219,9 @@ _BIN_EVERY = 64  # the worker bins its histogram samples this many at a time
 #: A sleeping worker is woken once this many jobs wait (or by a drain): one wake-up, and one
 #: handover of the GIL, per several tensors instead of per tensor.
 WAKE_AFTER = 32
+#: A background batch waits for the worker once the tensors it holds unread pass this many
+#: bytes: memory stays bounded when the worker falls behind (a long no_grad loop).
+MAX_PENDING_BYTES = 256 << 20
 
 
 class _Worker:
@@ -359,6 +362,7 @@ class StatsBatch:
         # background: (slot, tensor, its version when added), until checked after the worker
         # read it (release); _done counts the jobs the worker finished, _checked those checked
         self._jobs: collections.deque[tuple[int, torch.Tensor, int]] = collections.deque()
+        self._pending_bytes = 0  # of the tensors added since the last drain
         self._done = 0
         self._checked = 0
         self._worker: _Worker | None = None
@@ -390,7 +394,10 @@ class StatsBatch:
                     self.release()
                 self._out.append(None)
                 self._jobs.append((slot, x, version))
+                self._pending_bytes += n * x.element_size()
                 self.submit(self._job, (slot, x, n))
+                if self._pending_bytes > MAX_PENDING_BYTES:
+                    self.drain()
                 return slot
         if x.dtype is not torch.float32 and x.dtype is not torch.float64:
             x = x.float()
@@ -450,10 +457,13 @@ class StatsBatch:
             done = threading.Event()
             worker.put(threading.Event.set, done, urgent=True)
             done.wait()
-        else:  # a forked child has no copy of the thread: its jobs run here
-            while worker.jobs:
-                fn, arg = worker.jobs.popleft()
-                fn(arg)
+        else:  # a forked child has no copy of the thread: what it had not read is not recorded
+            worker.jobs.clear()  # (the job it was running at the fork never finishes here)
+            for slot, _, _ in list(self._jobs)[self._done - self._checked:]:
+                self.errors[slot] = ("not read: the process forked while the statistics "
+                                     "worker had it")
+            self._done = self._checked + len(self._jobs)
+        self._pending_bytes = 0
         self.release()
 
     # -- CPU: read a few numbers back (free on CPU), skip NaN/Inf passes for finite tensors --

@@ -662,3 +662,145 @@ def test_the_worker_is_used_by_default_only_while_torch_leaves_a_core_free(monke
     assert not core_left()  # the model's threads take both cores: statistics in the hooks
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert core_left()
+
+
+def test_statistics_are_taken_in_the_hooks_unless_the_worker_is_asked_for():
+    assert Capture.background is False
+
+
+def test_optimizer_in_backward_leaves_the_parameter_records_of_backward(monkeypatch):
+    """A post-accumulate-grad hook of the user's (after mdb's) steps the optimizer and zeroes
+    the gradient in place: the records are the gradient and weight backward produced."""
+    monkeypatch.setattr(Capture, "background", True)
+    torch.manual_seed(0)
+    m = nn.Linear(64, 64)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    seen = {}
+
+    def step(p, name):
+        seen[name] = (torch.linalg.vector_norm(p.grad).item(), p.grad.abs().max().item(),
+                      torch.linalg.vector_norm(p.detach()).item())
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    with hooks.capture(m) as tr:
+        hs = [p.register_post_accumulate_grad_hook(lambda p, n=n: step(p, n))
+              for n, p in m.named_parameters()]
+        m(torch.randn(8, 64)).pow(2).sum().backward()
+    for h in hs:
+        h.remove()
+    for name, (g, gmax, w) in seen.items():
+        rec = tr.params[name]
+        assert rec.status == "ok"
+        assert rec.grad_norm == pytest.approx(g, rel=1e-5)
+        assert rec.grad_abs_max == pytest.approx(gmax, rel=1e-6)
+        assert rec.weight_norm == pytest.approx(w, rel=1e-5)
+
+
+class _RaisesOnce(torch.autograd.Function):
+    fail = True
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if _RaisesOnce.fail:
+            _RaisesOnce.fail = False
+            raise RuntimeError("boom")
+        return g
+
+
+def test_a_backward_that_raised_does_not_keep_the_next_from_being_drained(monkeypatch):
+    monkeypatch.setattr(Capture, "background", True)
+    _RaisesOnce.fail = True
+    torch.manual_seed(0)
+    m = nn.ModuleDict(dict(a=nn.Linear(128, 128), b=nn.Linear(128, 128)))
+    x = torch.randn(64, 128)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+    def loss():
+        return m["a"](x).sum() + _RaisesOnce.apply(m["b"](x)).sum()
+
+    with hooks.capture(m) as tr:
+        with pytest.raises(RuntimeError, match="boom"):
+            loss().backward()
+        opt.zero_grad(set_to_none=True)
+        loss().backward()
+        grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+        out_grad = torch.ones(64, 128)  # d loss / d b(x): every gradient of the sum is 1
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # in place, before the capture ends
+    for name, g in grads.items():
+        assert tr.params[name].grad_norm == pytest.approx(
+            torch.linalg.vector_norm(g).item(), rel=1e-5)
+    last = [g for g in tr.backward if g.module == "b"][-1]
+    assert last.stats is not None  # drained at the end of its backward, not dropped at exit
+    assert_stats(last.stats, out_grad)
+
+
+def test_the_worker_holds_a_bounded_number_of_unread_tensors(monkeypatch):
+    """A long no_grad loop the worker falls behind on: the batch waits for it once the
+    tensors it holds pass MAX_PENDING_BYTES, so they are let go."""
+    import hooks.stats as stats
+    from hooks.stats import StatsBatch, _shared_worker
+
+    monkeypatch.setattr(stats, "MAX_PENDING_BYTES", 1 << 20)
+    batch = StatsBatch(background=True)
+    alive = []
+    gate = threading.Event()  # the worker is held until the batch passes its bound
+    _shared_worker().put(lambda _: gate.wait(10), None, urgent=True)
+    threading.Timer(0.5, gate.set).start()
+    xs = []
+    for _ in range(40):
+        x = torch.randn(256, 256)  # 256 KiB each: 10 MiB in all
+        xs.append(x.clone())
+        alive.append(weakref.ref(x))
+        batch.add(x)
+        del x
+        assert sum(r() is not None for r in alive) <= 5
+    out = batch.finalize()
+    for st, x in zip(out, xs, strict=True):
+        assert_stats(st, x)
+
+
+def test_gc_threshold_is_restored_when_captures_stop_out_of_order():
+    before = gc.get_threshold()
+    a, b = hooks.capture(nn.Linear(2, 2)), hooks.capture(nn.Linear(2, 2))
+    a.start()
+    b.start()
+    assert gc.get_threshold()[0] >= 20_000
+    a.stop()
+    b.stop()
+    assert gc.get_threshold() == before
+
+
+def test_a_dropped_output_is_said_on_its_call_and_a_nan_origin_is_hedged(monkeypatch):
+    """With the worker, a's output (log of negatives: NaN) is doubled in place after its hook
+    and not recorded: its call says so, and the trace says the NaN's origin may be earlier
+    than the module it names."""
+    from hooks.stats import _shared_worker
+
+    class LogThenScale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Identity(), nn.Identity()
+
+        def forward(self, x):
+            h = self.a(torch.log(x))  # NaN where x < 0
+            out = self.b(h * 1.0)
+            h.mul_(2.0)
+            return out
+
+    monkeypatch.setattr(Capture, "background", True)
+    x = torch.randn(64, 64)
+    gate = threading.Event()
+    _shared_worker().put(lambda _: gate.wait(10), None, urgent=True)
+    m = LogThenScale()
+    with torch.no_grad(), hooks.capture(m) as tr:
+        m(x)
+        gate.set()
+    assert tr.call("a").outputs[0].stats is None
+    assert any("not recorded: written in place" in n for n in tr.call("a").notes)
+    assert {"modified_in_place", "nonfinite_origin"} <= {n.kind for n in tr.notes}

@@ -178,3 +178,16 @@ def test_capturing_an_uncompiled_model_does_not_import_dynamo():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_captures_stopped_out_of_order_leave_the_stance_as_it_was():
+    compiled = torch.compile(Net(), backend=Graphs())
+    assert stance() == "default"
+    a, b = hooks.capture(compiled), hooks.capture(Net())
+    a.start()
+    b.start()
+    assert stance() == "force_eager"
+    a.stop()
+    assert stance() == "force_eager"  # b still records: its hooks must fire
+    b.stop()
+    assert stance() == "default"

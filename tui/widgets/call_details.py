@@ -308,7 +308,9 @@ class CallDetails(ScrollView, can_focus=True):
                 hist = histogram_block(f"values of {main.path} {fmt.shape(main.shape)}",
                                        main.stats)
             else:
-                parts.append(Text("no tensor outputs", style="dim"))
+                why = " (see the notes below)" if call.notes else ""
+                parts.append(Text(f"statistics not recorded{why}" if call.outputs
+                                  else "no tensor outputs", style="dim"))
             if grads:
                 parts.append(Text(f"{len(grads)} gradient(s) recorded · b shows backward",
                                   style="dim"))
