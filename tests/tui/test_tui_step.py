@@ -73,6 +73,22 @@ async def test_next_prev_follow_execution_order(tiny):
     assert moved == [0, 1, 2, 3, 4, 3, 2, 1, 0]  # the last k did not move
 
 
+async def test_keys_act_in_the_order_typed_whatever_has_focus(tiny):
+    """Every key of the step view is a priority binding: one the focused tree saw first would
+    run after later priority keys (`t n n` typed at once ended at call 1), and the tree took
+    Home for its own scrolling."""
+    trace, _ = tiny
+    assert all(b.priority for b in StepScreen.BINDINGS)
+    app = make_step_app(trace)
+    async with app.run_test(size=SIZE) as pilot:
+        step = app.screen
+        assert step.focused is step.query_one("#tree")
+        await pilot.press("n", "n", "n", "home")
+        assert step.stepper.index == 0
+        await pilot.press("n", "n", "t", "n")
+        assert step.stepper.index == 1
+
+
 async def test_layer_keys_jump_to_decoder_layers(tiny):
     trace, _ = tiny
     first = {f"model.layers.{i}": next(r.index for r in trace.forward

@@ -150,6 +150,10 @@ def build_from_args(args: argparse.Namespace):
     return build_workload(args)
 
 
+#: The :class:`BackgroundStep` of this process (``mdb step`` starts at most one).
+_LIVE: list[BackgroundStep] = []
+
+
 class BackgroundStep:
     """Build minillm's workload from ``args`` and capture its step in a daemon thread, while
     the main thread imports Textual and starts the app (start-up of ``mdb step``, issue 25:
@@ -167,7 +171,12 @@ class BackgroundStep:
         self._built = threading.Event()
         self._done = threading.Event()
         self._workload = self._trace = self._error = None
+        _LIVE.append(self)
         threading.Thread(target=self._run, args=(args,), name="mdb-build", daemon=True).start()
+
+    def running(self) -> bool:
+        """Whether the thread still builds or captures."""
+        return not self._done.is_set()
 
     def _run(self, args: argparse.Namespace) -> None:
         from tui.commands.workload import build_workload
@@ -255,6 +264,8 @@ def _loading_app(args: argparse.Namespace):
             from tui.app import make_loading_app
 
             workload = background.workload()
+        except KeyboardInterrupt:  # not waited for: see run()
+            raise
         except BaseException:
             background.finish()
             raise
@@ -277,6 +288,16 @@ def run(args: argparse.Namespace) -> int:
     gc.disable()
     try:
         return _run(args, collecting)
+    except KeyboardInterrupt:
+        if any(b.running() for b in _LIVE):
+            # the build thread may wait on an import lock the interrupted main thread left,
+            # and torch still running in a daemon thread at interpreter exit aborts it
+            # ("terminate called without an active exception"): leave at once
+            print("mdb: interrupted", file=sys.stderr)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
+        raise
     finally:
         if collecting:
             gc.enable()

@@ -40,6 +40,9 @@ class StepScreen(MdbScreen):
         start_at_nonfinite: open at the first NaN/Inf when the trace has any (default True).
     """
 
+    # every key a priority binding: a key the focused tree saw first would wait in its queue
+    # while later priority keys ran, so `t n n` typed at once ended at call 1 (and Home
+    # scrolled the tree instead of going to the first call)
     BINDINGS = [
         Binding("n,j,right", "next", "next", key_display="n", id="step.next", priority=True,
                 tooltip="next call (next gradient in the backward pass)"),
@@ -51,40 +54,41 @@ class StepScreen(MdbScreen):
         Binding("P,left_square_bracket,pageup", "prev_layer", "prev layer",
                 key_display="P", show=False, id="step.prev_layer", priority=True,
                 tooltip="start of this layer, or of the previous one"),
-        Binding("b", "toggle_pass", "bwd", id="step.toggle_pass",
+        Binding("b", "toggle_pass", "bwd", id="step.toggle_pass", priority=True,
                 tooltip="backward start (autograd order); again: back to the forward call"),
         Binding("t,home", "first", "first call of this pass", show=False, id="step.first",
-                tooltip="first record of this pass"),
+                priority=True, tooltip="first record of this pass"),
         Binding("J,shift+down", "scroll_details(3)", "details down", show=False,
-                id="step.details_down", tooltip="scroll the details pane down (parameters)"),
+                id="step.details_down", priority=True,
+                tooltip="scroll the details pane down (parameters)"),
         Binding("K,shift+up", "scroll_details(-3)", "details up", show=False,
-                id="step.details_up", tooltip="scroll the details pane up"),
-        Binding("f", "first_nonfinite", "NaN", id="step.first_nonfinite",
+                id="step.details_up", priority=True, tooltip="scroll the details pane up"),
+        Binding("f", "first_nonfinite", "NaN", id="step.first_nonfinite", priority=True,
                 tooltip="first NaN/Inf (forward, else backward)"),
-        Binding("i", "step_into", "into", id="step.into",
+        Binding("i", "step_into", "into", id="step.into", priority=True,
                 tooltip="step into the current call: its torch ops (backward: the forward op "
                 "that made the gradient non-finite)"),
-        Binding("e", "edit", "edit", show=False, id="step.edit",
+        Binding("e", "edit", "edit", show=False, id="step.edit", priority=True,
                 tooltip="what if: edit the selected call (zero, a head, an expert, drop, scale, "
                 "mean, patch), re-run the step, and see what changed"),
-        Binding("slash", "search", "find", key_display="/", id="step.search",
+        Binding("slash", "search", "find", key_display="/", id="step.search", priority=True,
                 tooltip="find a module by name"),
-        Binding("r", "view('router')", "router", id="view.router",
+        Binding("r", "view('router')", "router", id="view.router", priority=True,
                 tooltip="router view: experts per token, load per expert, aux loss"),
-        Binding("a", "view('attention')", "attn", id="view.attention",
+        Binding("a", "view('attention')", "attn", id="view.attention", priority=True,
                 tooltip="attention view: T×T probabilities per layer and head"),
-        Binding("g", "view('gradients')", "grads", id="view.gradients",
+        Binding("g", "view('gradients')", "grads", id="view.gradients", priority=True,
                 tooltip="gradients view: every parameter's grad norm and verdict"),
-        Binding("L", "lens", "lens", show=False, id="view.lens",
+        Binding("L", "lens", "lens", show=False, id="view.lens", priority=True,
                 tooltip="logit lens: what each decoder layer already predicts (layers × "
                 "positions; Enter: a cell's top k)"),
-        Binding("d", "view('doctor')", "doctor", show=False, id="view.doctor",
+        Binding("d", "view('doctor')", "doctor", show=False, id="view.doctor", priority=True,
                 tooltip="doctor results (from mdb doctor)"),
-        Binding("question_mark", "help", "keys", key_display="?", id="app.help",
+        Binding("question_mark", "help", "keys", key_display="?", id="app.help", priority=True,
                 tooltip="this list of keys"),
-        Binding("q", "quit_view", "quit", id="app.quit",
+        Binding("q", "quit_view", "quit", id="app.quit", priority=True,
                 tooltip="quit (embedded: back to the calling screen)"),
-        Binding("escape", "escape", "back", show=False, id="step.escape",
+        Binding("escape", "escape", "back", show=False, id="step.escape", priority=True,
                 tooltip="embedded: back to the calling screen"),
     ]
 

@@ -59,3 +59,42 @@ def test_garbage_collector_on_again_after_bad_input(capsys, one_thread):
     assert cli.main(["step", "--preset", "tiny", "--seq-len", "129"]) == 2
     assert "longer than the model allows" in capsys.readouterr().err
     assert gc.isenabled()
+
+
+_BLOCKED_BUILD = """
+import threading, sys
+import tui.commands.workload as workload
+def build_workload(args):
+    print("building", flush=True)
+    threading.Event().wait()  # a build that never ends (a thread stuck on an import lock)
+workload.build_workload = build_workload
+from tui import cli
+sys.exit(cli.main(["step", "--preset", "tiny"]))
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_model_is_built_in_the_background_exits_130_at_once(tmp_path):
+    """Before: the interrupted main thread waited for the build thread, which could wait on
+    an import lock the interrupted import left (a hang), or the process exited with torch
+    running in the daemon thread (abort)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.processes import mdb_env
+    from tests.terminal import terminal_signals
+
+    proc = subprocess.Popen([sys.executable, "-c", _BLOCKED_BUILD], cwd=tmp_path,
+                            env=mdb_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=terminal_signals)
+    try:
+        assert proc.stdout.readline().strip() == "building"
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "mdb: interrupted"
