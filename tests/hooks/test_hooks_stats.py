@@ -240,15 +240,20 @@ def _gate(batch: StatsBatch) -> threading.Event:
     return gate
 
 
-def test_background_batch_matches_torch_reductions_and_the_inline_batch():
-    torch.manual_seed(0)
-    xs = [torch.randn(64, 96) * 3 + 1, torch.randn(4, 128, 32).half(), torch.rand(3, 7)]
-    xs[0][5] = 0.0
+def _background_and_inline(xs):
+    """(background batch's results, the inline batch's, the background slots) of ``xs``."""
     bg, inline = StatsBatch(background=True), StatsBatch()
     slots = [bg.add(x) for x in xs]
     for x in xs:
         inline.add(x)
-    got, ref = bg.finalize(), inline.finalize()
+    return bg.finalize(), inline.finalize(), slots
+
+
+def test_background_batch_matches_torch_reductions_and_the_inline_batch():
+    torch.manual_seed(0)
+    xs = [torch.randn(64, 96) * 3 + 1, torch.randn(4, 128, 32).half(), torch.rand(3, 7)]
+    xs[0][5] = 0.0
+    got, ref, slots = _background_and_inline(xs)
     for slot, x, r in zip(slots, xs, ref, strict=True):
         assert_matches(got[slot], x.float())
         assert got[slot].hist == r.hist and got[slot].hist_count == r.hist_count
@@ -323,11 +328,7 @@ def test_worker_runs_one_torch_thread_and_leaves_the_callers_count():
 def test_background_batch_bins_on_the_worker_like_the_inline_batch():
     torch.manual_seed(3)
     xs = [torch.randn(40, 64) * (i + 1) + i for i in range(150)]  # > _BIN_EVERY per batch
-    bg, inline = StatsBatch(background=True), StatsBatch()
-    slots = [bg.add(x) for x in xs]
-    for x in xs:
-        inline.add(x)
-    got, ref = bg.finalize(), inline.finalize()
+    got, ref, slots = _background_and_inline(xs)
     for slot, x, r in zip(slots, xs, ref, strict=True):
         st = got[slot]
         assert_matches(st, x)
