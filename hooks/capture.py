@@ -15,11 +15,11 @@ How it works (and why):
 * Statistics are launched in the hooks and converted to Python numbers once at exit
   (:class:`~hooks.stats.StatsBatch`); a tensor seen again unchanged (same object, same version
   counter) reuses its slot, so a module's input that is the previous module's output costs
-  nothing. CPU reductions (and parameter gradient norms) run on hooks.stats' worker thread:
-  a tensor written in place before the worker read it is not recorded (note
-  ``modified_in_place``); an ``inplace=True`` module's inputs are read before it runs;
-  parameters are checked at the end of each backward. No other reference to an activation or
-  the autograd graph is kept unless ``keep_bytes`` asks for copies.
+  nothing. Opt-in (``Capture.background``): the CPU reductions of module tensors run on
+  hooks.stats' worker thread; a tensor written in place before the worker read it is then not
+  recorded (note ``modified_in_place``), an ``inplace=True`` module's inputs are read before it
+  runs, and parameter gradient norms stay in their hook. No other reference to an activation
+  or the autograd graph is kept unless ``keep_bytes`` asks for copies.
 """
 
 from __future__ import annotations
