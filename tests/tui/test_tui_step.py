@@ -14,6 +14,7 @@ import torch
 from textual.app import App
 from textual.widgets import DataTable, Static
 
+from tests.conftest import wait_until
 from tests.models import tiny_workload
 from tui import messages
 from tui.app import make_step_app
@@ -210,14 +211,15 @@ async def test_footer_keys_are_the_screens_and_kept_across_views(tiny):
         await pilot.press("s")
         await pilot.pause()
         assert app.screen is step and list(step.query(FooterKey)) == keys  # the same widgets
+        def shown() -> list[tuple[str, bool]]:
+            return [(k.description, not k.has_class("-disabled")) for k in step.query(FooterKey)]
+
+        # the footer follows the bindings on a later refresh: waited for, however loaded
         await pilot.resize_terminal(70, 20)  # too small: the keys change (quitting only)
-        await pilot.pause()
-        shown = [(k.description, not k.has_class("-disabled")) for k in step.query(FooterKey)]
-        assert shown == expected() and len(shown) < len(keys)
+        await wait_until(pilot, lambda: shown() == expected() and len(shown()) < len(keys))
         await pilot.resize_terminal(*SIZE)
-        await pilot.pause()
-        shown = [(k.description, not k.has_class("-disabled")) for k in step.query(FooterKey)]
-        assert shown == expected() == [(k.description, True) for k in keys]
+        await wait_until(pilot, lambda: shown() == expected()
+                         == [(k.description, True) for k in keys])
 
 
 async def test_tree_selection_jumps_to_first_call(tiny):
