@@ -120,7 +120,7 @@ def unread_notes(
             f"{len(where)} tensor(s) were written in place after their hook, before the "
             "statistics worker read them: statistics not recorded (never numbers of "
             f"values the module did not return); first: {', '.join(where[:3])}"))
-        if _any_nonfinite(trace):
+        if trace.first_nonfinite("forward") or trace.first_nonfinite("backward"):
             notes.append(Note(
                 "nonfinite_origin", "a NaN/Inf was recorded while some tensors were not: the "
                 "first non-finite value may be in one of those, earlier than the module named; "
@@ -132,12 +132,6 @@ def unread_notes(
 
 
 # -- helpers ------------------------------------------------------
-def _any_nonfinite(trace: Trace) -> bool:
-    return any(t.stats is not None and not t.stats.finite
-               for r in trace.forward for t in r.outputs) or any(
-        g.stats is not None and not g.stats.finite for g in trace.backward)
-
-
 def _dense(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     return t.coalesce().values() if t.is_sparse else t

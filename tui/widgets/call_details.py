@@ -9,6 +9,8 @@ verdicts (when it has any); a histogram of the values; notes on what could not b
 
 from __future__ import annotations
 
+import math
+
 from rich.cells import cell_len
 from rich.text import Text
 from textual.geometry import Size
@@ -146,9 +148,7 @@ def job_wide_line(tensors: list[tuple[str, list[int], object]]) -> Text | None:
     TensorStats | None); ``None`` when every count matches its shape."""
     wide = []
     for label, shape, st in tensors:
-        n = 1
-        for d in shape:
-            n *= d
+        n = math.prod(shape)
         if st is not None and st.numel != n:
             wide.append(f"{label} {st.numel:,} values (this rank's "
                         f"{fmt.dims(shape)}: {n:,})")
