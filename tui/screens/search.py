@@ -1,8 +1,9 @@
 """``SearchScreen``: find a module by (part of) its qualified name.
 
 Type to filter (case-insensitive substring; space-separated words must all match), ↑/↓ to pick,
-Enter to jump (to the first match when none is highlighted), Esc or Enter on an empty query to
-cancel. Dismisses with the chosen qualified name, or None.
+Enter to jump (to the first match when none is highlighted), Esc, Ctrl-C or Enter on an empty
+query to cancel (as in less and vim: a second Ctrl-C then does what it does in the view beneath,
+quit). Dismisses with the chosen qualified name, or None.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class SearchScreen(ModalScreen[str | None]):
 
     BINDINGS = [
         Binding("escape", "cancel", "cancel", id="search.cancel"),
+        # a priority binding: the focused Input's own Ctrl-C (copy) would otherwise swallow it
+        Binding("ctrl+c", "cancel", "cancel", show=False, priority=True, id="search.ctrl_c"),
         Binding("down", "move(1)", "down", show=False, id="search.down"),
         Binding("up", "move(-1)", "up", show=False, id="search.up"),
     ]
