@@ -30,6 +30,7 @@ from rich.cells import cell_len
 from rich.text import Text
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.visual import visualize
 from textual.widgets import DataTable, Static
 
 from tui.screens.view import VIEW_BINDINGS, LayerViewScreen
@@ -115,6 +116,7 @@ class RouterScreen(LayerViewScreen):
 
     VIEW = "router"
     LAYER_KIND = "MoE layers"
+    CSS_PATH = "router.tcss"
     BINDINGS = [
         Binding("N,right_square_bracket,right,l", "layer(1)", "next layer", key_display="N",
                 id="router.next_layer"),
@@ -135,7 +137,7 @@ class RouterScreen(LayerViewScreen):
             yield DataTable(id="tokens", cursor_type="row", zebra_stripes=True)
             with Vertical(id="router-side"):
                 yield DataTable(id="experts", cursor_type="row")
-                yield Static("", id="router-summary")
+        yield Static("", id="router-summary", markup=False)
         yield Static("", id="hint", markup=False)
         yield MdbFooter()
 
@@ -206,8 +208,11 @@ class RouterScreen(LayerViewScreen):
         return rows
 
     def _fill_summary(self, rec, rows: list) -> None:
-        """The flags first (a 24-line terminal cuts the end of this panel), then what the
-        columns count, the aux losses, and the routing rule."""
+        """The flags first, then what the columns count, the aux losses, and the routing rule.
+
+        The summary spans the screen's width below the tables and is as tall as its lines
+        wrapped to it (router.tcss): a layer whose text wraps to as many lines as the one on
+        show is repainted without a layout."""
         meta = self.trace.meta
         n = int(rec.top_k_ids.shape[0])
         lines = []
@@ -242,8 +247,12 @@ class RouterScreen(LayerViewScreen):
         lines += [f"rule: {rec.rule_text()}", source_line(rec)]
         if rec.note:
             lines.append(rec.note)
-        # its height is the side's rest (app.tcss), whatever the text: repainted, no layout
-        self.query_one("#router-summary", Static).update("\n".join(lines), layout=False)
+        summary = self.query_one("#router-summary", Static)
+        text = "\n".join(lines)
+        width, height = summary.content_region.width, summary.content_region.height
+        same = width > 0 and visualize(summary, text, markup=False).get_height(
+            summary.styles, width) == height
+        summary.update(text, layout=not same)
 
     def _model_layer_aux(self) -> float | None:
         """This layer's aux loss as the model returned it
