@@ -19,6 +19,15 @@ free" (``None``: CPU statistics on a worker thread while torch leaves a core fre
 interleaved with the two-pass alternative the issue suggested (``torch.aminmax`` +
 ``torch.var_mean``, which would replace ``sum`` and ``dot``), so the share of the statistics
 in the overhead, and what fewer passes would give, are measured rather than guessed.
+
+``--floor`` adds two sides that bound what any capture built on hooks and torch's eager kernels
+can cost, in the same interleaved run: "floor: empty hooks" installs the hooks a capture needs
+(forward pre- and post-hooks on every module, a tensor hook on every output that requires
+grad, a post-accumulate-grad hook on every parameter) with empty bodies; "floor: hooks +
+3 passes" runs in them only the three reductions the statistics cannot do without (``aminmax``,
+``sum``, ``dot(x, x)`` of every input, output and gradient; ``aminmax`` and ``dot`` of each
+parameter's gradient, ``dot`` of its weight), with no read-back, no histogram, no zero count and
+no bookkeeping.
 """
 
 from __future__ import annotations
@@ -28,12 +37,14 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _floor import floor_hooks  # noqa: E402
 from _timing import interleaved, report  # noqa: E402
 
 
@@ -74,6 +85,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-inline", action="store_true",
                         help="skip the captures with the statistics forced into the hooks / onto "
                         "the worker")
+    parser.add_argument("--floor", action="store_true",
+                        help="also time the hooks alone, and the hooks with three reductions "
+                        "per tensor and nothing else: the floor of an eager capture")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time the statistics alone, and aminmax + var_mean instead")
     return parser.parse_args()
@@ -121,7 +135,17 @@ def sides(model, ids, args: argparse.Namespace, last: dict) -> dict:
         fns["capture, stats on worker"] = forced(True)
     if not args.no_naive:
         fns["naive per-stat hook"] = naive
+    if args.floor:
+        for side, reduce in (("floor: empty hooks", False), ("floor: hooks + 3 passes", True)):
+            fns[side] = partial(floor_step, model, ids, reduce)
     return fns
+
+
+def floor_step(model: torch.nn.Module, ids: torch.Tensor, reduce: bool) -> None:
+    """One forward+backward under :func:`_floor.floor_hooks`."""
+    model.zero_grad(set_to_none=True)
+    with floor_hooks(model, reduce):
+        model(ids, labels=ids).loss.backward()
 
 
 def print_ratios(med: dict, times: dict, cpu_med: dict, main_med: dict) -> None:
@@ -141,6 +165,11 @@ def print_ratios(med: dict, times: dict, cpu_med: dict, main_med: dict) -> None:
                   f"{min(times[side]) / min(times[base]):.3f}, process CPU median "
                   f"{cpu_med[side] / cpu_med[base]:.3f}, the model's thread's CPU median "
                   f"{main_med[side] / main_med[base]:.3f}")
+    for side in ("floor: empty hooks", "floor: hooks + 3 passes"):
+        if side in med:
+            print(f"{side} ratio: wall median {med[side] / med[base]:.3f}, wall min "
+                  f"{min(times[side]) / min(times[base]):.3f}, process CPU median "
+                  f"{cpu_med[side] / cpu_med[base]:.3f}")
     if "naive per-stat hook" in med:
         print(
             f"naive per-stat hook ratio: wall median {med['naive per-stat hook'] / med[base]:.3f}"

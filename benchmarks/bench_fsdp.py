@@ -38,13 +38,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hooks.runs.run import Run
     from hooks.runs.sharding import ExpertUse, shard_fsdp
     from minillm import load_preset
     from minillm.model import MiniLLM
@@ -75,34 +75,49 @@ def _worker(args: argparse.Namespace) -> None:
     # 1. a captured step against a plain one (and the baseline's), alternately
     times = _captured_vs_plain(model, step, args)
     # 2. unwatched steps with hooks.run against none, in blocks
-    rates: dict[str, list[float]] = {"plain": [], "hooks.run": []}
+    rates, cpu = _unwatched(model, step, args)
+    if rank == 0:
+        _report(times, rates, cpu, args, f"batch {bs}×{seq} per rank")
+    dist.destroy_process_group()
 
-    def block(name: str, k: int) -> float:
+
+def _unwatched(model, step, args: argparse.Namespace
+               ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Steps/s of blocks of ``args.block`` plain steps and of steps under ``hooks.run`` (logged
+    every step, ``watch`` with no capture due), alternating, after a warm-up block of each; and
+    this process's CPU seconds per step in each block (every thread: the model's, mdb's and
+    gloo's), which other work on the machine disturbs less than the wall clock."""
+    import torch.distributed as dist
+
+    from hooks.runs.run import Run
+
+    rates: dict[str, list[float]] = {"plain": [], "hooks.run": []}
+    cpu: dict[str, list[float]] = {"plain": [], "hooks.run": []}
+
+    def timed(name: str, run=None) -> None:
+        for _ in range(5):  # untimed: the run joins the other ranks meanwhile
+            step(run)
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(args.block):
+            step(run)
+        rates[name].append(args.block / (time.perf_counter() - t0))
+        cpu[name].append((time.process_time() - c0) / args.block)
+
+    def block(name: str, k: int) -> None:
         dist.barrier()
         if name == "plain":
-            for _ in range(5):  # as many untimed steps as the other side's
-                step()
-            t0 = time.perf_counter()
-            for _ in range(args.block):
-                step()
-            return args.block / (time.perf_counter() - t0)
+            timed(name)
+            return
         with Run(f"bench-{k}", db=args.db, gather_every=50) as run:
             run.watch(model, every=10**9)
-            for _ in range(5):  # the run joins the other ranks meanwhile
-                step(run)
-            t0 = time.perf_counter()
-            for _ in range(args.block):
-                step(run)
-            return args.block / (time.perf_counter() - t0)
+            timed(name, run)
 
     for name in rates:  # warm-up
         block(name, -1)
     for r in range(args.rounds):
         for name in tuple(rates) if r % 2 == 0 else tuple(rates)[::-1]:
-            rates[name].append(block(name, r))
-    if rank == 0:
-        _report(times, rates, args, f"batch {bs}×{seq} per rank")
-    dist.destroy_process_group()
+            block(name, r)
+    return ({k: v[1:] for k, v in rates.items()}, {k: v[1:] for k, v in cpu.items()})
 
 
 def _captured_vs_plain(model, step, args: argparse.Namespace) -> dict[str, list[float]]:
@@ -112,11 +127,12 @@ def _captured_vs_plain(model, step, args: argparse.Namespace) -> dict[str, list[
     import importlib
 
     import torch.distributed as dist
+    from _floor import floor_hooks
 
     import hooks
 
     capture_mod = importlib.import_module("hooks.capture")  # (hooks.capture: the function)
-    sides = {"plain": None, "captured": capture_mod.MeshStats}
+    sides = {"plain": None, "captured": capture_mod.MeshStats, "floor": "floor"}
     if args.baseline:
         sides["baseline"] = _load_baseline(args.baseline).MeshStats
     times: dict[str, list[float]] = {name: [] for name in sides}
@@ -127,6 +143,9 @@ def _captured_vs_plain(model, step, args: argparse.Namespace) -> dict[str, list[
             t0 = time.perf_counter()
             if sides[name] is None:
                 step()
+            elif sides[name] == "floor":
+                with floor_hooks(model, reduce=True):
+                    step()
             else:
                 capture_mod.MeshStats = sides[name]
                 with hooks.capture(model):
@@ -149,7 +168,7 @@ def _load_baseline(path: str):
 
 
 def _report(times: dict[str, list[float]], rates: dict[str, list[float]],
-            args: argparse.Namespace, what: str) -> None:
+            cpu: dict[str, list[float]], args: argparse.Namespace, what: str) -> None:
     """Rank 0 prints both comparisons."""
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"2-rank FSDP2 job, minillm seed-test-c (D=128, 4 layers, 4 experts), {what}, "
@@ -159,6 +178,9 @@ def _report(times: dict[str, list[float]], rates: dict[str, list[float]],
         print(f"  {name:>9} step: median {med[name] * 1e3:7.1f} ms  IQR [{q[0] * 1e3:.1f}, "
               f"{q[2] * 1e3:.1f}] ms  ({len(v)} steps)")
     print(f"  captured / plain: {med['captured'] / med['plain']:.3f}  (goal ≤ 1.3)")
+    print(f"  floor / plain: {med['floor'] / med['plain']:.3f}  (the hooks a capture installs, "
+          "running only aminmax, sum and dot(x, x) of each local piece: no collective, no "
+          "read-back, no bookkeeping)")
     if "baseline" in med:
         print(f"  baseline captured / plain: {med['baseline'] / med['plain']:.3f}  (--baseline "
               f"{args.baseline})")
@@ -169,7 +191,11 @@ def _report(times: dict[str, list[float]], rates: dict[str, list[float]],
     paired = statistics.median(a / b for a, b in zip(rates["hooks.run"], rates["plain"],
                                                      strict=True))
     print(f"  hooks.run / plain steps/s: ratio of medians {rm['hooks.run'] / rm['plain']:.3f}"
-          f", median of the rounds' ratios {paired:.3f}  (goal ≥ 0.98)", flush=True)
+          f", median of the rounds' ratios {paired:.3f}  (goal ≥ 0.98)")
+    cm = {k: statistics.median(v) for k, v in cpu.items()}
+    print(f"  CPU per step (rank 0, every thread): plain {cm['plain'] * 1e3:.1f} ms, hooks.run "
+          f"{cm['hooks.run'] * 1e3:.1f} ms, plain / hooks.run {cm['plain'] / cm['hooks.run']:.3f}",
+          flush=True)
 
 
 def _single(repeats: int) -> None:

@@ -79,7 +79,8 @@ from hooks.stats import (
     _hist_sample,
 )
 
-__all__ = ["MeshStats", "SLOT_BASE", "is_dtensor", "local_piece", "sharded_parameters"]
+__all__ = ["MeshStats", "SLOT_BASE", "is_dtensor", "local_piece", "position_checksum",
+           "sharded_parameters"]
 
 #: At most this many non-finite parameters (weights first, then gradients) get a note each.
 MAX_NOTES = 4
@@ -201,7 +202,7 @@ _NP_POSITIONS: Any = None
 
 
 def _checksum_np(m: Any) -> torch.Tensor:
-    """The position-weighted checksum of :meth:`MeshStats._fingerprint` of an (R, C) integer
+    """:func:`position_checksum` of an (R, C) integer
     numpy array, from its row and column sums in int64 (wrapping like torch's int64)."""
     import numpy as np
 
@@ -215,6 +216,36 @@ def _checksum_np(m: Any) -> torch.Tensor:
     if r > 1:
         v += int((m.sum(1, dtype=np.int64) * ((pos[:r] - 1) * c)).sum())
     return torch.tensor((v + (1 << 63)) % (1 << 64) - (1 << 63), dtype=torch.int64)
+
+
+def position_checksum(x: torch.Tensor) -> torch.Tensor:
+    """``Σ_i bits(x_i) · (i + 1)`` over the elements of ``x`` in row-major order, as a 0-dim
+    ``int64`` tensor (on the CPU for a CPU tensor, else on ``x``'s device).
+
+    Each element's bit pattern is read as an integer of its width (``float32`` → ``int32``,
+    ``bfloat16`` → ``int16``, ``bool`` as bytes) and weighted by its position + 1; the sum
+    wraps in ``int64`` (two's complement, the same on every rank and every machine: integer
+    sums, no floating-point rounding). Equal tensors have equal checksums; changing one element,
+    or moving elements to other positions (a transposed or permuted tensor of the same shape),
+    changes it except by a collision of the 64-bit sum. Taken from row and column sums (no
+    int64 copy of the tensor): position ``i·C + j + 1`` of element ``(i, j)`` of the
+    (R, C) view gives ``C · Σ_i i·r_i + Σ_j (j + 1)·c_j``.
+    """
+    y = x.reshape(-1)
+    if y.dtype == torch.bool:
+        y = y.view(torch.uint8)
+    width = _WIDTH[y.element_size()]
+    ints = y if y.dtype == width else y.view(width)
+    n, c = ints.numel(), x.shape[-1] if x.dim() else 1
+    if ints.is_cpu:  # numpy's integer sums run 2-3x faster than torch's on CPU
+        r = n // c if c >= 16 and n // c >= 16 else 1  # small, or one long row: (1, n)
+        return _checksum_np(ints.numpy().reshape(r, n // r))
+    if c < 16 or n // c < 16:
+        return (ints.to(torch.int64) * _positions(n, ints.device)).sum()
+    m = ints.view(n // c, c)
+    rows, cols = m.sum(1, dtype=torch.int64), m.sum(0, dtype=torch.int64)
+    pos = _positions(max(n // c, c), ints.device)
+    return (rows * (pos[:n // c] - 1)).sum() * c + (cols * pos[:c]).sum()
 
 
 def _host(x: torch.Tensor) -> torch.Tensor:
@@ -465,28 +496,11 @@ class MeshStats:
 
     @staticmethod
     def _fingerprint(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """(checksum, shape hash): the elements' bit patterns as integers of their width, each
-        times its position + 1, summed in int64 (wrapping), and the shape. Weighting by position
-        makes the checksum tell a reordering apart: the embeddings of a cyclic shift of the
-        same tokens (the windows of a periodic text) have the same plain sum of bits."""
-        y = x.reshape(-1)
-        if y.dtype == torch.bool:
-            y = y.view(torch.uint8)
-        width = _WIDTH[y.element_size()]
-        ints = y if y.dtype == width else y.view(width)
-        n, c = ints.numel(), x.shape[-1] if x.dim() else 1
-        if ints.is_cpu:  # numpy's integer sums run 2-3x faster than torch's on CPU
-            r = n // c if c >= 16 and n // c >= 16 else 1  # small, or one long row: (1, n)
-            bits = _checksum_np(ints.numpy().reshape(r, n // r))
-        elif c < 16 or n // c < 16:
-            bits = (ints.to(torch.int64) * _positions(n, ints.device)).sum()
-        else:  # the same sum from row and column sums (no int64 copy of the tensor):
-            # position i·c + j + 1 of element (i, j) gives c·Σ_i i·r_i + Σ_j (j + 1)·c_j
-            m = ints.view(n // c, c)
-            rows, cols = m.sum(1, dtype=torch.int64), m.sum(0, dtype=torch.int64)
-            pos = _positions(max(n // c, c), ints.device)
-            bits = (rows * (pos[:n // c] - 1)).sum() * c + (cols * pos[:c]).sum()
-        return bits, hash(tuple(x.shape)) & 0x7FFFFFFFFFFF
+        """(checksum, shape hash): :func:`position_checksum` of ``x`` and a hash of its shape.
+        Weighting by position makes the checksum tell a reordering apart: the embeddings of a
+        cyclic shift of the same tokens (the windows of a periodic text) have the same plain
+        sum of bits."""
+        return position_checksum(x), hash(tuple(x.shape)) & 0x7FFFFFFFFFFF
 
     # -- parameters --------------------------------------------------------------------------
     def add_params(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:

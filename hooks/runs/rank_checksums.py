@@ -1,5 +1,6 @@
-"""Checksums compared across the ranks of a distributed run: the sum of a tensor's bit patterns
-as integers (:func:`tensor_checksum`), which changes with any single element, taken of many
+"""Checksums compared across the ranks of a distributed run: the position-weighted sum of a
+tensor's bit patterns as integers (:func:`tensor_checksum`), which changes with any single
+element and with a reordering of the elements, taken of many
 tensors at once (:func:`checksums`) and compared rank against rank (:func:`compare_checksums`).
 Used by :mod:`hooks.runs.distributed` (re-exported there)."""
 
@@ -27,25 +28,25 @@ def replica_key(name: str, t: Any) -> str:
 
 
 def tensor_checksum(t: Any) -> Any:
-    """The sum of a tensor's bit patterns as integers, a 0-dim ``int64`` tensor on its device.
+    """The position-weighted sum of a tensor's bit patterns as integers, a 0-dim ``int64``
+    tensor (on the CPU for a CPU tensor, else on its device):
+    :func:`hooks.dtensor_stats.position_checksum` (complex tensors as their real and imaginary
+    parts).
 
     Every element's bits are read as an integer of its width (``float32`` → ``int32``,
-    ``bfloat16`` → ``int16`` …; complex as its real and imaginary parts, ``bool`` as bytes) and
-    summed in ``int64`` (wrapping; the same on every rank). Two tensors with equal bits have
-    equal checksums; a change of any one element changes it.
+    ``bfloat16`` → ``int16`` …, ``bool`` as bytes), times its row-major position + 1, summed in
+    ``int64`` (wrapping; the same on every rank). Two tensors with equal bits have equal
+    checksums; a change of any one element changes it, and so does a reordering of the same
+    values (a permuted or transposed copy of the same shape).
     """
     import torch
+
+    from hooks.dtensor_stats import position_checksum
 
     x = t.detach()
     if x.is_complex():
         x = torch.view_as_real(x)
-    x = x.reshape(-1)
-    if x.dtype == torch.bool:
-        x = x.view(torch.uint8)
-    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
-    if x.dtype != width:
-        x = x.view(width)
-    return x.sum(dtype=torch.int64)
+    return position_checksum(x)
 
 
 def checksums(named: Iterable[tuple[str, Any]]) -> dict[str, int | None]:

@@ -42,15 +42,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _bits_sum(t: torch.Tensor) -> int:
-    """Reference: the tensor's bytes read by numpy as integers of the element width, summed
-    as Python ints and wrapped to int64 (what the checksum promises)."""
+    """Reference: the tensor's bytes (row-major) read by numpy as integers of the element
+    width, each times its position + 1, summed as Python ints and wrapped to int64 (what the
+    checksum promises)."""
     raw = t.detach().contiguous().view(-1)
     if raw.dtype == torch.bfloat16:
         raw = raw.view(torch.int16)
     arr = raw.numpy()
     ints = np.frombuffer(arr.tobytes(), dtype={1: np.uint8, 2: np.int16, 4: np.int32,
                                                8: np.int64}[arr.itemsize])
-    total = sum(int(x) for x in ints)
+    total = sum(int(x) * (i + 1) for i, x in enumerate(ints))
     return (total + 2**63) % 2**64 - 2**63
 
 
@@ -67,11 +68,26 @@ def test_a_checksum_is_the_sum_of_the_bit_patterns_and_sees_one_ulp(dtype):
     assert _bits_sum(t) != _bits_sum(u)
 
 
+@pytest.mark.parametrize("shape", [(64, 48), (5, 3), (300,)])
+def test_checksum_tells_a_reordering_of_the_same_values(shape):
+    """A desync that only moves values (a shifted, flipped or transposed copy of a parameter on
+    one rank) holds the same multiset of bits: a plain sum of bits could not see it."""
+    torch.manual_seed(0)
+    t = torch.randn(shape)
+    k = min(shape)
+    square = t[:k, :k] if t.dim() == 2 else t.view(10, 30)
+    for a, b in ((t, t.flatten().roll(1).view(shape)), (t, t.flip(0)), (square, square.t())):
+        assert sorted(a.flatten().tolist()) == sorted(b.flatten().tolist())
+        assert int(distributed.tensor_checksum(b)) == _bits_sum(b)
+        assert int(distributed.tensor_checksum(a)) == _bits_sum(a)
+        assert _bits_sum(a) != _bits_sum(b)
+
+
 def test_checksums_of_missing_bool_and_complex_tensors():
     b = torch.tensor([True, False, True])
     c = torch.tensor([1 + 2j, -3j], dtype=torch.complex64)
     got = distributed.checksums([("none", None), ("b", b), ("c", c)])
-    assert got["none"] is None and got["b"] == 2
+    assert got["none"] is None and got["b"] == 1 * 1 + 3 * 1  # positions 1 and 3
     assert got["c"] == _bits_sum(torch.view_as_real(c))
 
 
