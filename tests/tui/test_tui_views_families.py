@@ -199,7 +199,7 @@ async def test_step_view_of_an_hf_model_keeps_output_columns_apart_and_roots_on_
         lines = _screen_lines(app)
         pane = [line.split("▕", 1)[1] for line in lines if "▕" in line]
         (heads,) = [p for p in pane if p.split()[:1] == ["stat"]][:1]
-        assert heads.split() == ["stat", "loss", "aux_loss", "logits"]
+        assert heads.split()[:4] == ["stat", "loss", "aux_loss", "logits"]  # then the rest
         root = next(line for line in lines if "▕" in line and "MixtralForCausalLM" in
                     line.split("▕")[0])
         tree_part = root.split("▕")[0]

@@ -1,10 +1,11 @@
 """``CallDetails``: everything known about the current call, as one scrollable pane.
 
 Sections, top to bottom: the call (module, class, call number); its input and output tensors
-(shape, dtype); the statistics of its outputs (in the backward pass, beside the gradient of the
-same output); the module's own parameters with their gradient norms, ``‖g‖/‖w‖`` ratios and
-verdicts (when it has any); a histogram of the values; notes on what could not be captured.
-``J``/``K`` in the step view scroll the pane.
+(shape, dtype); the statistics of every output (in the backward pass, of the output beside its
+gradient); the module's own parameters with their gradient norms, ``‖g‖/‖w‖`` ratios and
+verdicts (when it has any); a histogram of the values; the statistics of every input; notes on
+what could not be captured. A statistics table holds as many tensors side by side as the pane's
+width does, then goes on below. ``J``/``K`` in the step view scroll the pane.
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ STAT_ROWS = (
     ("|x| max", "abs_max"),
     ("l2", "l2"),
 )
+#: Tensors side by side in one statistics table when the pane's width is not known.
 MAX_STAT_COLUMNS = 3
+#: Width of a statistics table's label column and of each tensor's column.
+LABEL_WIDTH, STAT_WIDTH = 9, 12
 
 
 def _pad(text: str, width: int, right: bool = False) -> str:
@@ -54,18 +58,18 @@ def _stat_values(stats) -> list[tuple[str, str]]:
     return cells
 
 
-def stats_table(columns: list[tuple[str, object]], col_width: int = 12) -> Text:
+def stats_table(columns: list[tuple[str, object]], col_width: int = STAT_WIDTH) -> Text:
     """A transposed statistics table: one row per statistic, one column per tensor.
 
     Plain text with fixed-width columns (rendering a Rich ``Table`` on every key press costs
-    several times more).
+    several times more): ``LABEL_WIDTH + len(columns) * col_width`` cells a line.
 
     Args:
-        columns: ``(heading, TensorStats | None)`` pairs, at most :data:`MAX_STAT_COLUMNS`.
+        columns: ``(heading, TensorStats | None)`` pairs (``None``: shown as ``—``).
         col_width: width of each value column.
     """
     out = Text()
-    out.append(_pad("stat", 9), style="dim")
+    out.append(_pad("stat", LABEL_WIDTH), style="dim")
     for heading, _ in columns:  # one cell apart, a long path cut in the middle
         out.append(" " + _pad(fmt.middle(heading, col_width - 1), col_width - 1, right=True),
                    style="bold")
@@ -73,11 +77,20 @@ def stats_table(columns: list[tuple[str, object]], col_width: int = 12) -> Text:
     cols = [_stat_values(stats) for _, stats in columns]
     for i, label in enumerate(labels):
         out.append("\n")
-        out.append(_pad(label, 9), style="dim")
+        out.append(_pad(label, LABEL_WIDTH), style="dim")
         for c in cols:
             text, style = c[i]
             out.append(_pad(text, col_width, right=True), style=style)
     return out
+
+
+def stats_tables(columns: list[tuple[str, object]], width: int | None = None) -> Text:
+    """Every one of ``columns`` (``(heading, TensorStats | None)``) in :func:`stats_table`
+    blocks, one below the other, each holding as many tensors side by side as ``width`` cells
+    do (at least one; :data:`MAX_STAT_COLUMNS` when ``width`` is None): none is left out."""
+    per = MAX_STAT_COLUMNS if width is None else max((width - LABEL_WIDTH) // STAT_WIDTH, 1)
+    return Text("\n").join(stats_table(columns[i:i + per])
+                           for i in range(0, len(columns), per))
 
 
 def histogram_block(title: str, stats) -> Text:
@@ -156,6 +169,26 @@ def job_wide_line(tensors: list[tuple[str, list[int], object]]) -> Text | None:
         return None
     return Text("statistics of the whole job's tensor, every rank's piece: " + "; ".join(wide),
                 style="dim")
+
+
+def tensor_stats(tensors, prefix: str, notes, width: int | None = None) -> list[Text]:
+    """The statistics of every one of ``tensors`` (a call's outputs or inputs, each headed by
+    its path without ``prefix``) in :func:`stats_tables` within ``width``, and the job-wide
+    line where it applies; a tensor without statistics shows ``—``; one dim line when none of
+    them has any (``notes``: the call's, pointed to) or there are no tensors."""
+    what = "outputs" if prefix == "out." else "inputs"
+    if not any(t.stats is not None for t in tensors):
+        why = " (see the notes below)" if notes else ""
+        return [Text(f"statistics not recorded{why}" if tensors else f"no tensor {what}",
+                     style="dim")]
+    labels = [t.path.removeprefix(prefix) for t in tensors]
+    parts = [stats_tables([(label, t.stats) for label, t in zip(labels, tensors, strict=True)],
+                          width)]
+    wide = job_wide_line([(label, t.shape, t.stats)
+                          for label, t in zip(labels, tensors, strict=True)])
+    if wide is not None:
+        parts.append(wide)
+    return parts
 
 
 def section(title: str) -> Text:
@@ -291,26 +324,14 @@ class CallDetails(ScrollView, can_focus=True):
                 parts.append(wide)
             hist = histogram_block(f"∇ gradient of {g.output} {fmt.shape(g.shape)}", g.stats)
         else:
-            shown = [t for t in call.outputs if t.stats is not None][:MAX_STAT_COLUMNS]
             parts.append(section("statistics of the outputs"))
-            if shown:
-                # under "statistics of the outputs" the common "out." goes: loss, logits
-                parts.append(stats_table([(t.path.removeprefix("out."), t.stats)
-                                          for t in shown]))
-                wide = job_wide_line([(t.path.removeprefix("out."), t.shape, t.stats)
-                                      for t in shown])
-                if wide is not None:
-                    parts.append(wide)
-                extra = len(call.outputs) - len(shown)
-                if extra > 0:
-                    parts.append(Text(f"… {extra} more output(s)", style="dim"))
-                main = main_output(shown)
+            # under "statistics of the outputs" the common "out." goes: loss, logits
+            parts.extend(tensor_stats(call.outputs, "out.", call.notes, width))
+            recorded = [t for t in call.outputs if t.stats is not None]
+            if recorded:
+                main = main_output(recorded)
                 hist = histogram_block(f"values of {main.path} {fmt.shape(main.shape)}",
                                        main.stats)
-            else:
-                why = " (see the notes below)" if call.notes else ""
-                parts.append(Text(f"statistics not recorded{why}" if call.outputs
-                                  else "no tensor outputs", style="dim"))
             if grads:
                 parts.append(Text(f"{len(grads)} gradient(s) recorded · b shows backward",
                                   style="dim"))
@@ -326,6 +347,9 @@ class CallDetails(ScrollView, can_focus=True):
             parts.append(params_table(params, rows.get(call.module), batch_rows))
         if hist is not None:
             parts.append(hist)
+        if call.inputs and stepper.direction != "backward":
+            parts.append(section("statistics of the inputs"))
+            parts.extend(tensor_stats(call.inputs, "kwargs.", call.notes, width))
         if call.notes:
             parts.append(section("notes"))
             parts.extend(Text(f"• {n}", style="yellow") for n in call.notes)
