@@ -20,11 +20,12 @@ from collections.abc import Callable
 from textual.app import App
 
 from tui import messages
+from tui.driver import TerminalOutput
 from tui.errors import MdbError
 from tui.screens.base import CTRL_C_QUITS
 
 
-class MdbApp(App[int]):
+class MdbApp(TerminalOutput, App[int]):
     """The step-through debugger.
 
     Args:
@@ -163,7 +164,7 @@ def make_loading_app(loader: Callable[[], object], *, loading_text: str | None =
                   **kwargs)
 
 
-class DiffApp(App[int]):
+class DiffApp(TerminalOutput, App[int]):
     """``mdb diff A B``: the changed tensors, and each call of A beside B."""
 
     CSS_PATH = "app.tcss"

@@ -15,10 +15,11 @@ from __future__ import annotations
 from textual.app import App
 
 from tui import messages
+from tui.driver import TerminalOutput
 from tui.screens.base import CTRL_C_QUITS
 
 
-class LiveApp(App[int]):
+class LiveApp(TerminalOutput, App[int]):
     """An app whose only screen (until ``c``) is one :class:`tui.screens.live.LiveScreen`.
 
     Args:

@@ -82,9 +82,10 @@ def _app(screen):
     from textual.app import App
 
     import tui.app
+    from tui.driver import TerminalOutput
     from tui.screens.base import CTRL_C_QUITS
 
-    class EditDiffApp(App[int]):
+    class EditDiffApp(TerminalOutput, App[int]):
         CSS_PATH = str(Path(tui.app.__file__).with_name("app.tcss"))
         TITLE = "mdb diff --edit"
         ENABLE_COMMAND_PALETTE = False

@@ -15,7 +15,8 @@ from tui.errors import MdbError
 
 def require_terminal(command: str, instead: str) -> None:
     """Raise :class:`MdbError` unless stdin and stdout are a terminal (a Textual app needs one;
-    without it the app would draw into a pipe and wait for keys that never come).
+    without it the app would draw into a pipe and wait for keys that never come). stderr may
+    be redirected (``2>FILE``): the app then draws on stdout's terminal (:mod:`tui.driver`).
 
     Args:
         command: the command, e.g. ``"mdb step"``.

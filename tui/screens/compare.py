@@ -41,6 +41,7 @@ from textual.widgets.option_list import OptionDoesNotExist
 from textual.widgets.selection_list import Selection
 from textual.worker import Worker, WorkerState
 
+from tui.driver import TerminalOutput
 from tui.screens.base import CTRL_C_QUITS, MdbScreen
 from tui.screens.compare_data import (
     MAX_RUNS,
@@ -471,7 +472,7 @@ class CompareScreen(MdbScreen):
         self.app.push_screen(HelpScreen(text))
 
 
-class CompareApp(App[int]):
+class CompareApp(TerminalOutput, App[int]):
     """The app of ``mdb compare`` and ``mdb ablate``: one :class:`CompareScreen`."""
 
     CSS_PATH = ["../app.tcss", "compare.tcss"]
