@@ -91,11 +91,11 @@ class TerminalDriver(LinuxDriver):
 
 class TerminalOutput:
     """Mixed into every mdb ``App`` (before ``App``): Textual runs it with
-    :class:`TerminalDriver`, unless ``TEXTUAL_DRIVER`` names another driver (mdb, like
-    Textual's Linux driver, needs a Unix)."""
+    :class:`TerminalDriver`, unless ``TEXTUAL_DRIVER`` names another driver or the system is
+    Windows (Textual's Windows driver then, as without the mixin)."""
 
     def get_driver_class(self):
         """The driver class Textual builds when the app runs (``App.get_driver_class``)."""
-        if constants.DRIVER is not None:
+        if constants.DRIVER is not None or sys.platform == "win32":  # Textual's own choice
             return super().get_driver_class()
         return TerminalDriver

@@ -97,6 +97,24 @@ async def test_e_form_rerun_and_diff_view_largest_first_then_back(step):
         await wait_until(pilot, lambda: isinstance(app.screen, StepScreen))
 
 
+async def test_ctrl_c_in_the_edit_form_closes_it(step):
+    """The spec box is an Input, whose own Ctrl-C (copy) swallowed the key: Ctrl-C closes the
+    form as Esc does, nothing is re-run, and the step view is back."""
+    trace, _ = step
+    app = make_step_app(trace)
+    async with app.run_test(size=SIZE) as pilot:
+        app.screen.jump("model.layers.1.mlp")
+        await pilot.pause()
+        await pilot.press("e")
+        await wait_until(pilot, lambda: isinstance(app.screen, EditFormScreen))
+        box = app.screen.query_one("#edit-spec", Input)
+        box.focus()
+        await wait_until(pilot, lambda: box.has_focus)
+        await pilot.press("ctrl+c")
+        await wait_until(pilot, lambda: isinstance(app.screen, StepScreen))
+        assert app.is_running
+
+
 async def test_edit_again_composes_on_top(step):
     trace, _ = step
     app = make_step_app(trace)

@@ -36,6 +36,8 @@ class EditFormScreen(ModalScreen[tuple | None]):
     CSS_PATH = "edit.tcss"
     BINDINGS = [
         Binding("escape", "cancel", "cancel", id="edit.cancel", tooltip="close the form"),
+        # as in the / search box: the focused Input's own Ctrl-C (copy) would swallow it
+        Binding("ctrl+c", "cancel", "cancel", show=False, priority=True, id="edit.ctrl_c"),
     ]
 
     def __init__(self, trace, module: str, *, base: list[str] | None = None, loss_fn=None,
