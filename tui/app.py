@@ -22,11 +22,13 @@ from textual.app import App
 from tui import messages
 from tui.driver import TerminalOutput
 from tui.errors import MdbError
+from tui.keys import KeysInOrder
 from tui.screens.base import CTRL_C_QUITS
 
 
-class MdbApp(TerminalOutput, App[int]):
-    """The step-through debugger.
+class MdbApp(KeysInOrder, TerminalOutput, App[int]):
+    """The step-through debugger. Keys typed in one burst act in order, each on the view on
+    screen when it is handled (:class:`tui.keys.KeysInOrder`).
 
     Args:
         trace: a :class:`hooks.Trace` to open, or None when ``loader`` provides it.
