@@ -64,7 +64,7 @@ from hooks.records import CallRecord, GradRecord, ModuleInfo, Note, ParamGradRec
 from hooks.routing import ExpertsRouting
 from hooks.stats import NUM_BINS, StatsBatch, TensorStats
 from hooks.trace import Trace
-from hooks.walk import dtype_name, find_tensors, named_modules, named_parameters
+from hooks.walk import LeftOut, dtype_name, find_tensors, named_modules, named_parameters
 
 Selector = str | type
 """A module selector: a ``fnmatch`` pattern on the qualified name (a pattern also selects the
@@ -513,10 +513,12 @@ class Capture:
             if self.inputs:
                 tensors: list[tuple[str, torch.Tensor]] = []
                 others: list[tuple[str, str]] = []
+                cut = LeftOut()  # what the caps left out is said on the call
                 if args:
-                    find_tensors(args, "args", tensors, others)
+                    find_tensors(args, "args", tensors, others, left_out=cut)
                 if kwargs:
-                    find_tensors(kwargs, "kwargs", tensors, others)
+                    find_tensors(kwargs, "kwargs", tensors, others, left_out=cut)
+                rec.notes.extend(cut.notes("inputs", len(tensors)))
                 if self._dist is not None:  # names the tensors across ranks
                     self._dist.where = f"{name}#{ci}/in"
                 # an in-place module (ReLU(inplace=True)) overwrites its inputs: their
@@ -551,14 +553,16 @@ class Capture:
             rec.time_ms = (t_end - self._t0.pop()) * 1e3
             rec.end_order = self._end
             self._end += 1
+            cut = LeftOut()
             if isinstance(output, torch.Tensor) and not output.is_nested:
                 tensors = [("out", output)]
                 others: list[tuple[str, str]] = []
             else:
                 tensors = []
                 others = []
-                find_tensors(output, "out", tensors, others)
-            if not tensors:
+                find_tensors(output, "out", tensors, others, left_out=cut)
+            rec.notes.extend(cut.notes("outputs", len(tensors)))
+            if not tensors and not cut.total:
                 if others and others[0][1] == "nested tensor":
                     rec.notes.append("output is a nested tensor (no single shape): not recorded")
                 else:
@@ -707,8 +711,8 @@ class Capture:
         pool = cands
         if self.inputs:
             tensors: list[tuple[str, torch.Tensor]] = []
-            find_tensors(args, "args", tensors, [])
-            find_tensors(kwargs, "kwargs", tensors, [])
+            find_tensors(args, "args", tensors, [], left_out=LeftOut())  # as _pre walked them
+            find_tensors(kwargs, "kwargs", tensors, [], left_out=LeftOut())
             sig = _signature(tensors)
             pool = [c for c in cands if self._sigs.get(c.index) == sig] or cands
         for c in reversed(pool):  # backward re-runs regions from the last one
@@ -727,7 +731,7 @@ class Capture:
         orig = rs[i].original
         del rs[i:]
         tensors: list[tuple[str, torch.Tensor]] = []
-        find_tensors(output, "out", tensors, [])
+        find_tensors(output, "out", tensors, [], left_out=LeftOut())  # as _post walked them
         for path, t in tensors:
             info = orig.output(path)
             if self.grads and t.requires_grad and not (info is not None and info.requires_grad):

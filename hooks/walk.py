@@ -2,8 +2,10 @@
 
 Outputs of real models nest tensors in tuples, lists, dicts, dataclasses and HF ``ModelOutput``s
 (an ``OrderedDict`` subclass whose ``items()`` hold only the fields that are set). The walk goes
-a few levels deep and stops after a fixed number of tensors, so a KV cache of many layers does
-not turn one call into hundreds of records.
+a few levels deep (:data:`MAX_DEPTH`) and stops after a fixed number of tensors
+(:data:`MAX_TENSORS`), so a module handed a list of hundreds of tensors does not turn one call
+into hundreds of records. What a cap left out is counted (:class:`LeftOut`) and said on the call
+(:meth:`LeftOut.notes`), never called a non-tensor part.
 """
 
 from __future__ import annotations
@@ -15,10 +17,96 @@ import torch
 
 #: How deep :func:`find_tensors` descends into containers.
 MAX_DEPTH = 4
-#: Most tensors :func:`find_tensors` returns for one call side (inputs or outputs).
-MAX_TENSORS = 32
+#: Most tensors :func:`find_tensors` returns for one call side (inputs or outputs) when given a
+#: :class:`LeftOut`. 256 holds the logits and (k, v) cache of a 126-layer model returned as
+#: tuples; each tensor costs one statistics entry (about 0.6 kB of trace). Read at each call:
+#: set ``hooks.walk.MAX_TENSORS`` higher before a capture to record more.
+MAX_TENSORS = 256
 
 _SCALARS = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
+
+
+@dataclasses.dataclass
+class LeftOut:
+    """Tensors :func:`find_tensors` did not return because of a cap, for one call side.
+
+    Attributes:
+        over: tensors past :data:`MAX_TENSORS` (counted, not summarised).
+        first_over: path of the first of them in walk order, or None.
+        deep: tensors inside containers deeper than :data:`MAX_DEPTH`.
+        first_deep: path of the first of them, or None.
+    """
+
+    over: int = 0
+    first_over: str | None = None
+    deep: int = 0
+    first_deep: str | None = None
+    _seen: set[int] | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def total(self) -> int:
+        """How many tensors were left out, for either reason."""
+        return self.over + self.deep
+
+    def _add(self, obj: Any, path: str, tensors: list[tuple[str, torch.Tensor]],
+             deep: bool) -> None:
+        if self._seen is None:
+            self._seen = set()
+        self._seen.update(id(t) for _, t in tensors)  # recorded ones are not left out
+        n, first = _count_tensors(obj, path, self._seen)
+        if not n:
+            return
+        if deep:
+            self.deep += n
+            self.first_deep = self.first_deep or first
+        else:
+            self.over += n
+            self.first_over = self.first_over or first
+
+    def notes(self, side: str, recorded: int) -> list[str]:
+        """One line per cap that left tensors out of ``side`` (``"inputs"``/``"outputs"``)
+        of a call that recorded ``recorded`` tensors; empty when nothing was left out."""
+        out = []
+        if self.over:
+            out.append(
+                f"{side}: {recorded} tensor(s) recorded, {self.over} not recorded (the first "
+                f"left out: {self.first_over}): a call records at most {MAX_TENSORS} tensors "
+                "per side (hooks.walk.MAX_TENSORS; set it higher before the capture to record "
+                "more)")
+        if self.deep:
+            out.append(
+                f"{side}: {self.deep} tensor(s) not recorded (the first left out: "
+                f"{self.first_deep}): they are nested deeper than {MAX_DEPTH} containers "
+                "(hooks.walk.MAX_DEPTH)")
+        return out
+
+
+def _count_tensors(obj: Any, path: str, seen: set[int]) -> tuple[int, str | None]:
+    """How many tensors not in ``seen`` (ids; updated) ``obj`` holds at any depth, and the path
+    of the first in :func:`find_tensors`' order. Containers seen twice (a cycle) count once."""
+    n, first = 0, None
+    stack = [(obj, path)]
+    while stack:
+        o, p = stack.pop()
+        if isinstance(o, torch.Tensor):
+            if not o.is_nested and id(o) not in seen:
+                seen.add(id(o))
+                n += 1
+                first = first or p
+            continue
+        if isinstance(o, _SCALARS) or id(o) in seen:
+            continue
+        if isinstance(o, (tuple, list)):
+            kids = [(v, f"{p}[{i}]") for i, v in enumerate(o)]
+        elif isinstance(o, dict):
+            kids = [(v, f"{p}.{k}") for k, v in o.items()]
+        elif dataclasses.is_dataclass(o) and not isinstance(o, type):
+            kids = [(getattr(o, f.name), f"{p}.{f.name}") for f in dataclasses.fields(o)]
+        else:
+            continue
+        seen.add(id(o))
+        stack.extend(reversed(kids))
+    return n, first
 
 
 def find_tensors(
@@ -27,6 +115,7 @@ def find_tensors(
     tensors: list[tuple[str, torch.Tensor]],
     others: list[tuple[str, str]],
     depth: int = 0,
+    left_out: LeftOut | None = None,
 ) -> None:
     """Append ``(path, tensor)`` for each tensor inside ``obj`` to ``tensors``.
 
@@ -40,6 +129,10 @@ def find_tensors(
             shape to record: ``nn.TransformerEncoder``'s padding fast path makes them), so the
             caller can say what it could not record.
         depth: current depth (callers pass nothing).
+        left_out: with one, ``tensors`` never grows past :data:`MAX_TENSORS` and every tensor
+            a cap left out is counted there (containers holding them are not put in
+            ``others``). Without one (hooks.ops) the caps only stop the walk from entering
+            further containers, and what they held is not said.
     """
     if isinstance(obj, torch.Tensor):
         if obj.is_nested:
@@ -48,22 +141,32 @@ def find_tensors(
         for _, t in tensors:
             if t is obj:
                 return
+        if left_out is not None and len(tensors) >= MAX_TENSORS:
+            left_out._add(obj, path, tensors, deep=False)
+            return
         tensors.append((path, obj))
         return
     if isinstance(obj, _SCALARS):
         return
-    if depth >= MAX_DEPTH or len(tensors) >= MAX_TENSORS:
+    full = len(tensors) >= MAX_TENSORS
+    if depth >= MAX_DEPTH or full:
+        if left_out is not None:
+            before = left_out.total
+            left_out._add(obj, path, tensors, deep=not full)
+            if left_out.total > before:
+                return
         others.append((path, type(obj).__name__))
         return
     if isinstance(obj, (tuple, list)):
         for i, v in enumerate(obj):
-            find_tensors(v, f"{path}[{i}]", tensors, others, depth + 1)
+            find_tensors(v, f"{path}[{i}]", tensors, others, depth + 1, left_out)
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            find_tensors(v, f"{path}.{k}", tensors, others, depth + 1)
+            find_tensors(v, f"{path}.{k}", tensors, others, depth + 1, left_out)
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
-            find_tensors(getattr(obj, f.name), f"{path}.{f.name}", tensors, others, depth + 1)
+            find_tensors(getattr(obj, f.name), f"{path}.{f.name}", tensors, others, depth + 1,
+                         left_out)
     else:
         others.append((path, type(obj).__name__))
 
