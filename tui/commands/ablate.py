@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from tui.commands.options import nonneg_int, positive_float, positive_int, seed_int
+from tui.commands.process import is_terminal
 from tui.errors import MdbError
 
 HELP = ("a controlled-variable experiment in one command: one run per --vary variant "
@@ -563,7 +564,7 @@ def run(args: argparse.Namespace) -> int:
         RunStore(plan.db, create=True).close()
     except RunStoreError as exc:
         raise MdbError(str(exc)) from None
-    headless = args.headless or not (sys.stdin.isatty() and sys.stdout.isatty())
+    headless = args.headless or not (is_terminal(sys.stdin) and is_terminal(sys.stdout))
     out = sys.stdout
 
     def say(line: str) -> None:

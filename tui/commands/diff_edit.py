@@ -15,6 +15,8 @@ import argparse
 import json
 import sys
 
+from tui.commands.process import is_terminal
+
 
 def edited_pair(workload, edits: list[str], sources: dict):
     """``(a, b)``: the step of ``workload`` as is and with ``edits``, from the same random
@@ -65,7 +67,7 @@ def run_edit(args: argparse.Namespace) -> int:
                "no_differences": diff.is_zero(), **diff.to_dict()}
         print(json.dumps(doc, allow_nan=False, default=str))
         return 0
-    if args.table or not (sys.stdin.isatty() and sys.stdout.isatty()):
+    if args.table or not (is_terminal(sys.stdin) and is_terminal(sys.stdout)):
         print(loss_change_line(a, b))
         for line in edit_lines(b):
             print(line)

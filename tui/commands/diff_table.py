@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import sys
 
+from tui.commands.process import is_terminal
+
 
 def print_table(diff, a: str, b: str, limit: int) -> None:
     """Print ``diff`` (B = ``b`` against A = ``a``) with Rich: at most ``limit`` rows (0: all),
@@ -16,7 +18,7 @@ def print_table(diff, a: str, b: str, limit: int) -> None:
 
     from tui.widgets.diff_rows import rows, summary_line
 
-    tty = sys.stdout.isatty()
+    tty = is_terminal(sys.stdout)
     width = None
     if not tty:  # piped: $COLUMNS when set, else wide enough for the longest module names
         cols = os.environ.get("COLUMNS", "")

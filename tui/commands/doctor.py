@@ -21,7 +21,7 @@ import sys
 import time
 
 from tui.commands.options import add_model_arguments, positive_int
-from tui.commands.process import stdout_to_stderr
+from tui.commands.process import is_terminal, stdout_to_stderr
 from tui.errors import MdbError
 
 HELP = "check a model for common build mistakes (init, mask, RoPE, GQA, gradients, routing...)"
@@ -167,7 +167,7 @@ def _check_and_report(args: argparse.Namespace, workload, only) -> int:
     opts = DoctorOptions(overfit_steps=args.overfit_steps, seed=args.seed)
     target = Target.from_any(workload)
     status = None
-    if sys.stderr.isatty() and not args.json:
+    if is_terminal(sys.stderr) and not args.json:
         from rich.console import Console
 
         status = Console(stderr=True).status("mdb doctor: running checks…")
@@ -241,7 +241,7 @@ def _print_table(description: str, kind: str, results, info: dict, wide: bool = 
     from tui.commands.summary import output_width
     from tui.screens.doctor import summary_line
 
-    tty = sys.stdout.isatty()
+    tty = is_terminal(sys.stdout)
     width = output_width(tty, wide)
     console = Console(file=sys.stdout, width=width or 10_000, no_color=not tty or None,
                       highlight=False, soft_wrap=width is None)

@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 
+from tui.commands.process import is_terminal
 from tui.errors import MdbError
 
 #: Model options that ``--run`` excludes (the run's model is the one its loop trained).
@@ -92,7 +93,7 @@ def run_findings(args: argparse.Namespace) -> int:
 
     from tui.commands.summary import output_width
 
-    tty = sys.stdout.isatty()
+    tty = is_terminal(sys.stdout)
     width = output_width(tty, args.wide)
     console = Console(file=sys.stdout, width=width or 10_000, no_color=not tty or None,
                       highlight=False, soft_wrap=width is None)

@@ -33,6 +33,7 @@ from typing import Any
 from tui.commands.options import nonneg_int, positive_float, positive_int, seed_int
 from tui.commands.overfit_detach import default_run_name
 from tui.commands.overfit_detach import open_store as open_run_store
+from tui.commands.process import is_terminal
 from tui.errors import MdbError, ModelError
 from tui.run_end import EXIT_FAILED, end_of_run
 
@@ -675,7 +676,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.detach:
         return overfit_detach.run_detached(args)
-    if not args.headless and sys.stdin.isatty() and sys.stdout.isatty():
+    if not args.headless and is_terminal(sys.stdin) and is_terminal(sys.stdout):
         return overfit_detach.run_viewer(args)  # the trainer in a process of its own
 
     control = TrainControl()
@@ -696,7 +697,7 @@ def run(args: argparse.Namespace) -> int:
     # handlers stay until the run's own are installed, so no signal finds Python's default.
     restore = install_stop_signals(control, stop_signals(), on_signal=on_signal)
     try:
-        if sys.stderr.isatty() and not args.headless:
+        if is_terminal(sys.stderr) and not args.headless:
             _stderr_line("mdb: building the model… (Ctrl-C stops)")
         session = build_session(args, control=control)
         building[0] = False

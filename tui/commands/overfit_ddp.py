@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tui.commands.process import is_terminal
 from tui.errors import MdbError
 
 #: Seconds the launcher waits for rank 0 to create the run.
@@ -190,7 +191,7 @@ def run_ddp(args, options, store_path: Path, name: str) -> int:
         store = RunStore(store_path)
         try:
             info = _wait_for_run(store, name, job)
-            live = not args.headless and sys.stdin.isatty() and sys.stdout.isatty()
+            live = not args.headless and is_terminal(sys.stdin) and is_terminal(sys.stdout)
             if live:
                 from tui.live_app import make_watch_app
 

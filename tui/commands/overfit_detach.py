@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from tui.commands.process import is_terminal
 from tui.errors import MdbError
 
 #: Seconds between two looks at the database while the trainer builds the model.
@@ -166,7 +167,7 @@ def wait_for_run(proc: subprocess.Popen, name: str, db: Path, log: Path):
 def run_detached(args: argparse.Namespace) -> int:
     """``mdb overfit --detach``: start the trainer, wait for its run, say how to follow it."""
     proc, name, db, log = start_trainer(args)
-    if sys.stderr.isatty():
+    if is_terminal(sys.stderr):
         print("mdb: building the model… (Ctrl-C stops)", file=sys.stderr)
     info = wait_for_run(proc, name, db, log)
     where = f" --db {args.db}" if args.db else ""

@@ -13,6 +13,16 @@ import sys
 from tui.errors import MdbError
 
 
+def is_terminal(stream) -> bool:
+    """Whether ``stream`` (``sys.stdin``, ``sys.stdout``, ``sys.stderr``…) is a terminal;
+    False when it is None (closed at start: ``mdb step <&-``, ``2>&-``), closed since, or
+    not a file."""
+    try:
+        return stream is not None and stream.isatty()
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
 def require_terminal(command: str, instead: str) -> None:
     """Raise :class:`MdbError` unless stdin and stdout are a terminal (a Textual app needs one;
     without it the app would draw into a pipe and wait for keys that never come). stderr may
@@ -22,7 +32,7 @@ def require_terminal(command: str, instead: str) -> None:
         command: the command, e.g. ``"mdb step"``.
         instead: what to run without a terminal, e.g. ``"mdb summary"``.
     """
-    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+    if not (is_terminal(sys.stdin) and is_terminal(sys.stdout)):
         raise MdbError(f"{command} needs a terminal (without one, use {instead})")
 
 

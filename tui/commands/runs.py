@@ -23,6 +23,7 @@ import shutil
 import sys
 import time
 
+from tui.commands.process import is_terminal
 from tui.errors import MdbError
 from tui.screens.live_data import display_name
 
@@ -312,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         from rich.console import Console
 
-        tty = sys.stdout.isatty()
+        tty = is_terminal(sys.stdout)
         width = shutil.get_terminal_size((80, 24)).columns if tty else None
         # Piped output (scripts, logs) is never cut.
         console = Console(highlight=False, width=width if tty else 100_000, soft_wrap=not tty)

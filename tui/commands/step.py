@@ -17,7 +17,7 @@ import os
 import sys
 
 from tui.commands.options import add_model_arguments
-from tui.commands.process import require_terminal
+from tui.commands.process import is_terminal, require_terminal
 from tui.errors import MdbError
 
 HELP = "step through one forward and backward pass of the model in a terminal debugger"
@@ -321,7 +321,7 @@ def _run(args: argparse.Namespace, collecting: bool) -> int:
     else:
         # Build before the app starts: every bad-input error (preset, config, text, sequence
         # length, --model) is then one line on a normal terminal, not a flash of the app.
-        if sys.stderr.isatty():
+        if is_terminal(sys.stderr):
             print("mdb: building the model…", file=sys.stderr, flush=True)
         app, background = _loading_app(args)
     # after the input checks, so that bad input is reported as such with or without a terminal

@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass
 
 from tui.commands.options import add_model_arguments
+from tui.commands.process import is_terminal
 from tui.commands.step import add_run_arguments, add_threads_argument, set_threads
 from tui.widgets.fmt import loss_line
 
@@ -246,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
 
         set_threads(args)
         trace = capture_step(build_workload(args), attention=False)
-    tty = sys.stdout.isatty()
+    tty = is_terminal(sys.stdout)
     width = output_width(tty, args.wide)
     console = Console(file=sys.stdout, width=width or 10_000, no_color=not tty or None,
                       highlight=False, soft_wrap=width is None)

@@ -9,6 +9,7 @@ changed rows without going back.
 
 from __future__ import annotations
 
+from rich.text import Text
 from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.widgets import DataTable, Footer, Static
@@ -80,7 +81,7 @@ class DiffScreen(MdbScreen):
             call = f"{(d.module or '<root>').removeprefix('model.')}#{d.call_index}"
             if d.tensor != "out":
                 call += f" {d.tensor}"
-            table.add_row(r["pass"], _left_cut(call, CALL_WIDTH), _shape(d), r["mean"],
+            table.add_row(r["pass"], Text(_left_cut(call, CALL_WIDTH)), _shape(d), r["mean"],
                           r["change"], key=str(i))
         table.focus()
         if self.diff.is_zero():

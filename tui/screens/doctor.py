@@ -169,8 +169,8 @@ class DoctorScreen(MdbScreen):
         status = r["status"]
         evidence = r.get("evidence", "")
         short = evidence if len(evidence) <= 90 else evidence[:89] + "…"
-        table.add_row(str(r.get("id", i + 1)), r.get("name", r.get("key", "")),
-                      Text(status, style=STATUS_STYLE.get(status, "")), short, key=str(i))
+        table.add_row(str(r.get("id", i + 1)), Text(str(r.get("name", r.get("key", "")))),
+                      Text(status, style=STATUS_STYLE.get(status, "")), Text(short), key=str(i))
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="doctor",
           description="run the doctor's checks")

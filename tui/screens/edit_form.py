@@ -14,6 +14,7 @@ cancels.
 
 from __future__ import annotations
 
+from rich.text import Text
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.screen import ModalScreen
@@ -58,7 +59,7 @@ class EditFormScreen(ModalScreen[tuple | None]):
         with Vertical(id="edit-box"):
             yield Static(f"what if · edit {self.module or '<root>'}{on_top}", id="edit-title",
                          markup=False)
-            yield OptionList(*self.options, id="edit-options")
+            yield OptionList(*map(Text, self.options), id="edit-options")
             yield Input(value=self.options[0] if self.options else "", id="edit-spec",
                         placeholder="zero MODULE [head=H | expert=E] · drop MODULE expert=E · "
                                     "scale MODULE by=F · mean MODULE · patch MODULE from=rolled")

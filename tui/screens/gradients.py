@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+from rich.text import Text
 from textual.binding import Binding
 from textual.widgets import DataTable, Static
 
@@ -98,8 +99,8 @@ class GradientsScreen(ViewScreen):
             frac = log_fraction(p.grad_norm, lo, hi)
             frac = 0.1 + 0.9 * frac if p.grad_norm and math.isfinite(p.grad_norm) else 0.0
             table.add_row(
-                layer, name, fmt.sci(p.grad_norm), fmt.bar(frac, BAR_WIDTH), fmt.sci(p.ratio),
-                fmt.flag(self.verdicts[p.name]), key=p.name,
+                Text(layer), Text(name), fmt.sci(p.grad_norm), fmt.bar(frac, BAR_WIDTH),
+                fmt.sci(p.ratio), fmt.flag(self.verdicts[p.name]), key=p.name,
             )  # fmt: skip
         counts = Counter(self.verdicts.values())
         self.total = grad_total_norm(params)

@@ -162,7 +162,7 @@ class LensScreen(ViewScreen):
         for layer, name in enumerate(lens.layers):
             cells = [Text(_cut(tok), style=band_style(float(p)))
                      for tok, p in zip(texts[layer], probs[layer].tolist(), strict=True)]
-            table.add_row(".".join(name.split(".")[-2:]), *cells, key=str(layer))
+            table.add_row(Text(".".join(name.split(".")[-2:])), *cells, key=str(layer))
         b, t = lens.shape
         self.query_one("#status", Static).update(
             f"sequence {self.row + 1}/{b} · {lens.num_layers} layers × {t} positions · "

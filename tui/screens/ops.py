@@ -13,6 +13,7 @@ line, input and output statistics and, for the op that created NaN/Inf, the offe
 
 from __future__ import annotations
 
+from rich.text import Text
 from textual import work
 from textual.binding import Binding
 from textual.message import Message
@@ -114,7 +115,7 @@ class OpsScreen(ViewScreen):
         for op in ot.ops:
             out = op.outputs[0] if op.outputs else None
             bad = any(t.stats is not None and not t.stats.finite for t in op.outputs)
-            table.add_row(str(op.index), op.short_op, op.location,
+            table.add_row(str(op.index), Text(op.short_op), Text(op.location),
                           fmt.shape(out.shape) if out else "", fmt.flag("nan") if bad else "",
                           key=str(op.index))
         row = first.index if first is not None else 0
@@ -139,7 +140,6 @@ class OpsScreen(ViewScreen):
     def show_op(self, index: int) -> None:
         """Draw the details of op ``index``."""
         from rich.console import Group
-        from rich.text import Text
 
         op = self.optrace.ops[index]
         head = Text()

@@ -8,6 +8,7 @@ quit). Dismisses with the chosen qualified name, or None.
 
 from __future__ import annotations
 
+from rich.text import Text
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.screen import ModalScreen
@@ -43,7 +44,7 @@ class SearchScreen(ModalScreen[str | None]):
             yield Static("find module · type part of a name · Enter jumps · "
                          "empty Enter or Esc cancels", id="search-help", markup=False)
             yield Input(placeholder="e.g. layers.1 gate", id="search-input")
-            yield OptionList(*self.shown, id="search-results")
+            yield OptionList(*map(Text, self.shown), id="search-results")
 
     def on_mount(self) -> None:
         self.query_one("#search-input", Input).focus()
@@ -53,7 +54,7 @@ class SearchScreen(ModalScreen[str | None]):
         self.shown = matches(self.names, event.value)[:MAX_SHOWN]
         results = self.query_one("#search-results", OptionList)
         results.clear_options()
-        results.add_options(self.shown)
+        results.add_options(map(Text, self.shown))
         results.highlighted = 0 if self.shown else None
 
     def on_input_submitted(self, event: Input.Submitted) -> None:

@@ -97,3 +97,25 @@ def test_real_mdb_step_in_a_pty(extra, term, no_color):
     finally:
         child.close()
     assert child.exitstatus == 0, child.before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("closed", [0, 1])
+def test_closed_stdin_or_stdout_is_one_line_and_exit_2(tmp_path, closed):
+    """``mdb step <&-`` (or ``>&-``): Python starts with ``sys.stdin`` (``sys.stdout``) None;
+    the terminal check once raised AttributeError on it (a traceback, then an abort while the
+    model was still being built): one ``mdb: error:`` line and exit 2 instead."""
+    import os
+    import subprocess
+
+    from tests.processes import mdb_env
+
+    proc = subprocess.run(
+        [*mdb_argv(), "step", "--preset", "tiny"], cwd=tmp_path, env=mdb_env(),
+        stdout=subprocess.DEVNULL if closed == 0 else None, stderr=subprocess.PIPE,
+        preexec_fn=lambda: os.close(closed), timeout=120, text=True)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "mdb: error: mdb step needs a terminal (without one, use `mdb summary` for a table, or "
+        "`mdb capture --out FILE` to save a trace and open it later with `mdb step --trace "
+        "FILE`)"]
