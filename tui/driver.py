@@ -139,9 +139,14 @@ class TerminalDriver(LinuxDriver):
         signal.signal(signal.SIGTERM, self._sigterm_previous)
 
     def _on_sigterm(self) -> None:
-        self._app.terminated_by_signal = True
-        self._app.exit(return_code=SIGTERM_EXIT_CODE)
+        # A command that handles SIGTERM itself (mdb ablate stops its workers, a torchrun job
+        # is forwarded the signal, hooks.run marks the run interrupted) keeps doing so: the
+        # app only closes, as on q, and the command goes on to its own end. Otherwise the
+        # process ends as a killed one would, once the terminal is restored (TerminalOutput).
         previous = self._sigterm_previous
+        if not callable(previous):
+            self._app.terminated_by_signal = True
+        self._app.exit(return_code=SIGTERM_EXIT_CODE)
         if callable(previous):
             with contextlib.suppress(Exception):
                 previous(signal.SIGTERM, None)
@@ -154,7 +159,9 @@ class TerminalOutput:
 
     ``run`` ends the process with status :data:`SIGTERM_EXIT_CODE` (``SystemExit``, after the
     app has closed and restored the terminal) when a SIGTERM closed the app
-    (``terminated_by_signal``), so that every command exits as a killed one would; an app
+    (``terminated_by_signal``) and the command had no SIGTERM handler of its own, so that it
+    exits as a killed one would (a command with its own handler gets it called, and goes on
+    after the app as after q); an app
     still ``loading`` (``mdb step``'s capture) returns instead, for its command to abandon the
     loader thread (``os._exit`` with the app's return code)."""
 

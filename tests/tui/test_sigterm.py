@@ -110,6 +110,7 @@ def test_sigterm_while_mdb_step_captures_exits_without_waiting_for_the_forward(t
 
 
 DISPOSITION_SCRIPT = '''\
+import os
 import signal
 import sys
 
@@ -135,6 +136,18 @@ for before in (signal.SIG_DFL, handler, signal.SIG_IGN):
     Quick().run()
     after = signal.getsignal(signal.SIGTERM)
     print("RESULT:same" if after is before or after == before else f"RESULT:changed {after!r}")
+
+
+class SelfTerm(TerminalOutput, App):
+    def on_mount(self):
+        self.set_timer(0.2, lambda: os.kill(os.getpid(), signal.SIGTERM))
+
+
+# a command's own SIGTERM handler is called, and the command goes on after the app
+signal.signal(signal.SIGTERM, handler)
+seen.clear()
+SelfTerm().run()
+print("RESULT:handled" if seen == [signal.SIGTERM] else f"RESULT:unhandled {seen}")
 sys.stdout.flush()
 '''
 
@@ -150,4 +163,4 @@ def test_the_sigterm_disposition_is_put_back_when_the_app_closes(tmp_path):
         child.close()
     assert child.exitstatus == 0, child.before
     results = re.findall(r"RESULT:(\w+)", child.before)
-    assert results == ["same", "same", "same"], child.before
+    assert results == ["same", "same", "same", "handled"], child.before
