@@ -65,20 +65,21 @@ def _reference(out, path: str) -> torch.Tensor:
 
 def _tables(text: str, title: str) -> list[dict[str, list[str]]]:
     """The columns of the statistics tables under section ``title``, in order: each a dict of
-    row label to cell text (the 9-cell label column, then 12 cells a tensor), ``"stat"`` to
-    its heading."""
+    row label to cell text (the 9-cell label column, then one column a tensor, all as wide),
+    ``"stat"`` to its heading."""
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(f"── {title}"))
     columns: list[dict[str, list[str]]] = []
     i = start + 1
     while i < len(lines) and lines[i].startswith("stat "):
-        n = (len(lines[i]) - 9) // 12
-        block = [{"stat": lines[i][9 + 12 * j:9 + 12 * (j + 1)].strip()} for j in range(n)]
+        n = len(lines[i].split()) - 1  # headings are paths: no spaces
+        w = (len(lines[i]) - 9) // n  # every column of a table is as wide
+        block = [{"stat": lines[i][9 + w * j:9 + w * (j + 1)].strip()} for j in range(n)]
         i += 1
         while i < len(lines) and lines[i][:9].strip() in (*REFERENCE, "zeros", "nan/inf"):
             label = lines[i][:9].strip()
             for j in range(n):
-                block[j][label] = lines[i][9 + 12 * j:9 + 12 * (j + 1)].strip()
+                block[j][label] = lines[i][9 + w * j:9 + w * (j + 1)].strip()
             i += 1
         columns += block
     return columns
@@ -104,7 +105,7 @@ async def test_every_output_and_input_of_the_root_call_has_its_statistics(captur
         for column, info in zip(outputs, call.outputs, strict=True):
             ref = _reference(out, info.path)
             assert list(ref.shape) == info.shape
-            assert column["stat"] == fmt.middle(info.path.removeprefix("out."), 11)
+            assert column["stat"] == info.path.removeprefix("out.")  # whole: it fits
             for label, stat in REFERENCE.items():
                 assert column[label] == fmt.sci(getattr(info.stats, ATTRS[label]))
                 assert float(column[label]) == pytest.approx(float(stat(ref)), rel=6e-3,
@@ -115,7 +116,7 @@ async def test_every_output_and_input_of_the_root_call_has_its_statistics(captur
         assert sorted(t.path for t in call.inputs) == sorted(given)
         assert len(inputs) == len(call.inputs)
         for column, info in zip(inputs, call.inputs, strict=True):
-            assert column["stat"] == fmt.middle(info.path.removeprefix("kwargs."), 11)
+            assert column["stat"] == info.path.removeprefix("kwargs.")
             ref = given[info.path].double()
             for label, stat in REFERENCE.items():
                 assert column[label] == fmt.sci(getattr(info.stats, ATTRS[label]))
@@ -125,3 +126,20 @@ async def test_every_output_and_input_of_the_root_call_has_its_statistics(captur
         details.scroll_end(animate=False)
         await pilot.pause()
         assert details.scroll_y == details.virtual_size.height - details.size.height > 0
+
+
+@pytest.mark.parametrize("width", [40, 80, 200])
+def test_headings_of_different_tensors_stay_different(width):
+    """Cut to 11 cells, layer 0's and layer 10's cache tensors were both headed
+    ``past_…0][0]``: the columns are now as wide as the longest heading (within the pane)."""
+    from hooks.stats import summarize_tensor
+    from tui.widgets.call_details import stats_tables
+
+    paths = [f"past_key_values[{layer}][{kv}]" for layer in (0, 1, 10) for kv in (0, 1)]
+    cols = [(p, summarize_tensor(torch.full((3,), float(i)))) for i, p in enumerate(paths)]
+    lines = stats_tables(cols, width).plain.splitlines()
+    headings = [h for line in lines if line.startswith("stat ") for h in line.split()[1:]]
+    assert headings == paths
+    assert max(len(line) for line in lines) <= width
+    means = [c for line in lines if line.startswith("mean ") for c in line.split()[1:]]
+    assert means == [fmt.sci(float(i)) for i in range(len(paths))]

@@ -87,9 +87,17 @@ def stats_table(columns: list[tuple[str, object]], col_width: int = STAT_WIDTH) 
 def stats_tables(columns: list[tuple[str, object]], width: int | None = None) -> Text:
     """Every one of ``columns`` (``(heading, TensorStats | None)``) in :func:`stats_table`
     blocks, one below the other, each holding as many tensors side by side as ``width`` cells
-    do (at least one; :data:`MAX_STAT_COLUMNS` when ``width`` is None): none is left out."""
-    per = MAX_STAT_COLUMNS if width is None else max((width - LABEL_WIDTH) // STAT_WIDTH, 1)
-    return Text("\n").join(stats_table(columns[i:i + per])
+    do (at least one; :data:`MAX_STAT_COLUMNS` when ``width`` is None): none is left out.
+    Within ``width`` the columns are as wide as the longest heading needs (at least
+    :data:`STAT_WIDTH`), so that two tensors' headings are not cut to the same text (layer 0's
+    and layer 10's ``past_key_values[..][0]``)."""
+    if width is None:
+        per, col = MAX_STAT_COLUMNS, STAT_WIDTH
+    else:
+        longest = max((len(heading) for heading, _ in columns), default=0)
+        col = max(STAT_WIDTH, min(longest + 1, width - LABEL_WIDTH))
+        per = max((width - LABEL_WIDTH) // col, 1)
+    return Text("\n").join(stats_table(columns[i:i + per], col)
                            for i in range(0, len(columns), per))
 
 
