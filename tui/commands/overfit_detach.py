@@ -181,10 +181,13 @@ def run_detached(args: argparse.Namespace) -> int:
     return 0
 
 
-def _wait_for_trainer(proc: subprocess.Popen, name: str) -> int | None:
+def _wait_for_trainer(proc: subprocess.Popen, name: str, say: str | None = None) -> int | None:
     """The trainer's exit status once it has ended; ``None`` after Ctrl-C here (it goes on in
-    the background, and is said so)."""
+    the background, and is said so). ``say`` is printed to stderr first, inside the guarded
+    part: a Ctrl-C typed as soon as it shows is this wait's, never an unexpected interrupt."""
     try:
+        if say is not None:
+            print(say, file=sys.stderr, flush=True)
         return proc.wait()
     except KeyboardInterrupt:
         print(f"mdb: run {name} stops after its current step (it goes on in the background "
@@ -215,10 +218,9 @@ def run_viewer(args: argparse.Namespace) -> int:
             # d, Ctrl-C, q → d; or closed before the first read: it goes on either way
             print(detached_line(name, proc.pid, args.db))
             return 0
-        if screen.outcome == STOPPED:
-            print(f"mdb: asked run {name} to stop; waiting for its checkpoint…",
-                  file=sys.stderr)
-        code = _wait_for_trainer(proc, name)
+        code = _wait_for_trainer(
+            proc, name, f"mdb: asked run {name} to stop; waiting for its checkpoint…"
+            if screen.outcome == STOPPED else None)
         if code is None:
             return 130
         final = store.run(name)
