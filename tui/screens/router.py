@@ -116,7 +116,6 @@ class RouterScreen(LayerViewScreen):
 
     VIEW = "router"
     LAYER_KIND = "MoE layers"
-    CSS_PATH = "router.tcss"
     BINDINGS = [
         Binding("N,right_square_bracket,right,l", "layer(1)", "next layer", key_display="N",
                 id="router.next_layer"),
@@ -211,7 +210,7 @@ class RouterScreen(LayerViewScreen):
         """The flags first, then what the columns count, the aux losses, and the routing rule.
 
         The summary spans the screen's width below the tables and is as tall as its lines
-        wrapped to it (router.tcss): a layer whose text wraps to as many lines as the one on
+        wrapped to it (app.tcss): a layer whose text wraps to as many lines as the one on
         show is repainted without a layout."""
         meta = self.trace.meta
         n = int(rec.top_k_ids.shape[0])
