@@ -55,6 +55,14 @@ def _head_zeroed_loss(workload, h: int) -> float:
         return float(workload.batch.call(ref).loss)
 
 
+async def _open_form(app, pilot, module: str = "model.layers.1.mlp") -> None:
+    """Select ``module``'s call in the step view and open the edit form on it (``e``)."""
+    app.screen.jump(module)
+    await pilot.pause()
+    await pilot.press("e")
+    await wait_until(pilot, lambda: isinstance(app.screen, EditFormScreen))
+
+
 async def test_e_form_rerun_and_diff_view_largest_first_then_back(step):
     trace, workload = step
     app = make_step_app(trace)
@@ -103,10 +111,7 @@ async def test_ctrl_c_in_the_edit_form_closes_it(step):
     trace, _ = step
     app = make_step_app(trace)
     async with app.run_test(size=SIZE) as pilot:
-        app.screen.jump("model.layers.1.mlp")
-        await pilot.pause()
-        await pilot.press("e")
-        await wait_until(pilot, lambda: isinstance(app.screen, EditFormScreen))
+        await _open_form(app, pilot)
         box = app.screen.query_one("#edit-spec", Input)
         box.focus()
         await wait_until(pilot, lambda: box.has_focus)
@@ -119,10 +124,7 @@ async def test_edit_again_composes_on_top(step):
     trace, _ = step
     app = make_step_app(trace)
     async with app.run_test(size=SIZE) as pilot:
-        app.screen.jump("model.layers.1.mlp")
-        await pilot.pause()
-        await pilot.press("e")
-        await wait_until(pilot, lambda: isinstance(app.screen, EditFormScreen))
+        await _open_form(app, pilot)
         # Enter on the 'drop … expert=0' choice copies it to the input; Enter runs it
         form = app.screen
         i = form.options.index("drop model.layers.1.mlp expert=0")
