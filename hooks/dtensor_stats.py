@@ -12,8 +12,9 @@ whole job, not as this rank's piece of it (:class:`MeshStats`):
   piece has at most :data:`hooks.stats.ZERO_EXACT_NUMEL` elements or its sample holds a zero,
   else ``zero_exact`` is False, as in one process), NaN and Inf counts, the number of
   elements, min and max, a histogram sample (at most :data:`hooks.stats.HIST_SAMPLE` values)
-  and, for a plain tensor, a position-weighted checksum of its bits (from row and column sums:
-  no int64 copy).
+  and, for a plain tensor, a fingerprint of its bits (:mod:`hooks.dtensor_replicas`: the
+  position-weighted checksum of that sample, and of the whole piece only where another rank's
+  sample matched).
 * **Each element is counted once.** A DTensor's placements say it: a ``Shard`` mesh dimension
   holds different elements on each rank (counted on all), a ``Replicate`` one the same elements
   (counted on coordinate 0 only). A ``Partial`` DTensor's piece is kept (a copy) and reduced
@@ -23,7 +24,7 @@ whole job, not as this rank's piece of it (:class:`MeshStats`):
   when the ranks meet them in different orders or numbers. Those not every rank met are not
   recorded (``None``; a note says "the ranks met different partial-sum tensors"). A
   plain tensor carries no placement: along each mesh dimension, ranks whose pieces are bitwise
-  equal (the same checksum of their bits, and shape) hold a
+  equal (the same checksums of their bits, shape and dtype) hold a
   replica and count once (the input of a ``ColwiseParallel`` layer, a ``RowwiseParallel``
   output after its all-reduce, position ids), while pieces that differ are shards or another
   rank's data (a ``ColwiseParallel`` output, the batch of a data-parallel rank) and all count.
@@ -68,6 +69,7 @@ from typing import Any
 
 import torch
 
+from hooks.dtensor_replicas import Fingerprint, position_checksum, replicas, table
 from hooks.records import Note, ParamGradRecord
 from hooks.stats import (
     HIST_SAMPLE,
@@ -132,7 +134,7 @@ class _Entry:
     rank's bit when non-finite, -min, max) and ``sums`` (sum, sum of squares, non-zero count,
     1.0 when zeros were not counted; a ``light`` entry: no sum, non-zeros not counted) as
     Python numbers, the histogram ``sample`` of its finite values and, for a plain tensor, its
-    ``fingerprint`` (checksum tensor, shape hash)."""
+    ``fingerprint`` (:class:`hooks.dtensor_replicas.Fingerprint`)."""
 
     __slots__ = ("mesh", "weights", "head", "sums", "light", "sample", "fingerprint", "key",
                  "pending", "dropped")
@@ -157,14 +159,14 @@ class _Entry:
     @classmethod
     def absent(cls, mesh: Any, key: int) -> _Entry:
         """A tensor another rank captured and this one did not: counts nothing."""
-        fp = (torch.tensor(-1 - _rank(), dtype=torch.int64), -1)  # a replica of nothing
+        fp = Fingerprint.unique(_rank())  # a replica of nothing
         return cls(mesh, None, list(_NONE), [0.0, 0.0, 0.0, 0.0], _EMPTY, fp, key)
 
     def drop(self) -> None:
         """Not recorded on this rank: counts nothing in the reduction, its result is None."""
         self.head, self.sums = list(_NONE), [0.0, 0.0, 0.0, 0.0]
         self.sample, self.light, self.weights = _EMPTY, False, None
-        self.fingerprint = (torch.tensor(-1 - _rank(), dtype=torch.int64), -1)
+        self.fingerprint = Fingerprint.unique(_rank())
         self.pending, self.dropped = None, True
 
 
@@ -182,70 +184,7 @@ class _Pending:
         self.pkey = _key(f"{key}|{tuple(x.shape)}|{x.dtype}|{dims}")
 
 
-_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _EMPTY = torch.zeros(0)
-
-
-_POSITIONS = torch.zeros(0, dtype=torch.int64)
-
-
-def _positions(n: int, device: torch.device) -> torch.Tensor:
-    """``1, 2, …, n`` as int64 on ``device`` (cached: the longest asked for so far, sliced)."""
-    global _POSITIONS
-    if _POSITIONS.numel() < n or _POSITIONS.device != device:
-        size = max(n, 2 * _POSITIONS.numel() if _POSITIONS.device == device else n)
-        _POSITIONS = torch.arange(1, size + 1, dtype=torch.int64, device=device)
-    return _POSITIONS[:n]
-
-
-_NP_POSITIONS: Any = None
-
-
-def _checksum_np(m: Any) -> torch.Tensor:
-    """:func:`position_checksum` of an (R, C) integer
-    numpy array, from its row and column sums in int64 (wrapping like torch's int64)."""
-    import numpy as np
-
-    global _NP_POSITIONS
-    r, c = m.shape
-    if _NP_POSITIONS is None or _NP_POSITIONS.size < max(r, c):
-        _NP_POSITIONS = np.arange(1, max(r, c, 1 << 12) + 1, dtype=np.int64)
-    pos = _NP_POSITIONS
-    cols = m.sum(0, dtype=np.int64)
-    v = int((cols * pos[:c]).sum())  # (array arithmetic wraps silently, as torch's does)
-    if r > 1:
-        v += int((m.sum(1, dtype=np.int64) * ((pos[:r] - 1) * c)).sum())
-    return torch.tensor((v + (1 << 63)) % (1 << 64) - (1 << 63), dtype=torch.int64)
-
-
-def position_checksum(x: torch.Tensor) -> torch.Tensor:
-    """``Σ_i bits(x_i) · (i + 1)`` over the elements of ``x`` in row-major order, as a 0-dim
-    ``int64`` tensor (on the CPU for a CPU tensor, else on ``x``'s device).
-
-    Each element's bit pattern is read as an integer of its width (``float32`` → ``int32``,
-    ``bfloat16`` → ``int16``, ``bool`` as bytes) and weighted by its position + 1; the sum
-    wraps in ``int64`` (two's complement, the same on every rank and every machine: integer
-    sums, no floating-point rounding). Equal tensors have equal checksums; changing one element,
-    or moving elements to other positions (a transposed or permuted tensor of the same shape),
-    changes it except by a collision of the 64-bit sum. Taken from row and column sums (no
-    int64 copy of the tensor): position ``i·C + j + 1`` of element ``(i, j)`` of the
-    (R, C) view gives ``C · Σ_i i·r_i + Σ_j (j + 1)·c_j``.
-    """
-    y = x.reshape(-1)
-    if y.dtype == torch.bool:
-        y = y.view(torch.uint8)
-    width = _WIDTH[y.element_size()]
-    ints = y if y.dtype == width else y.view(width)
-    n, c = ints.numel(), x.shape[-1] if x.dim() else 1
-    if ints.is_cpu:  # numpy's integer sums run 2-3x faster than torch's on CPU
-        r = n // c if c >= 16 and n // c >= 16 else 1  # small, or one long row: (1, n)
-        return _checksum_np(ints.numpy().reshape(r, n // r))
-    if c < 16 or n // c < 16:
-        return (ints.to(torch.int64) * _positions(n, ints.device)).sum()
-    m = ints.view(n // c, c)
-    rows, cols = m.sum(1, dtype=torch.int64), m.sum(0, dtype=torch.int64)
-    pos = _positions(max(n // c, c), ints.device)
-    return (rows * (pos[:n // c] - 1)).sum() * c + (cols * pos[:c]).sum()
 
 
 def _host(x: torch.Tensor) -> torch.Tensor:
@@ -330,6 +269,15 @@ def _light(x: torch.Tensor) -> tuple[list[float], list[float]]:
     count = float(xf.numel())
     ss = torch.dot(xf, xf).item() if xf.numel() else 0.0
     return [count, nan, inf, n, bit, -lo, hi], [0.0, ss, count, 1.0]
+
+
+def _fingerprint(x: torch.Tensor, head: list[float], sample: torch.Tensor,
+                 hold: bool) -> Fingerprint:
+    """The :class:`~hooks.dtensor_replicas.Fingerprint` of piece ``x`` whose :func:`_moments`
+    are ``head`` and ``sample`` (a piece with NaN/Inf is checksummed whole: its sample skips
+    them). Weighting by position tells a reordering apart: the embeddings of a cyclic shift
+    of the same tokens (the windows of a periodic text) have the same plain sum of bits."""
+    return Fingerprint.of(x, sample if not (head[1] or head[2]) else None, hold)
 
 
 def _mesh_groups(mesh: Any) -> list[Any]:
@@ -430,19 +378,18 @@ class MeshStats:
         if is_dtensor(t):
             mesh = self._know(t.device_mesh)
             weights = self._placement_weights(mesh, t.placements)
-            x = local_piece(t) if light else _host(local_piece(t))
-            fp = None
+            piece = local_piece(t)
+            x = piece if light else _host(piece)
             spread = None if light else self._on_main_mesh(mesh, weights)
             # a Partial one: its piece kept, reduced at finalize once every rank is known to
             # hold the same ones (a collective here would hang when they do not)
             dims = tuple((d, p.reduce_op) for d, p in enumerate(t.placements) if p.is_partial())
             pmesh = mesh
+            wanted = spread is not None and not dims
             if spread is not None:  # e.g. an activation on the "tp" sub-mesh of (dp, tp)
                 mesh, weights = self.mesh, spread
-                fp = None if dims else self._fingerprint(x)
         else:
-            x = _host(t.detach())
-            fp = self._fingerprint(x)
+            x, wanted = _host(t.detach()), True
         text = self.where if where is None else where
         key = self._name(where)
         if dims:
@@ -451,8 +398,9 @@ class MeshStats:
             return e
         if light:
             head, sums = _light(x)
-            return _Entry(mesh, weights, head, sums, _EMPTY, fp, key, light=True)
+            return _Entry(mesh, weights, head, sums, _EMPTY, None, key, light=True)
         head, sums, sample = _moments(x)
+        fp = _fingerprint(x, head, sample, hold=t.is_cpu) if wanted else None
         return _Entry(mesh, weights, head, sums, sample, fp, key)
 
     def _on_main_mesh(self, mesh: Any, weights: list[float]) -> list[float | None] | None:
@@ -493,14 +441,6 @@ class MeshStats:
             same = mesh
         self._canon[id(mesh)] = (mesh, same)  # the mesh held: its id is not reused
         return same
-
-    @staticmethod
-    def _fingerprint(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """(checksum, shape hash): :func:`position_checksum` of ``x`` and a hash of its shape.
-        Weighting by position makes the checksum tell a reordering apart: the embeddings of a
-        cyclic shift of the same tokens (the windows of a periodic text) have the same plain
-        sum of bits."""
-        return position_checksum(x), hash(tuple(x.shape)) & 0x7FFFFFFFFFFF
 
     # -- parameters --------------------------------------------------------------------------
     def add_params(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -648,11 +588,9 @@ class MeshStats:
         else:
             e.head, e.sums, e.sample = _moments(x)
         if spread:
-            e.fingerprint = self._fingerprint(x)
+            e.fingerprint = _fingerprint(x, e.head, e.sample, hold=True)  # (x: the sum)
 
     def _reduce(self, mesh: Any, idxs: list[int], out: list, trace: Any, same: bool) -> None:
-        import torch.distributed as dist
-
         groups = _mesh_groups(mesh)
         mine = [self._entries[i] for i in idxs]
         if same:  # every rank captured the same tensors, in the same order
@@ -672,10 +610,18 @@ class MeshStats:
                     "that ran on some ranks only is recorded by those"))
         if not entries:
             return
+        self._reduce_entries(mesh, groups, entries, rows, idxs, out, trace)
+
+    def _reduce_entries(self, mesh: Any, groups: list[Any], entries: list[_Entry],
+                        rows: list[int], idxs: list[int], out: list, trace: Any) -> None:
+        """Reduce ``entries`` (the same list, in the same order, on every rank of ``mesh``);
+        ``self._entries[idxs[k]]`` is ``entries[rows[k]]``."""
+        import torch.distributed as dist
+
         if len(groups) == 1:  # one all_gather brings every rank's numbers, summed here
-            mom, mm, weights = _one_dim(entries, mesh, groups[0])
+            mom, mm, weights, lost = _one_dim(entries, mesh, groups[0])
         else:
-            weights = self._weights(entries, mesh, groups)
+            weights, lost = self._weights(entries, mesh, groups)
             mom, mm = _matrices(entries)
             mom[:, :_BITS] *= weights[:, None]
             for g in groups:
@@ -685,36 +631,51 @@ class MeshStats:
         for g in groups:
             dist.all_reduce(hist, group=g)
         moms, mms, hists = mom.tolist(), mm.tolist(), hist.tolist()  # one read-back each
+        lost = lost.tolist()
+        for e in entries:
+            if e.fingerprint is not None:
+                e.fingerprint.release()
+        gone = sum(1 for row in rows if lost[row])
+        if trace is not None and gone:
+            trace.notes.append(Note(
+                "sharded", f"{gone} tensor(s) not recorded: written in place before the capture "
+                "ended, so whether the ranks' pieces are replicas (counted once) or different "
+                "data (counted on each) could no longer be told from their bits"))
         for row, i in zip(rows, idxs, strict=True):
-            if self._entries[i].dropped:
+            if self._entries[i].dropped or lost[row]:
                 continue
             out[i] = self._stats(moms[row], mms[row], hists[row][:-1], int(hists[row][-1]))
             bits = int(moms[row][_BITS])
             self.nonfinite_ranks[i] = [r for r in range(bits.bit_length()) if bits >> r & 1]
 
-    def _weights(self, entries: list[_Entry], mesh: Any, groups: list[Any]) -> torch.Tensor:
-        """1.0 where this rank's piece counts, 0.0 for a replica of a lower coordinate's:
-        a DTensor's by its placements, a plain tensor's by the pieces' checksums (one
-        ``all_gather`` per mesh dimension)."""
+    def _weights(self, entries: list[_Entry], mesh: Any, groups: list[Any]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights, lost)``: (N,) 1.0 where this rank's piece counts, 0.0 for a replica of
+        a lower coordinate's (a DTensor's by its placements, a plain tensor's by the pieces'
+        checksums: one ``all_gather`` per mesh dimension, a second where whole pieces are
+        compared, :func:`hooks.dtensor_replicas.replicas`); (N,) bool, the tensors whose
+        pieces could not be compared."""
         import torch.distributed as dist
 
         w = _static_weights(entries)
-        fps = _fingerprints(entries)
+        fps = [e.fingerprint for e in entries]
+        tab = table(fps)
+        numel = torch.tensor([e.head[3] for e in entries], dtype=torch.int64)
+        lost = torch.zeros(len(entries), dtype=torch.bool)
         coord = mesh.get_coordinate() or [0] * mesh.ndim
         for d, g in enumerate(groups):
-            size = dist.get_world_size(g)
-            got = [torch.zeros_like(fps) for _ in range(size)]
-            dist.all_gather(got, fps, group=g)
-            me = coord[d]
             # along this dimension: plain tensors, and DTensors of a sub-mesh without it
-            plain = [i for i, e in enumerate(entries) if e.weights is None or e.weights[d] is None]
-            if not plain or me == 0:
-                continue
-            idx = torch.tensor(plain)
-            lower = torch.stack(got[:me])[:, idx]  # (me, P, 2): the lower coordinates' pieces
-            replica = (lower == got[me][idx]).all(-1).any(0)  # (P,)
-            w[idx[replica]] = 0.0
-        return w
+            plain = torch.tensor([e.weights is None or e.weights[d] is None for e in entries],
+                                 dtype=torch.int64)
+            mine = torch.cat([tab, plain[:, None], numel[:, None]], 1)
+            got = [torch.zeros_like(mine) for _ in range(dist.get_world_size(g))]
+            dist.all_gather(got, mine, group=g)
+            every = torch.stack(got)  # (S, N, 4)
+            replica, gone = replicas(every[:, :, :2], every[:, :, 2] > 0, every[:, :, 3], fps,
+                                     coord[d], g)
+            w[replica[coord[d]]] = 0.0
+            lost |= gone
+        return w, lost
 
     def _histograms(self, entries: list[_Entry], mm: torch.Tensor,
                     weights: torch.Tensor) -> torch.Tensor:
@@ -877,43 +838,35 @@ def _static_weights(entries: list[_Entry]) -> torch.Tensor:
                         dtype=torch.float64)
 
 
-def _fingerprints(entries: list[_Entry]) -> torch.Tensor:
-    """(N, 2) int64: checksum and shape hash of each plain piece (0, 0 for a DTensor)."""
-    zero = torch.zeros((), dtype=torch.int64)
-    return torch.stack([
-        torch.stack([e.fingerprint[0] if e.fingerprint else zero for e in entries]),
-        torch.tensor([e.fingerprint[1] if e.fingerprint else 0 for e in entries],
-                     dtype=torch.int64)], dim=1)
-
-
 def _one_dim(entries: list[_Entry], mesh: Any, group: Any
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """On a 1-D mesh: (N, 9) summed moments, (N, 2) maxima and this rank's (N,) weights from
-    one ``all_gather`` of every rank's weights, fingerprints, moments and extremes; each rank
-    tells the replicas (a plain piece bitwise equal to a lower coordinate's) and sums in
-    coordinate order, so every rank holds the same numbers, as :meth:`MeshStats._weights`
-    and ``all_reduce`` give them on a mesh of more dimensions."""
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """On a 1-D mesh: (N, 9) summed moments, (N, 2) maxima, this rank's (N,) weights and the
+    (N,) tensors whose pieces could not be compared, from one ``all_gather`` of every rank's
+    weights, fingerprints, moments and extremes (and one more where whole pieces are compared,
+    :func:`hooks.dtensor_replicas.replicas`); each rank tells the replicas (a plain piece
+    bitwise equal to a lower coordinate's) and sums in coordinate order, so every rank holds
+    the same numbers, as :meth:`MeshStats._weights` and ``all_reduce`` give them on a mesh of
+    more dimensions."""
     import torch.distributed as dist
 
     mom, mm = _matrices(entries)
     plain = torch.tensor([float(e.weights is None or e.weights[0] is None) for e in entries],
                          dtype=torch.float64)
-    fps = _fingerprints(entries).view(torch.float64)  # the bits, carried as they are
-    mine = torch.cat([_static_weights(entries)[:, None], plain[:, None], fps, mom, mm], 1)
+    fps = [e.fingerprint for e in entries]
+    bits = table(fps).view(torch.float64)  # the bits, carried as they are
+    mine = torch.cat([_static_weights(entries)[:, None], plain[:, None], bits, mom, mm], 1)
     got = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(got, mine, group=group)
-    table = torch.stack(got)  # (S, N, 15)
-    w = table[:, :, 0].clone()
-    is_plain = table[:, :, 1] > 0
-    fp = table[:, :, 2:4].contiguous().view(torch.int64)  # (S, N, 2)
-    for c in range(1, len(got)):
-        replica = (fp[:c] == fp[c]).all(-1).any(0) & is_plain[c]
-        w[c][replica] = 0.0
-    moms, mms = table[:, :, 4:13], table[:, :, 13:15]
+    every = torch.stack(got)  # (S, N, 15)
+    w = every[:, :, 0].clone()
+    moms, mms = every[:, :, 4:13], every[:, :, 13:15]
+    me = (mesh.get_coordinate() or [0])[0]
+    replica, lost = replicas(every[:, :, 2:4].contiguous().view(torch.int64),
+                             every[:, :, 1] > 0, moms[:, :, _NUMEL], fps, me, group)
+    w[replica] = 0.0
     total = torch.cat([(moms[:, :, :_BITS] * w[:, :, None]).sum(0), moms[:, :, _BITS:].sum(0)],
                       1)
-    me = (mesh.get_coordinate() or [0])[0]
-    return total, mms.amax(0), w[me]
+    return total, mms.amax(0), w[me], lost
 
 
 def _matrices(entries: list[_Entry]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,8 @@ sequence parallelism, :func:`_sequence_parallel`; every rank runs the whole batc
 orders), ``tp_partial_uneven`` (the same; rank 0 alone meets one more), ``fsdp_tp_order``
 (4 ranks, ``fsdp_tp`` with :class:`OrderNet`: two more meshes, met in different orders),
 ``tp_mesh_uneven`` (``tp`` with :class:`OrderNet`: rank 0 alone meets a DTensor of another
-1-D mesh).
+1-D mesh), ``fsdp_replicas`` and ``fsdp_tp_replicas`` (``fsdp`` and ``fsdp_tp`` with
+:class:`ReplicaNet`).
 """
 
 from __future__ import annotations
@@ -209,6 +210,41 @@ class OrderNet(Net):
         return super().forward(x)
 
 
+class ReplicaNet(Net):
+    """:class:`Net` that first shows three larger plain tensors (:func:`replica_pieces`, more
+    elements than a histogram sample) to ``nn.Identity`` modules: ``same`` (the same on every
+    rank: one replica), ``off`` (rank 1's differs from the others' in one element outside the
+    sample: not a replica) and ``later`` (the same everywhere, then written in place before the
+    capture ends: its pieces can no longer be compared)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.same, self.off, self.later = nn.Identity(), nn.Identity(), nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base, off = replica_pieces(dist.get_rank())
+        self.same(base)
+        self.off(off)
+        later = base.clone()
+        self.later(later)
+        later.mul_(2.0)
+        return super().forward(x)
+
+
+def replica_pieces(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``base``, rank ``rank``'s ``off``) of :class:`ReplicaNet`: ``off`` is ``base`` but on
+    rank 1, where its first element outside the histogram sample is 1.0 higher."""
+    from hooks.stats import HIST_SAMPLE, _sample_index
+
+    n = 3 * HIST_SAMPLE
+    base = torch.linspace(-1.0, 1.0, n).sin()
+    off = base.clone()
+    if rank == 1:
+        idx, k = _sample_index(n, n)
+        off[min(set(range(n)) - set(idx[:k].tolist()))] += 1.0
+    return base, off
+
+
 def batch(step: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of ``step``: inputs (ROWS, D_IN) and targets (ROWS, D_OUT)."""
     g = torch.Generator().manual_seed(100 + step)
@@ -265,8 +301,14 @@ def _setup(scenario: str, mesh, rank: int, world: int):
         model = build_seq()
         _sequence_parallel(model, mesh)
         return (model, *seq_batch())
-    if scenario == "fsdp_tp":
+    if scenario in ("fsdp_tp", "fsdp_tp_replicas"):
+        if scenario == "fsdp_tp_replicas":
+            torch.manual_seed(0)
+            model = ReplicaNet()
         return _two_d(model, world, rank, x, y)
+    if scenario == "fsdp_replicas":
+        torch.manual_seed(0)
+        model = ReplicaNet()
     if scenario == "fsdp_tp_order":  # the ranks meet two more meshes in different orders
         ab = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("a", "b"))
         torch.manual_seed(0)

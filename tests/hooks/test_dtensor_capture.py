@@ -26,7 +26,7 @@ from tests.conftest import terminal_signals
 
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = ("fsdp", "fsdp_keep", "tp", "fsdp_nan", "fsdp_uneven", "fsdp_mp", "tp_sp",
-             "tp_partial")
+             "tp_partial", "fsdp_replicas")
 RTOL = 1e-5
 
 
@@ -131,12 +131,46 @@ def test_activation_statistics_are_those_of_the_global_batch(job, scenario):
     _check_activations(_read(job, scenario, 0), scenario)
 
 
+def _check_replicas(got: dict) -> None:
+    """:class:`tests.dtensor_worker.ReplicaNet`'s larger plain tensors (their pieces compared
+    whole, not by their histogram samples alone): ``same`` counted once, ``off`` (rank 1's
+    piece differs outside the sample) counted as both distinct pieces, ``later`` (written in
+    place before the capture ended) not recorded, with a note saying why."""
+    base, off1 = worker.replica_pieces(1)
+    fwd = _by_call(got)
+    for module, want in (("same", base.double()), ("off", torch.cat([base, off1]).double())):
+        for side in ("inputs", "outputs"):
+            st = fwd[(module, 0)][side][0]["stats"]
+            assert st["numel"] == want.numel(), (module, side, st["numel"])
+            for key, ref in (("mean", want.mean()), ("std", want.std()), ("min", want.min()),
+                             ("max", want.max()), ("l2", want.norm())):
+                assert _close(st[key], float(ref)), (module, side, key, st[key], float(ref))
+    later = fwd[("later", 0)]
+    assert later["inputs"][0]["stats"] is None and later["outputs"][0]["stats"] is None
+    assert any("written in place before the capture ended" in n["message"]
+               for n in got["notes"]), got["notes"]
+
+
+@pytest.mark.slow
+def test_larger_replicas_are_told_from_pieces_that_differ_outside_their_samples(job):
+    got = _read(job, "fsdp_replicas", 0)
+    assert got == _read(job, "fsdp_replicas", 1)
+    _check_replicas(got)
+    ref, _ = _reference()
+    _check_params(got, ref)
+
+
 @pytest.mark.slow
 def test_a_2d_mesh_of_fsdp2_and_tensor_parallel_on_4_ranks(tmp_path):
     """dp × tp = 2 × 2: the column-parallel weights are _StridedShard × Shard, the layers'
     inputs DTensors of the tp sub-mesh, every rank's pair its own rows; all four ranks hold
-    the numbers of the unsharded model on the global batch."""
-    out = _torchrun(tmp_path, 4, "fsdp_tp")
+    the numbers of the unsharded model on the global batch. With
+    :class:`tests.dtensor_worker.ReplicaNet` (``fsdp_tp_replicas``): larger plain tensors
+    compared whole along each mesh dimension."""
+    out = _torchrun(tmp_path, 4, "fsdp_tp,fsdp_tp_replicas")
+    rep = [_read(out, "fsdp_tp_replicas", r) for r in range(4)]
+    assert all(g == rep[0] for g in rep[1:])
+    _check_replicas(rep[0])
     got = [_read(out, "fsdp_tp", r) for r in range(4)]
     assert all(g == got[0] for g in got[1:])
     ref, _ = _reference()
