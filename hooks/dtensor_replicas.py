@@ -12,11 +12,12 @@ almost every piece differs from every other rank's. So it is done in two stages:
    :data:`hooks.stats.HIST_SAMPLE` strided values; all of a piece that small, which is then
    exact). Pieces whose sample differ are not replicas. A larger CPU piece is *held* (no
    copy; with its version counter, ``Tensor._version``) until the capture ends.
-2. **At the reduction** (:func:`replicas`): only where two ranks' samples matched and the
-   piece is larger than its sample, each of those ranks takes the checksum of its whole piece,
-   and one more ``all_gather`` compares them. A held piece written in place since its hook
-   (its version moved) cannot be compared any more: the tensor is *lost* on every rank (not
-   recorded, never counted by a guess).
+2. **At the reduction** (:func:`candidates`, :func:`wholes`, :func:`confirm`; or
+   :func:`replicas`, all three): only where two ranks' samples matched and the piece is
+   larger than its sample, each of those ranks takes the checksum of its whole piece, and the
+   ranks compare them (one more ``all_gather``, or in the one that brings the histograms). A
+   held piece written in place since its hook (its version moved) cannot be compared any
+   more: the tensor is *lost* on every rank (not recorded, never counted by a guess).
 
 A piece holding NaN or Inf (its sample skips them), or on another device than the CPU (read
 through a host copy that is not kept), is checksummed whole at the hook, as before.
@@ -33,7 +34,7 @@ import torch
 
 from hooks.stats import HIST_SAMPLE
 
-__all__ = ["Fingerprint", "position_checksum", "replicas"]
+__all__ = ["Fingerprint", "candidates", "confirm", "position_checksum", "replicas", "wholes"]
 
 _WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _POSITIONS = torch.zeros(0, dtype=torch.int64)
@@ -200,45 +201,79 @@ def table(fps: list[Fingerprint | None]) -> torch.Tensor:
                         dtype=torch.int64).view(-1, 2)
 
 
-def replicas(got: torch.Tensor, plain: torch.Tensor, numel: torch.Tensor,
-             fps: list[Fingerprint | None], me: int, group: Any
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which pieces are replicas of a lower coordinate's, along one mesh dimension.
+def candidates(got: torch.Tensor, plain: torch.Tensor, numel: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cand, need)`` along one mesh dimension, from every coordinate's :func:`table`:
+    (S, S, N) bool, ``cand[c, c', i]``: piece ``i`` of coordinate ``c`` has the fingerprint of
+    that of a lower coordinate ``c'`` (both told by fingerprints); (M,) int64, the tensors
+    where such a pair's pieces are larger than their samples, to be compared whole
+    (:func:`wholes`, :func:`confirm`). The same on every rank that holds the same ``got``.
 
     Args:
         got: (S, N, 2) int64: every coordinate's :func:`table` (S ranks along the dimension,
             N tensors in the same order on each).
         plain: (S, N) bool: the pieces told by fingerprints (not by placements).
         numel: (S, N): each piece's number of elements.
-        fps: This rank's N fingerprints.
-        me: This rank's coordinate along the dimension.
-        group: The dimension's process group (an ``all_gather`` on it when a whole piece has to
-            be compared: every rank of ``group`` calls this with the same ``got``).
-
-    Returns:
-        ``(replica, lost)``: (S, N) bool, piece ``c`` equals that of a lower coordinate (count
-        it zero times); (N,) bool, tensors whose pieces could not be compared (a held piece
-        written in place since its hook on some rank): not to be recorded.
     """
-    import torch.distributed as dist
-
-    s, n = plain.shape
+    s = plain.shape[0]
     lower = torch.ones(s, s, dtype=torch.bool).tril(-1)  # [c, c']: c' < c
     cand = (got[:, None] == got[None, :]).all(-1) & lower[:, :, None]  # (S, S, N)
     cand &= plain[:, None, :] & plain[None, :, :]
-    lost = torch.zeros(n, dtype=torch.bool)
-    big = (numel > HIST_SAMPLE)  # (S, N): the sample is not the whole piece
-    need = (cand & big[:, None, :]).any(1).any(0).nonzero().flatten()
-    if need.numel():  # the same on every rank of the group: computed from the same table
-        mine = (cand[me].any(0) | cand[:, me].any(0))[need].tolist()
-        vals = []
-        for j, i in zip(mine, need.tolist(), strict=True):
-            whole = fps[i].whole() if j and fps[i] is not None else 0
-            vals.append([0, 1] if whole is None else [whole, 0])
-        row = torch.tensor(vals, dtype=torch.int64)
-        every = [torch.empty_like(row) for _ in range(s)]
-        dist.all_gather(every, row, group=group)
-        whole = torch.stack(every)  # (S, M, 2)
-        cand[:, :, need] &= whole[:, None, :, 0] == whole[None, :, :, 0]
-        lost[need] = whole[:, :, 1].any(0)
+    big = numel > HIST_SAMPLE  # (S, N): the sample is not the whole piece
+    return cand, (cand & big[:, None, :]).any(1).any(0).nonzero().flatten()
+
+
+def wholes(cand: torch.Tensor, need: torch.Tensor, fps: list[Fingerprint | None],
+           me: int) -> torch.Tensor:
+    """(M, 2) int64: this rank's whole-piece checksum of each tensor of ``need`` where its
+    piece is in a candidate pair (0 elsewhere: not compared), and 1 in the second column
+    where it was lost (written in place since its hook)."""
+    mine = (cand[me].any(0) | cand[:, me].any(0))[need].tolist()
+    vals = []
+    for j, i in zip(mine, need.tolist(), strict=True):
+        whole = fps[i].whole() if j and fps[i] is not None else 0
+        vals.append([0, 1] if whole is None else [whole, 0])
+    return torch.tensor(vals, dtype=torch.int64).view(-1, 2)
+
+
+def confirm(cand: torch.Tensor, need: torch.Tensor, every: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(replica, lost)`` from :func:`candidates` and every coordinate's :func:`wholes`
+    (``every``: (S, M, 2)): (S, N) bool, piece ``c`` equals that of a lower coordinate (count
+    it zero times); (N,) bool, tensors whose pieces could not be compared (not to be
+    recorded)."""
+    lost = torch.zeros(cand.shape[-1], dtype=torch.bool)
+    if need.numel():
+        cand = cand.clone()
+        cand[:, :, need] &= every[:, None, :, 0] == every[None, :, :, 0]
+        lost[need] = every[:, :, 1].any(0)
     return cand.any(1), lost
+
+
+def replicas(got: torch.Tensor, plain: torch.Tensor, numel: torch.Tensor,
+             fps: list[Fingerprint | None], me: int, group: Any
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which pieces are replicas of a lower coordinate's, along one mesh dimension:
+    :func:`candidates`, then (where whole pieces are compared) one ``all_gather`` on ``group``
+    of every coordinate's :func:`wholes`, and :func:`confirm`. Every rank of ``group`` calls
+    this with the same ``got``.
+
+    Args:
+        got, plain, numel: As for :func:`candidates`.
+        fps: This rank's N fingerprints.
+        me: This rank's coordinate along the dimension.
+        group: The dimension's process group.
+
+    Returns:
+        ``(replica, lost)`` as :func:`confirm` gives them.
+    """
+    import torch.distributed as dist
+
+    cand, need = candidates(got, plain, numel)
+    every = None
+    if need.numel():  # the same on every rank of the group: computed from the same table
+        row = wholes(cand, need, fps, me)
+        got_rows = [torch.empty_like(row) for _ in range(plain.shape[0])]
+        dist.all_gather(got_rows, row, group=group)
+        every = torch.stack(got_rows)  # (S, M, 2)
+    return confirm(cand, need, every)

@@ -37,8 +37,11 @@ whole job, not as this rank's piece of it (:class:`MeshStats`):
 * **Few collectives, on the mesh's own groups**, once per capture and per mesh, whatever the
   number of tensors (each an ``all_reduce``/``all_gather`` along every mesh dimension): the
   number of tensors (a check that every rank captured the same ones), the plain tensors'
-  checksums, one (N, 8) fp64 sum, one (N, 2) max (``-min``, ``max``), then the histograms over
-  the now common range ``[min, max]``, binned like ``torch.histc``, in one (N, bins) sum.
+  fingerprints, one (N, 8) fp64 sum, one (N, 2) max (``-min``, ``max``), then the histograms
+  over the now common range ``[min, max]``, binned like ``torch.histc``, in one (N, bins) sum
+  (with the whole-piece checksums :mod:`hooks.dtensor_replicas` asks for). On a 1-D mesh
+  (FSDP2 alone, tensor parallel alone) that is one ``all_reduce`` and two all_gathers:
+  every rank's numbers, then every rank's histograms, summed by each rank in rank order.
 * **Which rank's piece holds a NaN/Inf**: a bit per rank, summed without the replica weights,
   kept in :attr:`MeshStats.nonfinite_ranks`; the capture names them in notes (``a NaN in rank
   1's shard of w2``).
@@ -69,7 +72,15 @@ from typing import Any
 
 import torch
 
-from hooks.dtensor_replicas import Fingerprint, position_checksum, replicas, table
+from hooks.dtensor_replicas import (
+    Fingerprint,
+    candidates,
+    confirm,
+    position_checksum,
+    replicas,
+    table,
+    wholes,
+)
 from hooks.records import Note, ParamGradRecord
 from hooks.stats import (
     HIST_SAMPLE,
@@ -79,6 +90,7 @@ from hooks.stats import (
     _count_nonzero,
     _from_moments,
     _hist_sample,
+    cpu_extremes,
 )
 
 __all__ = ["MeshStats", "SLOT_BASE", "is_dtensor", "local_piece", "position_checksum",
@@ -210,6 +222,15 @@ def _nonfinite(xf: torch.Tensor) -> tuple[int, int, torch.Tensor]:
 _NONE = [0.0, 0.0, 0.0, 0.0, 0.0, -math.inf, -math.inf]
 
 
+def _extremes(xf: torch.Tensor) -> tuple[float, float]:
+    """(min, max) of a flat fp32/fp64 tensor: on CPU as :class:`hooks.stats.StatsBatch` takes
+    them (:func:`hooks.stats.cpu_extremes`), elsewhere one ``aminmax``."""
+    if xf.is_cpu:
+        return cpu_extremes(xf)
+    mn, mx = torch.aminmax(xf)
+    return mn.item(), mx.item()
+
+
 def _moments(x: torch.Tensor) -> tuple[list[float], list[float], torch.Tensor]:
     """(head, sums, histogram sample of the finite values) of a local piece (see
     :class:`_Entry`), as :class:`hooks.stats.StatsBatch` takes them on CPU: no copy of the
@@ -221,14 +242,16 @@ def _moments(x: torch.Tensor) -> tuple[list[float], list[float], torch.Tensor]:
         return list(_NONE), [0.0, 0.0, 0.0, 0.0], _EMPTY
     xf = _flat(x)
     last = x.shape[-1] if x.dim() else 1
-    mn, mx = torch.aminmax(xf)
-    lo, hi = mn.item(), mx.item()
+    lo, hi = _extremes(xf)
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return _moments_nonfinite(xf, n, last)
     s, ss = xf.sum().item(), torch.dot(xf, xf).item()
     sample, k = _hist_sample(xf, last)
-    counted = n <= ZERO_EXACT_NUMEL or torch.count_nonzero(sample).item() < HIST_SAMPLE
-    nnz = float(_count_nonzero(xf)) if counted else float(n)
+    if n <= HIST_SAMPLE:  # the sample is the piece, padded with zeros
+        counted, nnz = True, float(torch.count_nonzero(sample).item())
+    else:
+        counted = n <= ZERO_EXACT_NUMEL or torch.count_nonzero(sample).item() < HIST_SAMPLE
+        nnz = float(_count_nonzero(xf)) if counted else float(n)
     var = (ss - s * s / n) if n > 1 else 1.0
     if n > 1 and (not (math.isfinite(s) and math.isfinite(ss)) or var <= 1e-3 * ss):
         xd = xf.double()
@@ -259,8 +282,7 @@ def _light(x: torch.Tensor) -> tuple[list[float], list[float]]:
     if not n:
         return list(_NONE), [0.0, 0.0, 0.0, 0.0]
     xf = _flat(x)
-    mn, mx = torch.aminmax(xf)
-    lo, hi = mn.item(), mx.item()
+    lo, hi = _extremes(xf)
     nan = inf = 0
     if not (math.isfinite(lo) and math.isfinite(hi)):
         nan, inf, xf = _nonfinite(xf)
@@ -618,8 +640,8 @@ class MeshStats:
         ``self._entries[idxs[k]]`` is ``entries[rows[k]]``."""
         import torch.distributed as dist
 
-        if len(groups) == 1:  # one all_gather brings every rank's numbers, summed here
-            mom, mm, weights, lost = _one_dim(entries, mesh, groups[0])
+        if len(groups) == 1:  # two all_gathers bring every rank's numbers, summed here
+            mom, mm, hist, lost = self._one_dim(entries, mesh, groups[0])
         else:
             weights, lost = self._weights(entries, mesh, groups)
             mom, mm = _matrices(entries)
@@ -627,10 +649,11 @@ class MeshStats:
             for g in groups:
                 dist.all_reduce(mom, group=g)
                 dist.all_reduce(mm, op=dist.ReduceOp.MAX, group=g)
-        hist = self._histograms(entries, mm, weights)
-        for g in groups:
-            dist.all_reduce(hist, group=g)
-        moms, mms, hists = mom.tolist(), mm.tolist(), hist.tolist()  # one read-back each
+            hist = self._histograms(entries, mm, weights)
+            for g in groups:
+                dist.all_reduce(hist, group=g)
+        moms, mms = mom.tolist(), mm.tolist()  # one read-back each
+        hists = hist.to(torch.int64).tolist()  # (counts: integers)
         lost = lost.tolist()
         for e in entries:
             if e.fingerprint is not None:
@@ -644,9 +667,52 @@ class MeshStats:
         for row, i in zip(rows, idxs, strict=True):
             if self._entries[i].dropped or lost[row]:
                 continue
-            out[i] = self._stats(moms[row], mms[row], hists[row][:-1], int(hists[row][-1]))
+            out[i] = self._stats(moms[row], mms[row], hists[row][:-1], hists[row][-1])
             bits = int(moms[row][_BITS])
             self.nonfinite_ranks[i] = [r for r in range(bits.bit_length()) if bits >> r & 1]
+
+    def _one_dim(self, entries: list[_Entry], mesh: Any, group: Any
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """On a 1-D mesh: (N, 9) summed moments, (N, 2) maxima, (N, bins + 1) summed
+        histograms and the (N,) tensors whose pieces could not be compared, from two
+        all_gathers: every rank's weights, fingerprints, moments and extremes; then every
+        rank's histograms over the now common ranges, with the whole-piece checksums
+        :func:`hooks.dtensor_replicas.candidates` asks for. Each rank tells the replicas (a
+        plain piece bitwise equal to a lower coordinate's) and sums in coordinate order, so
+        every rank holds the same numbers, as :meth:`_weights` and ``all_reduce`` give them on
+        a mesh of more dimensions."""
+        import torch.distributed as dist
+
+        mom, mm = _matrices(entries)
+        plain = torch.tensor([float(e.weights is None or e.weights[0] is None)
+                              for e in entries], dtype=torch.float64)
+        fps = [e.fingerprint for e in entries]
+        bits = table(fps).view(torch.float64)  # the bits, carried as they are
+        static = _static_weights(entries)
+        mine = torch.cat([static[:, None], plain[:, None], bits, mom, mm], 1)
+        size = dist.get_world_size(group)
+        got = [torch.empty_like(mine) for _ in range(size)]
+        dist.all_gather(got, mine, group=group)
+        every = torch.stack(got)  # (S, N, 15)
+        moms, top = every[:, :, 4:13], every[:, :, 13:15].amax(0)
+        me = (mesh.get_coordinate() or [0])[0]
+        cand, need = candidates(every[:, :, 2:4].contiguous().view(torch.int64),
+                                every[:, :, 1] > 0, moms[:, :, _NUMEL])
+        hist = self._histograms(entries, top, static)  # (N, bins + 1), unweighted
+        whole = wholes(cand, need, fps, me).view(torch.float64)  # (M, 2), bits as they are
+        row = torch.cat([hist.reshape(-1), whole.reshape(-1)])
+        rows = [torch.empty_like(row) for _ in range(size)]
+        dist.all_gather(rows, row, group=group)
+        both = torch.stack(rows)  # (S, N·(bins + 1) + 2M)
+        split = hist.numel()
+        replica, lost = confirm(cand, need,
+                                both[:, split:].contiguous().view(torch.int64).view(size, -1, 2))
+        w = every[:, :, 0].clone()
+        w[replica] = 0.0
+        total = torch.cat([(moms[:, :, :_BITS] * w[:, :, None]).sum(0),
+                           moms[:, :, _BITS:].sum(0)], 1)
+        hists = (both[:, :split].view(size, *hist.shape) * w[:, :, None]).sum(0)
+        return total, top, hists, lost
 
     def _weights(self, entries: list[_Entry], mesh: Any, groups: list[Any]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -680,26 +746,39 @@ class MeshStats:
     def _histograms(self, entries: list[_Entry], mm: torch.Tensor,
                     weights: torch.Tensor) -> torch.Tensor:
         """(N, bins + 1): each entry's sample binned over the common range like
-        ``torch.histc``, weighted; the last column is the number of values binned."""
+        ``torch.histc``, weighted; the last column is the number of values binned. The
+        samples are the rows of one zero-padded fp64 matrix, scaled by their row's range
+        (``(x - lo) * bins / (hi - lo)``, histc's order of operations) and counted by one
+        ``bincount``, the padding in a bin of its own that is dropped."""
+        from torch.nn.utils.rnn import pad_sequence
+
         nb, n = self.bins, len(entries)
         hist = torch.zeros(n, nb + 1, dtype=torch.float64)
-        rows = [r for r, e in enumerate(entries) if e.sample.numel() and weights[r]]
+        w = weights.tolist()
+        rows = [r for r, e in enumerate(entries) if e.sample.numel() and w[r]]
         if not rows:
             return hist
-        lens = torch.tensor([entries[r].sample.numel() for r in rows])
-        x = torch.cat([entries[r].sample for r in rows]).double()  # every sample, one vector
-        which = torch.repeat_interleave(torch.tensor(rows), lens)
-        lo, hi = -mm[:, 0], mm[:, 1].clone()
+        samples = [entries[r].sample for r in rows]
+        if any(x.dtype != torch.float32 for x in samples):
+            samples = [x.double() for x in samples]
+        mat = pad_sequence(samples, batch_first=True).double()  # (R, L)
+        lens = torch.tensor([x.numel() for x in samples])
+        at = torch.tensor(rows)
+        lo, hi = -mm[at, 0], mm[at, 1]
         same = lo == hi
         lo, hi = torch.where(same, lo - 1.0, lo), torch.where(same, hi + 1.0, hi)
-        idx = ((x - lo[which]) * nb / (hi - lo)[which]).nan_to_num_(nan=nb // 2)
-        idx = idx.clamp_(0, nb - 1).to(torch.int64) + which * nb
-        hist[:, :nb] = torch.bincount(idx, minlength=n * nb).view(n, nb).double()
-        hist[rows, nb] = lens.double()
+        mat.sub_(lo[:, None]).mul_(nb).div_((hi - lo)[:, None])
+        idx = mat.nan_to_num_(nan=nb // 2).clamp_(0, nb - 1).to(torch.int64)
+        k = len(rows)
+        idx += torch.arange(0, k * nb, nb)[:, None]
+        idx.masked_fill_(torch.arange(mat.shape[1])[None, :] >= lens[:, None], k * nb)
+        counts = torch.bincount(idx.view(-1), minlength=k * nb + 1)[:-1]
+        hist[at, :nb] = counts.view(k, nb).double()
+        hist[at, nb] = lens.double()
         return hist
 
     @staticmethod
-    def _stats(mom: list[float], mm: list[float], hist: list[float],
+    def _stats(mom: list[float], mm: list[float], hist: list[int],
                hist_count: int) -> TensorStats:
         count, s, ss, nnz, nan, inf, n, _, uncounted = mom
         count, nan, inf, n = int(count), int(nan), int(inf), int(n)
@@ -708,8 +787,7 @@ class MeshStats:
         mean = s / count
         var = max((ss - count * mean * mean) / (count - 1), 0.0) if count > 1 else 0.0
         lo, hi = -mm[0], mm[1]
-        h = [int(v) for v in hist]
-        st = _from_moments(n, count, mean, var, lo, hi, ss, nnz, nan, inf, h, hist_count)
+        st = _from_moments(n, count, mean, var, lo, hi, ss, nnz, nan, inf, hist, hist_count)
         if uncounted:
             st.zero_exact, st.zero_frac = False, 0.0
         return st
@@ -836,37 +914,6 @@ def _static_weights(entries: list[_Entry]) -> torch.Tensor:
     return torch.tensor([math.prod(x for x in e.weights if x is not None)
                          if e.weights is not None else 1.0 for e in entries],
                         dtype=torch.float64)
-
-
-def _one_dim(entries: list[_Entry], mesh: Any, group: Any
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """On a 1-D mesh: (N, 9) summed moments, (N, 2) maxima, this rank's (N,) weights and the
-    (N,) tensors whose pieces could not be compared, from one ``all_gather`` of every rank's
-    weights, fingerprints, moments and extremes (and one more where whole pieces are compared,
-    :func:`hooks.dtensor_replicas.replicas`); each rank tells the replicas (a plain piece
-    bitwise equal to a lower coordinate's) and sums in coordinate order, so every rank holds
-    the same numbers, as :meth:`MeshStats._weights` and ``all_reduce`` give them on a mesh of
-    more dimensions."""
-    import torch.distributed as dist
-
-    mom, mm = _matrices(entries)
-    plain = torch.tensor([float(e.weights is None or e.weights[0] is None) for e in entries],
-                         dtype=torch.float64)
-    fps = [e.fingerprint for e in entries]
-    bits = table(fps).view(torch.float64)  # the bits, carried as they are
-    mine = torch.cat([_static_weights(entries)[:, None], plain[:, None], bits, mom, mm], 1)
-    got = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(got, mine, group=group)
-    every = torch.stack(got)  # (S, N, 15)
-    w = every[:, :, 0].clone()
-    moms, mms = every[:, :, 4:13], every[:, :, 13:15]
-    me = (mesh.get_coordinate() or [0])[0]
-    replica, lost = replicas(every[:, :, 2:4].contiguous().view(torch.int64),
-                             every[:, :, 1] > 0, moms[:, :, _NUMEL], fps, me, group)
-    w[replica] = 0.0
-    total = torch.cat([(moms[:, :, :_BITS] * w[:, :, None]).sum(0), moms[:, :, _BITS:].sum(0)],
-                      1)
-    return total, mms.amax(0), w[me], lost
 
 
 def _matrices(entries: list[_Entry]) -> tuple[torch.Tensor, torch.Tensor]:
