@@ -28,11 +28,6 @@ grad, a post-accumulate-grad hook on every parameter) with empty bodies; "floor:
 ``sum``, ``dot(x, x)`` of every input, output and gradient; ``aminmax`` and ``dot`` of each
 parameter's gradient, ``dot`` of its weight), with no read-back, no histogram, no zero count and
 no bookkeeping.
-
-``--extremes`` times only the min/max kernels, interleaved, per tensor size (1 K to 1 M fp32
-elements, 200 calls per round): ``torch.aminmax``, ``torch.amin`` + ``torch.amax``, numpy's
-``min`` + ``max`` on the same memory, and :func:`hooks.stats.cpu_extremes` (what the capture
-takes), each as a ratio to ``aminmax``.
 """
 
 from __future__ import annotations
@@ -95,32 +90,7 @@ def parse_args() -> argparse.Namespace:
                         "per tensor and nothing else: the floor of an eager capture")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time the statistics alone, and aminmax + var_mean instead")
-    parser.add_argument("--extremes", action="store_true",
-                        help="time only the min/max kernels per tensor size, and exit")
     return parser.parse_args()
-
-
-def extremes(repeats: int) -> None:
-    """Min and max of one fp32 tensor per size, four ways, interleaved; ratios to aminmax."""
-    from hooks.stats import cpu_extremes
-
-    print("size      aminmax µs  amin+amax  numpy min+max  cpu_extremes  (ratios to aminmax)")
-    for n in (1 << 10, 1 << 12, 1 << 13, 1 << 14, 1 << 15, 1 << 17, 1 << 18, 1 << 19, 1 << 20):
-        x = torch.randn(n, generator=torch.Generator().manual_seed(n))
-        a = x.numpy()
-        ways = {"aminmax": lambda x=x: torch.aminmax(x),
-                "amin+amax": lambda x=x: (torch.amin(x), torch.amax(x)),
-                "numpy": lambda a=a: (a.min(), a.max()),
-                "cpu_extremes": lambda x=x: cpu_extremes(x)}
-
-        def calls(f):
-            return lambda: [f() for _ in range(200)]
-
-        times = interleaved({k: calls(f) for k, f in ways.items()}, repeats=repeats)
-        med = {k: statistics.median(v) / 200 for k, v in times.items()}
-        base = med["aminmax"]
-        print(f"{n:>8}  {base * 1e6:9.1f}  " + "  ".join(
-            f"{med[k] / base:12.2f}" for k in ("amin+amax", "numpy", "cpu_extremes")))
 
 
 def sides(model, ids, args: argparse.Namespace, last: dict) -> dict:
@@ -209,9 +179,6 @@ def print_ratios(med: dict, times: dict, cpu_med: dict, main_med: dict) -> None:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    if args.extremes:
-        extremes(args.repeats)
-        return
 
     from hooks.trace import JSON_NAME
     from minillm import MiniLLM, load_preset

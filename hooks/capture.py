@@ -62,7 +62,7 @@ from hooks.ops import Replay
 from hooks.probes import ProbeContext, probes_for
 from hooks.records import CallRecord, GradRecord, ModuleInfo, Note, ParamGradRecord, TensorInfo
 from hooks.routing import ExpertsRouting
-from hooks.stats import NUM_BINS, StatsBatch, TensorStats, cpu_extremes
+from hooks.stats import NUM_BINS, StatsBatch, TensorStats
 from hooks.trace import Trace
 from hooks.walk import LeftOut, dtype_name, find_tensors, named_modules, named_parameters
 
@@ -635,14 +635,9 @@ class Capture:
             # in the hook, never on the worker: an optimizer step in a later hook of this
             # backward (optimizer-in-backward) would change them before the worker read them
             gf, wf = flat_grad_weight(param.grad, param)
+            lo, hi = torch.aminmax(gf)
             # dot(x, x) is the fastest sum of squares on CPU (BLAS); sqrt taken at exit
-            if gf.is_cpu:  # read now (free on CPU), min and max from numpy where it is faster
-                lo, hi = cpu_extremes(gf)
-                self._touched[name] = (torch.dot(gf, gf).item(), lo, hi,
-                                       torch.dot(wf, wf).item())
-            else:  # read back at exit, all at once
-                lo, hi = torch.aminmax(gf)
-                self._touched[name] = (torch.dot(gf, gf), lo, hi, torch.dot(wf, wf))
+            self._touched[name] = (torch.dot(gf, gf), lo, hi, torch.dot(wf, wf))
         except Exception as exc:
             self._error(name, exc)
 
