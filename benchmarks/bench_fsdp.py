@@ -19,7 +19,11 @@ of 4 × 64 tokens per rank. Goals (issue 24):
   ``--block`` steps, the order flipped every round, medians compared.
 
 For scale, the same model and batch are first timed in this process, unsharded, plain and
-under ``hooks.capture`` (what a capture costs without a mesh).
+under ``hooks.capture`` (what a capture costs without a mesh). Two more sides in the captured
+loop bound what any exact capture built on eager kernels can cost: "floor" (the hooks a capture
+installs, running only ``aminmax``, ``sum`` and ``dot(x, x)`` of each local piece,
+``benchmarks/_floor.py``) and "floor+coll" (the floor, then the three collectives a capture's
+exit makes on a 1-D mesh, with the same payloads).
 """
 
 from __future__ import annotations
@@ -132,7 +136,9 @@ def _captured_vs_plain(model, step, args: argparse.Namespace) -> dict[str, list[
     import hooks
 
     capture_mod = importlib.import_module("hooks.capture")  # (hooks.capture: the function)
-    sides = {"plain": None, "captured": capture_mod.MeshStats, "floor": "floor"}
+    sides = {"plain": None, "captured": capture_mod.MeshStats, "floor": "floor",
+             "floor+coll": "floor+coll"}
+    n = _entries_per_capture(model, step)
     if args.baseline:
         sides["baseline"] = _load_baseline(args.baseline).MeshStats
     times: dict[str, list[float]] = {name: [] for name in sides}
@@ -143,9 +149,11 @@ def _captured_vs_plain(model, step, args: argparse.Namespace) -> dict[str, list[
             t0 = time.perf_counter()
             if sides[name] is None:
                 step()
-            elif sides[name] == "floor":
+            elif sides[name] in ("floor", "floor+coll"):
                 with floor_hooks(model, reduce=True):
                     step()
+                if sides[name] == "floor+coll":
+                    _collectives(n)
             else:
                 capture_mod.MeshStats = sides[name]
                 with hooks.capture(model):
@@ -154,6 +162,44 @@ def _captured_vs_plain(model, step, args: argparse.Namespace) -> dict[str, list[
                 times[name].append(time.perf_counter() - t0)
     capture_mod.MeshStats = sides["captured"]
     return times
+
+
+def _entries_per_capture(model, step) -> int:
+    """How many tensors one captured step reduces across the mesh (its ``MeshStats``
+    entries)."""
+    import hooks
+    from hooks.dtensor_stats import MeshStats
+
+    seen: list[int] = []
+    finalize = MeshStats.finalize
+
+    def counting(self, trace=None):
+        seen.append(len(self._entries))
+        return finalize(self, trace)
+
+    MeshStats.finalize = counting
+    try:
+        with hooks.capture(model):
+            step()
+    finally:
+        MeshStats.finalize = finalize
+    return seen[0]
+
+
+def _collectives(n: int) -> None:
+    """The collectives a captured step's exit makes on a 1-D mesh, with the same payloads, and
+    nothing else: the probe (an ``all_reduce`` of 8 int64), every rank's numbers (an
+    ``all_gather`` of (n, 15) fp64), every rank's histograms (an ``all_gather`` of
+    n × (bins + 1) fp64)."""
+    import torch
+    import torch.distributed as dist
+
+    from hooks.stats import NUM_BINS
+
+    dist.all_reduce(torch.zeros(8, dtype=torch.int64), op=dist.ReduceOp.MAX)
+    for width in (15, NUM_BINS + 1):
+        row = torch.zeros(n * width, dtype=torch.float64)
+        dist.all_gather([torch.empty_like(row) for _ in range(dist.get_world_size())], row)
 
 
 def _load_baseline(path: str):
@@ -181,6 +227,8 @@ def _report(times: dict[str, list[float]], rates: dict[str, list[float]],
     print(f"  floor / plain: {med['floor'] / med['plain']:.3f}  (the hooks a capture installs, "
           "running only aminmax, sum and dot(x, x) of each local piece: no collective, no "
           "read-back, no bookkeeping)")
+    print(f"  floor+coll / plain: {med['floor+coll'] / med['plain']:.3f}  (the floor, then the "
+          "three collectives a capture's exit makes, with the same payloads)")
     if "baseline" in med:
         print(f"  baseline captured / plain: {med['baseline'] / med['plain']:.3f}  (--baseline "
               f"{args.baseline})")

@@ -27,6 +27,7 @@ This module never imports textual, rich or tui.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import Any
 
@@ -99,7 +100,12 @@ def position_checksum(x: torch.Tensor) -> torch.Tensor:
 
 def _shape_key(x: torch.Tensor) -> int:
     """A 62-bit hash of ``x``'s shape and dtype, the same in every process."""
-    text = f"{tuple(x.shape)}|{x.dtype}".encode()
+    return _layout_key(tuple(x.shape), x.dtype)
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout_key(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    text = f"{shape}|{dtype}".encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 2
 
 
