@@ -12,7 +12,8 @@ and records, per operation that returns a tensor:
   module with children, in ``torch/nn/modules``, counts as source; the op of a module without
   children, ``F.linear`` of an ``nn.Linear``, is placed where the model called that module);
 * input and output shapes, dtypes and the same statistics as module outputs
-  (:class:`hooks.stats.TensorStats`).
+  (:class:`hooks.stats.TensorStats`), for at most :data:`MAX_OP_TENSORS` tensors per side;
+  what a cap left out is counted and said in the op's notes, as a module call's are.
 
 Metadata queries (``Tensor.shape``, ``size``, ``dim``, ``is_floating_point``...) return no
 tensor and are not recorded: :func:`recorded` is the rule.
@@ -49,14 +50,17 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode, resolve_name
 
+from hooks import walk
 from hooks.records import TensorInfo
 from hooks.stats import NUM_BINS, StatsBatch, TensorStats
-from hooks.walk import ModuleStack, dtype_name, find_tensors
+from hooks.walk import LeftOut, ModuleStack, dtype_name, find_tensors
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _MODULES_DIR = os.path.join(_TORCH_DIR, "nn", "modules") + os.sep
 _HOOKS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-#: Most tensors of one op side (inputs or outputs) that get statistics.
+#: Most tensors of one op side (inputs or outputs) that get statistics (or
+#: ``hooks.walk.MAX_TENSORS`` when that is smaller). Read at each op; what the cap or
+#: ``hooks.walk.MAX_DEPTH`` left out is said in :attr:`OpRecord.notes`.
 MAX_OP_TENSORS = 8
 
 
@@ -115,6 +119,9 @@ class OpRecord:
         kept: full copies (on CPU) of the inputs and outputs of the first op that created NaN
             and of the first that created ±Inf (see :meth:`OpTrace.first_nonfinite`), by the
             tensors' paths, so a view can show the offending row; empty for other ops.
+        notes: what was not recorded, one sentence each: tensors past :data:`MAX_OP_TENSORS`
+            of a side (how many, the first left out) or deeper than ``hooks.walk.MAX_DEPTH``
+            (:meth:`hooks.walk.LeftOut.notes`).
     """
 
     index: int
@@ -126,6 +133,7 @@ class OpRecord:
     inputs: list[TensorInfo] = field(default_factory=list)
     outputs: list[TensorInfo] = field(default_factory=list)
     kept: dict[str, torch.Tensor] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def location(self) -> str:
@@ -191,12 +199,15 @@ class OpRecord:
         return "; ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "index": self.index, "op": self.op, "module": self.module, "file": self.file,
             "line": self.line, "code": self.code,
             "inputs": [t.to_dict() for t in self.inputs],
             "outputs": [t.to_dict() for t in self.outputs],
         }
+        if self.notes:  # absent when empty, as in traces saved before ops had notes
+            d["notes"] = list(self.notes)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> OpRecord:
@@ -205,6 +216,7 @@ class OpRecord:
             line=int(d.get("line", 0)), code=d.get("code", ""),
             inputs=[TensorInfo.from_dict(t) for t in d.get("inputs", [])],
             outputs=[TensorInfo.from_dict(t) for t in d.get("outputs", [])],
+            notes=[str(n) for n in d.get("notes", [])],
         )
 
 
@@ -281,11 +293,22 @@ class OpRecorder(TorchFunctionMode):
         if self._modules is not None:
             self._modules.remove()
 
-    def _infos(self, obj: Any, path: str) -> list[TensorInfo]:
+    def _infos(self, parts: list[tuple[Any, str]], side: str,
+               notes: list[str]) -> list[TensorInfo]:
+        """Infos (statistics queued) of the tensors in ``parts`` (``(object, path)``, one op
+        side); what the caps left out goes to ``notes``."""
         tensors: list[tuple[str, torch.Tensor]] = []
-        find_tensors(obj, path, tensors, [])
+        cut = LeftOut()
+        limit = min(MAX_OP_TENSORS, walk.MAX_TENSORS)
+        for obj, path in parts:
+            find_tensors(obj, path, tensors, [], left_out=cut, limit=limit)
+        if cut.total:
+            knob = ("hooks.ops.MAX_OP_TENSORS" if MAX_OP_TENSORS <= walk.MAX_TENSORS
+                    else "hooks.walk.MAX_TENSORS")
+            notes.extend(cut.notes(side, len(tensors), who="an op", limit=limit, knob=knob,
+                                   when="stepping in or capturing"))
         out = []
-        for p, t in tensors[:MAX_OP_TENSORS]:
+        for p, t in tensors:
             info = TensorInfo(p, list(t.shape), dtype_name(t.dtype), t.requires_grad)
             if not t.is_meta and (t.is_floating_point() or t.dtype == torch.bool
                                   or not t.is_complex()):
@@ -301,14 +324,16 @@ class OpRecorder(TorchFunctionMode):
             return func(*args, **kwargs)
         # inputs are summarised before the op runs: an in-place op would overwrite them
         copies = None if len(self._kept) == 2 else _copies(args, kwargs)
-        ins = self._infos(args, "args") + (self._infos(kwargs, "kwargs") if kwargs else [])
+        notes: list[str] = []
+        ins = self._infos([(args, "args"), (kwargs, "kwargs")] if kwargs else [(args, "args")],
+                          "inputs", notes)
         out = func(*args, **kwargs)
         if recorded(out):
             name = resolve_name(func) or getattr(func, "__qualname__", None) or str(func)
             path, line, code = _user_frame(sys._getframe(1))
             where = self._modules.current if self._modules is not None else None
-            op = OpRecord(len(self.ops), name, where or "",
-                          path, line, code, ins, self._infos(out, "out"))
+            op = OpRecord(len(self.ops), name, where or "", path, line, code, ins,
+                          self._infos([(out, "out")], "outputs", notes), notes=notes)
             if copies is not None:
                 kind = _created(copies, out, self._kept)
                 if kind is not None:
@@ -517,8 +542,8 @@ def _arm_hooks(model: nn.Module, recorder: OpRecorder, arm: Callable[[str, int],
         tensors: list[tuple[str, torch.Tensor]] = []
         if isinstance(output, torch.Tensor):
             tensors = [("out", output)]
-        else:
-            find_tensors(output, "out", tensors, [])
+        else:  # capped as the capture's walk was, so the paths compare
+            find_tensors(output, "out", tensors, [], left_out=LeftOut())
         infos = []
         for p, t in tensors:
             info = TensorInfo(p, list(t.shape), dtype_name(t.dtype), t.requires_grad)

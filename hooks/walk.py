@@ -41,7 +41,10 @@ class LeftOut:
     first_over: str | None = None
     deep: int = 0
     first_deep: str | None = None
-    _seen: set[int] | None = dataclasses.field(default=None, repr=False)
+    # ids of the recorded tensors (and of what was counted); ``_src[:_upto]`` are in it
+    _seen: set[int] | None = dataclasses.field(default=None, repr=False, compare=False)
+    _src: list | None = dataclasses.field(default=None, repr=False, compare=False)
+    _upto: int = dataclasses.field(default=0, repr=False, compare=False)
 
     @property
     def total(self) -> int:
@@ -52,7 +55,12 @@ class LeftOut:
              deep: bool) -> None:
         if self._seen is None:
             self._seen = set()
-        self._seen.update(id(t) for _, t in tensors)  # recorded ones are not left out
+        # recorded ones are not left out; only those recorded since the last call are added
+        # (the list only grows during a walk), so a walk with many left-out parts stays linear
+        if tensors is not self._src or len(tensors) < self._upto:
+            self._src, self._upto = tensors, 0
+        self._seen.update(id(t) for _, t in tensors[self._upto:])
+        self._upto = len(tensors)
         n, first = _count_tensors(obj, path, self._seen)
         if not n:
             return
@@ -63,16 +71,21 @@ class LeftOut:
             self.over += n
             self.first_over = self.first_over or first
 
-    def notes(self, side: str, recorded: int) -> list[str]:
+    def notes(self, side: str, recorded: int, *, who: str = "a call", limit: int | None = None,
+              knob: str = "hooks.walk.MAX_TENSORS", when: str = "the capture") -> list[str]:
         """One line per cap that left tensors out of ``side`` (``"inputs"``/``"outputs"``)
-        of a call that recorded ``recorded`` tensors; empty when nothing was left out."""
+        of a call that recorded ``recorded`` tensors; empty when nothing was left out.
+
+        ``who`` (``"a call"``, ``"an op"``), ``limit`` (the cap the walk ran with; None:
+        :data:`MAX_TENSORS`), ``knob`` (the setting that raises it) and ``when`` (before what
+        to set it) word the first line."""
         out = []
         if self.over:
+            cap = MAX_TENSORS if limit is None else limit
             out.append(
                 f"{side}: {recorded} tensor(s) recorded, {self.over} not recorded (the first "
-                f"left out: {self.first_over}): a call records at most {MAX_TENSORS} tensors "
-                "per side (hooks.walk.MAX_TENSORS; set it higher before the capture to record "
-                "more)")
+                f"left out: {self.first_over}): {who} records at most {cap} tensors per side "
+                f"({knob}; set it higher before {when} to record more)")
         if self.deep:
             out.append(
                 f"{side}: {self.deep} tensor(s) not recorded (the first left out: "
@@ -116,6 +129,7 @@ def find_tensors(
     others: list[tuple[str, str]],
     depth: int = 0,
     left_out: LeftOut | None = None,
+    limit: int | None = None,
 ) -> None:
     """Append ``(path, tensor)`` for each tensor inside ``obj`` to ``tensors``.
 
@@ -129,26 +143,30 @@ def find_tensors(
             shape to record: ``nn.TransformerEncoder``'s padding fast path makes them), so the
             caller can say what it could not record.
         depth: current depth (callers pass nothing).
-        left_out: with one, ``tensors`` never grows past :data:`MAX_TENSORS` and every tensor
-            a cap left out is counted there (containers holding them are not put in
-            ``others``). Without one (hooks.ops) the caps only stop the walk from entering
-            further containers, and what they held is not said.
+        left_out: with one, ``tensors`` never grows past ``limit`` and every tensor a cap
+            left out is counted there (containers holding them are not put in ``others``).
+            Without one the caps only stop the walk from entering further containers, and
+            what they held is not said.
+        limit: the cap on ``len(tensors)``; None reads :data:`MAX_TENSORS` (``hooks.ops``
+            passes its own, smaller one).
     """
+    if limit is None:
+        limit = MAX_TENSORS
     if isinstance(obj, torch.Tensor):
         if obj.is_nested:
             others.append((path, "nested tensor"))
             return
+        if left_out is not None and len(tensors) >= limit:
+            left_out._add(obj, path, tensors, deep=False)  # skips a tensor already recorded
+            return
         for _, t in tensors:
             if t is obj:
                 return
-        if left_out is not None and len(tensors) >= MAX_TENSORS:
-            left_out._add(obj, path, tensors, deep=False)
-            return
         tensors.append((path, obj))
         return
     if isinstance(obj, _SCALARS):
         return
-    full = len(tensors) >= MAX_TENSORS
+    full = len(tensors) >= limit
     if depth >= MAX_DEPTH or full:
         if left_out is not None:
             before = left_out.total
@@ -159,14 +177,14 @@ def find_tensors(
         return
     if isinstance(obj, (tuple, list)):
         for i, v in enumerate(obj):
-            find_tensors(v, f"{path}[{i}]", tensors, others, depth + 1, left_out)
+            find_tensors(v, f"{path}[{i}]", tensors, others, depth + 1, left_out, limit)
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            find_tensors(v, f"{path}.{k}", tensors, others, depth + 1, left_out)
+            find_tensors(v, f"{path}.{k}", tensors, others, depth + 1, left_out, limit)
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             find_tensors(getattr(obj, f.name), f"{path}.{f.name}", tensors, others, depth + 1,
-                         left_out)
+                         left_out, limit)
     else:
         others.append((path, type(obj).__name__))
 

@@ -7,7 +7,8 @@ chosen call is recorded), so the UI never blocks. A replay that did not reproduc
 recorded outputs is shown as *diverged*, with no ops: they would describe another computation.
 
 Rows: op, the user's ``file:line``, output shape and a flag; below, the selected op's source
-line, input and output statistics and, for the op that created NaN/Inf, the offending row.
+line, input and output statistics, the op's notes (tensors a cap left out) and, for the op
+that created NaN/Inf, the offending row.
 ``f`` jumps to that op; ``u`` (or Esc) steps back out to the step view.
 """
 
@@ -158,6 +159,7 @@ class OpsScreen(ViewScreen):
         parts.append(Text(shapes, style="dim"))
         if cols:
             parts.append(stats_table(cols))
+        parts.extend(Text(f"• {n}", style="yellow") for n in op.notes)  # what caps left out
         self.query_one("#op-detail", Static).update(Group(*parts))
 
     def action_cursor(self, delta: int) -> None:
