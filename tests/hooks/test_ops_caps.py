@@ -276,3 +276,34 @@ def test_left_out_counts_deep_and_over_together_as_the_capture_says(monkeypatch)
     assert (f"outputs: {len(deep_before)} tensor(s) not recorded (the first left out: "
             f"{deep_before[0]})") in notes
     assert len(deep) >= len(deep_before) > 0
+
+
+class Pieces(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 10)
+
+    def forward(self, x):
+        return list(self.lin(x).unbind(-1))
+
+
+def test_stepping_into_a_call_with_more_outputs_than_the_cap_replays_without_diverging(
+        monkeypatch):
+    monkeypatch.setattr(hooks.walk, "MAX_TENSORS", 4)
+    torch.manual_seed(5)
+    model = nn.Sequential(Pieces())
+    x = torch.randn(2, 3)
+    with hooks.capture(model) as trace:
+        model(x)
+    assert len(trace.call("0").outputs) == 4  # the capture recorded the first 4 of 10
+    ot = trace.ops("0", 0)
+    assert ot.diverged == ""  # the replay's outputs are walked with the same cap
+    op = _op(ot.ops, "unbind")
+    with torch.no_grad():
+        h = model[0].lin(x)
+    for i, info in enumerate(op.outputs):
+        _assert_stats(info, h[..., i])
+    (note,) = op.notes
+    m = OVER.match(note)
+    assert (int(m.group(2)), int(m.group(3)), m.group(4), m.group(6)) == (
+        4, 10 - 4, "out[4]", "hooks.walk.MAX_TENSORS")
