@@ -5,7 +5,8 @@ Outputs of real models nest tensors in tuples, lists, dicts, dataclasses and HF 
 a few levels deep (:data:`MAX_DEPTH`) and stops after a fixed number of tensors
 (:data:`MAX_TENSORS`), so a module handed a list of hundreds of tensors does not turn one call
 into hundreds of records. What a cap left out is counted (:class:`LeftOut`) and said on the call
-(:meth:`LeftOut.notes`), never called a non-tensor part.
+(:meth:`LeftOut.notes`), or on the op when stepping in (``hooks.ops``, whose cap is smaller),
+never called a non-tensor part. Counting is linear in what the walk visits.
 """
 
 from __future__ import annotations
