@@ -166,8 +166,10 @@ def make_loading_app(loader: Callable[[], object], *, loading_text: str | None =
                   **kwargs)
 
 
-class DiffApp(TerminalOutput, App[int]):
-    """``mdb diff A B``: the changed tensors, and each call of A beside B."""
+class DiffApp(KeysInOrder, TerminalOutput, App[int]):
+    """``mdb diff A B``: the changed tensors, and each call of A beside B. Keys typed in one
+    burst act in order (:class:`tui.keys.KeysInOrder`), also in ``mdb diff --dtype``'s
+    subclass."""
 
     CSS_PATH = "app.tcss"
     TITLE = "mdb diff"

@@ -16,11 +16,14 @@ from textual.app import App
 
 from tui import messages
 from tui.driver import TerminalOutput
+from tui.keys import KeysInOrder
 from tui.screens.base import CTRL_C_QUITS
 
 
-class LiveApp(TerminalOutput, App[int]):
-    """An app whose only screen (until ``c``) is one :class:`tui.screens.live.LiveScreen`.
+class LiveApp(KeysInOrder, TerminalOutput, App[int]):
+    """An app whose only screen (until ``c``) is one :class:`tui.screens.live.LiveScreen`. Keys
+    typed in one burst act in order, each on the view on screen when it is handled
+    (:class:`tui.keys.KeysInOrder`).
 
     Args:
         screen: The live screen to show.

@@ -78,16 +78,18 @@ def run_edit(args: argparse.Namespace) -> int:
 
 
 def _app(screen):
-    """A Textual app showing ``screen`` (mdb's stylesheet, Ctrl-C quits)."""
+    """A Textual app showing ``screen`` (mdb's stylesheet, Ctrl-C quits, keys typed in one burst
+    act in order: :class:`tui.keys.KeysInOrder`)."""
     from pathlib import Path
 
     from textual.app import App
 
     import tui.app
     from tui.driver import TerminalOutput
+    from tui.keys import KeysInOrder
     from tui.screens.base import CTRL_C_QUITS
 
-    class EditDiffApp(TerminalOutput, App[int]):
+    class EditDiffApp(KeysInOrder, TerminalOutput, App[int]):
         CSS_PATH = str(Path(tui.app.__file__).with_name("app.tcss"))
         TITLE = "mdb diff --edit"
         ENABLE_COMMAND_PALETTE = False

@@ -42,6 +42,7 @@ from textual.widgets.selection_list import Selection
 from textual.worker import Worker, WorkerState
 
 from tui.driver import TerminalOutput
+from tui.keys import KeysInOrder
 from tui.screens.base import CTRL_C_QUITS, MdbScreen
 from tui.screens.compare_data import (
     MAX_RUNS,
@@ -106,6 +107,16 @@ class RunChoices(SelectionList):
         mark = "✓" if option.value in self.selected else " "
         segments[1] = Segment(mark, inner.style, inner.control)
         return Strip(segments, strip.cell_length)
+
+    def action_select(self) -> None:
+        """Space (or a click): toggle the highlighted run at once. Textual's toggles it in a
+        message posted to itself, after the key has been handled, so an Enter typed right
+        after the space (a priority binding) would apply the choice without it."""
+        index = self.highlighted
+        if index is not None:
+            option = self.get_option_at_index(index)
+            if not option.disabled:
+                self.toggle(option)
 
 
 class RunPicker(ModalScreen[list[str] | None]):
@@ -472,8 +483,9 @@ class CompareScreen(MdbScreen):
         self.app.push_screen(HelpScreen(text))
 
 
-class CompareApp(TerminalOutput, App[int]):
-    """The app of ``mdb compare`` and ``mdb ablate``: one :class:`CompareScreen`."""
+class CompareApp(KeysInOrder, TerminalOutput, App[int]):
+    """The app of ``mdb compare`` and ``mdb ablate``: one :class:`CompareScreen`. Keys typed in
+    one burst act in order (:class:`tui.keys.KeysInOrder`)."""
 
     CSS_PATH = ["../app.tcss", "compare.tcss"]
     TITLE = "mdb compare"
