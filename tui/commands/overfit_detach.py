@@ -7,7 +7,8 @@ the database:
 
 * ``--detach`` prints the run's name, the trainer's pid and the ``mdb watch`` line, and returns;
 * the live screen is ``mdb watch``'s viewer of that run, with its keys (``d`` detach, ``p``
-  pause, ``x`` stop, ``q`` asks, Ctrl-C detaches): losing the terminal loses only the view.
+  pause, ``x`` stop, ``q`` asks, Ctrl-C detaches): losing the terminal loses only the view. A
+  SIGTERM detaches too, with the same line, and the viewer exits 143.
 
 Until the run exists (the model is being built), Ctrl-C stops the trainer and nothing is
 recorded; a trainer that exits before its run exists is said with its last line.
@@ -195,12 +196,27 @@ def _wait_for_trainer(proc: subprocess.Popen, name: str, say: str | None = None)
         return None
 
 
+def _run_app(app) -> bool:
+    """Run the viewer app; True when a SIGTERM closed it. :class:`tui.driver.TerminalOutput`
+    then raises ``SystemExit(143)``: caught here, so that the viewer still says what became of
+    the trainer (a process of its own, which the signal did not reach) before it exits 143."""
+    try:
+        app.run()
+    except SystemExit:
+        if not app.terminated_by_signal:
+            raise
+        return True
+    return False
+
+
 def run_viewer(args: argparse.Namespace) -> int:
     """The live ``mdb overfit``: start the trainer, then view its run until the viewer is
     closed; returns the exit status (0 detached or stopped; the trainer's when the run ended
-    on its own: 0 finished, 1 failed)."""
+    on its own: 0 finished, 1 failed; 143 when a SIGTERM closed the viewer, after the same line
+    as ``q``: detached while the run trains on)."""
     from hooks.runs.store import RunStore
     from tui.commands.stop import detached_line, ended_line
+    from tui.driver import SIGTERM_EXIT_CODE
     from tui.live_app import make_watch_app
     from tui.screens.live_controls import STOPPED
 
@@ -209,15 +225,20 @@ def run_viewer(args: argparse.Namespace) -> int:
     info = wait_for_run(proc, name, db, log)
     with RunStore(db) as store:
         app = make_watch_app(store, info, heartbeat=getattr(args, "heartbeat", 1.0))
-        app.run()
+        terminated = _run_app(app)
         screen = app.live
         if screen.fatal:
             raise MdbError(f"{screen.fatal} (the trainer goes on: pid {proc.pid})")
         ended = screen.state not in ("reading", "running", "paused")
         if screen.outcome != STOPPED and not ended and proc.poll() is None:
-            # d, Ctrl-C, q → d; or closed before the first read: it goes on either way
+            # d, Ctrl-C, q → d, SIGTERM; or closed before the first read: it goes on either way
             print(detached_line(name, proc.pid, args.db))
-            return 0
+            return SIGTERM_EXIT_CODE if terminated else 0
+        if terminated and screen.outcome == STOPPED and proc.poll() is None:
+            # asked to stop, then SIGTERM: not waited for (a terminated command ends promptly)
+            print(f"mdb: run {name} stops after its current step (it goes on in the background "
+                  f"until then: pid {proc.pid})", file=sys.stderr)
+            return SIGTERM_EXIT_CODE
         code = _wait_for_trainer(
             proc, name, f"mdb: asked run {name} to stop; waiting for its checkpoint…"
             if screen.outcome == STOPPED else None)
@@ -227,6 +248,8 @@ def run_viewer(args: argparse.Namespace) -> int:
     line = ended_line(final, args.db)
     if final.status == "failed":
         print(f"mdb: error: {line}: {final.reason}", file=sys.stderr)
-        return 1
+        return SIGTERM_EXIT_CODE if terminated else 1
     print(line)
+    if terminated:
+        return SIGTERM_EXIT_CODE
     return 0 if screen.outcome == STOPPED or final.status == "finished" else code
