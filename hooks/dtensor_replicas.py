@@ -9,18 +9,26 @@ almost every piece differs from every other rank's. So it is done in two stages:
 
 1. **At the hook** (:meth:`Fingerprint.of`): the piece's shape and dtype, and the
    :func:`position_checksum` of the histogram sample the statistics take anyway (at most
-   :data:`hooks.stats.HIST_SAMPLE` strided values; all of a piece that small, which is then
-   exact). Pieces whose sample differ are not replicas. A larger CPU piece is *held* (no
-   copy; with its version counter, ``Tensor._version``) until the capture ends.
+   :data:`hooks.stats.HIST_SAMPLE` strided finite values as fp32; all of a piece that small,
+   which is then exact where fp32 holds its dtype's every value and it has no NaN/Inf).
+   Pieces whose samples differ are not replicas. Where the sample is not the whole piece, a
+   CPU piece is *held* (no copy; with its version counter and its storage's address and size)
+   until the capture ends, within :data:`MAX_HELD_BYTES` per capture; past that, and for a
+   parameter's storage, an inference tensor (no version counter) or a piece of another device
+   (read through a host copy that is not kept), the whole piece is checksummed at once.
 2. **At the reduction** (:func:`candidates`, :func:`wholes`, :func:`confirm`; or
-   :func:`replicas`, all three): only where two ranks' samples matched and the piece is
-   larger than its sample, each of those ranks takes the checksum of its whole piece, and the
-   ranks compare them (one more ``all_gather``, or in the one that brings the histograms). A
-   held piece written in place since its hook (its version moved) cannot be compared any
-   more: the tensor is *lost* on every rank (not recorded, never counted by a guess).
+   :func:`replicas`, all three): only where two ranks' samples matched and a sample is not
+   its whole piece, each of those ranks takes the checksum of its whole piece, and the ranks
+   compare them (one more ``all_gather``, or in the one that brings the histograms). A held
+   piece written in place since its hook (its version moved) or whose storage was freed or
+   moved (FSDP2 frees an unsharded parameter's storage without a version bump) cannot be
+   compared any more: the tensor is *lost* on every rank of the mesh (not recorded, never
+   counted by a guess).
 
-A piece holding NaN or Inf (its sample skips them), or on another device than the CPU (read
-through a host copy that is not kept), is checksummed whole at the hook, as before.
+The checksum weighs each element's bits by pseudo-random 64-bit row and column weights
+(:func:`position_checksum`), so that structured differences (a permutation, one-hot rows with
+the same counts) do not cancel out. A user's tensor is never handed to numpy (which would mark
+its storage as not resizable, and FSDP2 resizes its parameters' storage).
 
 This module never imports textual, rich or tui.
 """
@@ -38,64 +46,76 @@ from hooks.stats import HIST_SAMPLE
 __all__ = ["Fingerprint", "candidates", "confirm", "position_checksum", "replicas", "wholes"]
 
 _WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_POSITIONS = torch.zeros(0, dtype=torch.int64)
-_NP_POSITIONS: Any = None
+#: Dtypes whose every value fp32 holds exactly: a piece of one of them is its fp32 sample.
+_LOSSLESS = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.bool,
+             torch.uint8, torch.int8, torch.int16)
+#: At most this many bytes of pieces are held for the exit per capture; past it a piece is
+#: checksummed whole at its hook.
+MAX_HELD_BYTES = 256 << 20
+_ROW, _COL = 0x5851F42D4C957F2D, 0x14057B7EF767814F  # the two weight streams' seeds
+_CHUNK = 1 << 16  # elements per block of the whole-piece checksum (an int64 copy of a block)
+_WEIGHTS: dict[tuple[int, str], torch.Tensor] = {}
 
 
-def _positions(n: int, device: torch.device) -> torch.Tensor:
-    """``1, 2, …, n`` as int64 on ``device`` (cached: the longest asked for so far, sliced)."""
-    global _POSITIONS
-    if _POSITIONS.numel() < n or _POSITIONS.device != device:
-        size = max(n, 2 * _POSITIONS.numel() if _POSITIONS.device == device else n)
-        _POSITIONS = torch.arange(1, size + 1, dtype=torch.int64, device=device)
-    return _POSITIONS[:n]
-
-
-def _checksum_np(m: Any) -> torch.Tensor:
-    """:func:`position_checksum` of an (R, C) integer
-    numpy array, from its row and column sums in int64 (wrapping like torch's int64)."""
+def _mix(i: Any, seed: int) -> Any:
+    """splitmix64 of the uint64 array ``i`` (Steele, Lea and Flood, "Fast splittable
+    pseudorandom number generators", 2014), made odd: wrapping uint64 arithmetic."""
     import numpy as np
 
-    global _NP_POSITIONS
-    r, c = m.shape
-    if _NP_POSITIONS is None or _NP_POSITIONS.size < max(r, c):
-        _NP_POSITIONS = np.arange(1, max(r, c, 1 << 12) + 1, dtype=np.int64)
-    pos = _NP_POSITIONS
-    cols = m.sum(0, dtype=np.int64)
-    v = int((cols * pos[:c]).sum())  # (array arithmetic wraps silently, as torch's does)
-    if r > 1:
-        v += int((m.sum(1, dtype=np.int64) * ((pos[:r] - 1) * c)).sum())
-    return torch.tensor((v + (1 << 63)) % (1 << 64) - (1 << 63), dtype=torch.int64)
+    z = i * np.uint64(0x9E3779B97F4A7C15) + np.uint64(seed)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return (z ^ (z >> np.uint64(31))) | np.uint64(1)
+
+
+def _weights(n: int, seed: int, device: torch.device) -> torch.Tensor:
+    """The first ``n`` weights of stream ``seed`` as int64 on ``device`` (cached: the longest
+    asked for so far, sliced)."""
+    key = (seed, str(device))
+    w = _WEIGHTS.get(key)
+    if w is None or w.numel() < n:
+        import numpy as np
+
+        size = max(n, 2 * (w.numel() if w is not None else 0), 1024)
+        own = _mix(np.arange(size, dtype=np.uint64), seed).view(np.int64)  # our own array
+        w = _WEIGHTS[key] = torch.from_numpy(own).to(device)
+    return w[:n]
 
 
 def position_checksum(x: torch.Tensor) -> torch.Tensor:
-    """``Σ_i bits(x_i) · (i + 1)`` over the elements of ``x`` in row-major order, as a 0-dim
-    ``int64`` tensor (on the CPU for a CPU tensor, else on ``x``'s device).
+    """``Σ_ij bits(x_ij) · r_i · c_j`` over the (R, C) view of ``x`` (C its last dimension; a
+    0-dim tensor is (1, 1)), wrapping in ``int64``, as a 0-dim ``int64`` tensor on ``x``'s
+    device.
 
     Each element's bit pattern is read as an integer of its width (``float32`` → ``int32``,
-    ``bfloat16`` → ``int16``, ``bool`` as bytes) and weighted by its position + 1; the sum
-    wraps in ``int64`` (two's complement, the same on every rank and every machine: integer
-    sums, no floating-point rounding). Equal tensors have equal checksums; changing one element,
-    or moving elements to other positions (a transposed or permuted tensor of the same shape),
-    changes it except by a collision of the 64-bit sum. Taken from row and column sums (no
-    int64 copy of the tensor): position ``i·C + j + 1`` of element ``(i, j)`` of the
-    (R, C) view gives ``C · Σ_i i·r_i + Σ_j (j + 1)·c_j``.
+    ``bfloat16`` → ``int16``, ``bool`` as bytes); ``r`` and ``c`` are fixed pseudo-random odd
+    64-bit weights (splitmix64 of the row and of the column index, two streams), the same in
+    every process and on every machine: integer arithmetic, no rounding. Equal tensors have
+    equal checksums. Two different tensors of one shape collide only when the weighted sum of
+    their difference vanishes modulo 2**64, with no structure to it: unlike a sum weighted by
+    position (which depends only on row and column sums, so two one-hot masks with the same
+    loads, or a permutation with the same positional sum, collide), a reordering, a swapped
+    pair of rows or columns, or one-hot rows with equal counts all change it. Taken in blocks
+    of rows (an int64 copy of one block at a time); the tensor is only read (never handed to
+    numpy, which would mark its storage as not resizable).
     """
     y = x.reshape(-1)
     if y.dtype == torch.bool:
         y = y.view(torch.uint8)
     width = _WIDTH[y.element_size()]
     ints = y if y.dtype == width else y.view(width)
-    n, c = ints.numel(), x.shape[-1] if x.dim() else 1
-    if ints.is_cpu:  # numpy's integer sums run 2-3x faster than torch's on CPU
-        r = n // c if c >= 16 and n // c >= 16 else 1  # small, or one long row: (1, n)
-        return _checksum_np(ints.numpy().reshape(r, n // r))
-    if c < 16 or n // c < 16:
-        return (ints.to(torch.int64) * _positions(n, ints.device)).sum()
+    n = ints.numel()
+    total = torch.zeros((), dtype=torch.int64, device=ints.device)
+    if not n:
+        return total
+    c = max(x.shape[-1] if x.dim() else 1, 1)
     m = ints.view(n // c, c)
-    rows, cols = m.sum(1, dtype=torch.int64), m.sum(0, dtype=torch.int64)
-    pos = _positions(max(n // c, c), ints.device)
-    return (rows * (pos[:n // c] - 1)).sum() * c + (cols * pos[:c]).sum()
+    rw, cw = _weights(n // c, _ROW, ints.device), _weights(c, _COL, ints.device)
+    step = max(1, _CHUNK // c)
+    for a in range(0, n // c, step):
+        block = m[a:a + step].to(torch.int64) * cw  # (out of place: for an int64 piece
+        total += (block.sum(1) * rw[a:a + step]).sum()  # .to returns the piece itself)
+    return total
 
 
 def _shape_key(x: torch.Tensor) -> int:
@@ -110,38 +130,58 @@ def _layout_key(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 
 class Fingerprint:
-    """One piece's fingerprint (see the module docstring): ``shape`` (its shape and dtype),
-    ``cheap`` (checksum of its sample, or of the whole piece where ``full`` is set at the hook),
-    ``sample`` (the sample, until :func:`fill_cheap` takes its checksum), ``held`` and
-    ``version`` (the piece and its version counter, where its whole checksum may be wanted at
-    the reduction)."""
+    """One piece's fingerprint (see the module docstring): ``shape`` (a hash of its shape and
+    dtype, shifted left, its low bit set where the sample is the whole piece bit for bit),
+    ``cheap`` (checksum of its sample), ``sample`` (until :func:`fill_cheap` takes that),
+    ``full`` (checksum of the whole piece, where taken at the hook), ``held``, ``version`` and
+    ``storage`` (the piece, its version counter and its storage's address and size, where its
+    whole checksum may be wanted at the reduction)."""
 
-    __slots__ = ("shape", "cheap", "sample", "full", "held", "version")
+    __slots__ = ("shape", "cheap", "sample", "full", "held", "version", "storage")
 
     def __init__(self, shape: int, cheap: int | None = None, full: int | None = None) -> None:
         self.shape, self.cheap, self.full = shape, cheap, full
         self.sample: torch.Tensor | None = None
         self.held: torch.Tensor | None = None
         self.version = 0
+        self.storage = (0, 0)
+
+    @property
+    def exact(self) -> bool:
+        """Whether the sample is the whole piece, bit for bit."""
+        return bool(self.shape & 1)
 
     @classmethod
-    def of(cls, x: torch.Tensor, sample: torch.Tensor | None, hold: bool) -> Fingerprint:
+    def of(cls, x: torch.Tensor, sample: torch.Tensor, finite: bool, hold: bool
+           ) -> Fingerprint:
         """The fingerprint of piece ``x`` (its host copy, for a piece of another device).
 
         Args:
-            x: The piece, as the statistics read it.
-            sample: Its histogram sample, in order (all of ``x`` when ``x`` has at most
-                :data:`~hooks.stats.HIST_SAMPLE` elements); ``None`` where ``x`` holds
-                NaN/Inf (the sample skips them): ``x`` is then checksummed whole.
-            hold: Whether ``x`` may be held until the reduction (a CPU piece, not a copy).
+            x: The piece.
+            sample: Its histogram sample of finite values, in order, as fp32 or fp64 (all of
+                ``x`` when ``x`` has at most :data:`~hooks.stats.HIST_SAMPLE` elements).
+            finite: Whether ``x`` holds no NaN and no Inf.
+            hold: Whether ``x`` may be held until the reduction (a CPU piece that is not a
+                copy and not a parameter's storage, within the capture's
+                :data:`MAX_HELD_BYTES`). Otherwise, or where ``x`` counts no versions (an
+                inference tensor), a piece whose sample is not all of it is checksummed whole
+                now.
         """
-        fp = cls(_shape_key(x))
-        if sample is None or (not hold and x.numel() > HIST_SAMPLE):
-            fp.full = fp.cheap = int(position_checksum(x))
-            return fp
+        exact = finite and x.numel() <= HIST_SAMPLE and x.dtype in _LOSSLESS
+        fp = cls(_shape_key(x) << 1 | int(exact))
         fp.sample = sample
-        if x.numel() > HIST_SAMPLE:
-            fp.held, fp.version = x, x._version
+        if exact:
+            return fp
+        if hold:
+            try:
+                version = x._version
+            except RuntimeError:  # an inference tensor counts no versions
+                pass
+            else:
+                st = x.untyped_storage()
+                fp.held, fp.version, fp.storage = x, version, (st.data_ptr(), st.nbytes())
+                return fp
+        fp.full = int(position_checksum(x))
         return fp
 
     @classmethod
@@ -150,14 +190,17 @@ class Fingerprint:
         return cls(-1, -1 - rank, -1 - rank)
 
     def whole(self) -> int | None:
-        """The checksum of the whole piece; ``None`` where it was held and written in place
-        since its hook (its values are gone)."""
-        if self.full is None and self.held is None:  # the sample was all of it
+        """The checksum of the whole piece; ``None`` where it was held and has changed since its
+        hook: written in place (its version moved), or its storage freed or moved (FSDP2 frees
+        an unsharded parameter's storage without a version bump)."""
+        if self.full is None and self.held is None:  # the sample is all of it
             self.full = self.cheap
         elif self.full is None:
-            if self.held._version != self.version:
+            x = self.held
+            st = x.untyped_storage()
+            if x._version != self.version or (st.data_ptr(), st.nbytes()) != self.storage:
                 return None
-            self.full = int(position_checksum(self.held))
+            self.full = int(position_checksum(x))
         return self.full
 
     def release(self) -> None:
@@ -166,35 +209,20 @@ class Fingerprint:
 
 
 def fill_cheap(fps: list[Fingerprint | None]) -> None:
-    """Take the sample checksum of every fingerprint that has none yet, all at once, positions
-    counted from 1 within each sample.
+    """Take the sample checksum of every fingerprint that has none yet, all at once: each
+    sample's :func:`position_checksum` as a 1-D tensor, from one zero-padded (N, L) matrix of
+    their bits per bit width."""
+    from torch.nn.utils.rnn import pad_sequence
 
-    32-bit samples (all but fp64 pieces'): one zero-padded (N, L) matrix of their bits as fp64
-    times the positions. Exact, so the same on every rank and equal to the integer definition:
-    each product is below 2**41 in magnitude and each sum of at most
-    :data:`~hooks.stats.HIST_SAMPLE` of them below 2**51, integers fp64 holds exactly in any
-    order of summation. 64-bit ones: in int64, one concatenation."""
     todo: dict[int, list[Fingerprint]] = {}
     for fp in fps:
         if fp is not None and fp.cheap is None:
             todo.setdefault(fp.sample.element_size(), []).append(fp)
-    narrow = todo.pop(4, None)
-    if narrow:
-        from torch.nn.utils.rnn import pad_sequence
-
-        assert max(fp.sample.numel() for fp in narrow) <= HIST_SAMPLE  # (the bound above)
-        m = pad_sequence([fp.sample.reshape(-1) for fp in narrow], batch_first=True)
-        sums = m.view(torch.int32).double() @ _positions(m.shape[1], m.device).double()
-        for fp, v in zip(narrow, sums.tolist(), strict=True):
-            fp.cheap = int(v)
     for width, group in todo.items():
-        lens = torch.tensor([fp.sample.numel() for fp in group])
-        flat = torch.cat([fp.sample.reshape(-1) for fp in group])
-        bits = flat.view(_WIDTH[width]).to(torch.int64)
-        starts = torch.cumsum(lens, 0) - lens
-        which = torch.repeat_interleave(torch.arange(len(group)), lens)
-        pos = torch.arange(1, flat.numel() + 1) - starts[which]
-        sums = torch.zeros(len(group), dtype=torch.int64).index_add_(0, which, bits * pos)
+        m = pad_sequence([fp.sample.reshape(-1) for fp in group], batch_first=True)
+        bits = m.view(_WIDTH[width]).to(torch.int64)  # (padding: zeros, weighing nothing)
+        sums = (bits * _weights(m.shape[1], _COL, m.device)).sum(1) * _weights(1, _ROW,
+                                                                               m.device)
         for fp, v in zip(group, sums.tolist(), strict=True):
             fp.cheap = v
 
@@ -207,37 +235,40 @@ def table(fps: list[Fingerprint | None]) -> torch.Tensor:
                         dtype=torch.int64).view(-1, 2)
 
 
-def candidates(got: torch.Tensor, plain: torch.Tensor, numel: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def candidates(got: torch.Tensor, plain: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cand, need)`` along one mesh dimension, from every coordinate's :func:`table`:
     (S, S, N) bool, ``cand[c, c', i]``: piece ``i`` of coordinate ``c`` has the fingerprint of
     that of a lower coordinate ``c'`` (both told by fingerprints); (M,) int64, the tensors
-    where such a pair's pieces are larger than their samples, to be compared whole
+    where such a pair's samples are not the whole pieces, to be compared whole
     (:func:`wholes`, :func:`confirm`). The same on every rank that holds the same ``got``.
 
     Args:
         got: (S, N, 2) int64: every coordinate's :func:`table` (S ranks along the dimension,
-            N tensors in the same order on each).
+            in group-rank order; N tensors in the same order on each).
         plain: (S, N) bool: the pieces told by fingerprints (not by placements).
-        numel: (S, N): each piece's number of elements.
     """
     s = plain.shape[0]
     lower = torch.ones(s, s, dtype=torch.bool).tril(-1)  # [c, c']: c' < c
     cand = (got[:, None] == got[None, :]).all(-1) & lower[:, :, None]  # (S, S, N)
     cand &= plain[:, None, :] & plain[None, :, :]
-    big = numel > HIST_SAMPLE  # (S, N): the sample is not the whole piece
-    return cand, (cand & big[:, None, :]).any(1).any(0).nonzero().flatten()
+    inexact = (got[:, :, 1] & 1) == 0  # (S, N): the sample is not the whole piece
+    return cand, (cand & inexact[:, None, :]).any(1).any(0).nonzero().flatten()
 
 
 def wholes(cand: torch.Tensor, need: torch.Tensor, fps: list[Fingerprint | None],
            me: int) -> torch.Tensor:
     """(M, 2) int64: this rank's whole-piece checksum of each tensor of ``need`` where its
     piece is in a candidate pair (0 elsewhere: not compared), and 1 in the second column
-    where it was lost (written in place since its hook)."""
+    where it could not be taken (written in place or freed since its hook, or the checksum
+    failed: never raised here, between two collectives). ``me``: this rank's rank in the
+    group (its row of ``cand``)."""
     mine = (cand[me].any(0) | cand[:, me].any(0))[need].tolist()
     vals = []
     for j, i in zip(mine, need.tolist(), strict=True):
-        whole = fps[i].whole() if j and fps[i] is not None else 0
+        try:
+            whole = fps[i].whole() if j and fps[i] is not None else 0
+        except Exception:  # an unreadable piece: lost, on every rank, after the exchange
+            whole = None
         vals.append([0, 1] if whole is None else [whole, 0])
     return torch.tensor(vals, dtype=torch.int64).view(-1, 2)
 
@@ -251,23 +282,24 @@ def confirm(cand: torch.Tensor, need: torch.Tensor, every: torch.Tensor
     lost = torch.zeros(cand.shape[-1], dtype=torch.bool)
     if need.numel():
         cand = cand.clone()
-        cand[:, :, need] &= every[:, None, :, 0] == every[None, :, :, 0]
-        lost[need] = every[:, :, 1].any(0)
+        ok = every[:, :, 1] == 0  # (S, M): a checksum was taken
+        cand[:, :, need] &= ((every[:, None, :, 0] == every[None, :, :, 0])
+                             & ok[:, None, :] & ok[None, :, :])
+        lost[need] = ~ok.all(0)
     return cand.any(1), lost
 
 
-def replicas(got: torch.Tensor, plain: torch.Tensor, numel: torch.Tensor,
-             fps: list[Fingerprint | None], me: int, group: Any
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def replicas(got: torch.Tensor, plain: torch.Tensor, fps: list[Fingerprint | None], me: int,
+             group: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Which pieces are replicas of a lower coordinate's, along one mesh dimension:
     :func:`candidates`, then (where whole pieces are compared) one ``all_gather`` on ``group``
     of every coordinate's :func:`wholes`, and :func:`confirm`. Every rank of ``group`` calls
     this with the same ``got``.
 
     Args:
-        got, plain, numel: As for :func:`candidates`.
+        got, plain: As for :func:`candidates`.
         fps: This rank's N fingerprints.
-        me: This rank's coordinate along the dimension.
+        me: This rank's rank in ``group``.
         group: The dimension's process group.
 
     Returns:
@@ -275,7 +307,7 @@ def replicas(got: torch.Tensor, plain: torch.Tensor, numel: torch.Tensor,
     """
     import torch.distributed as dist
 
-    cand, need = candidates(got, plain, numel)
+    cand, need = candidates(got, plain)
     every = None
     if need.numel():  # the same on every rank of the group: computed from the same table
         row = wholes(cand, need, fps, me)

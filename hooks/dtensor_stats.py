@@ -73,6 +73,7 @@ from typing import Any
 import torch
 
 from hooks.dtensor_replicas import (
+    MAX_HELD_BYTES,
     Fingerprint,
     candidates,
     confirm,
@@ -290,13 +291,11 @@ def _light(x: torch.Tensor) -> tuple[list[float], list[float]]:
     return [count, nan, inf, n, bit, -lo, hi], [0.0, ss, count, 1.0]
 
 
-def _fingerprint(x: torch.Tensor, head: list[float], sample: torch.Tensor,
-                 hold: bool) -> Fingerprint:
-    """The :class:`~hooks.dtensor_replicas.Fingerprint` of piece ``x`` whose :func:`_moments`
-    are ``head`` and ``sample`` (a piece with NaN/Inf is checksummed whole: its sample skips
-    them). Weighting by position tells a reordering apart: the embeddings of a cyclic shift
-    of the same tokens (the windows of a periodic text) have the same plain sum of bits."""
-    return Fingerprint.of(x, sample if not (head[1] or head[2]) else None, hold)
+def _aliases_parameter(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a parameter or a view of one (FSDP2 frees an unsharded parameter's
+    storage after the step, without moving its version counter)."""
+    return isinstance(t, torch.nn.Parameter) or isinstance(getattr(t, "_base", None),
+                                                           torch.nn.Parameter)
 
 
 def _mesh_groups(mesh: Any) -> list[Any]:
@@ -335,6 +334,7 @@ class MeshStats:
         self._meshes: list[Any] = [mesh]
         self._canon: dict[int, tuple[Any, Any]] = {id(mesh): (mesh, mesh)}
         self._planned = 1
+        self._held = 0  # bytes of pieces held for the exit (hooks.dtensor_replicas)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, bins: int = NUM_BINS) -> MeshStats | None:
@@ -419,8 +419,21 @@ class MeshStats:
             head, sums = _light(x)
             return _Entry(mesh, weights, head, sums, _EMPTY, None, key, light=True)
         head, sums, sample = _moments(x)
-        fp = _fingerprint(x, head, sample, hold=t.is_cpu) if wanted else None
+        fp = self._fingerprint(x, head, sample, t.is_cpu and not _aliases_parameter(t)) \
+            if wanted else None
         return _Entry(mesh, weights, head, sums, sample, fp, key)
+
+    def _fingerprint(self, x: torch.Tensor, head: list[float], sample: torch.Tensor,
+                     hold: bool) -> Fingerprint:
+        """The :class:`~hooks.dtensor_replicas.Fingerprint` of piece ``x`` whose
+        :func:`_moments` are ``head`` and ``sample``; held (``hold``) while the capture holds
+        less than :data:`hooks.dtensor_replicas.MAX_HELD_BYTES`."""
+        size = x.numel() * x.element_size()
+        fp = Fingerprint.of(x, sample, not (head[1] or head[2]),
+                            hold and self._held + size <= MAX_HELD_BYTES)
+        if fp.held is not None:
+            self._held += size
+        return fp
 
     def _on_main_mesh(self, mesh: Any, weights: list[float]) -> list[float | None] | None:
         """A DTensor activation on a sub-mesh of the capture's mesh (a tensor-parallel layer's
@@ -607,7 +620,7 @@ class MeshStats:
         else:
             e.head, e.sums, e.sample = _moments(x)
         if spread:
-            e.fingerprint = _fingerprint(x, e.head, e.sample, hold=True)  # (x: the sum)
+            e.fingerprint = self._fingerprint(x, e.head, e.sample, True)  # (x: the sum)
 
     def _reduce(self, mesh: Any, idxs: list[int], out: list, trace: Any, same: bool) -> None:
         groups = _mesh_groups(mesh)
@@ -643,9 +656,13 @@ class MeshStats:
             weights, lost = self._weights(entries, mesh, groups)
             mom, mm = _matrices(entries)
             mom[:, :_BITS] *= weights[:, None]
+            # a tensor lost along one dimension is lost on every rank of the mesh: its flag
+            # rides with the maxima
+            mm = torch.cat([mm, lost.double()[:, None]], 1)
             for g in groups:
                 dist.all_reduce(mom, group=g)
                 dist.all_reduce(mm, op=dist.ReduceOp.MAX, group=g)
+            lost, mm = mm[:, 2] > 0, mm[:, :2].contiguous()
             hist = self._histograms(entries, mm, weights)
             for g in groups:
                 dist.all_reduce(hist, group=g)
@@ -692,9 +709,9 @@ class MeshStats:
         dist.all_gather(got, mine, group=group)
         every = torch.stack(got)  # (S, N, 15)
         moms, top = every[:, :, 4:13], every[:, :, 13:15].amax(0)
-        me = (mesh.get_coordinate() or [0])[0]
+        me = dist.get_rank(group)  # this rank's row of every gathered table
         cand, need = candidates(every[:, :, 2:4].contiguous().view(torch.int64),
-                                every[:, :, 1] > 0, moms[:, :, _NUMEL])
+                                every[:, :, 1] > 0)
         hist = self._histograms(entries, top, static)  # (N, bins + 1), unweighted
         whole = wholes(cand, need, fps, me).view(torch.float64)  # (M, 2), bits as they are
         row = torch.cat([hist.reshape(-1), whole.reshape(-1)])
@@ -723,20 +740,18 @@ class MeshStats:
         w = _static_weights(entries)
         fps = [e.fingerprint for e in entries]
         tab = table(fps)
-        numel = torch.tensor([e.head[3] for e in entries], dtype=torch.int64)
         lost = torch.zeros(len(entries), dtype=torch.bool)
-        coord = mesh.get_coordinate() or [0] * mesh.ndim
         for d, g in enumerate(groups):
             # along this dimension: plain tensors, and DTensors of a sub-mesh without it
             plain = torch.tensor([e.weights is None or e.weights[d] is None for e in entries],
                                  dtype=torch.int64)
-            mine = torch.cat([tab, plain[:, None], numel[:, None]], 1)
+            mine = torch.cat([tab, plain[:, None]], 1)
             got = [torch.zeros_like(mine) for _ in range(dist.get_world_size(g))]
             dist.all_gather(got, mine, group=g)
-            every = torch.stack(got)  # (S, N, 4)
-            replica, gone = replicas(every[:, :, :2], every[:, :, 2] > 0, every[:, :, 3], fps,
-                                     coord[d], g)
-            w[replica[coord[d]]] = 0.0
+            every = torch.stack(got)  # (S, N, 3), in group-rank order
+            me = dist.get_rank(g)
+            replica, gone = replicas(every[:, :, :2], every[:, :, 2] > 0, fps, me, g)
+            w[replica[me]] = 0.0
             lost |= gone
         return w, lost
 

@@ -20,7 +20,10 @@ orders), ``tp_partial_uneven`` (the same; rank 0 alone meets one more), ``fsdp_t
 (4 ranks, ``fsdp_tp`` with :class:`OrderNet`: two more meshes, met in different orders),
 ``tp_mesh_uneven`` (``tp`` with :class:`OrderNet`: rank 0 alone meets a DTensor of another
 1-D mesh), ``fsdp_replicas`` and ``fsdp_tp_replicas`` (``fsdp`` and ``fsdp_tp`` with
-:class:`ReplicaNet`).
+:class:`ReplicaNet`), ``fsdp_probes`` (``fsdp`` with :class:`ProbeNet`, then one more step
+uncaptured), ``fsdp_infer`` (``fsdp_replicas``, the capture's forward under
+``torch.inference_mode``)
+and ``fsdp_tp_lost`` (``fsdp_tp`` with :class:`LostNet`).
 """
 
 from __future__ import annotations
@@ -245,6 +248,60 @@ def replica_pieces(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return base, off
 
 
+class ProbeNet(Net):
+    """:class:`Net` that first shows crafted plain tensors (:func:`probe_pieces`) to
+    ``nn.Identity`` modules ``probes.<name>``, and its own parameter ``pos`` (sharded by FSDP2
+    with the root: during the step a plain, unsharded parameter whose storage FSDP2 frees
+    afterwards) to ``probes.pos``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.linspace(-1.0, 1.0, 64 * 32).view(64, 32))
+        self.probes = nn.ModuleDict({k: nn.Identity() for k in [*probe_pieces(0), "pos"]})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for k, t in probe_pieces(dist.get_rank()).items():
+            self.probes[k](t)
+        y = self.probes["pos"](self.pos)
+        return super().forward(x) + 0.0 * y.sum()
+
+
+def probe_pieces(rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s pieces of :class:`ProbeNet`: pairs of different tensors that a checksum
+    weighted by position alone takes for equal (one-hot masks with the same loads, ``eye(2)``
+    and its flip, ``[5, 7, 6]`` and ``[6, 5, 7]``), and int64 ids past 2**24 that differ by
+    one (their fp32 samples are equal); every pair differs between ranks 0 and 1."""
+    rows = 16
+    onehot = torch.zeros(rows, 8)
+    cols = [i % 8 for i in range(rows)] if rank == 0 else \
+        [(i + 1) % 8 if i < 8 else (i - 1) % 8 for i in range(rows)]
+    onehot[torch.arange(rows), torch.tensor(cols)] = 1.0
+    return {"onehot": onehot, "eye": torch.eye(2) if rank == 0 else torch.eye(2).flip(0),
+            "tokens": torch.tensor([[5.0, 7.0, 6.0]] if rank == 0 else [[6.0, 5.0, 7.0]]),
+            "ids": torch.tensor([2**24 + rank, 3, 4])}
+
+
+class LostNet(Net):
+    """:class:`Net` that first shows one larger plain tensor to ``nn.Identity`` ``t`` on a
+    (dp, tp) = (2, 2) mesh: on dp row 0 the two tp ranks' pieces differ outside the sample and
+    are written in place after the hook; on dp row 1 both hold another tensor, a replica."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rank = dist.get_rank()
+        base, off = replica_pieces(1)
+        if rank // 2 == 0:
+            t = (base if rank % 2 == 0 else off).clone()
+            self.t(t)
+            t.mul_(2.0)
+        else:
+            self.t(torch.linspace(-2.0, 2.0, base.numel()).cos())
+        return super().forward(x)
+
+
 def batch(step: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of ``step``: inputs (ROWS, D_IN) and targets (ROWS, D_OUT)."""
     g = torch.Generator().manual_seed(100 + step)
@@ -301,14 +358,14 @@ def _setup(scenario: str, mesh, rank: int, world: int):
         model = build_seq()
         _sequence_parallel(model, mesh)
         return (model, *seq_batch())
-    if scenario in ("fsdp_tp", "fsdp_tp_replicas"):
-        if scenario == "fsdp_tp_replicas":
-            torch.manual_seed(0)
-            model = ReplicaNet()
-        return _two_d(model, world, rank, x, y)
-    if scenario == "fsdp_replicas":
+    if scenario in ("fsdp_tp", "fsdp_tp_replicas", "fsdp_tp_lost"):
         torch.manual_seed(0)
-        model = ReplicaNet()
+        model = {"fsdp_tp": Net, "fsdp_tp_replicas": ReplicaNet, "fsdp_tp_lost": LostNet}[
+            scenario]()
+        return _two_d(model, world, rank, x, y)
+    if scenario in ("fsdp_replicas", "fsdp_probes", "fsdp_infer"):
+        torch.manual_seed(0)
+        model = ProbeNet() if scenario == "fsdp_probes" else ReplicaNet()
     if scenario == "fsdp_tp_order":  # the ranks meet two more meshes in different orders
         ab = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("a", "b"))
         torch.manual_seed(0)
@@ -364,10 +421,16 @@ def main() -> None:
                 with torch.no_grad():
                     model.blocks[1].w2.weight.to_local()[0, 0] = float("nan")
             model.zero_grad(set_to_none=True)
-        with hooks.capture(model) as trace:
+        if scenario == "fsdp_infer":
+            with hooks.capture(model) as trace, torch.inference_mode():
+                model(x)
+        else:
+            with hooks.capture(model) as trace:
+                F.mse_loss(model(x), y).backward()
+                if scenario == "fsdp_uneven" and rank == 1:  # a call rank 0 does not make
+                    model.blocks[0].act(torch.full((3,), 0.5))
+        if scenario == "fsdp_probes":  # FSDP2 resizes the storage the capture read
             F.mse_loss(model(x), y).backward()
-            if scenario == "fsdp_uneven" and rank == 1:  # a call rank 0 does not make
-                model.blocks[0].act(torch.full((3,), 0.5))
         _dump(trace, Path(args.out) / f"{scenario}.rank{rank}.json")
     dist.barrier()
     dist.destroy_process_group()

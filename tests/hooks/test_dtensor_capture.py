@@ -26,7 +26,7 @@ from tests.conftest import terminal_signals
 
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = ("fsdp", "fsdp_keep", "tp", "fsdp_nan", "fsdp_uneven", "fsdp_mp", "tp_sp",
-             "tp_partial", "fsdp_replicas")
+             "tp_partial", "fsdp_replicas", "fsdp_probes", "fsdp_infer")
 RTOL = 1e-5
 
 
@@ -161,16 +161,57 @@ def test_larger_replicas_are_told_from_pieces_that_differ_outside_their_samples(
 
 
 @pytest.mark.slow
+def test_pieces_a_position_weighted_checksum_confuses_are_counted_on_each_rank(job):
+    """Each pair of :func:`tests.dtensor_worker.probe_pieces` differs between the ranks: both
+    pieces count (a checksum weighted by position alone took each pair for one replica, and
+    the fp32 sample of int64 ids past 2**24 for the ids). ``pos``, an FSDP2 parameter shown to
+    a module (the same unsharded tensor on both ranks, its storage freed after the step), is
+    one replica; and the step after the capture runs (the capture left that storage
+    resizable)."""
+    got = _read(job, "fsdp_probes", 0)
+    assert got == _read(job, "fsdp_probes", 1)
+    fwd = _by_call(got)
+    for name in ("onehot", "eye", "tokens", "ids"):
+        pieces = torch.cat([worker.probe_pieces(r)[name].reshape(-1) for r in (0, 1)]).double()
+        st = fwd[(f"probes.{name}", 0)]["outputs"][0]["stats"]
+        assert st["numel"] == pieces.numel(), (name, st["numel"])
+        assert _close(st["mean"], float(pieces.mean())), name
+        assert _close(st["l2"], float(pieces.norm())), name
+    pos = torch.linspace(-1.0, 1.0, 64 * 32).double()
+    st = fwd[("probes.pos", 0)]["outputs"][0]["stats"]
+    assert st["numel"] == pos.numel() and _close(st["l2"], float(pos.norm())), st
+
+
+@pytest.mark.slow
+def test_under_inference_mode_larger_pieces_are_compared_whole_at_their_hooks(job):
+    """Inference tensors count no versions, so none is held for the exit: each is checksummed
+    whole at its hook, ``later`` too (written in place after it, counted as it was then)."""
+    got = _read(job, "fsdp_infer", 0)
+    assert got == _read(job, "fsdp_infer", 1)
+    base, off1 = worker.replica_pieces(1)
+    fwd = _by_call(got)
+    for module, want in (("same", base), ("off", torch.cat([base, off1])), ("later", base)):
+        st = fwd[(module, 0)]["outputs"][0]["stats"]
+        want = want.double()
+        assert st is not None and st["numel"] == want.numel(), (module, st)
+        assert _close(st["mean"], float(want.mean())) and _close(st["l2"], float(want.norm()))
+
+
+@pytest.mark.slow
 def test_a_2d_mesh_of_fsdp2_and_tensor_parallel_on_4_ranks(tmp_path):
     """dp × tp = 2 × 2: the column-parallel weights are _StridedShard × Shard, the layers'
     inputs DTensors of the tp sub-mesh, every rank's pair its own rows; all four ranks hold
     the numbers of the unsharded model on the global batch. With
     :class:`tests.dtensor_worker.ReplicaNet` (``fsdp_tp_replicas``): larger plain tensors
     compared whole along each mesh dimension."""
-    out = _torchrun(tmp_path, 4, "fsdp_tp,fsdp_tp_replicas")
+    out = _torchrun(tmp_path, 4, "fsdp_tp,fsdp_tp_replicas,fsdp_tp_lost")
     rep = [_read(out, "fsdp_tp_replicas", r) for r in range(4)]
     assert all(g == rep[0] for g in rep[1:])
     _check_replicas(rep[0])
+    # a tensor whose pieces could not be compared along one dimension (dp row 0: written in
+    # place) is not recorded on any rank, also on dp row 1, whose own pair was comparable
+    lost = [_by_call(_read(out, "fsdp_tp_lost", r))[("t", 0)] for r in range(4)]
+    assert all(c["outputs"][0]["stats"] is None for c in lost), lost
     got = [_read(out, "fsdp_tp", r) for r in range(4)]
     assert all(g == got[0] for g in got[1:])
     ref, _ = _reference()

@@ -1,8 +1,9 @@
 """The checksums ``hooks.dtensor_stats`` uses to tell a replica (the same tensor on two ranks,
 counted once) from a shard or another rank's data (counted on each): equal bits give equal
-checksums; a reordering of the same elements gives another one (hooks.dtensor_replicas).
-The two-stage comparison across ranks is tested in a real job: tests/hooks/test_dtensor_capture.py
-(scenario ``fsdp_replicas``)."""
+checksums; a reordering, or a structured difference that a position-weighted sum misses,
+gives another one (hooks.dtensor_replicas). The two-stage comparison across ranks is tested
+in a real job: tests/hooks/test_dtensor_capture.py (scenarios ``fsdp_replicas``,
+``fsdp_probes`` and ``fsdp_tp_replicas``)."""
 
 from __future__ import annotations
 
@@ -11,16 +12,51 @@ import torch
 from hooks.dtensor_replicas import Fingerprint, _shape_key, fill_cheap, position_checksum
 from hooks.stats import HIST_SAMPLE
 
+_M = (1 << 64) - 1
+
+
+def _splitmix(i: int, seed: int) -> int:
+    """splitmix64 (Steele, Lea and Flood 2014) of ``i`` in Python integers, made odd."""
+    z = (i * 0x9E3779B97F4A7C15 + seed) & _M
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M
+    return (z ^ (z >> 31)) | 1
+
+
+_ROW, _COL = 0x5851F42D4C957F2D, 0x14057B7EF767814F
+
+
+def _by_definition(x: torch.Tensor) -> int:
+    """Σ_ij bits(x_ij) r_i c_j over the (R, C) view, wrapped to int64, in Python integers."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    y = x.reshape(-1)
+    if y.dtype == torch.bool:
+        y = y.view(torch.uint8)
+    c = max(x.shape[-1] if x.dim() else 1, 1)
+    v = 0
+    for k, b in enumerate(y.view(ints).tolist()):
+        v += b * _splitmix(k // c, _ROW) * _splitmix(k % c, _COL)
+    v &= _M
+    return v - (1 << 64) if v >> 63 else v
+
 
 def _fp(x: torch.Tensor) -> tuple[int, int]:
     return int(position_checksum(x)), _shape_key(x)
 
 
-def _by_definition(x: torch.Tensor) -> int:
-    """sum of bits(x_i) * (i + 1), wrapped to int64, with Python integers."""
-    ints = {4: torch.int32, 8: torch.int64, 2: torch.int16}[x.element_size()]
-    v = sum(b * (i + 1) for i, b in enumerate(x.reshape(-1).view(ints).tolist()))
-    return (v + (1 << 63)) % (1 << 64) - (1 << 63)
+def test_the_checksum_is_its_definition_for_every_layout():
+    g = torch.Generator().manual_seed(2)
+    for shape in [(5,), (3, 7), (40, 33), (17, 16), (2, 20, 30), (3, 70000 // 3)]:
+        x = torch.randn(shape, generator=g)  # (the last: several blocks of rows)
+        assert int(position_checksum(x)) == _by_definition(x), shape
+    h = torch.randn(24, 32, generator=g).to(torch.bfloat16)
+    assert int(position_checksum(h)) == _by_definition(h)
+    b = torch.rand(9, 4, generator=g) > 0.5
+    assert int(position_checksum(b)) == _by_definition(b)
+    assert int(position_checksum(torch.tensor(2.5))) == _by_definition(torch.tensor(2.5))
+    ids = torch.randint(-2**62, 2**62, (70, 1000), generator=g)  # int64: read, never written
+    kept = ids.clone()
+    assert int(position_checksum(ids)) == _by_definition(ids) and torch.equal(ids, kept)
 
 
 def test_equal_tensors_have_equal_fingerprints_and_a_copy_is_one():
@@ -40,47 +76,78 @@ def test_the_embeddings_of_a_cyclic_shift_of_the_same_tokens_differ():
     assert _fp(a) != _fp(b)
 
 
+def test_structured_differences_a_position_weighted_sum_misses_are_told_apart():
+    # one-hot masks with the same load per column and one 1 per row: equal row and column sums
+    rows = 16
+    a, b = torch.zeros(rows, 8), torch.zeros(rows, 8)
+    a[torch.arange(rows), torch.arange(rows) % 8] = 1.0
+    b[torch.arange(rows), torch.tensor([(i + 1) % 8 if i < 8 else (i - 1) % 8
+                                        for i in range(rows)])] = 1.0
+    assert torch.equal(a.sum(0), b.sum(0)) and torch.equal(a.sum(1), b.sum(1))
+    assert not torch.equal(a, b) and _fp(a) != _fp(b)
+    assert _fp(torch.eye(2)) != _fp(torch.eye(2).flip(0))
+    # 5·1 + 7·2 + 6·3 == 6·1 + 5·2 + 7·3: a sum weighted by position + 1 collides
+    assert _fp(torch.tensor([[5.0, 7.0, 6.0]])) != _fp(torch.tensor([[6.0, 5.0, 7.0]]))
+
+
 def test_one_changed_element_or_another_shape_changes_the_fingerprint():
     x = torch.zeros(4, 6)
     y = x.clone()
     y[3, 5] = 1e-30
     assert _fp(x) != _fp(y)
     assert _fp(x)[1] != _fp(x.reshape(6, 4))[1]
+    assert _fp(x)[1] != _fp(x.double())[1]
     assert _fp(torch.tensor([True, False]))[0] != _fp(torch.tensor([False, True]))[0]
     assert _fp(torch.zeros(0))[0] == 0
 
 
-def test_the_checksum_is_its_definition_for_every_layout_the_fast_paths_take():
-    g = torch.Generator().manual_seed(2)
-    for shape in [(5,), (3, 7), (40, 33), (17, 16), (16, 17), (2, 20, 30)]:
-        x = torch.randn(shape, generator=g)
-        assert int(position_checksum(x)) == _by_definition(x), shape
-    h = torch.randn(24, 32, generator=g).to(torch.bfloat16)
-    assert int(position_checksum(h)) == _by_definition(h)
+def test_the_checksum_leaves_the_storage_resizable():
+    # FSDP2 frees and re-allocates an unsharded parameter's storage with resize_: a checksum
+    # through numpy would have marked it not resizable, and the next step would fail
+    x = torch.randn(64, 32)
+    position_checksum(x)
+    x.untyped_storage().resize_(0)
+    assert x.untyped_storage().nbytes() == 0
 
 
 def test_sample_checksums_taken_all_at_once_equal_each_samples_own():
     g = torch.Generator().manual_seed(3)
     xs = [torch.randn(n, generator=g) for n in (1, 7, HIST_SAMPLE)]
     xs.append(torch.randn(50, generator=g, dtype=torch.float64))
-    fps = [Fingerprint.of(x, x, hold=True) for x in xs]
+    fps = [Fingerprint.of(x, x, finite=True, hold=True) for x in xs]
     fill_cheap(fps)
     assert [fp.cheap for fp in fps] == [_by_definition(x) for x in xs]
-    # a piece no larger than its sample is compared whole from the sample alone
+    # a piece no larger than its sample, of a dtype fp32 holds, is compared from it alone
+    assert all(fp.exact for fp in fps)
     assert [fp.whole() for fp in fps] == [fp.cheap for fp in fps]
 
 
-def test_a_larger_piece_is_held_and_its_whole_checksum_is_lost_once_written_in_place():
+def test_a_sample_is_not_the_piece_where_fp32_rounds_it_or_it_skips_non_finite_values():
+    ids = torch.tensor([2**24 + 1, 3, 4])  # int64 past 2**24: its fp32 sample rounds
+    fp = Fingerprint.of(ids, ids.float(), finite=True, hold=False)
+    assert not fp.exact and fp.full == _by_definition(ids)
+    z = torch.tensor([1.0, float("nan"), 2.0])
+    fp = Fingerprint.of(z, z[~z.isnan()], finite=False, hold=False)
+    assert not fp.exact and fp.full == _by_definition(z)
+
+
+def test_a_larger_piece_is_held_and_its_whole_checksum_is_lost_once_changed():
     x = torch.randn(3 * HIST_SAMPLE, generator=torch.Generator().manual_seed(4))
-    fp = Fingerprint.of(x, x[::5].clone(), hold=True)
-    assert fp.held is x
+    fp = Fingerprint.of(x, x[::5].clone(), finite=True, hold=True)
+    assert fp.held is x and not fp.exact
     assert fp.whole() == _by_definition(x)
     y = x.clone()
-    fq = Fingerprint.of(y, y[::5].clone(), hold=True)
-    y.mul_(2)
+    fq = Fingerprint.of(y, y[::5].clone(), finite=True, hold=True)
+    y.mul_(2)  # written in place: its version moves
     assert fq.whole() is None
-    # a piece that may not be held (a host copy of a device tensor) or holds NaN: whole now
+    w = x.clone()
+    fw = Fingerprint.of(w, w[::5].clone(), finite=True, hold=True)
+    w.untyped_storage().resize_(0)  # freed as FSDP2 frees a parameter: no version bump
+    assert fw.whole() is None
+    # a piece that may not be held (a host copy, past the budget) or an inference tensor
     z = x.clone()
-    assert Fingerprint.of(z, z[::5].clone(), hold=False).full == _by_definition(z)
-    z[0] = float("nan")
-    assert Fingerprint.of(z, None, hold=True).full == _by_definition(z)
+    assert Fingerprint.of(z, z[::5].clone(), finite=True, hold=False).full == _by_definition(z)
+    with torch.inference_mode():
+        i = x.clone()
+    fi = Fingerprint.of(i, i[::5].clone(), finite=True, hold=True)
+    assert fi.held is None and fi.full == _by_definition(i)
