@@ -13,8 +13,7 @@ whole job, not as this rank's piece of it (:class:`MeshStats`):
   else ``zero_exact`` is False, as in one process), NaN and Inf counts, the number of
   elements, min and max, a histogram sample (at most :data:`hooks.stats.HIST_SAMPLE` values)
   and, for a plain tensor, a fingerprint of its bits (:mod:`hooks.dtensor_replicas`: the
-  position-weighted checksum of that sample, and of the whole piece only where another rank's
-  sample matched).
+  checksum of that sample, and of the whole piece only where another rank's sample matched).
 * **Each element is counted once.** A DTensor's placements say it: a ``Shard`` mesh dimension
   holds different elements on each rank (counted on all), a ``Replicate`` one the same elements
   (counted on coordinate 0 only). A ``Partial`` DTensor's piece is kept (a copy) and reduced

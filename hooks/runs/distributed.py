@@ -35,9 +35,9 @@ uses a :class:`RankLink`); without one, nothing here is used. How it works:
   all-reduce) and a post-hook one per parameter (after the update); rank 0 compares them
   across ranks. DDP keeps both bitwise identical on every rank, so any difference is a
   finding: a parameter that diverged (a desync), a gradient that was not all-reduced.
-  A checksum is the position-weighted sum of the tensor's bit patterns as integers
-  (:func:`tensor_checksum`): it changes with any single element, and with a reordering of
-  the same values.
+  A checksum is a sum of the tensor's bit patterns as integers, weighted by pseudo-random
+  row and column weights (:func:`tensor_checksum`): it changes with any single element, and
+  with a reordering of the same values.
 
 This module never imports textual, rich or tui.
 """

@@ -1,6 +1,6 @@
-"""Checksums compared across the ranks of a distributed run: the position-weighted sum of a
-tensor's bit patterns as integers (:func:`tensor_checksum`), which changes with any single
-element and with a reordering of the elements, taken of many
+"""Checksums compared across the ranks of a distributed run: a sum of a tensor's bit patterns
+as integers weighted by pseudo-random row and column weights (:func:`tensor_checksum`), which
+changes with any single element and with a reordering of the elements, taken of many
 tensors at once (:func:`checksums`) and compared rank against rank (:func:`compare_checksums`).
 Used by :mod:`hooks.runs.distributed` (re-exported there)."""
 
@@ -28,20 +28,21 @@ def replica_key(name: str, t: Any) -> str:
 
 
 def tensor_checksum(t: Any) -> Any:
-    """The position-weighted sum of a tensor's bit patterns as integers, a 0-dim ``int64``
-    tensor (on the CPU for a CPU tensor, else on its device):
-    :func:`hooks.dtensor_stats.position_checksum` (complex tensors as their real and imaginary
-    parts).
+    """A weighted sum of a tensor's bit patterns as integers, a 0-dim ``int64`` tensor (on the
+    CPU for a CPU tensor, else on its device):
+    :func:`hooks.dtensor_replicas.position_checksum` (complex tensors as their real and
+    imaginary parts).
 
     Every element's bits are read as an integer of its width (``float32`` → ``int32``,
-    ``bfloat16`` → ``int16`` …, ``bool`` as bytes), times its row-major position + 1, summed in
-    ``int64`` (wrapping; the same on every rank). Two tensors with equal bits have equal
-    checksums; a change of any one element changes it, and so does a reordering of the same
-    values (a permuted or transposed copy of the same shape).
+    ``bfloat16`` → ``int16`` …, ``bool`` as bytes), times fixed pseudo-random 64-bit weights of
+    its row and of its column, summed in ``int64`` (wrapping; the same on every rank). Two
+    tensors with equal bits have equal checksums; a change of any one element changes it, and
+    so does a reordering of the same values (a permuted or transposed copy of the same shape).
+    The tensor is only read.
     """
     import torch
 
-    from hooks.dtensor_stats import position_checksum
+    from hooks.dtensor_replicas import position_checksum
 
     x = t.detach()
     if x.is_complex():

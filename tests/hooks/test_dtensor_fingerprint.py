@@ -11,33 +11,7 @@ import torch
 
 from hooks.dtensor_replicas import Fingerprint, _shape_key, fill_cheap, position_checksum
 from hooks.stats import HIST_SAMPLE
-
-_M = (1 << 64) - 1
-
-
-def _splitmix(i: int, seed: int) -> int:
-    """splitmix64 (Steele, Lea and Flood 2014) of ``i`` in Python integers, made odd."""
-    z = (i * 0x9E3779B97F4A7C15 + seed) & _M
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M
-    return (z ^ (z >> 31)) | 1
-
-
-_ROW, _COL = 0x5851F42D4C957F2D, 0x14057B7EF767814F
-
-
-def _by_definition(x: torch.Tensor) -> int:
-    """Σ_ij bits(x_ij) r_i c_j over the (R, C) view, wrapped to int64, in Python integers."""
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
-    y = x.reshape(-1)
-    if y.dtype == torch.bool:
-        y = y.view(torch.uint8)
-    c = max(x.shape[-1] if x.dim() else 1, 1)
-    v = 0
-    for k, b in enumerate(y.view(ints).tolist()):
-        v += b * _splitmix(k // c, _ROW) * _splitmix(k % c, _COL)
-    v &= _M
-    return v - (1 << 64) if v >> 63 else v
+from tests.checksum_reference import checksum as _by_definition
 
 
 def _fp(x: torch.Tensor) -> tuple[int, int]:

@@ -20,13 +20,13 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from hooks.runs import distributed
 from hooks.runs.ddp_overfit import rank_windows
 from hooks.runs.store import SCHEMA_VERSION, RunStore, RunStoreError
+from tests.checksum_reference import checksum as reference_checksum
 from tui.cli import main
 
 REPO = Path(__file__).resolve().parents[3]
@@ -42,17 +42,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _bits_sum(t: torch.Tensor) -> int:
-    """Reference: the tensor's bytes (row-major) read by numpy as integers of the element
-    width, each times its position + 1, summed as Python ints and wrapped to int64 (what the
-    checksum promises)."""
-    raw = t.detach().contiguous().view(-1)
-    if raw.dtype == torch.bfloat16:
-        raw = raw.view(torch.int16)
-    arr = raw.numpy()
-    ints = np.frombuffer(arr.tobytes(), dtype={1: np.uint8, 2: np.int16, 4: np.int32,
-                                               8: np.int64}[arr.itemsize])
-    total = sum(int(x) * (i + 1) for i, x in enumerate(ints))
-    return (total + 2**63) % 2**64 - 2**63
+    """Reference: what the checksum promises (tests/checksum_reference.py: the bits weighted by
+    pseudo-random row and column weights, in Python integers)."""
+    return reference_checksum(t)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64])
@@ -87,7 +79,7 @@ def test_checksums_of_missing_bool_and_complex_tensors():
     b = torch.tensor([True, False, True])
     c = torch.tensor([1 + 2j, -3j], dtype=torch.complex64)
     got = distributed.checksums([("none", None), ("b", b), ("c", c)])
-    assert got["none"] is None and got["b"] == 1 * 1 + 3 * 1  # positions 1 and 3
+    assert got["none"] is None and got["b"] == _bits_sum(b.view(torch.uint8))  # as bytes
     assert got["c"] == _bits_sum(torch.view_as_real(c))
 
 
