@@ -674,9 +674,10 @@ class MeshStats:
         gone = sum(1 for row in rows if lost[row])
         if trace is not None and gone:
             trace.notes.append(Note(
-                "sharded", f"{gone} tensor(s) not recorded: written in place before the capture "
-                "ended, so whether the ranks' pieces are replicas (counted once) or different "
-                "data (counted on each) could no longer be told from their bits"))
+                "sharded", f"{gone} tensor(s) not recorded: on some rank written in place (or "
+                "its storage freed) before the capture ended, so whether the ranks' pieces are "
+                "replicas (counted once) or different data (counted on each) could no longer "
+                "be told from their bits"))
         for row, i in zip(rows, idxs, strict=True):
             if self._entries[i].dropped or lost[row]:
                 continue
