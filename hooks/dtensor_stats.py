@@ -333,7 +333,8 @@ class MeshStats:
         self._meshes: list[Any] = [mesh]
         self._canon: dict[int, tuple[Any, Any]] = {id(mesh): (mesh, mesh)}
         self._planned = 1
-        self._held = 0  # bytes of pieces held for the exit (hooks.dtensor_replicas)
+        self._held = 0  # bytes of storages held for the exit (hooks.dtensor_replicas)
+        self._held_storages: set[int] = set()
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, bins: int = NUM_BINS) -> MeshStats | None:
@@ -425,12 +426,18 @@ class MeshStats:
     def _fingerprint(self, x: torch.Tensor, head: list[float], sample: torch.Tensor,
                      hold: bool) -> Fingerprint:
         """The :class:`~hooks.dtensor_replicas.Fingerprint` of piece ``x`` whose
-        :func:`_moments` are ``head`` and ``sample``; held (``hold``) while the capture holds
-        less than :data:`hooks.dtensor_replicas.MAX_HELD_BYTES`."""
-        size = x.numel() * x.element_size()
-        fp = Fingerprint.of(x, sample, not (head[1] or head[2]),
-                            hold and self._held + size <= MAX_HELD_BYTES)
-        if fp.held is not None:
+        :func:`_moments` are ``head`` and ``sample``; held (``hold``) while the storages the
+        capture holds (each counted once, whole: a held view keeps all of its storage alive)
+        stay within :data:`hooks.dtensor_replicas.MAX_HELD_BYTES`."""
+        size = 0
+        if hold:
+            st = x.untyped_storage()
+            ptr = st.data_ptr()
+            size = 0 if ptr in self._held_storages else st.nbytes()
+            hold = self._held + size <= MAX_HELD_BYTES
+        fp = Fingerprint.of(x, sample, not (head[1] or head[2]), hold)
+        if fp.held is not None and size:
+            self._held_storages.add(fp.storage[0])
             self._held += size
         return fp
 

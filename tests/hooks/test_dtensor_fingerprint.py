@@ -125,3 +125,22 @@ def test_a_larger_piece_is_held_and_its_whole_checksum_is_lost_once_changed():
         i = x.clone()
     fi = Fingerprint.of(i, i[::5].clone(), finite=True, hold=True)
     assert fi.held is None and fi.full == _by_definition(i)
+
+
+def test_held_storages_are_counted_once_and_whole_within_the_budget(monkeypatch):
+    import hooks.dtensor_stats as ds
+
+    budget = 3 * 4 * HIST_SAMPLE * 4  # bytes: three fp32 storages of 4·HIST_SAMPLE elements
+    monkeypatch.setattr(ds, "MAX_HELD_BYTES", budget)
+    ms = ds.MeshStats(None)
+    head = [0.0] * 7  # finite (no NaN, no Inf)
+    big = torch.randn(2, 4 * HIST_SAMPLE, generator=torch.Generator().manual_seed(5))
+    views = [big[0], big[1]]  # one storage of 8·HIST_SAMPLE elements: counted once, whole
+    fps = [ms._fingerprint(v, head, v[::5].clone(), True) for v in views]
+    assert all(fp.held is not None for fp in fps)
+    assert ms._held == big.untyped_storage().nbytes()
+    own = torch.randn(4 * HIST_SAMPLE)  # fits: one more storage of 4·HIST_SAMPLE
+    assert ms._fingerprint(own, head, own[::5].clone(), True).held is own
+    late = torch.randn(4 * HIST_SAMPLE)  # past the budget: checksummed whole at once
+    fp = ms._fingerprint(late, head, late[::5].clone(), True)
+    assert fp.held is None and fp.full == _by_definition(late)
