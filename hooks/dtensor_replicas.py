@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -152,8 +153,8 @@ class Fingerprint:
         return bool(self.shape & 1)
 
     @classmethod
-    def of(cls, x: torch.Tensor, sample: torch.Tensor, finite: bool, hold: bool
-           ) -> Fingerprint:
+    def of(cls, x: torch.Tensor, sample: torch.Tensor, finite: bool,
+           hold: bool | Callable[[int, int], bool]) -> Fingerprint:
         """The fingerprint of piece ``x`` (its host copy, for a piece of another device).
 
         Args:
@@ -162,9 +163,11 @@ class Fingerprint:
                 ``x`` when ``x`` has at most :data:`~hooks.stats.HIST_SAMPLE` elements).
             finite: Whether ``x`` holds no NaN and no Inf.
             hold: Whether ``x`` may be held until the reduction (a CPU piece that is not a
-                copy and not a parameter's storage, within the capture's
-                :data:`MAX_HELD_BYTES`). Otherwise, or where ``x`` counts no versions (an
-                inference tensor), a piece whose sample is not all of it is checksummed whole
+                copy and not a parameter's storage), or a callable asked, with the address
+                and size in bytes of ``x``'s storage, once ``x`` is about to be held (the
+                capture's budget, :data:`MAX_HELD_BYTES`). Otherwise, or where ``x`` counts
+                no versions (an inference tensor) or has no storage of its own (a wrapper
+                tensor subclass), a piece whose sample is not all of it is checksummed whole
                 now.
         """
         exact = finite and x.numel() <= HIST_SAMPLE and x.dtype in _LOSSLESS
@@ -174,13 +177,15 @@ class Fingerprint:
             return fp
         if hold:
             try:
-                version = x._version
-            except RuntimeError:  # an inference tensor counts no versions
+                version = x._version  # (an inference tensor counts no versions)
+                st = x.untyped_storage()  # (a wrapper subclass has no storage)
+                storage = (st.data_ptr(), st.nbytes())
+            except (RuntimeError, NotImplementedError, TypeError):
                 pass
             else:
-                st = x.untyped_storage()
-                fp.held, fp.version, fp.storage = x, version, (st.data_ptr(), st.nbytes())
-                return fp
+                if hold is True or hold(*storage):
+                    fp.held, fp.version, fp.storage = x, version, storage
+                    return fp
         fp.full = int(position_checksum(x))
         return fp
 

@@ -429,17 +429,18 @@ class MeshStats:
         :func:`_moments` are ``head`` and ``sample``; held (``hold``) while the storages the
         capture holds (each counted once, whole: a held view keeps all of its storage alive)
         stay within :data:`hooks.dtensor_replicas.MAX_HELD_BYTES`."""
-        size = 0
-        if hold:
-            st = x.untyped_storage()
-            ptr = st.data_ptr()
-            size = 0 if ptr in self._held_storages else st.nbytes()
-            hold = self._held + size <= MAX_HELD_BYTES
-        fp = Fingerprint.of(x, sample, not (head[1] or head[2]), hold)
-        if fp.held is not None and size:
-            self._held_storages.add(fp.storage[0])
-            self._held += size
-        return fp
+        return Fingerprint.of(x, sample, not (head[1] or head[2]), self._admit if hold else False)
+
+    def _admit(self, ptr: int, nbytes: int) -> bool:
+        """Whether a piece of the storage at ``ptr`` (``nbytes`` bytes) may be held: counted
+        once per storage, against :data:`hooks.dtensor_replicas.MAX_HELD_BYTES`."""
+        if ptr in self._held_storages:
+            return True
+        if self._held + nbytes > MAX_HELD_BYTES:
+            return False
+        self._held_storages.add(ptr)
+        self._held += nbytes
+        return True
 
     def _on_main_mesh(self, mesh: Any, weights: list[float]) -> list[float | None] | None:
         """A DTensor activation on a sub-mesh of the capture's mesh (a tensor-parallel layer's
