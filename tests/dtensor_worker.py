@@ -23,7 +23,8 @@ orders), ``tp_partial_uneven`` (the same; rank 0 alone meets one more), ``fsdp_t
 :class:`ReplicaNet`), ``fsdp_probes`` (``fsdp`` with :class:`ProbeNet`, then one more step
 uncaptured), ``fsdp_infer`` (``fsdp_replicas``, the capture's forward under
 ``torch.inference_mode``)
-and ``fsdp_tp_lost`` (``fsdp_tp`` with :class:`LostNet`).
+``fsdp_tp_lost`` (``fsdp_tp`` with :class:`LostNet`) and ``tp_wide`` (``tp`` with
+:class:`WideNet`).
 """
 
 from __future__ import annotations
@@ -47,12 +48,12 @@ if __name__ == "__main__":  # run as a script: tests/ must not shadow the hooks 
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, d: int = D) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(D)
-        self.w1 = nn.Linear(D, 2 * D)
+        self.norm = nn.LayerNorm(d)
+        self.w1 = nn.Linear(d, 2 * d)
         self.act = nn.Tanh()
-        self.w2 = nn.Linear(2 * D, D)
+        self.w2 = nn.Linear(2 * d, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.w2(self.act(self.w1(self.norm(x))))
@@ -70,6 +71,28 @@ class Net(nn.Module):
         for b in self.blocks:
             h = b(h)
         return self.head(h)
+
+
+class WideNet(nn.Module):
+    """:class:`Net` with one block of width ``WIDE``: its activations have more elements than
+    a histogram sample (the row-wise output, replicated on every tp rank, among them)."""
+
+    WIDE = 384
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(D_IN, self.WIDE)
+        self.blocks = nn.ModuleList([Block(self.WIDE)])
+        self.head = nn.Linear(self.WIDE, D_OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks[0](self.embed(x)))
+
+
+def build_wide() -> WideNet:
+    """The wide model every rank (and the reference) starts from."""
+    torch.manual_seed(0)
+    return WideNet()
 
 
 def build() -> Net:
@@ -381,13 +404,15 @@ def _setup(scenario: str, mesh, rank: int, world: int):
         for blk in model.blocks:
             _tp_block(blk, mesh)
         return model, x, y
-    if scenario in ("tp", "tp_partial", "tp_partial_uneven"):
-        if scenario != "tp":
+    if scenario in ("tp", "tp_wide", "tp_partial", "tp_partial_uneven"):
+        if scenario == "tp_wide":
+            model = build_wide()
+        elif scenario != "tp":
             model = build_part()
             model.split_a.mesh = model.split_b.mesh = mesh
             model.order = ("a", "b") if rank == 0 else ("b", "a")
             model.extra = scenario == "tp_partial_uneven" and rank == 0
-        for blk in (model.blocks if scenario == "tp" else [model.block]):
+        for blk in (model.blocks if scenario in ("tp", "tp_wide") else [model.block]):
             _tp_block(blk, mesh)
         return model, x, y
     keep = scenario == "fsdp_keep"

@@ -21,12 +21,13 @@ import torch
 import torch.nn.functional as F
 
 from hooks.dtensor_stats import MeshStats, is_dtensor
+from hooks.stats import HIST_SAMPLE
 from tests import dtensor_worker as worker
 from tests.conftest import terminal_signals
 
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = ("fsdp", "fsdp_keep", "tp", "fsdp_nan", "fsdp_uneven", "fsdp_mp", "tp_sp",
-             "tp_partial", "fsdp_replicas", "fsdp_probes", "fsdp_infer")
+             "tp_partial", "fsdp_replicas", "fsdp_probes", "fsdp_infer", "tp_wide")
 RTOL = 1e-5
 
 
@@ -116,6 +117,10 @@ def _check_activations(got: dict, scenario: str, outs=None) -> None:
                           ("max", t64.max()), ("l2", t64.norm()),
                           ("abs_max", t64.abs().max())):
             assert _close(st[key], float(want)), (scenario, name, key, st[key], float(want))
+        if t.numel() > HIST_SAMPLE:  # each rank's piece is histogrammed on a sample
+            assert 0 < sum(st["hist"]) == st["hist_count"] < t.numel(), name
+            assert st["hist_min"] == st["min"] and st["hist_max"] == st["max"], name
+            continue
         # every value binned once over the full tensor's range (torch.histc's bins; a value
         # on a bin edge may fall on either side after float rounding)
         want = torch.histc(t.float(), bins=len(st["hist"]), min=float(t.min()),
@@ -195,6 +200,19 @@ def test_under_inference_mode_larger_pieces_are_compared_whole_at_their_hooks(jo
         want = want.double()
         assert st is not None and st["numel"] == want.numel(), (module, st)
         assert _close(st["mean"], float(want.mean())) and _close(st["l2"], float(want.norm()))
+
+
+@pytest.mark.slow
+def test_wider_tensor_parallel_activations_are_those_of_the_unsharded_model(job):
+    """Activations larger than a histogram sample: the column-wise output (a shard on each
+    rank, both counted), the row-wise output (a replica after its all-reduce, still in its
+    collective when the hook sees it: counted once), their gradients and parameters."""
+    ref, outs = _reference(build=worker.build_wide)
+    got = _read(job, "tp_wide", 0)
+    assert got == _read(job, "tp_wide", 1)
+    assert max(math.prod(f["outputs"][0]["shape"]) for f in got["forward"]) > 1024
+    _check_params(got, ref)
+    _check_activations(got, "tp_wide", outs)
 
 
 @pytest.mark.slow
