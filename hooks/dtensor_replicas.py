@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from hooks.stats import HIST_SAMPLE
+from hooks.stats import HIST_SAMPLE, _hist_sample
 
 __all__ = ["Fingerprint", "candidates", "confirm", "position_checksum", "replicas", "wholes"]
 
@@ -55,6 +55,7 @@ _LOSSLESS = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.
 MAX_HELD_BYTES = 256 << 20
 _ROW, _COL = 0x5851F42D4C957F2D, 0x14057B7EF767814F  # the two weight streams' seeds
 _CHUNK = 1 << 16  # elements per block of the whole-piece checksum (an int64 copy of a block)
+_CACHED = 1 << 20  # weights cached per stream and device
 _WEIGHTS: dict[tuple[int, str], torch.Tensor] = {}
 
 
@@ -69,53 +70,70 @@ def _mix(i: Any, seed: int) -> Any:
     return (z ^ (z >> np.uint64(31))) | np.uint64(1)
 
 
-def _weights(n: int, seed: int, device: torch.device) -> torch.Tensor:
-    """The first ``n`` weights of stream ``seed`` as int64 on ``device`` (cached: the longest
-    asked for so far, sliced)."""
+def _weights(start: int, n: int, seed: int, device: torch.device) -> torch.Tensor:
+    """Weights ``start`` … ``start + n - 1`` of stream ``seed`` as int64 on ``device``: the
+    first :data:`_CACHED` are cached (grown as asked), later ones made for the call."""
+    import numpy as np
+
+    if start + n > _CACHED:
+        own = _mix(np.arange(start, start + n, dtype=np.uint64), seed).view(np.int64)
+        return torch.from_numpy(own).to(device)  # (our own array)
     key = (seed, str(device))
     w = _WEIGHTS.get(key)
-    if w is None or w.numel() < n:
-        import numpy as np
-
-        size = max(n, 2 * (w.numel() if w is not None else 0), 1024)
-        own = _mix(np.arange(size, dtype=np.uint64), seed).view(np.int64)  # our own array
+    if w is None or w.numel() < start + n:
+        size = min(_CACHED, max(start + n, 2 * (w.numel() if w is not None else 0), 1024))
+        own = _mix(np.arange(size, dtype=np.uint64), seed).view(np.int64)
         w = _WEIGHTS[key] = torch.from_numpy(own).to(device)
-    return w[:n]
+    return w[start:start + n]
 
 
-def position_checksum(x: torch.Tensor) -> torch.Tensor:
-    """``Σ_ij bits(x_ij) · r_i · c_j`` over the (R, C) view of ``x`` (C its last dimension; a
-    0-dim tensor is (1, 1)), wrapping in ``int64``, as a 0-dim ``int64`` tensor on ``x``'s
-    device.
-
-    Each element's bit pattern is read as an integer of its width (``float32`` → ``int32``,
-    ``bfloat16`` → ``int16``, ``bool`` as bytes); ``r`` and ``c`` are fixed pseudo-random odd
-    64-bit weights (splitmix64 of the row and of the column index, two streams), the same in
-    every process and on every machine: integer arithmetic, no rounding. Equal tensors have
-    equal checksums. Two different tensors of one shape collide only when the weighted sum of
-    their difference vanishes modulo 2**64, with no structure to it: unlike a sum weighted by
-    position (which depends only on row and column sums, so two one-hot masks with the same
-    loads, or a permutation with the same positional sum, collide), a reordering, a swapped
-    pair of rows or columns, or one-hot rows with equal counts all change it. Taken in blocks
-    of rows (an int64 copy of one block at a time); the tensor is only read (never handed to
-    numpy, which would mark its storage as not resizable).
-    """
+def _int_view(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(m, c)``: the bits of ``x`` as an (R, c) integer tensor (no copy of a contiguous
+    ``x``): its last dimension's elements read as integers of their width, an 8-byte element
+    as its two 4-byte halves in memory order (so c is twice the last dimension); ``bool`` as
+    bytes."""
     y = x.reshape(-1)
     if y.dtype == torch.bool:
         y = y.view(torch.uint8)
-    width = _WIDTH[y.element_size()]
-    ints = y if y.dtype == width else y.view(width)
-    n = ints.numel()
-    total = torch.zeros((), dtype=torch.int64, device=ints.device)
-    if not n:
-        return total
+    size = y.element_size()
     c = max(x.shape[-1] if x.dim() else 1, 1)
-    m = ints.view(n // c, c)
-    rw, cw = _weights(n // c, _ROW, ints.device), _weights(c, _COL, ints.device)
-    step = max(1, _CHUNK // c)
-    for a in range(0, n // c, step):
-        block = m[a:a + step].to(torch.int64) * cw  # (out of place: for an int64 piece
-        total += (block.sum(1) * rw[a:a + step]).sum()  # .to returns the piece itself)
+    if size == 8:  # two halves: a flipped top bit in two elements would cancel in int64
+        y, c = y.view(torch.int32), 2 * c
+    elif y.dtype != _WIDTH[size]:
+        y = y.view(_WIDTH[size])
+    return y.view(-1, c) if y.numel() else y.view(0, c), c
+
+
+def position_checksum(x: torch.Tensor) -> torch.Tensor:
+    """``Σ_ij bits_ij · r_i · c_j`` over the (R, C) integer view of ``x``'s bits, wrapping in
+    ``int64``, as a 0-dim ``int64`` tensor on ``x``'s device.
+
+    The view (:func:`_int_view`): C is the last dimension (a 0-dim tensor is (1, 1)), each
+    element's bits read as an integer of its width (``float32`` → ``int32``, ``bfloat16`` →
+    ``int16``, ``bool`` as bytes), an 8-byte element as its two 4-byte halves (C doubled: in
+    int64 a flipped sign bit times an odd weight is 2**63, and two of them cancel). ``r`` and
+    ``c`` are fixed pseudo-random odd 64-bit weights (splitmix64 of the row and of the column
+    index, two streams), the same in every process and on every machine: integer arithmetic,
+    no rounding. Equal tensors have equal checksums. Two different tensors of one shape collide
+    only when the weighted sum of their difference vanishes modulo 2**64: unlike a sum
+    weighted by position (which depends only on row and column sums, so two one-hot masks with
+    the same loads, or a permutation with the same positional sum, collide), a reordering, a
+    swapped pair of rows or columns, or one-hot rows with equal counts all change it. Taken in
+    blocks of at most :data:`_CHUNK` elements (an int64 copy of one block at a time); the
+    tensor is only read (never handed to numpy, which would mark its storage as not
+    resizable).
+    """
+    m, c = _int_view(x)
+    total = torch.zeros((), dtype=torch.int64, device=m.device)
+    r, dev = m.shape[0], m.device
+    rows, cols = max(1, _CHUNK // c), min(c, _CHUNK)
+    for a in range(0, r, rows):
+        rw = _weights(a, min(rows, r - a), _ROW, dev)
+        for b in range(0, c, cols):
+            # (out of place: for an int32 view, .to(int32) would return the piece itself)
+            block = m[a:a + rows, b:b + cols].to(torch.int64) * _weights(b, min(cols, c - b),
+                                                                         _COL, dev)
+            total += (block.sum(1) * rw).sum()
     return total
 
 
@@ -145,7 +163,7 @@ class Fingerprint:
         self.sample: torch.Tensor | None = None
         self.held: torch.Tensor | None = None
         self.version = 0
-        self.storage = (0, 0)
+        self.storage = (0, 0)  # (address, bytes) of the held piece's storage at its hook
 
     @property
     def exact(self) -> bool:
@@ -175,7 +193,7 @@ class Fingerprint:
         fp.sample = sample
         if exact:
             return fp
-        if hold:
+        if hold and finite:  # (a held piece's sample is taken again: of finite values)
             try:
                 version = x._version  # (an inference tensor counts no versions)
                 st = x.untyped_storage()  # (a wrapper subclass has no storage)
@@ -196,14 +214,25 @@ class Fingerprint:
 
     def whole(self) -> int | None:
         """The checksum of the whole piece; ``None`` where it was held and has changed since its
-        hook: written in place (its version moved), or its storage freed or moved (FSDP2 frees
-        an unsharded parameter's storage without a version bump)."""
+        hook: written in place (its version moved), its storage freed or moved (FSDP2 frees an
+        unsharded parameter's storage without a version bump), or its sample, taken again,
+        differs (a storage freed and allocated again at the same address, a write through
+        ``.data`` or an in-place collective, which move no version, on a sampled element).
+        A write that moves no version and misses every sampled element is not seen."""
         if self.full is None and self.held is None:  # the sample is all of it
             self.full = self.cheap
         elif self.full is None:
+            if self.cheap is None:
+                fill_cheap([self])
             x = self.held
             st = x.untyped_storage()
             if x._version != self.version or (st.data_ptr(), st.nbytes()) != self.storage:
+                return None
+            xf = x.reshape(-1)
+            if xf.dtype is not torch.float32 and xf.dtype is not torch.float64:
+                xf = xf.float()
+            sample, k = _hist_sample(xf, x.shape[-1] if x.dim() else 1)
+            if int(position_checksum(sample[:k])) != self.cheap:
                 return None
             self.full = int(position_checksum(x))
         return self.full
@@ -225,9 +254,10 @@ def fill_cheap(fps: list[Fingerprint | None]) -> None:
             todo.setdefault(fp.sample.element_size(), []).append(fp)
     for width, group in todo.items():
         m = pad_sequence([fp.sample.reshape(-1) for fp in group], batch_first=True)
-        bits = m.view(_WIDTH[width]).to(torch.int64)  # (padding: zeros, weighing nothing)
-        sums = (bits * _weights(m.shape[1], _COL, m.device)).sum(1) * _weights(1, _ROW,
-                                                                               m.device)
+        # (padding: zeros, weighing nothing; 8-byte values as two halves, as _int_view reads)
+        bits = m.view(torch.int32 if width == 8 else _WIDTH[width]).to(torch.int64)
+        sums = (bits * _weights(0, bits.shape[1], _COL, m.device)).sum(1) * _weights(
+            0, 1, _ROW, m.device)
         for fp, v in zip(group, sums.tolist(), strict=True):
             fp.cheap = v
 

@@ -1,8 +1,8 @@
 """The checksum ``hooks.dtensor_replicas.position_checksum`` promises, computed independently
-with Python integers: ``Σ_ij bits(x_ij) · r_i · c_j`` over the (R, C) view of a tensor (C its
-last dimension), wrapped to int64, where ``r`` and ``c`` are splitmix64 (Steele, Lea and Flood,
-"Fast splittable pseudorandom number generators", 2014) of the row and column index, made odd,
-from two fixed seeds."""
+with Python integers: ``Σ_ij bits(x_ij) · r_i · c_j`` over the (R, C) view of a tensor's bits
+(C its last dimension, doubled for 8-byte elements read as two halves), wrapped to int64,
+where ``r`` and ``c`` are splitmix64 (Steele, Lea and Flood, "Fast splittable pseudorandom
+number generators", 2014) of the row and column index, made odd, from two fixed seeds."""
 
 from __future__ import annotations
 
@@ -21,13 +21,14 @@ def splitmix(i: int, seed: int) -> int:
 
 
 def checksum(x: torch.Tensor) -> int:
-    """The reference checksum of ``x`` (its bits read as integers of its element width;
-    ``bool`` as bytes)."""
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    """The reference checksum of ``x`` (its bits read as integers of its element width, an
+    8-byte element as its two 4-byte halves in memory order, doubling the columns; ``bool`` as
+    bytes)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int32}[x.element_size()]
     y = x.detach().contiguous().reshape(-1)
     if y.dtype == torch.bool:
         y = y.view(torch.uint8)
-    c = max(x.shape[-1] if x.dim() else 1, 1)
+    c = max(x.shape[-1] if x.dim() else 1, 1) * (2 if x.element_size() == 8 else 1)
     v = 0
     for k, b in enumerate(y.view(ints).tolist()):
         v += b * splitmix(k // c, ROW_SEED) * splitmix(k % c, COL_SEED)

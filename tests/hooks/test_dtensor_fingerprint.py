@@ -64,6 +64,40 @@ def test_structured_differences_a_position_weighted_sum_misses_are_told_apart():
     assert _fp(torch.tensor([[5.0, 7.0, 6.0]])) != _fp(torch.tensor([[6.0, 5.0, 7.0]]))
 
 
+def test_sign_flips_of_eight_byte_values_do_not_cancel():
+    # read as int64, a flipped sign bit adds 2**63 times an odd weight: two such cancel
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(64, 64, generator=g, dtype=torch.float64)
+    y = x.clone()
+    y[3, 5], y[40, 7] = -y[3, 5], -y[40, 7]
+    assert _fp(x) != _fp(y)
+    small = torch.randn(2, 2, generator=g, dtype=torch.float64)
+    assert _fp(small) != _fp(-small)
+    ids = torch.randint(0, 2**40, (8, 8), generator=g)
+    flipped = ids.clone()
+    flipped[0, 0] |= -(2**63)
+    flipped[5, 1] |= -(2**63)
+    assert _fp(ids) != _fp(flipped)
+    fps = [Fingerprint.of(t.reshape(-1), t.reshape(-1), finite=True, hold=False)
+           for t in (small, -small)]
+    fill_cheap(fps)
+    assert fps[0].cheap != fps[1].cheap and fps[0].shape == fps[1].shape
+
+
+def test_blocks_of_columns_and_weights_past_the_cache_are_the_definition(monkeypatch):
+    import hooks.dtensor_replicas as dr
+
+    monkeypatch.setattr(dr, "_CHUNK", 64)
+    monkeypatch.setattr(dr, "_CACHED", 100)
+    monkeypatch.setattr(dr, "_WEIGHTS", {})
+    g = torch.Generator().manual_seed(7)
+    for shape in [(1000,), (3, 150), (70, 9), (5, 30)]:
+        x = torch.randn(shape, generator=g)
+        assert int(position_checksum(x)) == _by_definition(x), shape
+    d = torch.randn(300, generator=g, dtype=torch.float64)  # 600 halves, past the cache
+    assert int(position_checksum(d)) == _by_definition(d)
+
+
 def test_one_changed_element_or_another_shape_changes_the_fingerprint():
     x = torch.zeros(4, 6)
     y = x.clone()
@@ -130,17 +164,34 @@ def test_a_larger_piece_is_held_and_its_whole_checksum_is_lost_once_changed():
 def test_held_storages_are_counted_once_and_whole_within_the_budget(monkeypatch):
     import hooks.dtensor_stats as ds
 
-    budget = 3 * 4 * HIST_SAMPLE * 4  # bytes: three fp32 storages of 4·HIST_SAMPLE elements
-    monkeypatch.setattr(ds, "MAX_HELD_BYTES", budget)
+    storage = 16 * HIST_SAMPLE * 4  # bytes of the big tensor's storage
+    monkeypatch.setattr(ds, "MAX_HELD_BYTES", storage + 4 * HIST_SAMPLE * 4)
     ms = ds.MeshStats(None)
     head = [0.0] * 7  # finite (no NaN, no Inf)
-    big = torch.randn(2, 4 * HIST_SAMPLE, generator=torch.Generator().manual_seed(5))
-    views = [big[0], big[1]]  # one storage of 8·HIST_SAMPLE elements: counted once, whole
-    fps = [ms._fingerprint(v, head, v[::5].clone(), True) for v in views]
-    assert all(fp.held is not None for fp in fps)
-    assert ms._held == big.untyped_storage().nbytes()
+    big = torch.randn(16 * HIST_SAMPLE, generator=torch.Generator().manual_seed(5))
+    view = big[:2 * HIST_SAMPLE]  # a small view keeps its whole storage alive
+    for _ in range(2):  # the same storage twice: counted once, whole
+        assert ms._fingerprint(view, head, view[::5].clone(), True).held is view
+        assert ms._held == storage
     own = torch.randn(4 * HIST_SAMPLE)  # fits: one more storage of 4·HIST_SAMPLE
     assert ms._fingerprint(own, head, own[::5].clone(), True).held is own
-    late = torch.randn(4 * HIST_SAMPLE)  # past the budget: checksummed whole at once
+    late = torch.randn(2 * HIST_SAMPLE)  # past the budget: checksummed whole at once
     fp = ms._fingerprint(late, head, late[::5].clone(), True)
     assert fp.held is None and fp.full == _by_definition(late)
+
+
+def test_a_held_piece_refilled_at_the_same_address_is_lost():
+    # FSDP2 frees an unsharded parameter's storage and gathers it again: the same size,
+    # often the same address, no version bump; the sample, taken again, tells
+    from hooks.stats import _hist_sample
+
+    x = torch.randn(3 * HIST_SAMPLE, generator=torch.Generator().manual_seed(8))
+    sample, k = _hist_sample(x, x.shape[-1])
+    fp = Fingerprint.of(x, sample[:k], finite=True, hold=True)
+    with torch.no_grad():
+        x.data.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(9)))
+    assert x._version == fp.version  # (a write through .data moves no version)
+    assert fp.whole() is None
+    y = torch.randn(3 * HIST_SAMPLE, generator=torch.Generator().manual_seed(10))
+    sample, k = _hist_sample(y, y.shape[-1])
+    assert Fingerprint.of(y, sample[:k], finite=True, hold=True).whole() == _by_definition(y)
