@@ -56,7 +56,7 @@ from hooks.capture_fast_path import (
 )
 from hooks.capture_params import flat_grad_weight, param_records, unread_notes
 from hooks.capture_recompute import _in_backward, _Recomputed, _same_values, _signature
-from hooks.dtensor_stats import MeshStats, Results
+from hooks.dtensor_stats import MeshStats, Results, is_dtensor, local_piece
 from hooks.edits_apply import Editor
 from hooks.ops import Replay
 from hooks.probes import ProbeContext, probes_for
@@ -309,6 +309,7 @@ class Capture:
         self._kept = 0
         self._dropped = 0
         self._errors: dict[str, str] = {}
+        self._local_dtensors = 0  # DTensors summarised as this rank's piece (no MeshStats)
         self._init_recompute()
 
     def stop(self) -> Trace:
@@ -382,6 +383,11 @@ class Capture:
             )
         for name, msg in self._errors.items():
             tr.notes.append(Note("hook_error", msg, module=name))
+        if self._local_dtensors:
+            tr.notes.append(Note(
+                "sharded", f"{self._local_dtensors} DTensor(s) summarised as this rank's local "
+                "piece only, not the full tensor: the model has no DTensor parameters, so the "
+                "capture reduces nothing across the mesh (their shapes are the full tensor's)"))
         self._finish_eager()
         tr.kept_bytes = self._kept
         return tr
@@ -442,8 +448,8 @@ class Capture:
         except RuntimeError:  # inference tensors track no version: never reuse their slot
             return self._add(t)
         # (in a sharded job by object: collectives reuse buffers of live tensors)
-        key = (t.data_ptr(), t.numel(), t.dtype) if t.is_contiguous() and not self._dist \
-            else id(t)
+        key = (t.data_ptr(), t.numel(), t.dtype) \
+            if t.is_contiguous() and not self._dist and not is_dtensor(t) else id(t)
         hit = self._cache.get(key)
         if hit is not None and hit[0]() is not None and hit[1] == version:
             return hit[2]
@@ -456,7 +462,12 @@ class Capture:
         return slot
 
     def _add(self, t: torch.Tensor, sync: bool = False) -> int | None:
-        return self._batch.add(t, sync) if self._dist is None else self._dist.add(t)
+        if self._dist is not None:
+            return self._dist.add(t)
+        if is_dtensor(t):  # a model without DTensor parameters: nothing reduced (a note)
+            self._local_dtensors += 1
+            t = local_piece(t)
+        return self._batch.add(t, sync)
 
     def _info(self, path: str, t: torch.Tensor, sync: bool = False) -> TensorInfo:
         info = TensorInfo(path, list(t.shape), dtype_name(t.dtype), t.requires_grad)

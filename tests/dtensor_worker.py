@@ -24,7 +24,8 @@ orders), ``tp_partial_uneven`` (the same; rank 0 alone meets one more), ``fsdp_t
 uncaptured), ``fsdp_infer`` (``fsdp_replicas``, the capture's forward under
 ``torch.inference_mode``)
 ``fsdp_tp_lost`` (``fsdp_tp`` with :class:`LostNet`) and ``tp_wide`` (``tp`` with
-:class:`WideNet`).
+:class:`WideNet`), ``local_dtensor`` (:class:`DTOutNet`: no DTensor parameters; every rank
+runs the whole batch).
 """
 
 from __future__ import annotations
@@ -93,6 +94,36 @@ def build_wide() -> WideNet:
     """The wide model every rank (and the reference) starts from."""
     torch.manual_seed(0)
     return WideNet()
+
+
+class ToDT(nn.Module):
+    """Returns this rank's ``h · (rank + 1)`` as a ``Shard(0)`` DTensor of ``mesh``."""
+
+    def __init__(self, mesh) -> None:
+        super().__init__()
+        self.mesh = mesh
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Shard
+
+        return DTensor.from_local(h * (dist.get_rank() + 1), self.mesh, [Shard(0)],
+                                  run_check=False)
+
+
+class DTOutNet(nn.Module):
+    """No DTensor parameter: ``to_small`` and ``to_big`` (:class:`ToDT`) return DTensors of
+    the outputs of ``small`` (D wide) and ``big`` (512 wide: more elements than a histogram
+    sample), made whole again by ``full_tensor``."""
+
+    def __init__(self, mesh=None) -> None:
+        super().__init__()
+        self.small, self.big = nn.Linear(D_IN, D), nn.Linear(D_IN, 512)
+        self.to_small, self.to_big = ToDT(mesh), ToDT(mesh)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.to_small(self.small(x)).full_tensor()
+        b = self.to_big(self.big(x)).full_tensor()
+        return (a[:, :D_OUT] + b[:, :D_OUT])[:x.shape[0]]
 
 
 def build() -> Net:
@@ -386,6 +417,9 @@ def _setup(scenario: str, mesh, rank: int, world: int):
         model = {"fsdp_tp": Net, "fsdp_tp_replicas": ReplicaNet, "fsdp_tp_lost": LostNet}[
             scenario]()
         return _two_d(model, world, rank, x, y)
+    if scenario == "local_dtensor":  # DTensors of a model without DTensor parameters
+        torch.manual_seed(0)
+        return DTOutNet(mesh), x, y
     if scenario in ("fsdp_replicas", "fsdp_probes", "fsdp_infer"):
         torch.manual_seed(0)
         model = ProbeNet() if scenario == "fsdp_probes" else ReplicaNet()

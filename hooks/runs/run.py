@@ -431,7 +431,7 @@ class Run(RunControls):
             if load is None:
                 scalars["expert_load"] = expert_load
         if self._closed:
-            raise RuntimeError(f"run {self.name} is finished: log() after finish()")
+            raise RuntimeError(f"{self._title} is finished: log() after finish()")
         step = self._next_step(step)
         values: dict[str, float] = {}
         bad = None
@@ -557,6 +557,12 @@ class Run(RunControls):
         nf.update(module=origin.module, direction=origin.direction, detail=origin.detail)
         if origin.note:
             nf["note"] = origin.note
+        held_by = getattr(origin, "rank", None)
+        if held_by is not None and held_by != self.rank and self._nf_order is not None:
+            # another rank's shard holds the NaN: that rank's own finding of the same step
+            # (its sentinel reads its shard) comes first on rank 0; this one stays if it
+            # never arrives
+            self._nf_order = (self._nf_order[0], self._nf_order[1] + 1)
 
     def _locate(self, trace: Any) -> None:
         from hooks.runs.origin import trace_origin
@@ -650,7 +656,7 @@ class Run(RunControls):
             self._doctor_findings(close=True)
             self._doctor = None
         if optimizer is not None and self.rank == 0 and self._sharded(self._model):
-            self._say(f"run {self.name}: the loop doctor is off for a sharded (FSDP2/tensor-"
+            self._say(f"{self._title}: the loop doctor is off for a sharded (FSDP2/tensor-"
                       "parallel) model: its checks would run collectives on rank 0 alone")
         elif optimizer is not None and self.rank == 0:  # the loop doctor (rank 0 writes)
             sentinel = self._sentinel
@@ -690,7 +696,7 @@ class Run(RunControls):
         meta = {
             "run": self.name,
             "step": step,
-            "description": f"run {self.name} · {type(model).__name__}",
+            "description": f"{self._title} · {type(model).__name__}",
         }
         if self.world_size > 1:  # shapes, routing and attention are this rank's batch
             meta["description"] += f" · rank {self.rank} of {self.world_size}"
@@ -699,7 +705,7 @@ class Run(RunControls):
             cap = capture(model, step=step, meta=meta, **self._capture_options)
             cap.start()
         except Exception as exc:
-            self._say(f"run {self.name}: watch stopped, the capture could not start: "
+            self._say(f"{self._title}: watch stopped, the capture could not start: "
                       f"{_last_line(exc)}")
             self._model = None
             self._capture = None
@@ -711,7 +717,7 @@ class Run(RunControls):
         try:
             trace = cap.stop()
         except Exception as exc:
-            self._say(f"run {self.name}: the capture of step {step} failed: {_last_line(exc)}")
+            self._say(f"{self._title}: the capture of step {step} failed: {_last_line(exc)}")
             return None
         if not trace.forward:
             return None  # nothing ran between the two log() calls: nothing to store
@@ -770,7 +776,7 @@ class Run(RunControls):
         if self._thread is not None:
             self._thread.join(self.FINISH_TIMEOUT)
             if self._thread.is_alive():
-                self._say(f"run {self.name}: the writer did not finish within "
+                self._say(f"{self._title}: the writer did not finish within "
                           f"{self.FINISH_TIMEOUT:.0f} s; the last steps may not be recorded")
         self.status, self.reason = self._final
         self._done = True
@@ -841,6 +847,12 @@ class Run(RunControls):
     # -- the writer thread -------------------------------------------------------------------------
     def _say(self, line: str) -> None:
         print(f"mdb: {line}", file=sys.stderr, flush=True)
+
+    @property
+    def _title(self) -> str:
+        """``run NAME``; on a rank other than 0 before rank 0 has told the run's name,
+        ``rank R's run``."""
+        return f"run {self.name}" if self.name is not None else f"rank {self.rank}'s run"
 
     def _writer_main(self) -> None:
         store = None
@@ -919,7 +931,7 @@ class Run(RunControls):
         elif kind == "findings":
             writer.add_findings(item[1])
             for f in item[1]:
-                self._say(f"run {self.name}: {f['line']}")
+                self._say(f"{self._title}: {f['line']}")
         elif kind == "checks":
             writer.add_checks(item[1])
         elif kind == "paused":
@@ -953,7 +965,7 @@ class Run(RunControls):
                 blob = save(tensors)
             return data, blob
         except Exception as exc:
-            self._say(f"run {self.name}: the capture of step {step} could not be stored: "
+            self._say(f"{self._title}: the capture of step {step} could not be stored: "
                       f"{_last_line(exc)}")
             return None, None
 
@@ -990,5 +1002,5 @@ class Run(RunControls):
             self._finish_writer(writer, status, reason)
         except Exception as exc:
             if not self._dead:
-                self._say(f"run {self.name}: its final status could not be written: "
+                self._say(f"{self._title}: its final status could not be written: "
                           f"{_last_line(exc)}")

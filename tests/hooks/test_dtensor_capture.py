@@ -27,7 +27,8 @@ from tests.conftest import terminal_signals
 
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = ("fsdp", "fsdp_keep", "tp", "fsdp_nan", "fsdp_uneven", "fsdp_mp", "tp_sp",
-             "tp_partial", "fsdp_replicas", "fsdp_probes", "fsdp_infer", "tp_wide")
+             "tp_partial", "fsdp_replicas", "fsdp_probes", "fsdp_infer", "tp_wide",
+             "local_dtensor")
 RTOL = 1e-5
 
 
@@ -213,6 +214,28 @@ def test_wider_tensor_parallel_activations_are_those_of_the_unsharded_model(job)
     assert max(math.prod(f["outputs"][0]["shape"]) for f in got["forward"]) > 1024
     _check_params(got, ref)
     _check_activations(got, "tp_wide", outs)
+
+
+@pytest.mark.slow
+def test_dtensors_of_a_model_without_dtensor_parameters_are_each_ranks_piece(job):
+    """A module of one's own returns a DTensor in a model whose parameters are plain: the
+    capture reduces nothing across the mesh (no hook error, no lost step), summarises this
+    rank's local piece and says so."""
+    torch.manual_seed(0)
+    ref = worker.DTOutNet()
+    x, _ = worker.batch()
+    for rank in (0, 1):
+        got = _read(job, "local_dtensor", rank)
+        assert not [n for n in got["notes"] if n["kind"] == "hook_error"], got["notes"]
+        assert any("local piece only" in n["message"] for n in got["notes"]), got["notes"]
+        fwd = _by_call(got)
+        for name in ("small", "big"):
+            piece = (getattr(ref, name)(x) * (rank + 1)).detach().double()
+            st = fwd[(f"to_{name}", 0)]["outputs"][0]["stats"]
+            assert st["numel"] == piece.numel(), (rank, name, st["numel"])
+            for key, want in (("mean", piece.mean()), ("l2", piece.norm()),
+                              ("max", piece.max())):
+                assert _close(st[key], float(want)), (rank, name, key, st[key], float(want))
 
 
 @pytest.mark.slow
