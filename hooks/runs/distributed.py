@@ -53,7 +53,13 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from hooks.runs.rank_checksums import _hex, checksums, compare_checksums, tensor_checksum
+from hooks.runs.rank_checksums import (
+    _hex,
+    checksums,
+    compare_checksums,
+    shared_names,
+    tensor_checksum,
+)
 from hooks.runs.rank_job import Job, _describe, band, job, process_gone
 from hooks.runs.rank_payload import decode_payload, encode_payload
 
@@ -724,9 +730,10 @@ class RankLink:
                 if len(by_rank) < 2:
                     continue
                 diffs = compare_checksums(by_rank)
-                names = set().union(*(set(v) for v in by_rank.values()))
+                # only the names two ranks hold are compared (FSDP2 shards never are)
                 self._emit("checks", [{"step": tag, "kind": kind, "ranks": len(by_rank),
-                                       "compared": len(names), "differing": len(diffs)}])
+                                       "compared": len(shared_names(by_rank)),
+                                       "differing": len(diffs)}])
                 self._report(kind, tag, diffs)
 
     def _report(self, kind: str, step: int, diffs: list) -> None:

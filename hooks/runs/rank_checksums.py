@@ -106,5 +106,31 @@ def compare_checksums(
     return out
 
 
+#: Why a comparison compared nothing: every tensor was held by one rank only (each rank's FSDP2
+#: shard, a tensor-parallel ``Shard`` piece), so there is no replica to compare it with.
+NOT_COMPARED = "FSDP2 shards differ by design (no replicas)"
+
+
+def shared_names(by_rank: Mapping[int, Mapping[str, int | None]]) -> list[str]:
+    """The names :func:`compare_checksums` compares: those held by two ranks or more (a
+    replicated tensor, or one replica of a shard under :func:`replica_key`), in the first
+    rank's name order. A shard that one rank alone holds (FSDP2 without replicas, a
+    tensor-parallel ``Shard`` piece) is not among them: it differs from the others by design.
+
+    Args:
+        by_rank: Per rank, checksums by name (:func:`checksums`).
+
+    Returns:
+        The names, each once; empty when no name is held by two ranks.
+    """
+    counts: collections.Counter[str] = collections.Counter()
+    order: dict[str, None] = {}
+    for r in sorted(by_rank):
+        for name in by_rank[r]:
+            counts[name] += 1
+            order.setdefault(name, None)
+    return [n for n in order if counts[n] >= 2]
+
+
 def _hex(v: int | None) -> str:
     return "None" if v is None else f"{v & 0xFFFFFFFFFFFFFFFF:016x}"

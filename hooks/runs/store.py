@@ -706,13 +706,18 @@ class RunStore:
     def checks(self, run_id: int) -> list[dict[str, Any]]:
         """The cross-rank comparisons made, in step order: ``{"step", "kind"`` (``params``:
         after the optimizer step, ``grads``: after backward), ``"ranks"`` compared,
-        ``"compared"`` tensors, ``"differing"`` ones ``}``."""
+        ``"compared"`` tensors (those two ranks or more hold), ``"differing"`` ones,
+        ``"note"``: ``None``, or why nothing was compared (``compared`` 0: every tensor a
+        shard of one rank, :data:`hooks.runs.rank_checksums.NOT_COMPARED`) ``}``."""
+        from hooks.runs.rank_checksums import NOT_COMPARED
+
         rows = self.connection.execute(
             "SELECT step, kind, ranks, compared, differing FROM checks WHERE run_id = ?"
             " ORDER BY step, kind", (run_id,),
         ).fetchall()
-        return [dict(zip(("step", "kind", "ranks", "compared", "differing"), tuple(r),
-                         strict=True)) for r in rows]
+        keys = ("step", "kind", "ranks", "compared", "differing")
+        return [{**dict(zip(keys, tuple(r), strict=True)),
+                 "note": None if r[3] else NOT_COMPARED} for r in rows]
 
     def poll(self, run_id: int, after_step: int = 0) -> RunUpdate:
         """Everything new about a run since ``after_step``, read in one consistent snapshot.

@@ -217,3 +217,49 @@ async def test_the_ranks_line_never_stays_behind_a_finished_status(tmp_path, mon
                 first = summary.summary().plain.splitlines()[0]
                 assert first.startswith("2 ranks (2 finished) · @30")
                 await pilot.press("q")
+
+
+@pytest.mark.asyncio
+async def test_checks_that_compared_nothing_are_shown_as_not_compared(tmp_path):
+    """An FSDP2 job's checks: two ranks, but every tensor a shard of one rank (compared 0,
+    as the monitor records them): neither "checks ✓" nor "parameters equal", but why not."""
+    from tui.live_app import make_watch_app
+    from tui.screens.live_ranks import RanksScreen, RanksSummary
+
+    db = tmp_path / "f.sqlite"
+    with RunStore(db, create=True) as store:
+        w = store.create_run("fsdp", {"gather_every": 5}, total_steps=10, kind="api")
+        w.set_world_size(2)
+        w.set_ranks([{"rank": r, "host": "h", "pid": 10 + r, "local_rank": r}
+                     for r in (0, 1)])
+        for step in range(1, 11):
+            w.log_step({"step": step, "wall": float(step), "loss": 1.0})
+            for rank in (0, 1):
+                w.log_rank_steps(rank, [{"step": step, "wall": float(step), "step_time": 0.1,
+                                         "compute_time": 0.05, "values": {"loss": 1.0}}])
+        w.add_checks([{"step": s, "kind": k, "ranks": 2, "compared": 0, "differing": 0}
+                      for s in (5, 10) for k in ("params", "grads")])
+    with RunStore(db) as store:
+        app = make_watch_app(store, store.run("fsdp"))
+        async with app.run_test(size=(160, 24)) as pilot:
+            summary = app.live.query_one(RanksSummary)
+            await wait_until(pilot, lambda: summary.polls >= 1 and summary.series.step == 10)
+            line = summary.summary().plain
+            assert "✓" not in line and "checks: not compared (FSDP2 shards differ by design " \
+                "(no replicas))" in line, line
+            await pilot.press("k")
+            await wait_until(pilot, lambda: isinstance(app.screen, RanksScreen))
+            findings = app.screen.findings_text().plain
+            assert "equal" not in findings, findings
+            assert ("checks: parameters not compared: FSDP2 shards differ by design (no "
+                    "replicas) · gradients not compared: FSDP2 shards differ by design (no "
+                    "replicas)") in findings, findings
+
+
+def test_only_checks_that_compared_tensors_count_as_made():
+    s = RankSeries(2)
+    s.checks = [{"step": 5, "kind": "params", "compared": 4, "differing": 1, "note": None},
+                {"step": 10, "kind": "params", "compared": 4, "differing": 0, "note": None},
+                {"step": 5, "kind": "grads", "compared": 0, "differing": 0, "note": "why"}]
+    assert s.checks_summary() == {"params": (2, 1)}
+    assert s.checks_not_compared() == {"grads": (1, "why")}

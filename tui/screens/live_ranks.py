@@ -297,10 +297,13 @@ class RanksSummary(Static):
                             f"{basis} time)", style="bold yellow")
             elif basis:
                 line.append(" · no straggler", style="dim")
-        summary = s.checks_summary()
+        summary, skipped = s.checks_summary(), s.checks_not_compared()
         if summary:
             n = sum(v[0] for v in summary.values())
             line.append(f" · {n} checks ✓", style="green")
+        if skipped:
+            note = next(iter(skipped.values()))[1]
+            line.append(f" · checks: not compared ({note})", style="yellow")
         return line
 
 
@@ -513,12 +516,15 @@ class RanksScreen(MdbScreen):
                          style="dim")
         else:
             t.append("findings: none", style="green")
-        summary = s.checks_summary()
-        if summary:
+        summary, skipped = s.checks_summary(), s.checks_not_compared()
+        if summary or skipped:
             parts = [f"{'parameters' if k == 'params' else 'gradients'} "
                      + (f"differ at {bad} of {n} steps" if bad else f"equal at {n} steps")
                      for k, (n, bad) in sorted(summary.items(), reverse=True)]
-            t.append("\nchecks: " + " · ".join(parts), style="dim")
+            parts += [f"{'parameters' if k == 'params' else 'gradients'} not compared: {why}"
+                      + (f" ({n} steps)" if k in summary else "")
+                      for k, (n, why) in sorted(skipped.items(), reverse=True)]
+            t.append("\nchecks: " + " · ".join(parts), style="dim" if summary else "yellow")
         else:
             t.append("\nchecks: parameters and gradients not compared (run.watch on a "
                      "DistributedDataParallel model compares them)", style="dim")

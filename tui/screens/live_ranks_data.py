@@ -199,11 +199,26 @@ class RankSeries:
         return dict(sorted(self._load.items()))
 
     def checks_summary(self) -> dict[str, tuple[int, int]]:
-        """Per kind (``params``, ``grads``): (comparisons made, comparisons that differed)."""
+        """Per kind (``params``, ``grads``): (comparisons made, comparisons that differed).
+        A check that compared no tensor (every tensor a shard of one rank: FSDP2) is not a
+        comparison made: see :meth:`checks_not_compared`."""
         out: dict[str, tuple[int, int]] = {}
         for c in self.checks:
+            if not c.get("compared"):
+                continue
             n, bad = out.get(c["kind"], (0, 0))
             out[c["kind"]] = (n + 1, bad + (1 if c["differing"] else 0))
+        return out
+
+    def checks_not_compared(self) -> dict[str, tuple[int, str]]:
+        """Per kind (``params``, ``grads``): (checks that compared no tensor, why: the store's
+        ``note``, e.g. FSDP2 shards differ by design)."""
+        out: dict[str, tuple[int, str]] = {}
+        for c in self.checks:
+            if c.get("compared"):
+                continue
+            n, _ = out.get(c["kind"], (0, ""))
+            out[c["kind"]] = (n + 1, str(c.get("note") or "no tensor held by two ranks"))
         return out
 
 

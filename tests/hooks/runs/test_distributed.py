@@ -235,7 +235,7 @@ def test_rank_rows_findings_and_checks_round_trip(tmp_path):
         f = store.findings(rid)[0]
         assert (f.id, f.kind, f.rank, f.detail) == (1, "rank_dead", 1, {"pid": 11})
         assert store.checks(rid) == [{"step": 2, "kind": "params", "ranks": 2, "compared": 4,
-                                      "differing": 0}]
+                                      "differing": 0, "note": None}]
         # the run-level series stay rank 0's own log() calls: none were written here
         assert store.metrics(rid) == []
         with pytest.raises(ValueError):

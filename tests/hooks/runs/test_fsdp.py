@@ -101,8 +101,14 @@ def test_an_fsdp_job_is_one_run_whose_captures_hold_full_tensor_statistics(tmp_p
             for key in ("grad_norm", "grad_abs_max", "weight_norm"):
                 assert math.isclose(p[key], r[key], rel_tol=1e-5), (name, key, p[key], r[key])
         assert store.findings(run.id) == []
-        checks = {(c["step"], c["kind"]) for c in store.checks(run.id)}
+        records = store.checks(run.id)
+        checks = {(c["step"], c["kind"]) for c in records}
         assert {(5, "params"), (5, "grads"), (10, "params")} <= checks
+        # FSDP2 over 2 ranks, no replicas: each rank holds its own shard of every parameter,
+        # so no tensor is compared (not "16 compared, all equal")
+        for c in records:
+            assert (c["ranks"], c["compared"], c["differing"]) == (2, 0, 0), c
+            assert "FSDP2 shards differ by design (no replicas)" in c["note"], c
 
 
 @pytest.mark.slow
@@ -121,6 +127,34 @@ def test_a_nan_in_one_ranks_shard_names_the_parameter_and_the_rank(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_nan_in_one_ranks_shard_at_a_captured_step_names_the_parameter_and_the_rank(tmp_path):
+    """The same NaN, with every step captured: rank 0's capture sees only the NaN output of
+    blocks.1.w2 (the all-gathered weight holds it on every rank); its ``nonfinite_shard`` note
+    names rank 1's shard, so the finding is the parameter's, on rank 1, as without a capture
+    (it was ``blocks.1.w2 (forward)`` on rank 0)."""
+    from hooks.runs.origin import trace_origin
+    from hooks.runs.trainer import load_trace
+
+    db = tmp_path / "m.sqlite"
+    _run_job(tmp_path, "fsdp_worker.py", "--db", str(db), "--name", "nan", "--out",
+             str(tmp_path), "--steps", "10", "--scenario", "nan", "--watch-every", "1")
+    with RunStore(db) as store:
+        run = store.run("nan")
+        assert 7 in store.internals_steps(run.id)  # the NaN step was captured
+        trace = load_trace(store, run.id, 7)  # rank 0's capture: its own shard is finite
+    nf = run.nonfinite
+    assert {k: nf.get(k) for k in ("step", "metric", "module", "direction", "rank")} == {
+        "step": 7, "metric": "loss", "module": "blocks.1.w2", "direction": "parameter",
+        "rank": 1}, nf
+    assert "its weight holds 1 NaN of 64 values in rank 1's shard" in nf["detail"], nf
+    # rank 0's capture alone blames the same parameter and rank: 1 NaN of the full 8×16
+    origin = trace_origin(trace)
+    assert (origin.module, origin.direction, origin.rank) == ("blocks.1.w2", "parameter", 1)
+    assert origin.detail.startswith("its weight holds 1 NaN of 128 values, in rank 1's shard "
+                                    "(of the full [8, 16])"), origin.detail
+
+
+@pytest.mark.slow
 def test_an_hsdp_replica_that_drifts_is_named(tmp_path):
     db = tmp_path / "m.sqlite"
     _run_job(tmp_path, "fsdp_worker.py", "--db", str(db), "--name", "hsdp", "--out",
@@ -130,6 +164,14 @@ def test_an_hsdp_replica_that_drifts_is_named(tmp_path):
         found = [f for f in store.findings(run.id) if f.kind == "param_divergence"]
     assert [(f.subject, f.step, f.rank) for f in found] == [("blocks.0.w1.bias [shard 0]", 5, 1)]
     assert "a desync between replicas" in found[0].line
+    # 2 replicas × 1 shard: both ranks hold the same (only) shard of every parameter, so
+    # every parameter and every gradient is compared
+    n_params = sum(1 for _ in worker.build().parameters())
+    assert n_params == 16
+    with RunStore(db) as store:
+        records = store.checks(store.run("hsdp").id)
+    assert records and {(c["ranks"], c["compared"], c["note"]) for c in records} == {
+        (2, n_params, None)}
 
 
 @pytest.mark.slow
@@ -247,6 +289,19 @@ def test_mdb_overfit_tp_runs_the_global_batch_on_every_rank(tmp_path):
         shapes = {p["name"]: p["shape"] for p in cap["params"]}
         assert shapes["model.layers.0.self_attn.q_proj.weight"] == [128, 128]  # unsharded
         assert [x.kind for x in store.findings(t.id)] == []
+        # only the replicated parameters (embeddings, norms, router, LM head; a row-wise
+        # layer's bias) are held by both ranks under one name; each shard of a column- or
+        # row-wise layer is one rank's: those are not compared
+        kv_split = t.config["resolved_model_config"]["num_key_value_heads"] % 2 == 0
+        split = {"q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"} | (
+            {"k_proj", "v_proj"} if kv_split else set())
+        replicated = [n for n in shapes if n.split(".")[-2] not in split
+                      or (n.endswith(".bias") and n.split(".")[-2] in ("o_proj", "down_proj"))]
+        assert 0 < len(replicated) < len(shapes)
+        records = store.checks(t.id)
+        assert {(c["step"], c["kind"]) for c in records} == {(3, "params"), (3, "grads")}
+        for c in records:
+            assert (c["ranks"], c["compared"], c["note"]) == (2, len(replicated), None), c
 
 
 @pytest.mark.parametrize("extra,needle", [
