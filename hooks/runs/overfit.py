@@ -50,6 +50,7 @@ from hooks.runs.overfit_options import (
     ModelOverfitOptions,
     OverfitOptions,
     default_overfit_text,
+    nproc_resume_error,
 )
 from hooks.runs.overfit_options import resolve_model_spec as resolve_model_spec
 from hooks.runs.reserve import DiskReserve, finish_run
@@ -530,8 +531,9 @@ class OverfitSession(RunSession):
             steps: A new total step count (default: the stored one).
 
         Raises:
-            hooks.runs.store.RunStoreError: No such run, its writer is alive, no checkpoint, or
-                it already reached its step target.
+            hooks.runs.store.RunStoreError: No such run, its writer is alive, no checkpoint,
+                it already reached its step target, or it was a job of ``mdb overfit --nproc``
+                (:func:`hooks.runs.overfit_options.nproc_resume_error`).
             ValueError: The checkpoint is missing or does not fit.
         """
         return _resume(store, name, OverfitOptions, steps, lambda options, step, ckpt: cls(
@@ -652,6 +654,9 @@ def _resume(store: RunStore, name: str, options_cls: Any, steps: int | None,
     run = store.run(name)
     if run.damaged:
         raise DamagedRunError(f"cannot resume: {run.damaged}")
+    refused = nproc_resume_error(name, run.kind, run.world_size, run.config)
+    if refused:  # before anything is changed: the job's per-rank rows stay
+        raise RunStoreError(refused)
     options = options_cls.from_dict(run.config)
     if steps is not None:
         options.steps = int(steps)
@@ -813,8 +818,9 @@ class ModelOverfitSession(RunSession):
         a run without a checkpoint starts again from step 0 (:attr:`restarted`).
 
         Raises:
-            hooks.runs.store.RunStoreError: No such run, its writer is alive, no checkpoint, or
-                it already reached its step target.
+            hooks.runs.store.RunStoreError: No such run, its writer is alive, no checkpoint,
+                it already reached its step target, or it was a job of ``mdb overfit --nproc``
+                (:func:`hooks.runs.overfit_options.nproc_resume_error`).
             ValueError: The checkpoint is missing, or the factory's model no longer matches it
                 (one line naming the first tensor that differs).
         """

@@ -229,3 +229,41 @@ def resolve_model_spec(spec: str) -> str:
     if sep and (module.endswith(".py") or os.sep in module):
         return f"{Path(module).resolve()}:{func}"
     return spec
+
+
+#: How ``mdb overfit --nproc N`` split the model, by the run config's ``parallel`` (what
+#: :mod:`hooks.runs.ddp_overfit` records), in words.
+PARALLEL_KINDS = {"ddp": "DDP", "fsdp": "FSDP2", "tp": "tensor parallel"}
+
+
+def parallel_kind(config: Mapping[str, Any]) -> str | None:
+    """How a distributed run split its model, in words: ``"DDP"``, ``"FSDP2"`` or ``"tensor
+    parallel"``, from its stored config's ``parallel`` (the source of ``mdb compare``'s
+    ``parallel`` row); a run of ``mdb overfit --nproc`` from before ``--fsdp``/``--tp`` has only
+    ``nproc`` and was DDP. ``None`` when the config does not say (one process, or a
+    ``torchrun`` job of the user's own loop); an unknown value is returned as it is stored."""
+    kind = config.get("parallel")
+    if isinstance(kind, str) and kind:
+        return PARALLEL_KINDS.get(kind, kind)
+    return "DDP" if "nproc" in config else None
+
+
+def is_nproc_run(kind: str | None, world_size: int | None, config: Mapping[str, Any]) -> bool:
+    """Whether a stored run (its ``kind``, ``world_size`` and config) was a job of ``mdb
+    overfit --nproc N`` (DDP, ``--fsdp`` or ``--tp``): such a run keeps no checkpoints and
+    its per-rank history is its own, so ``mdb overfit --resume`` does not apply to it."""
+    return kind == "overfit" and (bool(world_size) or "nproc" in config)
+
+
+def nproc_resume_error(name: str, kind: str | None, world_size: int | None,
+                       config: Mapping[str, Any]) -> str | None:
+    """The one line that refuses to resume run ``name`` when it was a job of ``mdb overfit
+    --nproc N`` (:func:`is_nproc_run`), else ``None``. A resume would run it as one process
+    from step 0 over the job's per-rank rows; the run is left as it is."""
+    if not is_nproc_run(kind, world_size, config):
+        return None
+    n = world_size or config.get("nproc")
+    what = parallel_kind(config) or "distributed"
+    return (f"cannot resume run {name!r}: it was a job of {n} ranks ({what}, mdb overfit "
+            "--nproc), which keeps no checkpoints; --resume applies to single-process runs "
+            "only (start a new --nproc run instead)")

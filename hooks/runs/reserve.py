@@ -24,15 +24,17 @@ class DiskReserve:
     nothing is reserved and :meth:`release` answers False.
 
     Args:
-        path: The file to write; its directory is created. A directory created for it is
-            removed again on :meth:`release` when it is empty.
+        path: The file to write; its directory is created. The directories created for it
+            (``mdb-checkpoints/`` too, when it was made for this file) are removed again on
+            :meth:`release` when they are empty: a run that wrote no checkpoint (a job of
+            ``mdb overfit --nproc``) leaves no empty folder behind.
     """
 
     def __init__(self, path: str | Path, nbytes: int = RESERVE_BYTES) -> None:
         self.path = Path(path)
         self.nbytes = int(nbytes)
         self._held = False
-        self._made_dir: Path | None = None
+        self._made_dirs: list[Path] = []  # deepest first
 
     @property
     def held(self) -> bool:
@@ -46,8 +48,11 @@ class DiskReserve:
         parent = self.path.parent
         try:
             if not parent.exists():
+                missing = [parent]
+                while not missing[-1].parent.exists():
+                    missing.append(missing[-1].parent)
                 parent.mkdir(parents=True, exist_ok=True)
-                self._made_dir = parent
+                self._made_dirs = missing
             if not self.path.exists() or self.path.stat().st_size < self.nbytes:
                 with open(self.path, "wb") as f:
                     f.write(b"\0" * self.nbytes)
@@ -68,9 +73,11 @@ class DiskReserve:
         except OSError:
             return False
         finally:
-            if self._made_dir is not None:
-                with contextlib.suppress(OSError):
-                    self._made_dir.rmdir()  # only when empty
+            for made in self._made_dirs:
+                try:
+                    made.rmdir()  # only when empty (another run's folder stays)
+                except OSError:
+                    break
         return True
 
 

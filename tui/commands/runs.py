@@ -12,7 +12,8 @@ it can be read, with one ``mdb: error:`` line saying so (mdb will not write to i
 
 A run of ``mdb overfit`` that was stopped before its first checkpoint (its writer killed while
 writing it) cannot be continued, but it can start again: its line says
-``restart from step 0: mdb overfit --resume NAME``.
+``restart from step 0: mdb overfit --resume NAME``. A job of ``mdb overfit --nproc N`` (DDP,
+``--fsdp``, ``--tp``) keeps no checkpoints and gets no such line: ``--resume`` refuses it.
 """
 
 from __future__ import annotations
@@ -73,7 +74,9 @@ def run_record(run, store, now: float, probe: bool = False) -> dict:
     step, ``None`` without), ``last_ce``, ``spikes`` (each loss spike the writer recorded:
     step, metric, value, baseline, ratio, peak_step, last_step), ``world_size`` (``None`` for
     a single process), ``ranks`` (a distributed run's ranks: :class:`hooks.runs.store.RankInfo`
-    fields), ``findings`` (its cross-rank checks' findings, :class:`hooks.runs.store.Finding`
+    fields), ``parallel`` (how a distributed run split its model, as its stored config says:
+    ``DDP``, ``FSDP2``, ``tensor parallel``; ``None`` for one process or when it does not
+    say), ``findings`` (its cross-rank checks' findings, :class:`hooks.runs.store.Finding`
     fields: ``kind``, ``step``, ``rank``, ``subject`` — the parameter or ``rank N`` — and
     ``line``; also the training-loop doctor's findings of ``run.watch(..., optimizer=,
     scheduler=)``, with ``detail["severity"]`` and ``detail["evidence"]``) and ``details``
@@ -84,10 +87,12 @@ def run_record(run, store, now: float, probe: bool = False) -> dict:
     """
     import sqlite3
 
+    from hooks.runs.overfit_options import parallel_kind
     from hooks.runs.store import DatabaseLockedError, RunStoreError
 
     d = run.to_dict()
     d.pop("config", None)
+    d["parallel"] = parallel_kind(_config(run)) if run.world_size else None
     d.update(writer_state=run.writer_state(now), status_line=run.status_line(now),
              steps=run.last_step, nonfinite_line=run.nonfinite_line(), metrics=[], latest={},
              captures=0,
@@ -132,7 +137,9 @@ def detail_lines(run, record: dict, now: float, db: str | None = None) -> list[s
     it ended or where it failed, a gone writer, a non-finite value, the largest loss spike, and
     the command that continues an interrupted run or one whose writer is gone (``continue:
     ...``), or restarts one that has no checkpoint to continue from (``restart from step 0:
-    ...``)."""
+    ...``) — never for a job of ``mdb overfit --nproc``, which cannot be resumed; a
+    distributed run's line says its ranks and, when its config records it, how it split the
+    model (``2 ranks · FSDP2``)."""
     from hooks.runs.spikes import Spike
 
     if record.get("damaged"):
@@ -145,8 +152,10 @@ def detail_lines(run, record: dict, now: float, db: str | None = None) -> list[s
         lines.append(run.status_line(now))
     stopped = run.kind == "overfit" and state in ("gone", "interrupted")
     resumable = stopped and run.checkpoint_step is not None
+    nproc = _nproc_job(run)  # no checkpoints, and --resume does not apply
     if stopped:
         lines[-1] += (f" · checkpoint @ step {run.checkpoint_step}" if resumable
+                      else " · no checkpoints (an --nproc job cannot be resumed)" if nproc
                       else " · no checkpoint")
     elif state == "failed":
         line = run.status_line(now)
@@ -166,17 +175,30 @@ def detail_lines(run, record: dict, now: float, db: str | None = None) -> list[s
         lines.append(top.describe() + more)
     if run.world_size:
         found = record.get("findings", [])
-        lines.append(f"{run.world_size} ranks" + (f" · {len(found)} finding(s)" if found else
-                                                  ""))
+        kind = record.get("parallel")
+        lines.append(f"{run.world_size} ranks" + (f" · {kind}" if kind else "")
+                     + (f" · {len(found)} finding(s)" if found else ""))
         lines += [f["line"] for f in found]
     elif record.get("findings"):  # the training-loop doctor's, of a single process
         found = record["findings"]
         lines.append(f"{len(found)} loop finding(s) (mdb doctor --run {run.name})")
         lines += [f["line"] for f in found]
-    if stopped:
+    if stopped and not nproc:
         how = "continue" if resumable else "restart from step 0"
         lines.append(f"{how}: mdb overfit --resume {run.name}" + (f" --db {db}" if db else ""))
     return lines
+
+
+def _config(run) -> dict:
+    config = getattr(run, "config", None)
+    return config if isinstance(config, dict) else {}
+
+
+def _nproc_job(run) -> bool:
+    """Whether ``run`` was a job of ``mdb overfit --nproc`` (DDP, FSDP2, tensor parallel)."""
+    from hooks.runs.overfit_options import is_nproc_run
+
+    return is_nproc_run(run.kind, run.world_size, _config(run))
 
 
 def _short(names: list[str], width: int = 28) -> str:

@@ -1,0 +1,155 @@
+"""A job of ``mdb overfit --nproc N`` (DDP, ``--fsdp``, ``--tp``) keeps no checkpoints: ``mdb
+runs`` offers no ``--resume`` for it and says which kind of job it was, and ``mdb overfit
+--resume NAME`` refuses it in one ``mdb: error:`` line, exit 2, with the store unchanged (its
+per-rank history stays)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hooks.runs.overfit import OverfitOptions, default_overfit_text
+from hooks.runs.store import RunStore
+from tests.conftest import REPO, terminal_signals, wait_for
+from tui.cli import main
+
+KINDS = {"ddp": "DDP", "fsdp": "FSDP2", "tp": "tensor parallel"}
+
+
+def _snapshot(db: Path) -> dict[str, list]:
+    """Every row of every table of the database file, read with sqlite3 itself."""
+    conn = sqlite3.connect(db)
+    try:
+        tables = [r[0] for r in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")]
+        return {t: sorted(map(repr, conn.execute(f"SELECT * FROM {t}").fetchall()))
+                for t in tables}
+    finally:
+        conn.close()
+
+
+def _interrupted_job(db: Path, name: str, parallel: str | None, steps: int = 7) -> None:
+    """The rows an interrupted ``mdb overfit --nproc 2`` job leaves: a run of kind ``overfit``
+    with ``world_size`` 2, its config (the options, ``nproc``, ``gather_every``, ``parallel``;
+    ``None``: a job from before ``--fsdp``/``--tp``, which only had ``nproc``), rank 0's steps,
+    both ranks' rows and per-rank steps, no checkpoint."""
+    text, source = default_overfit_text()
+    config = {**OverfitOptions(text=text, text_source=source, steps=400).to_dict(), "nproc": 2,
+              "gather_every": 10}
+    if parallel is not None:
+        config["parallel"] = parallel
+    with RunStore(db, create=True) as store:
+        w = store.create_run(name, config, total_steps=400, kind="overfit", world_size=2)
+        now = time.time()
+        w.log_steps([({"step": s, "wall": now, "values": {"ce": 5.0 / s, "aux": 0.01}}, None,
+                      None) for s in range(1, steps + 1)])
+        for rank in (0, 1):
+            w.log_rank_steps(rank, [{"step": s, "wall": now,
+                                     "values": {"ce": 5.0 / s + rank, "aux": 0.01}}
+                                    for s in range(1, steps + 1)])
+        w.set_ranks([{"rank": r, "pid": 1000 + r, "state": "interrupted", "last_step": steps}
+                     for r in (0, 1)])
+        w.finish("interrupted", reason="SIGINT")
+
+
+def _check_refused(db: Path, name: str, capsys) -> None:
+    before = _snapshot(db)
+    rc = main(["overfit", "--resume", name, "--headless", "--steps", "3", "--db", str(db)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2, err
+    assert len(err) == 1 and err[0].startswith("mdb: error: cannot resume run"), err
+    assert "--nproc" in err[0] and "--resume applies to single-process runs only" in err[0]
+    assert _snapshot(db) == before  # nothing changed, the per-rank history included
+    assert not (db.parent / f"{db.stem}-checkpoints").exists()
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "tp", None])
+def test_runs_offers_no_resume_for_an_nproc_job_and_resume_refuses_it(tmp_path, capsys,
+                                                                      parallel):
+    db = tmp_path / "m.sqlite"
+    _interrupted_job(db, "live1", parallel)
+    assert main(["runs", "--db", str(db)]) == 0
+    table = capsys.readouterr().out
+    assert "--resume" not in table and "restart from step 0" not in table, table
+    kind = KINDS[parallel or "ddp"]
+    assert f"└ 2 ranks · {kind}\n" in table, table
+    assert "no checkpoints (an --nproc job cannot be resumed)" in table, table
+    assert main(["runs", "--db", str(db), "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["parallel"] == kind and record["world_size"] == 2
+    assert not any("--resume" in line for line in record["details"])
+    _check_refused(db, "live1", capsys)
+
+
+def test_a_single_process_run_still_gets_its_restart_hint(tmp_path, capsys):
+    """Only --nproc jobs lose the hint: a one-process overfit run with the same options and no
+    checkpoint still says how to restart it, and its JSON has no ``parallel``."""
+    db = tmp_path / "m.sqlite"
+    with RunStore(db, create=True) as store:
+        text, source = default_overfit_text()
+        w = store.create_run("one", OverfitOptions(text=text, text_source=source).to_dict(),
+                             total_steps=300, kind="overfit")
+        w.finish("interrupted", reason="SIGINT")
+    assert main(["runs", "--db", str(db), "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["parallel"] is None
+    assert record["details"][-1] == "restart from step 0: mdb overfit --resume one"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH")
+                                     else "")
+    return env
+
+
+@pytest.mark.slow
+def test_a_real_interrupted_fsdp_job_cannot_be_resumed_and_keeps_its_rank_history(
+        tmp_path, capsys):
+    """``mdb overfit --nproc 2 --fsdp`` stopped with SIGINT after a few steps: ``mdb runs``
+    says ``2 ranks · FSDP2`` without a ``--resume`` hint, ``--resume`` is refused with the
+    store unchanged, and ``mdb export`` still has the job's steps."""
+    db = tmp_path / "m.sqlite"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tui.cli", "overfit", "--nproc", "2", "--fsdp", "--headless",
+         "--steps", "400", "--every", "0", "--db", str(db), "--run", "live1"],
+        cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=terminal_signals)
+    try:
+        def stepped() -> bool:
+            if not db.exists():
+                return False
+            try:
+                with RunStore(db) as store:
+                    return store.run("live1").last_step >= 3
+            except Exception:  # noqa: BLE001 — not created yet, or busy
+                return False
+
+        wait_for(stepped, timeout=600, what="3 steps of the FSDP job")
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert proc.returncode == 130, out[-2000:]
+    with RunStore(db) as store:
+        run = store.run("live1")
+        assert (run.status, run.world_size) == ("interrupted", 2)
+        steps = len(store.rank_steps(run.id))
+    assert steps >= 2 * 3
+    assert not (tmp_path / "m-checkpoints").exists()
+    assert main(["runs", "--db", str(db)]) == 0
+    table = capsys.readouterr().out
+    assert "--resume" not in table and "└ 2 ranks · FSDP2" in table, table
+    _check_refused(db, "live1", capsys)
+    assert main(["export", "live1", "--db", str(db)]) == 0
+    assert len(capsys.readouterr().out.strip().splitlines()) > 1  # more than the header
