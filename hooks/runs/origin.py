@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,7 @@ __all__ = [
     "first_nonfinite_tensor",
     "gradient_origin",
     "nonfinite_counts",
+    "nonfinite_weight_notes",
     "parameter_origin",
     "replay_origin",
     "trace_origin",
@@ -57,12 +59,16 @@ class Origin:
             of 4096 values``.
         note: When the loss stayed finite although a forward output was not: which enclosing
             call returned finite values from it; else ``None``.
+        rank: For a sharded (FSDP2, tensor-parallel) parameter: the one rank whose own shard
+            holds the NaN/Inf, when a capture's ``nonfinite_shard`` note names it; else
+            ``None``.
     """
 
     module: str
     direction: str
     detail: str
     note: str | None = None
+    rank: int | None = None
 
     def sentence(self) -> str:
         """``first in blocks.1.mlp.0 (parameter): its weight holds 1 NaN of 4096 values``, with
@@ -179,7 +185,11 @@ def _swallow_note(trace: Any, module: str, stayed: str) -> str:
 
 def trace_origin(trace: Any, *, stayed_finite: str | None = None) -> Origin | None:
     """The origin a capture shows: its first non-finite forward output, else its first
-    non-finite gradient (:meth:`hooks.Trace.first_nonfinite`).
+    non-finite gradient (:meth:`hooks.Trace.first_nonfinite`). A forward output that turned
+    non-finite from finite inputs in a module whose own parameter the capture saw non-finite
+    (a ``nonfinite_shard`` note of a sharded parameter, naming the rank whose shard holds it)
+    is blamed on that parameter (``direction="parameter"``, :attr:`Origin.rank`), as
+    :func:`parameter_origin` would.
 
     Args:
         trace: A :class:`hooks.Trace` of the failing step.
@@ -196,6 +206,11 @@ def trace_origin(trace: Any, *, stayed_finite: str | None = None) -> Origin | No
         fed = next((t for t in rec.inputs if t.stats is not None and not t.stats.finite), None)
         detail = (f"its {_output(hit.tensor)} ({hit.module_type}, call {hit.call_index}) holds "
                   f"{_stats_phrase(hit.stats)}")
+        own = _own_nonfinite_param(trace, hit.module) if fed is None else None
+        if own is not None:  # the module's own weight made it: blame the weight, as uncaptured
+            leaf, what, rank = own
+            return Origin(hit.module, "parameter", f"its {leaf} holds {what}; then {detail}",
+                          rank=rank)
         if fed is not None:  # no recorded call made it: it came in with the inputs
             detail += (f", and its input {fed.path} already held {_stats_phrase(fed.stats)} "
                        "(non-finite values in the data given to the model?)")
@@ -208,6 +223,40 @@ def trace_origin(trace: Any, *, stayed_finite: str | None = None) -> Origin | No
         detail = (f"the gradient of its {_output(hit.tensor)} ({hit.module_type}, call "
                   f"{hit.call_index}) holds {_stats_phrase(hit.stats)}")
         return Origin(hit.module, "backward", detail)
+    return None
+
+
+#: A capture's ``nonfinite_shard`` note about a weight: ``l2.weight: its weight holds 1 NaN of
+#: 528 values, in rank 1's shard`` (:mod:`hooks.dtensor_stats`).
+_SHARD_NOTE = re.compile(r"^(?P<name>\S+): its weight holds (?P<what>.+)$")
+_ONE_RANK = re.compile(r"in rank (\d+)'s shard")
+
+
+def nonfinite_weight_notes(trace: Any, module: str | None = None) -> list[str]:
+    """The messages of a capture's ``nonfinite_shard`` notes about a non-finite weight (not a
+    gradient), e.g. ``l2.weight: its weight holds 1 NaN of 528 values, in rank 1's shard``;
+    with ``module``, only those about parameters registered directly on it. Empty for a
+    trace of an unsharded model (its notes have no such kind)."""
+    out = []
+    for n in getattr(trace, "notes", ()):
+        m = _SHARD_NOTE.match(n.message) if n.kind == "nonfinite_shard" else None
+        if m is not None and (module is None or m["name"].rpartition(".")[0] == module):
+            out.append(n.message)
+    return out
+
+
+def _own_nonfinite_param(trace: Any, module: str) -> tuple[str, str, int | None] | None:
+    """``(leaf, what, rank)`` for the first parameter registered directly on ``module`` whose
+    weight a capture's ``nonfinite_shard`` note says is non-finite (the weight as read when its
+    gradient arrived, before an update): its counts over the full tensor, and the one rank
+    whose shard holds it, else ``None``. A parameter record's counts are its gradient's, and a
+    weight read after the update holds the NaN the update spread: neither tells."""
+    for text in nonfinite_weight_notes(trace, module)[:1]:
+        m = _SHARD_NOTE.match(text)
+        one = _ONE_RANK.search(m["what"])
+        shape = getattr(trace.params.get(m["name"]), "shape", None)
+        what = m["what"] + (f" (of the full {list(shape)})" if shape else "")
+        return m["name"].rpartition(".")[2], what, int(one.group(1)) if one else None
     return None
 
 

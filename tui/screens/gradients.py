@@ -115,8 +115,13 @@ class GradientsScreen(ViewScreen):
                  for k in ("few", "unused", "none", "stale", "zero", "frozen") if counts.get(k)]
         self.query_one("#grad-summary", Static).update(
             " · ".join(main) + ("\n" + " · ".join(other) if other else ""))
+        from hooks.runs.origin import nonfinite_weight_notes
+
+        weights = nonfinite_weight_notes(self.trace)  # a sharded weight's NaN, and whose shard
         if not params:
             self.hint("no parameter gradients recorded (was backward run?)")
+        elif weights:
+            self.hint("✗ " + " · ".join(weights))
         table.focus()
 
     def action_cursor(self, delta: int) -> None:

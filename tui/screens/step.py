@@ -191,7 +191,13 @@ class StepScreen(MdbScreen):
 
     def _origin_text(self, hit) -> str:
         """`` · made by SqrtBackward0 (forward sqrt at m.py:9: ...) · i steps in`` for a
-        backward hit whose origin was located, else ``""``."""
+        backward hit whose origin was located; `` · l2.weight: its weight holds 1 NaN of 528
+        values, in rank 1's shard`` for a forward hit in a module whose own (sharded) weight
+        the capture saw non-finite; else ``""``."""
+        if hit is not None and hit.direction == "forward":
+            from hooks.runs.origin import nonfinite_weight_notes
+
+            return "".join(f" · {n}" for n in nonfinite_weight_notes(self.trace, hit.module))
         origin = getattr(self.trace, "backward_origin", None)
         if hit is None or hit.direction != "backward" or origin is None:
             return ""

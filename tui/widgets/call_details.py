@@ -358,7 +358,11 @@ class CallDetails(ScrollView, can_focus=True):
         if call.inputs and stepper.direction != "backward":
             parts.append(section("statistics of the inputs"))
             parts.extend(tensor_stats(call.inputs, "kwargs.", call.notes, width))
-        if call.notes:
+        # the capture's notes about this module's parameters (a sharded weight's NaN: which
+        # rank's shard holds it)
+        shard = [n.message for n in getattr(stepper.trace, "notes", ())
+                 if n.kind == "nonfinite_shard" and n.module == call.module]
+        if call.notes or shard:
             parts.append(section("notes"))
-            parts.extend(Text(f"• {n}", style="yellow") for n in call.notes)
+            parts.extend(Text(f"• {n}", style="yellow") for n in [*call.notes, *shard])
         return Text("\n").join(parts)
