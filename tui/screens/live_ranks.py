@@ -301,9 +301,9 @@ class RanksSummary(Static):
         if summary:
             n = sum(v[0] for v in summary.values())
             line.append(f" · {n} checks ✓", style="green")
-        if skipped:
-            note = next(iter(skipped.values()))[1]
-            line.append(f" · checks: not compared ({note})", style="yellow")
+        if skipped:  # the why, in full, on the k screen
+            line.append(" · not compared: " + ("FSDP2 shards" if "FSDP2" in next(
+                iter(skipped.values()))[1] else "no replicas"), style="yellow")
         return line
 
 

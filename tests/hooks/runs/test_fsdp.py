@@ -263,6 +263,13 @@ def test_mdb_overfit_fsdp_is_one_run_whose_losses_are_the_ddp_runs(tmp_path):
         assert shapes["model.layers.0.mlp.experts.0.up_proj.weight"] == [384, 128]  # unsharded
         assert cap["params"] == store.rank_internals(f.id, 15, 1)["params"]
         assert [x.kind for x in store.findings(f.id)] == []
+        # FSDP2: every rank's shard of every parameter is its own, nothing compared; the DDP
+        # run holds every parameter whole on both ranks and compares them all
+        f_checks, d_checks = store.checks(f.id), store.checks(d.id)
+        assert f_checks and all((c["compared"], c["note"]) == (
+            0, "FSDP2 shards differ by design (no replicas)") for c in f_checks), f_checks
+        assert d_checks and all((c["compared"], c["note"]) == (len(shapes), None)
+                                for c in d_checks if c["kind"] == "params"), d_checks
 
 
 @pytest.mark.slow
