@@ -85,6 +85,9 @@ async def test_step_view_of_a_sharded_capture_shows_unsharded_parameters_and_say
     assert ("statistics of the whole job's tensor, every rank's piece: "
             f"{label} {embed.stats.numel:,} values (this rank's {fmt.dims(embed.shape)}: "
             f"{math.prod(embed.shape):,})") in text
+    # the histogram covers the whole job's values too, and its title says so
+    assert (f"values of {embed.path} · whole job, {embed.stats.numel:,} values (this rank's "
+            f"{fmt.dims(embed.shape)})") in text
     app = make_step_app(trace)
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("g")

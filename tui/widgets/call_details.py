@@ -179,6 +179,15 @@ def job_wide_line(tensors: list[tuple[str, list[int], object]]) -> Text | None:
                 style="dim")
 
 
+def _hist_title(label: str, shape: list[int], st) -> str:
+    """A histogram's title: ``label`` and the shape; in a sharded job, where the statistics
+    cover the whole job's tensor and the shape is this rank's, the number of values too."""
+    n = math.prod(shape)
+    if st is not None and st.numel != n:
+        return f"{label} · whole job, {st.numel:,} values (this rank's {fmt.dims(shape)})"
+    return f"{label} {fmt.shape(shape)}"
+
+
 def tensor_stats(tensors, prefix: str, notes, width: int | None = None) -> list[Text]:
     """The statistics of every one of ``tensors`` (a call's outputs or inputs, each headed by
     its path without ``prefix``) in :func:`stats_tables` within ``width``, and the job-wide
@@ -330,7 +339,8 @@ class CallDetails(ScrollView, can_focus=True):
                                  + [("∇ grad", g.shape, g.stats)])
             if wide is not None:
                 parts.append(wide)
-            hist = histogram_block(f"∇ gradient of {g.output} {fmt.shape(g.shape)}", g.stats)
+            hist = histogram_block(_hist_title(f"∇ gradient of {g.output}", g.shape, g.stats),
+                                   g.stats)
         else:
             parts.append(section("statistics of the outputs"))
             # under "statistics of the outputs" the common "out." goes: loss, logits
@@ -338,8 +348,8 @@ class CallDetails(ScrollView, can_focus=True):
             recorded = [t for t in call.outputs if t.stats is not None]
             if recorded:
                 main = main_output(recorded)
-                hist = histogram_block(f"values of {main.path} {fmt.shape(main.shape)}",
-                                       main.stats)
+                hist = histogram_block(_hist_title(f"values of {main.path}", main.shape,
+                                                   main.stats), main.stats)
             if grads:
                 parts.append(Text(f"{len(grads)} gradient(s) recorded · b shows backward",
                                   style="dim"))
