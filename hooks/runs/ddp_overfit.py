@@ -23,8 +23,9 @@ job's global gradient norm (:func:`hooks.runs.sharding.global_grad_norm`).
 
 A step whose loss or gradient norm is not finite ends the run ``failed`` on every rank at that
 step (DDP averages the gradients, so a NaN on one rank reaches all of them in the same step).
-SIGINT, SIGTERM and SIGHUP end it ``interrupted``. There are no checkpoints: a DDP run cannot be
-resumed.
+SIGINT, SIGTERM and SIGHUP end it ``interrupted``. There are no checkpoints: a job of ``mdb
+overfit --nproc`` (DDP, FSDP2 or tensor parallel) cannot be resumed, and ``mdb overfit --resume``
+refuses it (:func:`hooks.runs.overfit_options.nproc_resume_error`).
 
 This module never imports textual, rich or tui.
 """

@@ -14,7 +14,8 @@ ignored (``nohup`` ignores SIGHUP) stays ignored: the run goes on.
 
 ``--nproc N`` runs the built-in overfit as a DDP job of N processes through ``torchrun`` (gloo
 on CPU), each rank on its own seeded windows of the text, recorded as one run
-(:mod:`tui.commands.overfit_ddp`).
+(:mod:`tui.commands.overfit_ddp`); ``--fsdp`` shards it with FSDP2, ``--tp`` splits it tensor
+parallel. Such a job keeps no checkpoints: ``--resume`` refuses it (one line, exit 2).
 
 This module builds the session (:func:`build_session`) and runs it headless
 (:func:`run_headless`); the live screen reuses :func:`build_session`.
@@ -622,8 +623,10 @@ def _run_nproc(args: argparse.Namespace) -> int:
                                                   "debug_nan_at")
              if getattr(args, k, None) is not None]
     if given:
-        raise MdbError(f"{', '.join(given)} does not apply with --nproc (a DDP run of the "
-                       "built-in model, without checkpoints)")
+        from tui.commands.overfit_ddp import job_kind
+
+        raise MdbError(f"{', '.join(given)} does not apply with --nproc (the {job_kind(args)} "
+                       "job trains the built-in model and keeps no checkpoints)")
     options = _options_from_args(args)
     n = len(options.text) if options.tokenizer == "char" else len(options.text.encode())
     if options.seq_len is None:
@@ -659,13 +662,15 @@ def run(args: argparse.Namespace) -> int:
 
     if getattr(args, "nproc", None) is not None:
         if args.detach:
-            raise MdbError("--detach does not apply with --nproc (a DDP job runs in the "
-                           "foreground; start it under nohup, it is recorded as one run)")
+            from tui.commands.overfit_ddp import job_kind
+
+            raise MdbError(f"--detach does not apply with --nproc (the {job_kind(args)} job runs "
+                           "in the foreground; start it under nohup, it is recorded as one run)")
         if args.gather_every is None:
             args.gather_every = 10
         return _run_nproc(args)
     if getattr(args, "gather_every", None) is not None:
-        raise MdbError("--gather-every applies only with --nproc (a DDP job of N processes)")
+        raise MdbError("--gather-every applies only with --nproc (a job of N processes)")
     if getattr(args, "fsdp", False) or getattr(args, "tp", False):
         raise MdbError(f"--{'fsdp' if args.fsdp else 'tp'} applies only with --nproc (a job "
                        "of N processes)")

@@ -1,4 +1,5 @@
-"""``mdb overfit --nproc N``: the built-in overfit run as a DDP job of N processes.
+"""``mdb overfit --nproc N``: the built-in overfit run as a job of N processes (DDP; FSDP2 with
+``--fsdp``, tensor parallel with ``--tp``).
 
 This process is the launcher: it writes the run's options to a file, starts
 ``python -m torch.distributed.run --standalone --nproc-per-node N -m hooks.runs.ddp_overfit``
@@ -56,6 +57,12 @@ def _parallel(args) -> str:
 
 
 _WHAT = {"ddp": "DDP", "fsdp": "FSDP2", "tp": "tensor-parallel"}
+
+
+def job_kind(args) -> str:
+    """The kind of ``--nproc`` job the options ask for, in words: ``DDP``, ``FSDP2`` (``--fsdp``)
+    or ``tensor-parallel`` (``--tp``)."""
+    return _WHAT[_parallel(args)]
 
 
 class _Job:
@@ -121,7 +128,7 @@ class _Job:
         return " | ".join(x.strip() for x in keep[-lines:])[:400]
 
 
-def _wait_for_run(store, name: str, job: _Job):
+def _wait_for_run(store, name: str, job: _Job, what: str = "DDP"):
     from hooks.runs.store import RunNotFoundError
 
     deadline = time.monotonic() + START_TIMEOUT
@@ -131,7 +138,7 @@ def _wait_for_run(store, name: str, job: _Job):
         except RunNotFoundError:
             pass
         if not job.alive():
-            raise MdbError(f"the DDP job ended before rank 0 created run {name} (exit "
+            raise MdbError(f"the {what} job ended before rank 0 created run {name} (exit "
                            f"{job.proc.returncode}): {job.tail() or 'no output'}; log: "
                            f"{job.log}")
         if job.signal is not None:
@@ -173,8 +180,9 @@ def _headless(store, info, job: _Job, nproc: int, what: str = "DDP") -> None:
 
 
 def run_ddp(args, options, store_path: Path, name: str) -> int:
-    """Run ``options`` (:class:`hooks.runs.overfit.OverfitOptions`) as a DDP job of
-    ``args.nproc`` ranks recorded as run ``name`` in ``store_path``; return the exit status."""
+    """Run ``options`` (:class:`hooks.runs.overfit.OverfitOptions`) as a job of ``args.nproc``
+    ranks (DDP, or FSDP2 / tensor parallel with ``args.fsdp`` / ``args.tp``) recorded as run
+    ``name`` in ``store_path``; return the exit status."""
     from hooks.runs.store import RunStore, RunStoreError
     from hooks.runs.trainer import signal_exit_code
 
@@ -186,22 +194,23 @@ def run_ddp(args, options, store_path: Path, name: str) -> int:
                    parallel=_parallel(args))
     job = _Job(argv, log_path(store_path, name), args.threads)
     job.forward_signals()
+    what = job_kind(args)
     quit_early = False  # q on the live screen stopped it: a normal end, as in mdb overfit
     try:
         store = RunStore(store_path)
         try:
-            info = _wait_for_run(store, name, job)
+            info = _wait_for_run(store, name, job, what)
             live = not args.headless and is_terminal(sys.stdin) and is_terminal(sys.stdout)
             if live:
                 from tui.live_app import make_watch_app
 
                 make_watch_app(store, info).run()
                 if job.alive():
-                    print("mdb: stopping the DDP job…", file=sys.stderr)
+                    print(f"mdb: stopping the {what} job…", file=sys.stderr)
                     quit_early = True
                     job.stop(signal.SIGTERM)
             else:
-                _headless(store, info, job, args.nproc, _WHAT[_parallel(args)])
+                _headless(store, info, job, args.nproc, what)
             job.stop()
             end = store.run(info.id)
             ranks = store.ranks(info.id)
@@ -225,7 +234,7 @@ def run_ddp(args, options, store_path: Path, name: str) -> int:
               f"ranks ({per_rank}); loss {_fmt(end.last_loss)} (rank 0)")
         return 0
     if end.status == "running":  # the job ended without a word from rank 0
-        print(f"mdb: error: run {name}: the DDP job ended (exit {job.proc.returncode}) but the "
+        print(f"mdb: error: run {name}: the {what} job ended (exit {job.proc.returncode}) but the "
               f"run was not closed: {job.tail() or 'no output'}; log: {job.log}",
               file=sys.stderr)
         return 1

@@ -145,7 +145,7 @@ def test_a_real_interrupted_fsdp_job_cannot_be_resumed_and_keeps_its_rank_histor
         run = store.run("live1")
         assert (run.status, run.world_size) == ("interrupted", 2)
         steps = len(store.rank_steps(run.id))
-    assert steps >= 2 * 3
+    assert steps >= 3  # rank 0's steps at least (rank 1's arrive every --gather-every)
     assert not (tmp_path / "m-checkpoints").exists()
     assert main(["runs", "--db", str(db)]) == 0
     table = capsys.readouterr().out
@@ -153,3 +153,47 @@ def test_a_real_interrupted_fsdp_job_cannot_be_resumed_and_keeps_its_rank_histor
     _check_refused(db, "live1", capsys)
     assert main(["export", "live1", "--db", str(db)]) == 0
     assert len(capsys.readouterr().out.strip().splitlines()) > 1  # more than the header
+
+
+WORDS = {"": "DDP", "--fsdp": "FSDP2", "--tp": "tensor-parallel"}
+
+
+@pytest.mark.parametrize("flag", ["", "--fsdp", "--tp"])
+@pytest.mark.parametrize("extra", [["--checkpoint-every", "5"], ["--model", "m:f"],
+                                   ["--detach"]])
+def test_nproc_refusals_name_the_kind_of_job(tmp_path, capsys, flag, extra):
+    db = tmp_path / "m.sqlite"
+    rc = main(["overfit", "--nproc", "2", *([flag] if flag else []), *extra, "--headless",
+               "--db", str(db)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("mdb: error: "), err
+    assert "does not apply with --nproc" in err[0] and f"the {WORDS[flag]} job" in err[0], err
+    if flag:
+        assert "DDP" not in err[0], err
+    assert not db.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_quitting_the_live_screen_of_an_fsdp_job_says_fsdp2(tmp_path, capsys, monkeypatch):
+    """q on the live screen of ``--nproc 2 --fsdp`` (the screen left at once here) stops the
+    job with ``mdb: stopping the FSDP2 job…``; the run ends interrupted, exit 0, and leaves no
+    ``m-checkpoints/`` folder."""
+    import tui.commands.overfit_ddp as overfit_ddp
+    import tui.live_app
+
+    class _Screen:
+        def run(self) -> None:
+            pass
+
+    monkeypatch.setattr(overfit_ddp, "is_terminal", lambda stream: True)
+    monkeypatch.setattr(tui.live_app, "make_watch_app", lambda store, info: _Screen())
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    db = tmp_path / "m.sqlite"
+    rc = main(["overfit", "--nproc", "2", "--fsdp", "--steps", "400", "--every", "0",
+               "--db", str(db), "--run", "q1"])
+    out, err = capsys.readouterr()
+    assert rc == 0, out + err
+    assert "mdb: stopping the FSDP2 job…" in err and "DDP" not in err, err
+    with RunStore(db) as store:
+        assert store.run("q1").status == "interrupted"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["m-logs"]
