@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -159,8 +160,17 @@ class RunControls:
     :attr:`should_stop`; ``pause`` makes ``log()`` wait until ``resume`` (or ``stop``).
 
     Uses the run's ``_stop_asked`` (bool), ``_resumed`` (a set ``threading.Event``),
-    ``_enqueue``, ``_wake``, ``_say``, ``_closed``, ``_dead``, ``name`` and ``step``.
+    ``_enqueue``, ``_wake``, ``_closed``, ``_dead``, ``name``, ``rank`` and ``step``.
     """
+
+    def _say(self, line: str) -> None:
+        print(f"mdb: {line}", file=sys.stderr, flush=True)
+
+    @property
+    def _title(self) -> str:
+        """``run NAME``; on a rank other than 0 before rank 0 has told the run's name,
+        ``rank R's run``."""
+        return f"run {self.name}" if self.name is not None else f"rank {self.rank}'s run"
 
     @property
     def should_stop(self) -> bool:

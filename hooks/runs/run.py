@@ -845,14 +845,6 @@ class Run(RunControls):
         os.kill(os.getpid(), signum)
 
     # -- the writer thread -------------------------------------------------------------------------
-    def _say(self, line: str) -> None:
-        print(f"mdb: {line}", file=sys.stderr, flush=True)
-
-    @property
-    def _title(self) -> str:
-        """``run NAME``; on a rank other than 0 before rank 0 has told the run's name,
-        ``rank R's run``."""
-        return f"run {self.name}" if self.name is not None else f"rank {self.rank}'s run"
 
     def _writer_main(self) -> None:
         store = None
