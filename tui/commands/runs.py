@@ -46,8 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print one JSON object per run (one per line) instead of a table: "
                              "name, status, steps, metrics (names in first-logged order), "
                              "nonfinite (step, metric, module, direction[, rank]), spikes, "
-                             "damaged, the run row, and for a torchrun job world_size, ranks "
-                             "and findings")
+                             "damaged, the run row, and for a torchrun job world_size, ranks, "
+                             "findings and parallel (DDP, FSDP2, tensor parallel: how an "
+                             "mdb overfit --nproc job split the model)")
 
 
 def format_age(seconds: float) -> str:
