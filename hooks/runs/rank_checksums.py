@@ -108,7 +108,8 @@ def compare_checksums(
 
 #: Why a comparison compared nothing: every tensor was held by one rank only (each rank's FSDP2
 #: shard, a tensor-parallel ``Shard`` piece), so there is no replica to compare it with.
-NOT_COMPARED = "FSDP2 shards differ by design (no replicas)"
+NOT_COMPARED = ("every tensor is one rank's own shard (FSDP2, a tensor-parallel Shard): no "
+                "replica to compare")
 
 
 def shared_names(by_rank: Mapping[int, Mapping[str, int | None]]) -> list[str]:

@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 
+from hooks.runs.rank_checksums import NOT_COMPARED
 from hooks.runs.store import RankInfo, RankRow, RunStore
 from tests.conftest import wait_until
 from tui.screens.live_ranks_data import RankSeries, bar_string
@@ -245,14 +246,13 @@ async def test_checks_that_compared_nothing_are_shown_as_not_compared(tmp_path):
             summary = app.live.query_one(RanksSummary)
             await wait_until(pilot, lambda: summary.polls >= 1 and summary.series.step == 10)
             line = summary.summary().plain
-            assert "✓" not in line and line.endswith(" · not compared: FSDP2 shards"), line
+            assert "✓" not in line and line.endswith(" · not compared: no replicas"), line
             await pilot.press("k")
             await wait_until(pilot, lambda: isinstance(app.screen, RanksScreen))
             findings = app.screen.findings_text().plain
             assert "equal" not in findings, findings
-            assert ("checks: parameters not compared: FSDP2 shards differ by design (no "
-                    "replicas) · gradients not compared: FSDP2 shards differ by design (no "
-                    "replicas)") in findings, findings
+            assert (f"checks: parameters not compared: {NOT_COMPARED} · gradients not "
+                    f"compared: {NOT_COMPARED}") in findings, findings
 
 
 def test_only_checks_that_compared_tensors_count_as_made():

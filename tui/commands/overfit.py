@@ -117,8 +117,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="torch CPU threads (default 1: small models train fastest on one); "
                         "with --nproc, per rank")
     x.add_argument("--nproc", type=positive_int, default=None, metavar="N",
-                   help="run it as a DDP job of N processes through torchrun (gloo backend, "
-                        "CPU), each rank on its own seeded windows of the text (--seq-len, "
+                   help="run it as a job of N processes through torchrun (gloo backend, "
+                        "CPU; DDP, or --fsdp / --tp), each rank on its own seeded windows of "
+                        "the text (--seq-len, "
                         "default half the text); one run, every rank in `mdb watch`")
     x.add_argument("--fsdp", action="store_true",
                    help="with --nproc: shard the model with FSDP2 (fully_shard per decoder "
