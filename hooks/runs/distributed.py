@@ -57,6 +57,7 @@ from hooks.runs.rank_checksums import (
     _hex,
     checksums,
     compare_checksums,
+    grads_by_key,
     shared_names,
     tensor_checksum,
 )
@@ -255,7 +256,7 @@ class RankLink:
         with contextlib.suppress(Exception):  # a check must never break the user's step
             params = self._optimizer_params(optimizer)
             res = self._results.setdefault(tag, {})
-            res.setdefault("grads", {}).update(checksums((n, p.grad) for n, p in params))
+            res.setdefault("grads", {}).update(checksums(grads_by_key(params)))
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         tag = self._armed

@@ -113,10 +113,12 @@ NOT_COMPARED = ("every tensor is one rank's own shard (FSDP2, a tensor-parallel 
 
 
 def shared_names(by_rank: Mapping[int, Mapping[str, int | None]]) -> list[str]:
-    """The names :func:`compare_checksums` compares: those held by two ranks or more (a
-    replicated tensor, or one replica of a shard under :func:`replica_key`), in the first
+    """The names :func:`compare_checksums` compares and that hold a tensor somewhere: those
+    held by two ranks or more (a replicated tensor, or one replica of a shard under
+    :func:`replica_key`) and not ``None`` (no gradient) on every one of them, in the first
     rank's name order. A shard that one rank alone holds (FSDP2 without replicas, a
-    tensor-parallel ``Shard`` piece) is not among them: it differs from the others by design.
+    tensor-parallel ``Shard`` piece) is not among them: it differs from the others by design;
+    nor is a frozen parameter's missing gradient on every rank (nothing was compared).
 
     Args:
         by_rank: Per rank, checksums by name (:func:`checksums`).
@@ -126,11 +128,22 @@ def shared_names(by_rank: Mapping[int, Mapping[str, int | None]]) -> list[str]:
     """
     counts: collections.Counter[str] = collections.Counter()
     order: dict[str, None] = {}
+    some: set[str] = set()
     for r in sorted(by_rank):
-        for name in by_rank[r]:
+        for name, v in by_rank[r].items():
             counts[name] += 1
             order.setdefault(name, None)
-    return [n for n in order if counts[n] >= 2]
+            if v is not None:
+                some.add(name)
+    return [n for n in order if counts[n] >= 2 and n in some]
+
+
+def grads_by_key(params: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """``(name, gradient)`` of each named parameter for :func:`checksums`, a missing gradient
+    of a sharded parameter named by the parameter's :func:`replica_key` (as its gradient
+    would be): a frozen FSDP2 shard's ``None`` meets only its replicas', not every rank's."""
+    return [(replica_key(n, p) if p.grad is None and _is_sharded(p) else n, p.grad)
+            for n, p in params]
 
 
 def _hex(v: int | None) -> str:

@@ -69,6 +69,7 @@ def default_run_name(store) -> str:
 
 
 def _run_name(args: argparse.Namespace) -> tuple[str, Path]:
+    from hooks.runs.overfit_options import nproc_resume_error
     from hooks.runs.store import RunStoreError, default_db_path
 
     path = Path(args.db if args.db else default_db_path())
@@ -83,6 +84,9 @@ def _run_name(args: argparse.Namespace) -> tuple[str, Path]:
                 raise MdbError(f"run {info.name} is still running (pid {info.pid}): watch it "
                                f"with `mdb watch {info.name}` or stop it with `mdb stop "
                                f"{info.name}` first")
+            refused = nproc_resume_error(info.name, info.kind, info.world_size, info.config)
+            if refused:  # said here, before a trainer starts only to refuse it
+                raise MdbError(refused)
             return info.name, path
         name = args.run or default_run_name(store)
         if any(r.name == name for r in store.runs()):

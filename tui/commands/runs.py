@@ -93,7 +93,9 @@ def run_record(run, store, now: float, probe: bool = False) -> dict:
 
     d = run.to_dict()
     d.pop("config", None)
-    d["parallel"] = parallel_kind(_config(run)) if run.world_size else None
+    # (a loop of one's own records its own config: its "nproc" says nothing of the kind)
+    d["parallel"] = parallel_kind(_config(run)) if run.world_size and run.kind == "overfit" \
+        else None
     d.update(writer_state=run.writer_state(now), status_line=run.status_line(now),
              steps=run.last_step, nonfinite_line=run.nonfinite_line(), metrics=[], latest={},
              captures=0,

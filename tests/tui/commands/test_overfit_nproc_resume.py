@@ -89,6 +89,20 @@ def test_runs_offers_no_resume_for_an_nproc_job_and_resume_refuses_it(tmp_path, 
     _check_refused(db, "live1", capsys)
 
 
+@pytest.mark.parametrize("mode", [["--detach"], []])
+def test_resume_of_an_nproc_job_is_refused_before_a_trainer_starts(tmp_path, capsys, mode):
+    """With --detach, or the live viewer: the same one line, not a trainer started only to
+    exit 2 ("the trainer exited (2) before its run started: ...")."""
+    db = tmp_path / "m.sqlite"
+    _interrupted_job(db, "live1", "fsdp")
+    before = _snapshot(db)
+    rc = main(["overfit", "--resume", "live1", *mode, "--db", str(db)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("mdb: error: cannot resume run 'live1'"), err
+    assert _snapshot(db) == before
+
+
 def test_a_single_process_run_still_gets_its_restart_hint(tmp_path, capsys):
     """Only --nproc jobs lose the hint: a one-process overfit run with the same options and no
     checkpoint still says how to restart it, and its JSON has no ``parallel``."""
@@ -102,6 +116,21 @@ def test_a_single_process_run_still_gets_its_restart_hint(tmp_path, capsys):
     record = json.loads(capsys.readouterr().out)
     assert record["parallel"] is None
     assert record["details"][-1] == "restart from step 0: mdb overfit --resume one"
+
+
+def test_a_torchrun_loop_of_ones_own_is_not_labelled_ddp(tmp_path, capsys):
+    """A run that ``hooks.run`` recorded from a user's own 4-rank loop, whose config happens
+    to hold an ``nproc`` key: the kind of its job is not known, so none is shown."""
+    db = tmp_path / "m.sqlite"
+    with RunStore(db, create=True) as store:
+        w = store.create_run("own", {"nproc": 4, "strategy": "fsdp"}, total_steps=10,
+                             kind="api", world_size=4)
+        w.finish("finished")
+    assert main(["runs", "--db", str(db), "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["world_size"] == 4 and record["parallel"] is None
+    assert main(["runs", "--db", str(db)]) == 0
+    assert "DDP" not in capsys.readouterr().out
 
 
 def _env() -> dict[str, str]:
