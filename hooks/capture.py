@@ -448,8 +448,9 @@ class Capture:
         except RuntimeError:  # inference tensors track no version: never reuse their slot
             return self._add(t)
         # (in a sharded job by object: collectives reuse buffers of live tensors)
+        plain = type(t) is torch.Tensor or not is_dtensor(t)  # (a DTensor has no data_ptr)
         key = (t.data_ptr(), t.numel(), t.dtype) \
-            if t.is_contiguous() and not self._dist and not is_dtensor(t) else id(t)
+            if plain and t.is_contiguous() and not self._dist else id(t)
         hit = self._cache.get(key)
         if hit is not None and hit[0]() is not None and hit[1] == version:
             return hit[2]
@@ -464,7 +465,7 @@ class Capture:
     def _add(self, t: torch.Tensor, sync: bool = False) -> int | None:
         if self._dist is not None:
             return self._dist.add(t)
-        if is_dtensor(t):  # a model without DTensor parameters: nothing reduced (a note)
+        if type(t) is not torch.Tensor and is_dtensor(t):  # no DTensor parameters: a note
             self._local_dtensors += 1
             t = local_piece(t)
         return self._batch.add(t, sync)

@@ -76,7 +76,6 @@ from hooks.dtensor_replicas import (
     Fingerprint,
     candidates,
     confirm,
-    position_checksum,
     replicas,
     table,
     wholes,
@@ -92,7 +91,7 @@ from hooks.stats import (
     _hist_sample,
 )
 
-__all__ = ["MeshStats", "SLOT_BASE", "is_dtensor", "local_piece", "position_checksum",
+__all__ = ["MeshStats", "SLOT_BASE", "is_dtensor", "local_piece",
            "sharded_parameters"]
 
 #: At most this many non-finite parameters (weights first, then gradients) get a note each.
