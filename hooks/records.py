@@ -216,10 +216,6 @@ class GradRecord:
         )
 
 
-#: ``ParamGradRecord.status`` values.
-PARAM_STATUSES = ("ok", "zero", "none", "stale", "frozen")
-
-
 @dataclass(slots=True)
 class ParamGradRecord:
     """Gradient statistics of one parameter after the backward pass(es) of a capture.

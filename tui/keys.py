@@ -106,7 +106,7 @@ class KeysInOrder:
             self._key_in_flight = None
             self.call_next(self._release_keys)
             return
-        parent = node._parent
+        parent = node.parent
         if (parent is not None and node.is_parent_active and node.is_attached
                 and parent.call_later(self._key_passed, parent, event)):
             return

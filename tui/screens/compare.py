@@ -197,7 +197,6 @@ class CompareScreen(MdbScreen):
         self.log_scale = True
         self.error: str | None = None
         self._store = StoreHandle(self.db)
-        self._dirty = True
         self._next_table = 0.0
         self._next_chart = 0.0
         self._redraw_timer = None
@@ -326,7 +325,6 @@ class CompareScreen(MdbScreen):
 
     # -- drawing (throttled) ---------------------------------------------------------------------
     def _changed(self) -> None:
-        self._dirty = True
         if self._redraw_timer is None:
             due = max(0.01, self._next_table - time.monotonic())
             self._redraw_timer = self.set_timer(due, self._redraw_due)
@@ -343,7 +341,6 @@ class CompareScreen(MdbScreen):
         self._changed()
 
     def _redraw(self) -> None:
-        self._dirty = False
         now = time.monotonic()
         self._next_table = now + 0.25
         self.query_one("#title", Static).update(self._title_text())
@@ -352,7 +349,6 @@ class CompareScreen(MdbScreen):
             self._draw_chart()
             self._next_chart = now + 0.5
         else:  # the chart's slot comes later: draw it then
-            self._dirty = True
             self._redraw_timer = self.set_timer(self._next_chart - now, self._redraw_due)
 
     def _draw_chart(self) -> None:

@@ -52,10 +52,6 @@ def no_results_text(meta: dict | None = None) -> str:
             "this.")
 
 
-#: The text without a trace to read the model's options from.
-NO_RESULTS = no_results_text()
-
-
 class NoDoctorScreen(ModalScreen[None]):
     """Says that no doctor results were given, and how to get them (the command for the
     trace's model when its description names it)."""

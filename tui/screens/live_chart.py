@@ -30,7 +30,6 @@ from functools import lru_cache
 
 from rich.segment import Segment
 from rich.style import Style
-from rich.text import Text
 from textual.strip import Strip
 from textual.widget import Widget
 
@@ -301,22 +300,8 @@ def chart_rows(series: Sequence[Series], width: int, height: int, *, title: str 
     return rows
 
 
-def render_chart(series: Sequence[Series], width: int, height: int, **kwargs) -> Text:
-    """:func:`chart_rows` as one Rich ``Text`` of ``height`` lines (same arguments)."""
-    lines = []
-    for row in chart_rows(series, width, height, **kwargs):
-        line = Text(no_wrap=True, overflow="ellipsis")
-        for text, style in row:
-            line.append(text, style=style)
-        line.truncate(width)
-        lines.append(line)
-    out = Text("\n").join(lines)
-    out.no_wrap = True
-    return out
-
-
 class LineChart(Widget):
-    """A widget showing :func:`render_chart` of the series last given to :meth:`plot`.
+    """A widget drawing :func:`chart_rows` of the series last given to :meth:`plot`.
 
     Args:
         title: Chart title (first row, before the legend).
