@@ -45,6 +45,6 @@ def print_table(diff, a: str, b: str, limit: int) -> None:
         console.print(f"… {len(rs) - limit} more (--limit 0 lists all)", markup=False)
     for label, keys in (("only in A", diff.only_in_self), ("only in B", diff.only_in_other)):
         if keys:
-            shown = ", ".join(map(printable, keys[:12])) + (f", … {len(keys) - 12} more" if len(keys) > 12
-                                             else "")
+            shown = ", ".join(map(printable, keys[:12])) + (
+                f", … {len(keys) - 12} more" if len(keys) > 12 else "")
             console.print(f"{label}: {shown}", markup=False)

@@ -126,7 +126,8 @@ def params_table(params, rows: int | None = None, batch_rows: int | None = None)
     out.append(_pad("param", 10) + _pad("shape", 12) + _pad("‖g‖", 9, True)
                + _pad("‖g‖/‖w‖", 9, True), style="dim")
     for p in params:
-        out.append("\n" + _pad(printable(p.name.rsplit(".", 1)[-1]), 10) + _pad(fmt.shape(p.shape), 12)
+        name = printable(p.name.rsplit(".", 1)[-1])
+        out.append("\n" + _pad(name, 10) + _pad(fmt.shape(p.shape), 12)
                    + _pad(fmt.sci(p.grad_norm), 9, True) + _pad(fmt.sci(p.ratio), 9, True) + " ")
         out.append_text(fmt.flag(param_verdict(p, rows, batch_rows)))
     return out
