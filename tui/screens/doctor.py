@@ -31,8 +31,8 @@ from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import DataTable, Footer, Static
 
-from tui import messages
 from hooks.text import printable
+from tui import messages
 from tui.screens.base import MdbScreen
 
 #: Rich style of each status in the table.
