@@ -556,7 +556,7 @@ class LiveScreen(MdbScreen):
             self._set("#live-table", self._table_text())
             grad = self.query_one("#live-grad", LineChart)
             grad.plot([_ranged("", s.metric(other), grad.resolution, "green")],
-                      title=METRIC_LABELS.get(other, other))
+                      title=METRIC_LABELS.get(other, display_name(other)))
         if self.redraws % 2 == 1 or self.watch or self.state != "running":
             self._draw_experts()  # slow-moving: every other redraw while training here
 
