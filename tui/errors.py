@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+from hooks.text import printable
+
 #: Characters of a quoted value (or of an unbroken run of non-space characters, a path) that an
 #: error line repeats; the rest is cut and counted.
 MAX_QUOTED = 200
@@ -51,13 +53,15 @@ class MdbError(Exception):
 
     Raise it with a message that names what is wrong and how to fix it; the CLI prints no
     traceback for it. The message is :func:`clip`'d: a value it repeats is cut to
-    :data:`MAX_QUOTED` characters.
+    :data:`MAX_QUOTED` characters; and, as it may repeat outside text (a run or module name,
+    an exception's message), made :func:`hooks.text.printable` (control characters shown as
+    ``\\x1b``, ``\\n``): one line that cannot drive the terminal.
     """
 
     exit_code = 2
 
     def __init__(self, message: object = "", *args: object) -> None:
-        super().__init__(clip(str(message)), *args)
+        super().__init__(clip(printable(str(message))), *args)
 
 
 class ModelError(MdbError):

@@ -15,6 +15,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from hooks.text import printable
 from tui.commands.process import is_terminal
 from tui.errors import MdbError
 
@@ -107,6 +108,7 @@ def print_table(views: Sequence, db, file=None) -> None:
     """Print the compare table (the screen's) with Rich: wide when piped, no colour."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from tui.screens.compare_data import compare_rows, short_labels, why_lines
 
@@ -118,20 +120,20 @@ def print_table(views: Sequence, db, file=None) -> None:
         width = int(cols) if cols.isdigit() and int(cols) > 0 else 200
     console = Console(file=file, width=width, no_color=not tty or None, highlight=False)
     labels = short_labels([v.name for v in views])
-    table = Table(title=f"{len(views)} runs in {db}", title_justify="left", show_edge=False,
-                  pad_edge=False)
+    table = Table(title=Text(printable(f"{len(views)} runs in {db}")), title_justify="left",
+                  show_edge=False, pad_edge=False)
     table.add_column("", no_wrap=True)
     for v, label in zip(views, labels, strict=True):
         table.add_column(f"{v.marker} {label}", justify="right", style=v.style if tty else "")
     for r in compare_rows(views):
-        table.add_row(r.label, *r.cells)
+        table.add_row(*(Text(c) for c in (r.label, *r.cells)))  # never markup
     console.print(table)
-    if labels != [v.name for v in views]:
-        console.print("runs: " + " · ".join(f"{v.marker} {label} = {v.name}"
+    if labels != [printable(v.name) for v in views]:
+        console.print("runs: " + " · ".join(f"{v.marker} {label} = {printable(v.name)}"
                                             for v, label in zip(views, labels, strict=True)),
                       markup=False)
     for line in why_lines(views, labels):
-        console.print(line, markup=False)
+        console.print(printable(line), markup=False)
 
 
 def run(args: argparse.Namespace) -> int:

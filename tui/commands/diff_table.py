@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
+from hooks.text import printable
 from tui.commands.process import is_terminal
 
 
@@ -15,6 +16,7 @@ def print_table(diff, a: str, b: str, limit: int) -> None:
     largest change first; wide enough for long module names when piped ($COLUMNS, else 160)."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from tui.widgets.diff_rows import rows, summary_line
 
@@ -24,7 +26,8 @@ def print_table(diff, a: str, b: str, limit: int) -> None:
         cols = os.environ.get("COLUMNS", "")
         width = int(cols) if cols.isdigit() and int(cols) > 0 else 160
     console = Console(file=sys.stdout, width=width, no_color=not tty or None, highlight=False)
-    console.print(f"A = {a}\nB = {b}\n{summary_line(diff, a, b)}", markup=False)
+    for line in (f"A = {a}", f"B = {b}", summary_line(diff, a, b)):
+        console.print(printable(line), markup=False)
     if diff.is_zero():
         return
     table = Table(title="B - A per module call, largest change first", title_justify="left",
@@ -35,13 +38,13 @@ def print_table(diff, a: str, b: str, limit: int) -> None:
         table.add_column(col, justify=just, no_wrap=col in ("call", "change"))
     rs = rows(diff)
     for r in rs[:limit] if limit else rs:
-        table.add_row(r["pass"], r["call"], r["tensor"], r["shape"], r["mean"], r["std"],
-                      r["change"])
+        table.add_row(*(Text(r[k]) for k in ("pass", "call", "tensor", "shape", "mean", "std",
+                                             "change")))  # names are never markup
     console.print(table)
     if limit and len(rs) > limit:
         console.print(f"… {len(rs) - limit} more (--limit 0 lists all)", markup=False)
     for label, keys in (("only in A", diff.only_in_self), ("only in B", diff.only_in_other)):
         if keys:
-            shown = ", ".join(keys[:12]) + (f", … {len(keys) - 12} more" if len(keys) > 12
-                                             else "")
+            shown = ", ".join(map(printable, keys[:12])) + (
+                f", … {len(keys) - 12} more" if len(keys) > 12 else "")
             console.print(f"{label}: {shown}", markup=False)

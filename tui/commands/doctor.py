@@ -20,6 +20,7 @@ import json
 import sys
 import time
 
+from hooks.text import printable
 from tui.commands.options import add_model_arguments, positive_int
 from tui.commands.process import is_terminal, stdout_to_stderr
 from tui.errors import MdbError
@@ -107,10 +108,11 @@ def build_table(results, title: str = "", width: int | None = NARROW):
     if not narrow:
         table.add_column("hint", ratio=2 if wrap else None, no_wrap=not wrap)
     for r in results:
-        ev = Text(r.evidence)
+        ev = Text(printable(r.evidence))  # names a module, quotes an error: never raw
         if r.module is not None and r.status not in ("pass", "skip", "n/a"):
-            ev.append(("\n" if wrap else " ") + f"→ {r.module or '<root>'}", style="cyan")
-        hint = Text(r.hint, style="dim")
+            ev.append(("\n" if wrap else " ") + f"→ {printable(r.module or '<root>')}",
+                      style="cyan")
+        hint = Text(printable(r.hint), style="dim")
         if narrow:
             if r.hint:
                 ev.append("\nhint: ", style="dim bold")
@@ -200,7 +202,7 @@ def _check_and_report(args: argparse.Namespace, workload, only) -> int:
     else:
         _print_table(workload.description, kind.describe(), results, info, args.wide)
     if broken is not None:  # the same line as mdb summary/capture/step, and exit 1
-        print(f"mdb: error: {broken}", file=sys.stderr)
+        print(f"mdb: error: {printable(str(broken))}", file=sys.stderr)
         return 1
     return 1 if info["failed"] else 0
 
@@ -249,7 +251,7 @@ def _print_table(description: str, kind: str, results, info: dict, wide: bool = 
     if width is None:
         console.width = console.measure(table).maximum
     for line in (f"mdb doctor · {description}", f"kind: {kind}"):
-        console.print(line, markup=False, soft_wrap=width is None, style="bold")
+        console.print(printable(line), markup=False, soft_wrap=width is None, style="bold")
     console.print(table)
     line = summary_line([r.to_dict() for r in results]) + f" · {info['seconds']:.1f} s"
     console.print(line, markup=False, soft_wrap=width is None)
@@ -285,6 +287,6 @@ def _run_tui(workload, results, info: dict) -> int:
     app = make_doctor_app(trace, results, title=f"mdb doctor · {workload.description}")
     app.run()
     if app.error:
-        print(f"mdb: error: {app.error}", file=sys.stderr)
+        print(f"mdb: error: {printable(str(app.error))}", file=sys.stderr)
         return app.return_code or 2
     return 1 if info["failed"] else 0

@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 
+from hooks.text import printable
 from tui.commands.process import is_terminal
 from tui.errors import MdbError
 
@@ -44,7 +45,8 @@ def build_table(run, findings, width: int | None):
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(title=f"run {run.name} · {run.status} · {len(findings)} finding(s)",
+    table = Table(title=Text(printable(f"run {run.name} · {run.status} · {len(findings)} "
+                                       "finding(s)")),
                   title_justify="left", header_style="bold", show_lines=width is not None)
     wrap = width is not None
     table.add_column("step", justify="right", no_wrap=True)
@@ -54,13 +56,13 @@ def build_table(run, findings, width: int | None):
     table.add_column("finding · evidence", ratio=1 if wrap else None, no_wrap=not wrap)
     for f in findings:
         sev = severity(f)
-        cell = Text(f.line)
+        cell = Text(printable(f.line))
         evidence = (f.detail or {}).get("evidence")
         if evidence:
-            cell.append(("\n" if wrap else " · ") + str(evidence), style="dim")
+            cell.append(("\n" if wrap else " · ") + printable(str(evidence)), style="dim")
         table.add_row("—" if f.step is None else str(f.step), f.kind,
                       Text(sev.upper(), style="bold red" if sev == "error" else "yellow"),
-                      f.subject, cell)
+                      Text(printable(str(f.subject))), cell)
     return table
 
 
@@ -85,7 +87,7 @@ def run_findings(args: argparse.Namespace) -> int:
         print(json.dumps(doc))
         return 1 if errors else 0
     if not findings:
-        print(f"run {info.name}: no finding (the loop doctor checks a loop watched with "
+        print(f"run {printable(info.name)}: no finding (the loop doctor checks a loop watched with "
               "run.watch(model, every, optimizer=opt, scheduler=sched); see "
               "docs/loop-doctor.md)")
         return 0

@@ -1,10 +1,12 @@
 """``mdb export RUN``: every logged metric of a run, one row per step, to stdout.
 
 CSV (the default) has a header ``step,<metric>,…`` with the metrics in the order they were
-first logged; a metric not logged at a step is an empty cell, a NaN is ``nan``, infinities are
-``inf`` / ``-inf`` — what ``pandas.read_csv`` and spreadsheets read as numbers. JSON lines
-(``--format jsonl``) give one object per step, ``{"step": 1, "loss": 2.31, …}``, without the
-metrics not logged at that step; NaN and infinities are written ``NaN``, ``Infinity``,
+first logged (a control character in a name written as a visible escape, ``\\x1b``, ``\\n``:
+:func:`hooks.text.printable`, so the header stays one line); a metric not logged at a step
+is an empty cell, a NaN is ``nan``, infinities are ``inf`` / ``-inf`` — what
+``pandas.read_csv`` and spreadsheets read as numbers. JSON lines (``--format jsonl``) give
+one object per step, ``{"step": 1, "loss": 2.31, …}``, without the metrics not logged at that
+step; NaN and infinities are written ``NaN``, ``Infinity``,
 ``-Infinity`` (as Python's ``json``, ``pandas.read_json`` and ``jq`` read them). ``mdb
 overfit``'s per-expert load is not a scalar and is not exported.
 
@@ -28,6 +30,7 @@ import math
 import os
 import sys
 
+from hooks.text import printable
 from tui.errors import MdbError
 
 #: Reads the run store only: ``mdb`` does not import torch for it (a capture opened from
@@ -113,7 +116,9 @@ def write(store, info, fmt: str, out, rank: int | None = None) -> int:
                                 rank=rank, where=f"{info.name!r} in {store.path}")
         if fmt == "csv":
             w = csv.writer(out, lineterminator="\n")
-            w.writerow([*keys, *names])
+            # a name is shown as text (a newline would split the header line, an ESC drive
+            # the terminal it is read on): escaped; jsonl's json.dumps escapes it already
+            w.writerow([*keys, *(printable(name) for name in names)])
             for batch in batches:
                 w.writerows(batch)  # None: an empty cell; "nan"; floats as their repr
                 n += len(batch)

@@ -4,7 +4,9 @@ Each decoder layer's output goes through the model's own final norm and LM head
 (:func:`hooks.logit_lens`). Without ``--pos`` the table has one row per position (the input
 token, the token that follows it in the batch) and one column per layer: the top-1 prediction
 and its probability; the last column is the model's own prediction. With ``--pos N`` it has one
-row per layer: the top ``--k`` tokens at that position.
+row per layer: the top ``--k`` tokens at that position. A table wider than the terminal (or
+``$COLUMNS`` piped, else 160) is printed as several, one below the other, each with the columns
+that fit and the row labels repeated: no cell is cut or squeezed (``--k 60`` at 80 columns).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hooks.text import printable
 from tui.commands.options import add_model_arguments, nonneg_int, positive_int
 from tui.errors import MdbError, ModelError
 
@@ -76,48 +79,92 @@ def _check(lens, args) -> None:
         raise MdbError(f"--pos {args.pos}: the batch has {t} positions (0..{t - 1})")
 
 
-def print_grid(lens, row: int = 0) -> None:
-    """Positions × layers: each cell the top-1 token and its probability."""
-    from rich.table import Table
+#: Cells between two columns of a printed table (`` │ ``: no edge, no outer padding).
+_GAP = 3
 
+
+def fitted_tables(lead: list[tuple[str, str]], heads: list[str], rows: list[tuple[list[str],
+                  list[str]]], width: int | None) -> list:
+    """Rich tables of ``rows`` that each fit ``width`` cells (``None``: one table): every
+    table has the ``lead`` columns (header, justify) and as many of the other columns
+    (``heads``, each row's second list) as fit at their full width, the rest going to the
+    next table below, the lead columns repeated. A cell is never cut and never read as Rich
+    markup; its text is :func:`hooks.text.printable` (a token may be any string)."""
+    from rich.cells import cell_len
+    from rich.table import Table
+    from rich.text import Text
+
+    def col_width(head: str, cells: list[str]) -> int:
+        return max([cell_len(head), *(cell_len(c) for c in cells)])
+
+    rows = [([printable(c) for c in a], [printable(c) for c in b]) for a, b in rows]
+    heads = [printable(h) for h in heads]
+    lead_w = sum(col_width(h, [r[0][i] for r in rows]) + _GAP for i, (h, _) in enumerate(lead))
+    groups: list[list[int]] = [[]]
+    used = lead_w
+    for j, head in enumerate(heads):
+        w = col_width(head, [r[1][j] for r in rows])
+        if width is not None and groups[-1] and used + w > width:
+            groups.append([])
+            used = lead_w
+        groups[-1].append(j)
+        used += w + _GAP
+    tables = []
+    for group in groups:
+        table = Table(show_edge=False, pad_edge=False)
+        for head, justify in lead:
+            table.add_column(head, justify=justify, no_wrap=True)
+        for j in group:
+            table.add_column(heads[j], no_wrap=True)
+        for a, b in rows:
+            table.add_row(*(Text(c) for c in [*a, *(b[j] for j in group)]))
+        tables.append(table)
+    return tables
+
+
+def _print_tables(console, tables: list) -> None:
+    for i, table in enumerate(tables):
+        if i:
+            console.print()
+        console.print(table)
+
+
+def print_grid(lens, row: int = 0) -> None:
+    """Positions × layers: each cell the top-1 token and its probability; the layers that do
+    not fit the width in further tables below (:func:`fitted_tables`)."""
     texts, probs = lens.table(row)
     ids = lens.ids[row].tolist() if lens.ids is not None else None
     console = _console()
     console.print(f"top-1 per position (rows) and decoder layer (columns), sequence {row}",
                   markup=False)
-    table = Table(show_edge=False, pad_edge=False)
-    table.add_column("pos", justify="right")
-    if ids is not None:
-        table.add_column("input")
-        table.add_column("next")
-    for name in lens.layers:
-        table.add_column(_short(name), no_wrap=True)
+    lead = [("pos", "right")] + ([("input", "left"), ("next", "left")] if ids is not None
+                                 else [])
     t = len(texts[0]) if texts else 0
+    rows = []
     for p in range(t):
         cells = [str(p)]
         if ids is not None:
             cells += [lens.text_of(ids[p]), lens.text_of(ids[p + 1]) if p + 1 < t else ""]
-        cells += [f"{texts[layer][p]} {probs[layer, p]:.3f}" for layer in range(len(texts))]
-        table.add_row(*cells)
-    console.print(table)
+        rows.append((cells, [f"{texts[layer][p]} {probs[layer, p]:.3f}"
+                             for layer in range(len(texts))]))
+    _print_tables(console, fitted_tables(lead, [_short(n) for n in lens.layers], rows,
+                                         console.width))
 
 
 def print_position(lens, pos: int, k: int, row: int = 0) -> None:
-    """Layers × top-k at one position."""
-    from rich.table import Table
-
+    """Layers × top-k at one position; the ranks that do not fit the width in further tables
+    below (:func:`fitted_tables`): ``--k 60`` at 80 columns prints every token, never a table
+    squeezed to its borders."""
     ids = lens.ids[row].tolist() if lens.ids is not None else None
     at = f" (input {lens.text_of(ids[pos])!r})" if ids is not None else ""
     console = _console()
-    console.print(f"top {k} at position {pos}{at}, sequence {row}", markup=False)
-    table = Table(show_edge=False, pad_edge=False)
-    table.add_column("layer", no_wrap=True)
-    for i in range(k):
-        table.add_column(f"#{i + 1}", no_wrap=True)
+    console.print(printable(f"top {k} at position {pos}{at}, sequence {row}"), markup=False)
+    rows = []
     for layer, name in enumerate(lens.layers):
         top = lens.top(layer, pos, k, row=row)
-        table.add_row(_short(name), *[f"{t.text} {t.prob:.3f}" for t in top])
-    console.print(table)
+        rows.append(([_short(name)], [f"{t.text} {t.prob:.3f}" for t in top]))
+    _print_tables(console, fitted_tables([("layer", "left")], [f"#{i + 1}" for i in range(k)],
+                                         rows, console.width))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -130,13 +177,13 @@ def run(args: argparse.Namespace) -> int:
     lens = compute_lens(workload, k=max(args.k, 1))
     _check(lens, args)
     console = _console()
-    console.print(f"{workload.description or 'the model'}\nlogit lens: each layer's output → "
-                  f"{lens.norm} → {lens.head}" + ("" if lens.post == "none"
-                                                   else f" → {lens.post}"), markup=False)
+    console.print(printable(workload.description or "the model"), markup=False)
+    console.print(printable(f"logit lens: each layer's output → {lens.norm} → {lens.head}"
+                            + ("" if lens.post == "none" else f" → {lens.post}")), markup=False)
     if args.pos is None:
         print_grid(lens, args.row)
     else:
         print_position(lens, args.pos, args.k, args.row)
     for note in lens.notes:
-        console.print(f"note: {note}", markup=False)
+        console.print(printable(f"note: {note}"), markup=False)
     return 0

@@ -24,6 +24,7 @@ import shutil
 import sys
 import time
 
+from hooks.text import printable
 from tui.commands.process import is_terminal
 from tui.errors import MdbError
 from tui.screens.live_data import display_name
@@ -290,7 +291,7 @@ def table_lines(runs, records: list[dict], now: float, width: int | None,
             # a command to copy is never cut
             command = detail.startswith(("continue: ", "restart from step 0: "))
             room = None if width is None or command else width - 4
-            lines.append(Text("  └ " + _cut(detail, room), style="dim"))
+            lines.append(Text("  └ " + _cut(printable(detail), room), style="dim"))
     return lines
 
 
@@ -343,11 +344,11 @@ def run(args: argparse.Namespace) -> int:
         # Piped output (scripts, logs) is never cut.
         console = Console(highlight=False, width=width if tty else 100_000, soft_wrap=not tty)
         if not runs:
-            console.print(f"no runs in {path}")
+            console.print(f"no runs in {printable(str(path))}", markup=False, highlight=False)
         else:
-            console.print(f"runs in {path}", markup=False, highlight=False)
+            console.print(f"runs in {printable(str(path))}", markup=False, highlight=False)
             for line in table_lines(runs, records, now, width, args.db):
                 console.print(line, overflow="ellipsis" if tty else "ignore", no_wrap=True)
     for line in damaged:
-        print(f"mdb: error: {line}", file=sys.stderr)
+        print(f"mdb: error: {printable(line)}", file=sys.stderr)
     return EXIT_DAMAGED if damaged else 0

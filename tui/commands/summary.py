@@ -20,6 +20,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+from hooks.text import printable
 from tui.commands.options import add_model_arguments
 from tui.commands.process import is_terminal
 from tui.commands.step import add_run_arguments, add_threads_argument, set_threads
@@ -113,9 +114,10 @@ def table_rows(trace, *, depth: int | None = None, compact: bool = False) -> lis
         if len(recs) > 1:
             shape += f" ×{len(recs)}"
         stats = out.stats if out is not None else None
-        rows.append(Row(info.depth, info.name.rsplit(".", 1)[-1] if info.name else "(root)",
+        leaf = printable(info.name.rsplit(".", 1)[-1]) if info.name else "(root)"
+        rows.append(Row(info.depth, leaf,
                         bool(recs), {
-            "class": info.module_type,
+            "class": printable(info.module_type),
             "shape": shape,
             "params": f"{info.total_params:,}" if info.total_params else "—",
             "pct": fmt.pct(info.total_params / total) if total and info.total_params else "—",
@@ -203,7 +205,7 @@ def fit_table(trace, *, depth: int | None = None, width: int | None = None):
     labels = module_labels(rows, module_width)
     for row, label in zip(rows, labels, strict=True):
         cells = [Text(label, style="" if row.called else "dim")]
-        cells += [row.cells[k] for k in keys if k != "module"]
+        cells += [Text(row.cells[k]) for k in keys if k != "module"]  # never markup
         table.add_row(*cells)
     left_out = [spec[k][0] for k, *_ in COLUMNS if k not in keys]
     return table, left_out
@@ -254,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
     table, left_out = fit_table(trace, depth=args.depth, width=width)
     if width is None:  # full width: as wide as the table
         console.width = console.measure(table).maximum
-    console.print(trace.meta.get("description") or trace.model_type, markup=False,
+    console.print(printable(trace.meta.get("description") or trace.model_type), markup=False,
                   soft_wrap=width is None, style="bold")
     console.print(table)
     lines = footer_lines(trace)
@@ -262,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
         lines.append(f"left out to fit {width} columns: {', '.join(left_out)} "
                      "(--wide shows every column)")
     for line in lines:
-        console.print(line, markup=False, soft_wrap=width is None)
+        console.print(printable(line), markup=False, soft_wrap=width is None)
     return 0
 
 

@@ -17,6 +17,8 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Static
 
+from hooks.text import printable
+
 #: Every mdb app quits on Ctrl-C (Textual's default only says "press ctrl+q to quit"); a
 #: screen with its own Ctrl-C (the live screen detaches, mdb ablate stops its workers) wins.
 CTRL_C_QUITS = Binding("ctrl+c", "quit", "quit", show=False, id="app.ctrl_c")
@@ -120,7 +122,9 @@ class MdbScreen(Screen):
     def hint(self, text: str) -> None:
         """Show ``text`` in the hint line above the footer (empty string clears it). The line
         is one row high (``app.tcss``): a new text repaints it without a layout, the same text
-        not at all."""
+        not at all. A hint repeats names (a module's, a run's) and messages: it is shown
+        :func:`hooks.text.printable`."""
+        text = printable(text)
         hints = getattr(self, "_hint_widgets", None)
         if hints is None or any(not w.is_attached for w in hints):
             hints = self._hint_widgets = list(self.query("#hint"))  # a DOM query costs ~1 ms

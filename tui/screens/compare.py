@@ -41,6 +41,7 @@ from textual.widgets.option_list import OptionDoesNotExist
 from textual.widgets.selection_list import Selection
 from textual.worker import Worker, WorkerState
 
+from hooks.text import printable
 from tui.driver import TerminalOutput
 from tui.keys import KeysInOrder
 from tui.screens.base import CTRL_C_QUITS, MdbScreen
@@ -136,7 +137,8 @@ class RunPicker(ModalScreen[list[str] | None]):
         items = []
         for r in self.runs:
             steps = f"{r.last_step}/{r.total_steps}" if r.total_steps else str(r.last_step)
-            items.append(Selection(f"{r.name}  {r.status_line()}  {steps}", r.name,
+            prompt = Text(printable(f"{r.name}  {r.status_line()}  {steps}"))
+            items.append(Selection(prompt, r.name,
                                    r.name in self.shown))
         yield Static(f"compare which runs? (at most {MAX_RUNS}) · space toggles · Enter "
                      "applies · q cancels", id="pick-title", markup=False)
@@ -401,7 +403,7 @@ class CompareScreen(MdbScreen):
     @staticmethod
     def _cell(label: str, text: str):
         if label != "status":
-            return text
+            return Text(text)  # never markup
         word = text.split(" ")[0].split(":")[0]
         return Text(text, style=_STATUS_STYLES.get(word, ""))
 

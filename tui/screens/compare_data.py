@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from hooks.text import printable
 from tui.screens.live_data import RunSeries, is_loss_like
 
 #: (Rich style, marker) of the runs, by slot; a run keeps its slot while it is shown.
@@ -227,7 +228,12 @@ def short_labels(names: Sequence[str]) -> list[str]:
     """The names without their common prefix up to a separator: ``abl-attention=mha`` and
     ``abl-attention=gqa`` → ``mha``, ``gqa`` (one varied field: its name goes too);
     ``abl-a=1+b=2`` and ``abl-a=1+b=3`` → ``b=2``, ``b=3``. Unchanged when that would leave
-    a label empty or the same twice, or for a single name."""
+    a label empty or the same twice, or for a single name. Each label is
+    :func:`hooks.text.printable`."""
+    return [printable(label) for label in _short_labels(names)]
+
+
+def _short_labels(names: Sequence[str]) -> list[str]:
     if len(names) < 2:
         return list(names)
     prefix = names[0]
@@ -315,7 +321,9 @@ def compare_rows(views: Sequence[RunView]) -> list[CompareRow]:
         (f"{v.series.step}/{v.info.total_steps}" if v.info is not None and v.info.total_steps
          else str(v.series.step)) if v.info is not None else "—" for v in views]))
     rows.append(CompareRow("status", [v.status() for v in views]))
-    return rows
+    # a config key or value, a metric name, a status's reason: shown escaped, one line each
+    return [CompareRow(printable(r.label), [printable(c) for c in r.cells], r.kind)
+            for r in rows]
 
 
 def why_lines(views: Sequence[RunView], labels: Sequence[str]) -> list[str]:

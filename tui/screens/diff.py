@@ -14,6 +14,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.widgets import DataTable, Footer, Static
 
+from hooks.text import printable
 from tui.screens.base import MdbScreen
 from tui.widgets import fmt
 from tui.widgets.call_details import CallDetails
@@ -64,7 +65,8 @@ class DiffScreen(MdbScreen):
         self.rows = rows(diff)
 
     def compose(self):
-        yield Static(f"mdb diff · A {self.name_a} · B {self.name_b}", id="title", markup=False)
+        yield Static(printable(f"mdb diff · A {self.name_a} · B {self.name_b}"), id="title",
+                     markup=False)
         yield Static(summary_line(self.diff, "A", "B"), id="status", markup=False)
         yield DataTable(id="diff-table", cursor_type="row", zebra_stripes=True)
         yield Static("", id="hint", markup=False)
@@ -81,8 +83,8 @@ class DiffScreen(MdbScreen):
             call = f"{(d.module or '<root>').removeprefix('model.')}#{d.call_index}"
             if d.tensor != "out":
                 call += f" {d.tensor}"
-            table.add_row(r["pass"], Text(_left_cut(call, CALL_WIDTH)), _shape(d), r["mean"],
-                          r["change"], key=str(i))
+            table.add_row(r["pass"], Text(_left_cut(printable(call), CALL_WIDTH)), _shape(d),
+                          r["mean"], r["change"], key=str(i))
         table.focus()
         if self.diff.is_zero():
             self.hint("no differences: every call matched and no statistic changed")
@@ -161,7 +163,7 @@ class CallPairScreen(MdbScreen):
         d = r["diff"]
         n = len(self.parent_screen.rows)
         self.query_one("#title", Static).update(
-            f"A | B · {r['call']} {d.tensor} · {self.row + 1}/{n}")
+            f"A | B · {r['call']} {r['tensor']} · {self.row + 1}/{n}")
         self.query_one("#status", Static).update(
             f"{'forward' if d.direction == 'forward' else 'backward'} · shape {r['shape']} · "
             f"Δmean {r['mean']} · Δstd {r['std']} · change {r['change']}")

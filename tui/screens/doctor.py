@@ -31,6 +31,7 @@ from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import DataTable, Footer, Static
 
+from hooks.text import printable
 from tui import messages
 from tui.screens.base import MdbScreen
 
@@ -167,7 +168,7 @@ class DoctorScreen(MdbScreen):
 
     def _add_row(self, table: DataTable, i: int, r: dict[str, Any]) -> None:
         status = r["status"]
-        evidence = r.get("evidence", "")
+        evidence = printable(str(r.get("evidence", "")))
         short = evidence if len(evidence) <= 90 else evidence[:89] + "…"
         table.add_row(str(r.get("id", i + 1)), Text(str(r.get("name", r.get("key", "")))),
                       Text(status, style=STATUS_STYLE.get(status, "")), Text(short), key=str(i))

@@ -19,6 +19,8 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Footer, Static
 
+from hooks.text import printable
+
 
 def _short(value: Any) -> Any:
     """``value`` with every float to 6 significant digits (``5.56515``, not 16 of them)."""
@@ -56,14 +58,14 @@ def result_head(row: dict[str, Any], styles: dict[str, str], sep: str = "\n") ->
     text = Text()
     text.append(f"{row.get('id', '')} {row.get('name', row.get('key', ''))} · ", style="bold")
     text.append(row["status"], style=styles.get(row["status"], ""))
-    text.append(f"{sep}{row.get('evidence', '')}")
+    text.append(sep + printable(str(row.get('evidence', ''))))  # may name a module: escaped
     if row.get("hint"):
         text.append(f"{sep}hint: ", style="bold")
-        text.append(row["hint"])
+        text.append(printable(str(row["hint"])))
     module = row.get("module")
     if module is not None:
         text.append(f"{sep}module: ", style="bold")
-        text.append(module or "<root>")
+        text.append(printable(module or "<root>"))
     return text
 
 
@@ -76,7 +78,7 @@ def evidence_text(row: dict[str, Any], styles: dict[str, str]) -> Text:
     if data:
         text.append("\n\nmeasured", style="bold")
         for line in data_lines(data):
-            text.append("\n" + line)
+            text.append("\n" + printable(line))
     seconds = row.get("seconds")
     if isinstance(seconds, (int, float)):
         text.append(f"\n\n{seconds:.2f} s", style="dim")

@@ -21,6 +21,7 @@ from rich.text import Text
 from textual.binding import Binding
 from textual.widgets import DataTable, Static
 
+from hooks.text import printable
 from tui.screens.view import VIEW_BINDINGS, ViewScreen
 from tui.widgets import fmt
 from tui.widgets.footer import MdbFooter
@@ -95,7 +96,7 @@ class GradientsScreen(ViewScreen):
                  if p.grad_norm is not None and math.isfinite(p.grad_norm) and p.grad_norm > 0]
         lo, hi = (min(norms), max(norms)) if norms else (1.0, 1.0)
         for p in params:
-            layer, name = short_name(p.name)
+            layer, name = short_name(printable(p.name))
             frac = log_fraction(p.grad_norm, lo, hi)
             frac = 0.1 + 0.9 * frac if p.grad_norm and math.isfinite(p.grad_norm) else 0.0
             table.add_row(

@@ -50,6 +50,7 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, ProgressBar, Static
 
 from hooks.runs.store import nonfinite_sentence
+from hooks.text import printable
 from tui import messages
 from tui.screens.base import MdbScreen, show
 from tui.screens.live_chart import LineChart, Series
@@ -233,7 +234,7 @@ class LiveScreen(MdbScreen):
 
     # -- layout ----------------------------------------------------------------------------------
     def compose(self):
-        yield Static(self._title(), id="title", markup=False)
+        yield Static(printable(self._title()), id="title", markup=False)
         yield Static("", id="live-status")
         with Horizontal(id="live-progress-row"):
             yield ProgressBar(total=self.series.total_steps, show_eta=False, id="live-progress")
@@ -389,7 +390,7 @@ class LiveScreen(MdbScreen):
         if notes:
             text = Text()
             for i, (line, style) in enumerate(notes[:NOTE_LINES]):
-                text.append(("\n" if i else "") + line, style=style)
+                text.append(("\n" if i else "") + printable(line), style=style)
             self._set("#live-note", text)
 
     def _set(self, selector: str, content) -> None:
@@ -479,7 +480,9 @@ class LiveScreen(MdbScreen):
                     + "max".rjust(num), style="dim")
         for name in shown:
             st = s.stats[name]
-            label = name if len(name) <= name_w - 1 else name[: name_w - 2] + "…"
+            shown_name = display_name(name)  # one line, escaped: never splits the row
+            label = (shown_name if len(shown_name) <= name_w - 1
+                     else shown_name[: name_w - 2] + "…")
             mark = "▸" if name == selected else " "
             text.append("\n" + mark + label.ljust(name_w),
                         style="bold" if name == selected else "")
@@ -496,11 +499,11 @@ class LiveScreen(MdbScreen):
             return Text("greedy continuation of the text's beginning: not sampled yet",
                         style="dim")
         text = Text(f"@{sample.step} ", style="dim")
-        text.append(sample.prompt, style="bold")
+        text.append(printable(sample.prompt), style="bold")
         text.append("│", style="dim")
         body = sample.text.replace("\n", "⏎")
-        text.append(body[: sample.matched], style="green")
-        text.append(body[sample.matched:], style="red")
+        text.append(printable(body[: sample.matched]), style="green")
+        text.append(printable(body[sample.matched:]), style="red")
         if self.series.text:
             text.append(f"  ({sample.matched}/{len(sample.text)} match)", style="dim")
         return text
@@ -553,7 +556,7 @@ class LiveScreen(MdbScreen):
             self._set("#live-table", self._table_text())
             grad = self.query_one("#live-grad", LineChart)
             grad.plot([_ranged("", s.metric(other), grad.resolution, "green")],
-                      title=METRIC_LABELS.get(other, other))
+                      title=METRIC_LABELS.get(other, display_name(other)))
         if self.redraws % 2 == 1 or self.watch or self.state != "running":
             self._draw_experts()  # slow-moving: every other redraw while training here
 

@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hooks.text import printable
+
 #: Buckets kept per series: about two points per column of a full-width chart.
 DEFAULT_CAPACITY = 256
 #: A run of at least this many steps is first read as its history bucketed by the store
@@ -38,13 +40,10 @@ _LOSS_TOKENS = frozenset({"ce", "nll", "ppl", "xent", "perplexity"})
 
 
 def display_name(name: str) -> str:
-    """A metric or run name as one printable line: control characters escaped (``a\\nb``),
-    ``""`` for an empty name (``hooks.run`` takes any keyword)."""
-    if not name:
-        return '""'
-    if name.isprintable():
-        return name
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in name)
+    """A metric or run name as one printable line (:func:`hooks.text.printable`: control
+    characters escaped, ``a\\nb``), ``""`` for an empty name (``hooks.run`` takes any
+    keyword)."""
+    return printable(name) if name else '""'
 
 
 def is_loss_like(name: str) -> bool:

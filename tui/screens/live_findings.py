@@ -19,6 +19,7 @@ from textual.message import Message
 from textual.widgets import Static
 from textual.worker import Worker, WorkerState
 
+from hooks.text import printable
 from tui.screens.base import show
 from tui.store_handle import StoreHandle
 
@@ -103,8 +104,9 @@ class LoopFindings(Static):
             if i:
                 out.append("\n")
             out.append("⚠ " if warn else "✗ ", style="bold yellow" if warn else "bold red")
-            out.append(f"loop: {f.line}", style="yellow" if warn else "red")
+            out.append(printable(f"loop: {f.line}"), style="yellow" if warn else "red")
         rest = len(ordered) - self.SHOWN
         if rest > 0:
-            out.append(f" (+{rest} more: mdb doctor --run {self.run.name})", style="dim")
+            out.append(printable(f" (+{rest} more: mdb doctor --run {self.run.name})"),
+                       style="dim")
         return out

@@ -32,6 +32,7 @@ from textual.message import Message
 from textual.widgets import Footer, Static
 from textual.worker import Worker, WorkerState
 
+from hooks.text import printable
 from tui.screens.base import MdbScreen, show
 from tui.screens.live_chart import LineChart, Series
 from tui.screens.live_ranks_data import (
@@ -504,12 +505,12 @@ class RanksScreen(MdbScreen):
             who = f"rank {nf['rank']}" if nf.get("rank") is not None else "a rank"
             where = (f", first in {nf['module'] or 'the root module'} ({nf.get('direction')})"
                      if nf.get("module") is not None else " (module not located)")
-            t.append(f"⚠ {who} first went non-finite: {nf.get('metric')} at step "
-                     f"{nf['step']}{where}\n", style="bold red")
+            t.append(printable(f"⚠ {who} first went non-finite: {nf.get('metric')} at step "
+                               f"{nf['step']}{where}") + "\n", style="bold red")
         if s.findings:
             t.append(f"findings ({len(s.findings)}):", style="bold red")
             for f in s.findings[:MAX_FINDINGS_SHOWN]:
-                t.append("\n✗ " + f.line, style="red")
+                t.append("\n✗ " + printable(f.line), style="red")
             if len(s.findings) > MAX_FINDINGS_SHOWN:
                 t.append(f"\n  +{len(s.findings) - MAX_FINDINGS_SHOWN} more: mdb runs --json",
                          style="dim")

@@ -14,13 +14,20 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Input, OptionList, Static
 
+from hooks.text import printable
+
 MAX_SHOWN = 200
 
 
 def matches(names: list[str], query: str) -> list[str]:
-    """Names containing every whitespace-separated word of ``query`` (case-insensitive)."""
+    """Names containing every whitespace-separated word of ``query`` (case-insensitive), as
+    shown (:func:`hooks.text.printable`: an ESC in a name is found as ``x1b``)."""
     words = query.lower().split()
-    return [n for n in names if all(w in n.lower() for w in words)]
+    return [n for n in names if all(w in printable(n).lower() for w in words)]
+
+
+def _prompt(name: str) -> Text:
+    return Text(printable(name))  # as typed, never markup; a control character escaped
 
 
 class SearchScreen(ModalScreen[str | None]):
@@ -44,7 +51,7 @@ class SearchScreen(ModalScreen[str | None]):
             yield Static("find module · type part of a name · Enter jumps · "
                          "empty Enter or Esc cancels", id="search-help", markup=False)
             yield Input(placeholder="e.g. layers.1 gate", id="search-input")
-            yield OptionList(*map(Text, self.shown), id="search-results")
+            yield OptionList(*map(_prompt, self.shown), id="search-results")
 
     def on_mount(self) -> None:
         self.query_one("#search-input", Input).focus()
@@ -54,7 +61,7 @@ class SearchScreen(ModalScreen[str | None]):
         self.shown = matches(self.names, event.value)[:MAX_SHOWN]
         results = self.query_one("#search-results", OptionList)
         results.clear_options()
-        results.add_options(map(Text, self.shown))
+        results.add_options(map(_prompt, self.shown))
         results.highlighted = 0 if self.shown else None
 
     def on_input_submitted(self, event: Input.Submitted) -> None:

@@ -17,6 +17,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.widgets import Static, Tree
 
+from hooks.text import printable
 from tui import messages
 from tui.screens.base import MdbScreen
 from tui.screens.stepper import Stepper
@@ -114,8 +115,8 @@ class StepScreen(MdbScreen):
                            if x)
         with Horizontal(id="title-bar"):
             # the description may be cut; what was differentiated never is
-            yield Static(title, id="title", markup=False)
-            yield Static(loss_line(meta), id="title-loss", markup=False)
+            yield Static(printable(title), id="title", markup=False)
+            yield Static(printable(loss_line(meta)), id="title-loss", markup=False)
         yield Static("", id="status", markup=False)
         with Horizontal(id="step-main"):
             yield ModuleTree(self.trace, id="tree")

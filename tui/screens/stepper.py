@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from hooks.text import printable
+
 if TYPE_CHECKING:  # hooks imports torch: keep it out of the app's import time
     from hooks.records import CallRecord, GradRecord
 
@@ -81,10 +83,10 @@ class Stepper:
         if cur is None:
             return "empty trace: nothing was recorded"
         total = len(self.records)
-        name = cur.module or "<root>"
+        name = printable(cur.module or "<root>")
         if self.direction == FORWARD:
             return f"forward · call {self.index + 1}/{total} · {name}"
-        return f"backward · grad {self.index + 1}/{total} · {name} · {cur.output}"
+        return f"backward · grad {self.index + 1}/{total} · {name} · {printable(cur.output)}"
 
     # -- moves ----------------------------------------------------------------------------------
     def go(self, direction: str, index: int) -> bool:

@@ -20,6 +20,7 @@ from textual.selection import Selection
 from textual.strip import Strip
 from textual.visual import Visual, visualize
 
+from hooks.text import printable
 from tui.widgets import fmt
 from tui.widgets.module_tree import main_output
 
@@ -125,7 +126,8 @@ def params_table(params, rows: int | None = None, batch_rows: int | None = None)
     out.append(_pad("param", 10) + _pad("shape", 12) + _pad("‖g‖", 9, True)
                + _pad("‖g‖/‖w‖", 9, True), style="dim")
     for p in params:
-        out.append("\n" + _pad(p.name.rsplit(".", 1)[-1], 10) + _pad(fmt.shape(p.shape), 12)
+        name = printable(p.name.rsplit(".", 1)[-1])
+        out.append("\n" + _pad(name, 10) + _pad(fmt.shape(p.shape), 12)
                    + _pad(fmt.sci(p.grad_norm), 9, True) + _pad(fmt.sci(p.ratio), 9, True) + " ")
         out.append_text(fmt.flag(param_verdict(p, rows, batch_rows)))
     return out
@@ -140,7 +142,7 @@ def io_table(call, width: int | None = None) -> Text:
     rows = [("in", t) for t in call.inputs] + [("out", t) for t in call.outputs]
     if not rows:
         return Text("no tensors", style="dim")
-    paths = [t.path.removeprefix("kwargs.") for _, t in rows]
+    paths = [printable(t.path.removeprefix("kwargs.")) for _, t in rows]
     shapes = [fmt.dims(t.shape) for _, t in rows]
     shape_w = max(max(cell_len(x) for x in shapes), 5)
     dtype_w = max(cell_len(t.dtype) for _, t in rows)
@@ -198,7 +200,7 @@ def tensor_stats(tensors, prefix: str, notes, width: int | None = None) -> list[
         why = " (see the notes below)" if notes else ""
         return [Text(f"statistics not recorded{why}" if tensors else f"no tensor {what}",
                      style="dim")]
-    labels = [t.path.removeprefix(prefix) for t in tensors]
+    labels = [printable(t.path.removeprefix(prefix)) for t in tensors]
     parts = [stats_tables([(label, t.stats) for label, t in zip(labels, tensors, strict=True)],
                           width)]
     wide = job_wide_line([(label, t.shape, t.stats)
@@ -322,8 +324,8 @@ class CallDetails(ScrollView, can_focus=True):
         if call is None:
             return Text("nothing recorded", style="dim")
         parts: list = []
-        title = Text(call.module or "<root>", style="bold")
-        title.append(f"  {call.module_type} #{call.call_index}", style="dim")
+        title = Text(printable(call.module or "<root>"), style="bold")
+        title.append(f"  {printable(call.module_type)} #{call.call_index}", style="dim")
         parts.append(title)
 
         parts.append(io_table(call, width))
@@ -333,13 +335,14 @@ class CallDetails(ScrollView, can_focus=True):
         if stepper.direction == "backward":
             g = stepper.current
             out = call.output(g.output)
-            parts.append(section(f"statistics · {g.output} and its gradient"))
+            output = printable(g.output)
+            parts.append(section(f"statistics · {output} and its gradient"))
             parts.append(stats_table([("value", out.stats if out else None), ("∇ grad", g.stats)]))
             wide = job_wide_line(([("value", out.shape, out.stats)] if out else [])
                                  + [("∇ grad", g.shape, g.stats)])
             if wide is not None:
                 parts.append(wide)
-            hist = histogram_block(_hist_title(f"∇ gradient of {g.output}", g.shape, g.stats),
+            hist = histogram_block(_hist_title(f"∇ gradient of {output}", g.shape, g.stats),
                                    g.stats)
         else:
             parts.append(section("statistics of the outputs"))
@@ -348,7 +351,7 @@ class CallDetails(ScrollView, can_focus=True):
             recorded = [t for t in call.outputs if t.stats is not None]
             if recorded:
                 main = main_output(recorded)
-                hist = histogram_block(_hist_title(f"values of {main.path}", main.shape,
+                hist = histogram_block(_hist_title(f"values of {printable(main.path)}", main.shape,
                                                    main.stats), main.stats)
             if grads:
                 parts.append(Text(f"{len(grads)} gradient(s) recorded · b shows backward",
@@ -374,5 +377,5 @@ class CallDetails(ScrollView, can_focus=True):
                  if n.kind == "nonfinite_shard" and n.module == call.module]
         if call.notes or shard:
             parts.append(section("notes"))
-            parts.extend(Text(f"• {n}", style="yellow") for n in [*call.notes, *shard])
+            parts.extend(Text(printable(f"• {n}"), style="yellow") for n in [*call.notes, *shard])
         return Text("\n").join(parts)

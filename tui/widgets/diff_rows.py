@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from hooks.text import printable
 from tui.widgets.fmt import sci, shape
 
 
@@ -18,7 +19,8 @@ def _rel(x: float) -> str:
 
 def rows(diff) -> list[dict]:
     """The changed tensors as table rows, largest change first (see
-    :meth:`hooks.diff.TraceDiff.ranked`)."""
+    :meth:`hooks.diff.TraceDiff.ranked`); the call and tensor names
+    :func:`hooks.text.printable`."""
     out = []
     for d in diff.ranked():
         rel = d.relative()
@@ -29,7 +31,8 @@ def rows(diff) -> list[dict]:
         nan = d.delta.get("nan_count") or 0
         out.append({
             "diff": d, "pass": "fwd" if d.direction == "forward" else "bwd",
-            "call": f"{d.module or '<root>'}#{d.call_index}", "tensor": d.tensor,
+            "call": printable(f"{d.module or '<root>'}#{d.call_index}"),
+            "tensor": printable(d.tensor),
             "shape": what, "mean": _num(d.delta.get("mean")), "std": _num(d.delta.get("std")),
             "change": ("layout" if d.layout_changed else f"{nan:+.0f} NaN" if nan
                        else _rel(rel) + (" rows" if d.shape_changed else "")),
@@ -40,7 +43,7 @@ def rows(diff) -> list[dict]:
 def summary_line(diff, a: str, b: str) -> str:
     """``12 tensors changed · 2 only in A · 0 only in B`` or ``no differences``."""
     if diff.is_zero():
-        return f"no differences between {a} and {b}"
+        return printable(f"no differences between {a} and {b}")
     n = len(diff.ranked())
     return (f"{n} tensor(s) changed · {len(diff.only_in_self)} only in A · "
             f"{len(diff.only_in_other)} only in B")

@@ -13,6 +13,7 @@ from rich.text import Text
 from textual.widgets import Tree
 from textual.widgets.tree import TreeNode
 
+from hooks.text import printable
 from tui.widgets import fmt
 
 #: Fewest cells a cut name keeps (the call count and ``…`` are left out below that).
@@ -111,7 +112,7 @@ class ModuleTree(Tree[str]):
             return (leaf, f" ×{n}" if n > 1 else "", fmt.dims(shape) if shape is not None
                     else "", n > 0, children.get(name, 0))
 
-        self.parts[""] = parts(root_type or "model", "")
+        self.parts[""] = parts(printable(root_type or "model"), "")
         self.labels[""] = self._label("")
         self.root.set_label(self.labels[""])
         self.root.expand()
@@ -119,7 +120,7 @@ class ModuleTree(Tree[str]):
             if not info.name:
                 continue
             parent = self.nodes_by_name.get(_parent_name(info.name), self.root)
-            self.parts[info.name] = parts(info.name.rsplit(".", 1)[-1], info.name)
+            self.parts[info.name] = parts(printable(info.name.rsplit(".", 1)[-1]), info.name)
             self.labels[info.name] = self._label(info.name)
             node = parent.add(
                 self.labels[info.name],
