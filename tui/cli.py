@@ -12,7 +12,7 @@ import importlib
 import sys
 
 from tui import __version__
-from tui.errors import MdbError, clip
+from tui.errors import MdbError, clip, print_error
 
 #: Subcommand name -> module under ``tui.commands``, in the order ``mdb --help`` lists them.
 COMMANDS: dict[str, str] = {
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             import_torch_uninterrupted()
         return int(args._run(args) or 0)
     except MdbError as exc:
-        print(f"mdb: error: {exc}", file=sys.stderr)
+        print_error(exc)
         return exc.exit_code
     except KeyboardInterrupt:
         print("mdb: interrupted", file=sys.stderr)

@@ -1,9 +1,11 @@
-"""The exceptions the CLI turns into a single line on stderr, never a traceback, and
-:func:`clip`, which keeps that line short whatever input it repeats."""
+"""The exceptions the CLI turns into a single line on stderr, never a traceback;
+:func:`clip`, which keeps that line short whatever input it repeats; and :func:`error_line` /
+:func:`print_error`, the ``mdb: error: ...`` line of every command (printable, clipped)."""
 
 from __future__ import annotations
 
 import re
+import sys
 
 from hooks.text import printable
 
@@ -46,6 +48,28 @@ def clip(message: str) -> str:
         message = (f"{message[:half]} …[{len(message) - 2 * half:,} characters cut]… "
                    f"{message[-half:]}")
     return message
+
+
+def error_line(message: object, kind: str = "error") -> str:
+    """The one line mdb writes on stderr about ``message``: ``mdb: <kind>: <message>``.
+
+    The message may repeat outside text (a run's name or failure reason read from a database,
+    a module name, an exception's message): it is made :func:`hooks.text.printable` (an
+    ``ESC`` shown as ``\\x1b``, a newline as ``\\n``: one line that cannot drive the
+    terminal) and :func:`clip`'d. An :class:`MdbError` is used as it is (its message already
+    is both).
+
+    Args:
+        message: what to say (any object; its ``str``).
+        kind: the word after ``mdb:`` (``error``, ``warning``, ``note``, ``finding``).
+    """
+    text = str(message) if isinstance(message, MdbError) else clip(printable(str(message)))
+    return f"mdb: {kind}: {text}"
+
+
+def print_error(message: object, kind: str = "error") -> None:
+    """Print :func:`error_line` of ``message`` on stderr (flushed)."""
+    print(error_line(message, kind), file=sys.stderr, flush=True)
 
 
 class MdbError(Exception):

@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from hooks.text import printable
+
 __all__ = ["COMMANDS", "POLL_INTERVAL", "ControlPoller", "RunControls", "request", "pending"]
 
 #: What a request may ask.
@@ -164,7 +166,7 @@ class RunControls:
     """
 
     def _say(self, line: str) -> None:
-        print(f"mdb: {line}", file=sys.stderr, flush=True)
+        print(f"mdb: {printable(line)}", file=sys.stderr, flush=True)  # names, exceptions
 
     @property
     def _title(self) -> str:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hooks.text import printable
 from tui.commands.options import nonneg_int, positive_float, positive_int, seed_int
 from tui.commands.process import is_terminal
 from tui.errors import MdbError
@@ -569,7 +570,7 @@ def run(args: argparse.Namespace) -> int:
 
     def say(line: str) -> None:
         if headless:
-            print(f"mdb ablate: {line}", file=out, flush=True)
+            print(f"mdb ablate: {printable(line)}", file=out, flush=True)  # a worker's reason
 
     with tempfile.TemporaryDirectory(prefix="mdb-ablate-") as tmp:
         workers = Workers(_jobs(plan, Path(tmp)), plan.jobs, on_event=say)

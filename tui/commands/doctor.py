@@ -23,7 +23,7 @@ import time
 from hooks.text import printable
 from tui.commands.options import add_model_arguments, positive_int
 from tui.commands.process import is_terminal, stdout_to_stderr
-from tui.errors import MdbError
+from tui.errors import MdbError, print_error
 
 HELP = "check a model for common build mistakes (init, mask, RoPE, GQA, gradients, routing...)"
 
@@ -202,7 +202,7 @@ def _check_and_report(args: argparse.Namespace, workload, only) -> int:
     else:
         _print_table(workload.description, kind.describe(), results, info, args.wide)
     if broken is not None:  # the same line as mdb summary/capture/step, and exit 1
-        print(f"mdb: error: {printable(str(broken))}", file=sys.stderr)
+        print_error(broken)
         return 1
     return 1 if info["failed"] else 0
 
@@ -287,6 +287,6 @@ def _run_tui(workload, results, info: dict) -> int:
     app = make_doctor_app(trace, results, title=f"mdb doctor · {workload.description}")
     app.run()
     if app.error:
-        print(f"mdb: error: {printable(str(app.error))}", file=sys.stderr)
+        print_error(app.error)
         return app.return_code or 2
     return 1 if info["failed"] else 0

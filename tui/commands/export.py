@@ -31,7 +31,7 @@ import os
 import sys
 
 from hooks.text import printable
-from tui.errors import MdbError
+from tui.errors import MdbError, print_error
 
 #: Reads the run store only: ``mdb`` does not import torch for it (a capture opened from
 #: its screen imports it then).
@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with RunStore(path) as store:
             if store.note:
-                print(f"mdb: note: {store.note}", file=sys.stderr)
+                print_error(store.note, "note")
             info = store.run(args.run)
             if args.rank is not None:
                 _check_rank(store, info, args.rank)

@@ -35,7 +35,7 @@ from tui.commands.options import nonneg_int, positive_float, positive_int, seed_
 from tui.commands.overfit_detach import default_run_name
 from tui.commands.overfit_detach import open_store as open_run_store
 from tui.commands.process import is_terminal
-from tui.errors import MdbError, ModelError
+from tui.errors import MdbError, ModelError, error_line, print_error
 from tui.run_end import EXIT_FAILED, end_of_run
 
 HELP = (
@@ -558,21 +558,21 @@ def run_headless(session, args: argparse.Namespace | None = None) -> int:
                                    on_repeat=_say_already_stopping(session))
     poller = _control_poller(session)
     reporter = _Reporter(session)
-    session.on_warning = lambda line: _stderr_line(f"mdb: warning: {line}")
+    session.on_warning = lambda line: _stderr_line(error_line(line, "warning"))
     heartbeat = getattr(args, "heartbeat", 1.0) if args is not None else 1.0
     try:
         with reporter:
             result = session.run(on_step=reporter.on_step, heartbeat_interval=heartbeat)
     except sqlite3.Error as exc:
-        print(f"mdb: error: run {session.name}: writing step {session.trainer.step} to "
-              f"{session.store.path} failed: {exc}; {_recorded(session)}", file=sys.stderr)
+        print_error(f"run {session.name}: writing step {session.trainer.step} to "
+                    f"{session.store.path} failed: {exc}; {_recorded(session)}")
         return EXIT_FAILED
     except Exception as exc:  # the user's model, a loss_fn: one line, the run marked failed
         from hooks.errors import describe_error
 
         where = describe_error(exc, getattr(session.trainer, "model", None))
-        print(f"mdb: error: run {session.name} failed at step {session.trainer.step + 1}: "
-              f"{where}; {_recorded(session)}", file=sys.stderr)
+        print_error(f"run {session.name} failed at step {session.trainer.step + 1}: "
+                    f"{where}; {_recorded(session)}")
         return EXIT_FAILED
     finally:
         poller.close()
@@ -581,7 +581,7 @@ def run_headless(session, args: argparse.Namespace | None = None) -> int:
     line, is_error, code = end_of_run(session, result, reporter.last_metrics,
                                       args.db if args is not None else None)
     if is_error:
-        print(f"mdb: error: {line}", file=sys.stderr)
+        print_error(line)
     else:
         reporter.line(line)
     return code

@@ -27,8 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hooks.text import printable
 from tui.commands.process import is_terminal
-from tui.errors import MdbError
+from tui.errors import MdbError, print_error
 
 #: Seconds the launcher waits for rank 0 to create the run.
 START_TIMEOUT = 600.0
@@ -226,7 +227,7 @@ def run_ddp(args, options, store_path: Path, name: str) -> int:
             options_file.unlink()
             tmp.rmdir()
     for f in findings:
-        print(f"mdb: finding: {f.line}", file=sys.stderr)
+        print_error(f.line, "finding")
     steps = {r.rank: r.last_step for r in ranks}
     per_rank = ", ".join(f"rank {r} {s}" for r, s in sorted(steps.items()))
     if end.status == "finished":
@@ -234,14 +235,14 @@ def run_ddp(args, options, store_path: Path, name: str) -> int:
               f"ranks ({per_rank}); loss {_fmt(end.last_loss)} (rank 0)")
         return 0
     if end.status == "running":  # the job ended without a word from rank 0
-        print(f"mdb: error: run {name}: the {what} job ended (exit {job.proc.returncode}) but the "
-              f"run was not closed: {job.tail() or 'no output'}; log: {job.log}",
-              file=sys.stderr)
+        print_error(f"run {name}: the {what} job ended (exit {job.proc.returncode}) but the "
+                    f"run was not closed: {job.tail() or 'no output'}; log: {job.log}")
         return 1
     if end.status == "interrupted":
-        print(f"run {name} interrupted ({end.reason}) after step {end.last_step} ({per_rank})")
+        print(printable(f"run {name} interrupted ({end.reason}) after step {end.last_step} "
+                        f"({per_rank})"))
         if quit_early and job.signal is None:
             return 0
         return signal_exit_code(job.signal or end.reason) or 130
-    print(f"mdb: error: run {name} failed: {end.reason}; log: {job.log}", file=sys.stderr)
+    print_error(f"run {name} failed: {end.reason}; log: {job.log}")
     return 1

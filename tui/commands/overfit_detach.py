@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from tui.commands.process import is_terminal
-from tui.errors import MdbError
+from tui.errors import MdbError, print_error
 
 #: Seconds between two looks at the database while the trainer builds the model.
 WAIT_POLL_S = 0.2
@@ -251,7 +251,7 @@ def run_viewer(args: argparse.Namespace) -> int:
         final = store.run(name)
     line = ended_line(final, args.db)
     if final.status == "failed":
-        print(f"mdb: error: {line}: {final.reason}", file=sys.stderr)
+        print_error(f"{line}: {final.reason}")
         return SIGTERM_EXIT_CODE if terminated else 1
     print(line)
     if terminated:

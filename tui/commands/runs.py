@@ -26,7 +26,7 @@ import time
 
 from hooks.text import printable
 from tui.commands.process import is_terminal
-from tui.errors import MdbError
+from tui.errors import MdbError, print_error
 from tui.screens.live_data import display_name
 
 #: Reads the run store only: ``mdb`` does not import torch for it (a capture opened from
@@ -306,7 +306,7 @@ def _read_all(path, now: float) -> tuple[list, list[dict], str | None]:
     try:
         with RunStore(path) as store:
             if store.note:
-                print(f"mdb: note: {store.note}", file=sys.stderr)
+                print_error(store.note, "note")
             problem = store.damage(thorough=False)  # a large file: not a second of checks
             try:
                 runs = store.runs()
@@ -350,5 +350,5 @@ def run(args: argparse.Namespace) -> int:
             for line in table_lines(runs, records, now, width, args.db):
                 console.print(line, overflow="ellipsis" if tty else "ignore", no_wrap=True)
     for line in damaged:
-        print(f"mdb: error: {printable(line)}", file=sys.stderr)
+        print_error(line)
     return EXIT_DAMAGED if damaged else 0

@@ -18,7 +18,7 @@ import sys
 
 from tui.commands.options import add_model_arguments
 from tui.commands.process import is_terminal, require_terminal
-from tui.errors import MdbError
+from tui.errors import MdbError, print_error
 
 HELP = "step through one forward and backward pass of the model in a terminal debugger"
 
@@ -342,6 +342,6 @@ def _run(args: argparse.Namespace, collecting: bool) -> int:
         sys.stderr.flush()
         os._exit(130 if app.return_code is None else int(app.return_code or 0))
     if app.error:
-        print(f"mdb: error: {app.error}", file=sys.stderr)
+        print_error(app.error)
         return app.return_code or 2
     return int(app.return_code or code or 0)

@@ -13,6 +13,7 @@ import sqlite3
 import sys
 import time
 
+from hooks.text import printable
 from tui.errors import MdbError
 
 #: Reads the run store only: ``mdb`` does not import torch for it (a capture opened from
@@ -59,14 +60,14 @@ def ended_line(info, db: str | None) -> str:
     if info.kind == "overfit" and info.checkpoint_step is not None:
         resume = f"mdb overfit --resume {info.name}" + (f" --db {db}" if db else "")
         line += f"; checkpoint @ step {info.checkpoint_step}; continue with: {resume}"
-    return line
+    return printable(line)  # the run's name and reason, read from the database
 
 
 def detached_line(name: str, pid: int | None, db: str | None) -> str:
     """What a viewer says when it leaves a run training: the commands that re-attach and stop."""
     where = f" --db {db}" if db else ""
-    return (f"mdb: detached; run {name} goes on training (pid {pid}) · re-attach: "
-            f"mdb watch {name}{where} · stop it: mdb stop {name}{where}")
+    return printable(f"mdb: detached; run {name} goes on training (pid {pid}) · re-attach: "
+                     f"mdb watch {name}{where} · stop it: mdb stop {name}{where}")
 
 
 def wait_until_stopped(store, name: str, timeout: float) -> object:
@@ -112,8 +113,8 @@ def run(args: argparse.Namespace) -> int:
             except sqlite3.Error as exc:
                 raise MdbError(f"cannot ask run {info.name} to stop: {store.path}: {exc}") \
                     from None
-            print(f"mdb: asked run {info.name} (pid {info.pid}) to stop after its step; "
-                  "waiting for its checkpoint…", file=sys.stderr)
+            print(printable(f"mdb: asked run {info.name} (pid {info.pid}) to stop after its "
+                            "step; waiting for its checkpoint…"), file=sys.stderr)
             info = wait_until_stopped(store, info.name, args.timeout)
     except RunStoreError as exc:
         raise MdbError(str(exc)) from None

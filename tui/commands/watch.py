@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hooks.text import printable
 from tui.commands.process import require_terminal
 from tui.errors import MdbError
 
@@ -96,6 +97,6 @@ def after_viewer(screen, store, db: str | None) -> int:
     elif screen.outcome == STOPPED:
         how = ("waiting for its checkpoint…" if run.kind == "overfit" else "waiting for its "
                "loop to see run.should_stop… (Ctrl-C leaves it running)")
-        print(f"mdb: asked run {run.name} to stop; {how}", file=sys.stderr)
+        print(printable(f"mdb: asked run {run.name} to stop; {how}"), file=sys.stderr)
         print(ended_line(wait_until_stopped(store, run.name, 300.0), db))
     return 0
