@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 
+from hooks.text import printable
 from tui.errors import MdbError, ModelError
 
 
@@ -73,8 +74,8 @@ def run_dtype(args: argparse.Namespace) -> int:
     if getattr(args, "table", False) or not (sys.stdin.isatty() and sys.stdout.isatty()):
         from tui.commands.diff_table import print_table
 
-        print(workload.description)
-        print("\n".join(pd.lines()))
+        print(printable(workload.description))
+        print("\n".join(map(printable, pd.lines())))  # they name modules
         print_table(pd.diff, "fp32", f"{pd.dtype} ({pd.how})", getattr(args, "limit", 40))
         return 0
     make_precision_app(pd).run()

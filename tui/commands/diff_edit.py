@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 
+from hooks.text import printable
 from tui.commands.process import is_terminal
 
 
@@ -68,9 +69,9 @@ def run_edit(args: argparse.Namespace) -> int:
         print(json.dumps(doc, allow_nan=False, default=str))
         return 0
     if args.table or not (is_terminal(sys.stdin) and is_terminal(sys.stdout)):
-        print(loss_change_line(a, b))
+        print(printable(loss_change_line(a, b)))
         for line in edit_lines(b):
-            print(line)
+            print(printable(line))  # it names the module
         print_table(diff, "the step as is", f"edited ({' + '.join(edits)})", args.limit)
         return 0
     _app(EditDiffScreen(a, b, diff, edits, embedded=False, loss_fn=workload.loss_fn)).run()

@@ -26,6 +26,7 @@ from textual.containers import ScrollableContainer
 from textual.widgets import Static
 
 from hooks.attention import DEFAULT_ATTENTION_BYTES
+from hooks.text import printable
 from tui.screens.view import VIEW_BINDINGS, LayerViewScreen
 from tui.widgets import fmt
 from tui.widgets.footer import MdbFooter
@@ -218,7 +219,8 @@ class AttentionScreen(LayerViewScreen):
         if not self.records:
             self.query_one("#title", Static).update(
                 "attention · no attention probabilities were recorded")
-            text = "\n\n".join(textwrap.fill(r, 76) for r in empty_reason(self.trace))
+            text = "\n\n".join(textwrap.fill(printable(r), 76)  # they name modules
+                               for r in empty_reason(self.trace))
             self.query_one("#grid", Static).update(text)
             self.query_one("#legend", Static).update("")
             return
@@ -258,7 +260,8 @@ class AttentionScreen(LayerViewScreen):
         names = {m.name for m in self.trace.modules}
         if {"encoder", "decoder"} <= names and not rec.module.startswith("encoder."):
             return [], []  # decoder positions are the labels', not the input's
-        row = tokens[self.batch * seq:(self.batch + 1) * seq] if seq else []
+        row = [printable(t) for t in tokens[self.batch * seq:(self.batch + 1) * seq]] \
+            if seq else []  # a token's text: a control character shown escaped
         q = row if t_q == seq else []
         k = row if t_k == seq else []
         return q, k
@@ -267,11 +270,11 @@ class AttentionScreen(LayerViewScreen):
         """Draw the grid of the current layer, head and sequence."""
         rec = self.record
         if isinstance(rec, NoProbabilities):
-            self.query_one("#title", Static).update(
+            self.query_one("#title", Static).update(printable(
                 f"attention · layer {'?' if rec.layer is None else rec.layer} "
-                f"({self.position + 1}/{len(self.records)}) · {rec.module} · no probabilities")
+                f"({self.position + 1}/{len(self.records)}) · {rec.module} · no probabilities"))
             self.query_one("#kv", Static).update("")
-            self.query_one("#grid", Static).update(textwrap.fill(rec.note, 76))
+            self.query_one("#grid", Static).update(textwrap.fill(printable(rec.note), 76))
             self.query_one("#legend", Static).update("")
             return
         b_count, n_heads, t_q, t_k = rec.probs.shape
@@ -279,12 +282,12 @@ class AttentionScreen(LayerViewScreen):
         self.matrix = rec.probs[self.batch, self.head].float().tolist()
         layer = "?" if rec.layer is None else rec.layer
         call = f" #{rec.call_index}" if rec.call_index else ""
-        self.query_one("#title", Static).update(
+        self.query_one("#title", Static).update(printable(
             f"attention · layer {layer} ({self.position + 1}/{len(self.records)}) · "
             f"head {self.head}/{n_heads} · seq {self.batch}/{b_count} · {rec.module}{call}"
-        )
+        ))
         self.query_one("#kv", Static).update(
-            kv_line(rec, self.head))
+            printable(kv_line(rec, self.head)))  # a trace file's source string
         mask = None
         if rec.mask is not None:
             m = rec.mask.expand(rec.probs.shape)
@@ -293,7 +296,7 @@ class AttentionScreen(LayerViewScreen):
         notes = [rec.note] if rec.note else []
         if rec.dropout:
             notes.append(f"dropout p={rec.dropout:g} was applied after these probabilities")
-        head = "".join(textwrap.fill(n, 76) + "\n" for n in notes)
+        head = "".join(textwrap.fill(printable(n), 76) + "\n" for n in notes)
         self.query_one("#grid", Static).update(
             head + grid_text(self.matrix, q_labels, k_labels, mask))
         self.query_one("#legend", Static).update(LEGEND if mask is None else LEGEND_MASKED)

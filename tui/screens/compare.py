@@ -239,8 +239,8 @@ class CompareScreen(MdbScreen):
 
     def _title_text(self) -> str:
         if self._title:
-            return self._title
-        return f"mdb compare · {len(self.views)} runs · {self.db}"
+            return printable(self._title)  # mdb ablate's: the variants' keys, the db's path
+        return printable(f"mdb compare · {len(self.views)} runs · {self.db}")
 
     def on_mount(self) -> None:
         self.hint("reading the run store · a add/remove runs · l log/linear · ? keys")

@@ -157,11 +157,12 @@ class DoctorScreen(MdbScreen):
         table.focus()
 
     def _title(self, status: str) -> Text:
-        """``mdb doctor · <status> · <model>``: the status first, where a cut cannot hide it."""
+        """``mdb doctor · <status> · <model>``: the status first, where a cut cannot hide it;
+        :func:`hooks.text.printable` (the model's description, a check's error)."""
         head, sep, rest = self.title_text.partition(" · ")
         if head == "mdb doctor" and sep:
-            return Text(f"{head} · {status} · {rest}", style="bold")
-        return Text(f"{self.title_text} · {status}", style="bold")
+            return Text(printable(f"{head} · {status} · {rest}"), style="bold")
+        return Text(printable(f"{self.title_text} · {status}"), style="bold")
 
     def _set_title(self, status: str) -> None:
         self.query_one("#doctor-title", Static).update(self._title(status))
@@ -170,8 +171,10 @@ class DoctorScreen(MdbScreen):
         status = r["status"]
         evidence = printable(str(r.get("evidence", "")))
         short = evidence if len(evidence) <= 90 else evidence[:89] + "…"
-        table.add_row(str(r.get("id", i + 1)), Text(str(r.get("name", r.get("key", "")))),
-                      Text(status, style=STATUS_STYLE.get(status, "")), Text(short), key=str(i))
+        name = printable(str(r.get("name", r.get("key", ""))))
+        table.add_row(str(r.get("id", i + 1)), Text(name),
+                      Text(printable(str(status)), style=STATUS_STYLE.get(status, "")),
+                      Text(short), key=str(i))
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="doctor",
           description="run the doctor's checks")

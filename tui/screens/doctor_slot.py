@@ -13,6 +13,8 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
+from hooks.text import printable
+
 
 def model_options(meta: dict | None) -> str | None:
     """The ``mdb`` options that rebuild a trace's model, read from its description
@@ -34,6 +36,7 @@ def model_options(meta: dict | None) -> str | None:
 def no_results_text(meta: dict | None = None) -> str:
     """What ``d`` says when the step view has no results and no model to run the checks on."""
     opts = model_options(meta)
+    opts = printable(opts) if opts else opts  # read from the trace's description
     rows = [(f"mdb doctor {opts} --tui", "the checks, then this view with the findings"),
             (f"mdb doctor {opts}", "the checks as a table"),
             (f"mdb step {opts}", "then d runs them here")]

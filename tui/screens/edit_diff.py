@@ -12,6 +12,7 @@ from __future__ import annotations
 from textual.binding import Binding
 from textual.widgets import DataTable, Footer, Static
 
+from hooks.text import printable
 from tui.screens.diff import QUIT, DiffScreen
 from tui.widgets.diff_rows import summary_line
 
@@ -89,11 +90,12 @@ class EditDiffScreen(DiffScreen):
         self.loss_fn = loss_fn
 
     def compose(self):
-        yield Static(f"what if · {' + '.join(self.edits)}", id="title", markup=False)
-        yield Static(f"{loss_change_line(self.a, self.b)} · "
-                     f"{summary_line(self.diff, 'A (as is)', 'B (edited)')}",
+        # the edits name modules; a trace's loss may be a string: all shown printable
+        yield Static(printable(f"what if · {' + '.join(self.edits)}"), id="title", markup=False)
+        yield Static(printable(f"{loss_change_line(self.a, self.b)} · "
+                               f"{summary_line(self.diff, 'A (as is)', 'B (edited)')}"),
                      id="status", markup=False)
-        yield Static(edits_line(self.b), id="edit-applied", markup=False)
+        yield Static(printable(edits_line(self.b)), id="edit-applied", markup=False)
         yield DataTable(id="diff-table", cursor_type="row", zebra_stripes=True)
         yield Static("", id="hint", markup=False)
         yield Footer()

@@ -21,6 +21,8 @@ from textual.screen import ModalScreen
 from textual.widgets import Input, OptionList, Static
 from textual.worker import Worker, WorkerState
 
+from hooks.text import printable
+
 
 class EditFormScreen(ModalScreen[tuple | None]):
     """The edit form; dismissed with ``(edited trace, diff, edits)`` after the re-run, or
@@ -57,10 +59,10 @@ class EditFormScreen(ModalScreen[tuple | None]):
     def compose(self):
         on_top = f" (on top of: {' + '.join(self.base)})" if self.base else ""
         with Vertical(id="edit-box"):
-            yield Static(f"what if · edit {self.module or '<root>'}{on_top}", id="edit-title",
-                         markup=False)
-            yield OptionList(*map(Text, self.options), id="edit-options")
-            yield Input(value=self.options[0] if self.options else "", id="edit-spec",
+            yield Static(printable(f"what if · edit {self.module or '<root>'}{on_top}"),
+                         id="edit-title", markup=False)
+            yield OptionList(*(Text(printable(o)) for o in self.options), id="edit-options")
+            yield Input(value=printable(self.options[0]) if self.options else "", id="edit-spec",
                         placeholder="zero MODULE [head=H | expert=E] · drop MODULE expert=E · "
                                     "scale MODULE by=F · mean MODULE · patch MODULE from=rolled")
             yield Static("Enter on a choice copies it below · Enter below runs it · Esc cancels",
@@ -74,11 +76,22 @@ class EditFormScreen(ModalScreen[tuple | None]):
                      "or a container): choose one of its modules")
 
     def say(self, text: str) -> None:
-        self.query_one("#edit-hint", Static).update(text)
+        """Show ``text`` (it may repeat a module name, an exception's message) in the form's
+        hint line, :func:`hooks.text.printable`."""
+        self.query_one("#edit-hint", Static).update(printable(text))
+
+    def raw_spec(self, spec: str) -> str:
+        """``spec`` as typed, with each word that is a module's name as shown (escaped by
+        :func:`hooks.text.printable`, ``d.a\\x1b]0;x\\x07``) put back as the name itself; a
+        word that is a module's own name is kept."""
+        modules = [n for n, _ in self.trace.replay.model.named_modules()]
+        names = {printable(n): n for n in modules}
+        names.update((n, n) for n in modules)
+        return " ".join(names.get(w, w) for w in spec.split())
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
         event.stop()
-        spec = self.options[event.option_index]
+        spec = printable(self.options[event.option_index])  # raw_spec reads it back
         box = self.query_one("#edit-spec", Input)
         box.value = spec
         box.focus()
@@ -89,7 +102,7 @@ class EditFormScreen(ModalScreen[tuple | None]):
         if self.running:
             self.say("already re-running the step…")
             return
-        spec = event.value.strip()
+        spec = self.raw_spec(event.value.strip())
         edits = [*self.base, spec]
         try:
             self._check(edits)

@@ -18,6 +18,7 @@ from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import DataTable, Footer, Static
 
+from hooks.text import printable
 from tui.screens.view import VIEW_BINDINGS, ViewScreen
 
 #: Tokens kept per cell for Enter.
@@ -56,6 +57,7 @@ class KnownTokens:
 
 
 def _cut(text: str, width: int = CELL_WIDTH) -> str:
+    text = printable(text)  # a token's or a module's text: a control character escaped
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
@@ -141,8 +143,8 @@ class LensScreen(ViewScreen):
         message.stop()
         self.lens = message.lens
         post = "" if self.lens.post == "none" else f" → {self.lens.post}"
-        self.query_one("#title", Static).update(
-            f"logit lens · {self.lens.norm} → {self.lens.head}{post}")
+        self.query_one("#title", Static).update(printable(
+            f"logit lens · {self.lens.norm} → {self.lens.head}{post}"))
         for note in self.lens.notes:
             self.hint(f"⚠ {note}")
         self.draw()
@@ -158,11 +160,12 @@ class LensScreen(ViewScreen):
         inputs = lens.ids[self.row].tolist() if lens.ids is not None else None
         for t in range(len(texts[0]) if texts else 0):
             label = f"{t}" if inputs is None else f"{t} {_cut(lens.text_of(inputs[t]), 3)}"
-            table.add_column(label, key=str(t), width=CELL_WIDTH)
+            table.add_column(Text(label), key=str(t), width=CELL_WIDTH)  # never markup
         for layer, name in enumerate(lens.layers):
             cells = [Text(_cut(tok), style=band_style(float(p)))
                      for tok, p in zip(texts[layer], probs[layer].tolist(), strict=True)]
-            table.add_row(Text(".".join(name.split(".")[-2:])), *cells, key=str(layer))
+            table.add_row(Text(printable(".".join(name.split(".")[-2:]))), *cells,
+                          key=str(layer))
         b, t = lens.shape
         self.query_one("#status", Static).update(
             f"sequence {self.row + 1}/{b} · {lens.num_layers} layers × {t} positions · "
@@ -193,7 +196,7 @@ class LensScreen(ViewScreen):
                  if ids is not None else "")
         shown = " · ".join(f"{t.text} {t.prob:.3f}" for t in top)
         self.query_one("#lens-detail", Static).update(
-            f"{lens.layers[layer]} · position {pos}{where}: {shown}")
+            printable(f"{lens.layers[layer]} · position {pos}{where}: {shown}"))
 
     def on_data_table_cell_selected(self, event: DataTable.CellSelected) -> None:
         event.stop()  # Enter on the focused grid

@@ -20,6 +20,7 @@ from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import DataTable, Footer, Static
 
+from hooks.text import printable
 from tui.screens.view import VIEW_BINDINGS, ViewScreen
 from tui.widgets import fmt
 from tui.widgets.call_details import stats_table
@@ -65,7 +66,7 @@ class OpsScreen(ViewScreen):
         self.optrace = None
 
     def compose(self):
-        yield Static(f"step into {self.module or '<root>'} · call {self.call_index}",
+        yield Static(printable(f"step into {self.module or '<root>'} · call {self.call_index}"),
                      id="title", markup=False)
         yield Static("recording the call's ops…", id="ops-status", markup=False)
         yield DataTable(id="ops", cursor_type="row", zebra_stripes=True)
@@ -98,25 +99,25 @@ class OpsScreen(ViewScreen):
         message.stop()
         status = self.query_one("#ops-status", Static)
         if message.ops is None:
-            status.update(f"not recorded, because {message.error}")
+            status.update(printable(f"not recorded, because {message.error}"))
             return
         ot = self.optrace = message.ops
         call = self.trace.call(self.module, self.call_index)
-        self.query_one("#title", Static).update(
+        self.query_one("#title", Static).update(printable(
             f"step into {self.module or '<root>'} ({call.module_type}) · call "
-            f"{self.call_index} · {len(ot.ops)} ops · {ot.source}")
+            f"{self.call_index} · {len(ot.ops)} ops · {ot.source}"))
         if ot.diverged:
-            status.update(f"✗ replay diverged: {ot.diverged} — ops not shown")
+            status.update(printable(f"✗ replay diverged: {ot.diverged} — ops not shown"))
             return
         first = ot.first_nonfinite()
-        status.update(
+        status.update(printable(
             f"first op creating non-finite values: #{first.index} {first.short_op} at "
-            f"{first.location}" if first is not None else "every op's output is finite")
+            f"{first.location}" if first is not None else "every op's output is finite"))
         table = self.query_one("#ops", DataTable)
         for op in ot.ops:
             out = op.outputs[0] if op.outputs else None
             bad = any(t.stats is not None and not t.stats.finite for t in op.outputs)
-            table.add_row(str(op.index), Text(op.short_op), Text(op.location),
+            table.add_row(str(op.index), Text(printable(op.short_op)), Text(printable(op.location)),
                           fmt.shape(out.shape) if out else "", fmt.flag("nan") if bad else "",
                           key=str(op.index))
         row = first.index if first is not None else 0
@@ -127,8 +128,8 @@ class OpsScreen(ViewScreen):
             pick = (named or at_line or [None])[0]
             if pick is not None:
                 row = pick.index
-                status.update(f"the backward of #{pick.index} {pick.short_op} at "
-                              f"{pick.location} made the first non-finite gradient")
+                status.update(printable(f"the backward of #{pick.index} {pick.short_op} at "
+                                        f"{pick.location} made the first non-finite gradient"))
         if ot.ops:
             table.move_cursor(row=row)
             self.show_op(row)
@@ -144,22 +145,23 @@ class OpsScreen(ViewScreen):
 
         op = self.optrace.ops[index]
         head = Text()
-        head.append(f"{op.op}", style="bold")
-        head.append(f" · in {op.module or '<root>'}\n")
-        head.append(f"{op.location}: ", style="dim")
-        head.append(op.code or "(no source line)")
+        head.append(printable(f"{op.op}"), style="bold")  # names from the model and its file
+        head.append(printable(f" · in {op.module or '<root>'}") + "\n")
+        head.append(printable(f"{op.location}: "), style="dim")
+        head.append(printable(op.code or "(no source line)"))
         parts = [head]
         row = op.offending_row()
         if row:
-            parts.append(Text(row, style="bold red"))
-        cols = [(t.path, t.stats) for t in op.inputs if t.stats is not None][:2]
-        cols += [(t.path, t.stats) for t in op.outputs if t.stats is not None][:2]
+            parts.append(Text(printable(row), style="bold red"))
+        cols = [(printable(t.path), t.stats) for t in op.inputs if t.stats is not None][:2]
+        cols += [(printable(t.path), t.stats) for t in op.outputs if t.stats is not None][:2]
         shapes = ", ".join(f"{t.path} {fmt.shape(t.shape)} {t.dtype}"
                            for t in (op.inputs + op.outputs)[:4])
-        parts.append(Text(shapes, style="dim"))
+        parts.append(Text(printable(shapes), style="dim"))
         if cols:
             parts.append(stats_table(cols))
-        parts.extend(Text(f"• {n}", style="yellow") for n in op.notes)  # what caps left out
+        # what caps left out
+        parts.extend(Text(printable(f"• {n}"), style="yellow") for n in op.notes)
         self.query_one("#op-detail", Static).update(Group(*parts))
 
     def action_cursor(self, delta: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from textual.binding import Binding
 from textual.widgets import DataTable, Footer, Static
 
+from hooks.text import printable
 from tui.screens.diff import DiffScreen
 from tui.widgets.diff_rows import summary_line
 
@@ -52,11 +53,12 @@ class PrecisionDiffScreen(DiffScreen):
                      id="title", markup=False)
         yield Static(f"loss {loss} · {summary_line(self.diff, 'A', 'B')}", id="status",
                      markup=False)
-        yield Static(first, id="precision-first", markup=False)
-        yield Static(nonfinite, id="precision-nonfinite", markup=False,
+        # the calls and notes name modules: shown printable
+        yield Static(printable(first), id="precision-first", markup=False)
+        yield Static(printable(nonfinite), id="precision-nonfinite", markup=False,
                      classes="found" if self.pd.first_nonfinite else "")
-        yield Static(rule + "".join(f" · {n}" for n in self.pd.notes), id="precision-rule",
-                     markup=False)
+        yield Static(printable(rule + "".join(f" · {n}" for n in self.pd.notes)),
+                     id="precision-rule", markup=False)
         yield DataTable(id="diff-table", cursor_type="row", zebra_stripes=True)
         yield Static("", id="hint", markup=False)
         yield Footer()

@@ -33,6 +33,7 @@ from textual.containers import Horizontal, Vertical
 from textual.visual import visualize
 from textual.widgets import DataTable, Static
 
+from hooks.text import printable
 from tui.screens.view import VIEW_BINDINGS, LayerViewScreen
 from tui.widgets import fmt
 from tui.widgets.footer import MdbFooter
@@ -147,7 +148,7 @@ class RouterScreen(LayerViewScreen):
                 self.query_one("#title", Static).update(
                     f"router · {len(notes)} MoE block(s), no routing recorded")
                 self.query_one("#router-summary", Static).update(
-                    "\n".join(f"{n.module}: {n.message}" for n in notes))
+                    "\n".join(printable(f"{n.module}: {n.message}") for n in notes))
             else:
                 self.query_one("#title", Static).update(
                     "router · this model has no MoE layer (no module with an experts child)")
@@ -160,8 +161,9 @@ class RouterScreen(LayerViewScreen):
         rec = self.record
         layer = "?" if rec.layer is None else rec.layer
         self.query_one("#title", Static).update(  # one row high (app.tcss): no layout
-            f"router · layer {layer} ({self.position + 1}/{len(self.records)}) · {rec.module}"
-            f" · E={rec.num_experts} top-{rec.top_k} · N={rec.top_k_ids.shape[0]} tokens",
+            printable(f"router · layer {layer} ({self.position + 1}/{len(self.records)}) · "
+                      f"{rec.module} · E={rec.num_experts} top-{rec.top_k} · "
+                      f"N={rec.top_k_ids.shape[0]} tokens"),
             layout=False,
         )
         self._fill_tokens(rec)
@@ -181,7 +183,7 @@ class RouterScreen(LayerViewScreen):
             rows = []
             for n, (row_ids, row_w) in enumerate(zip(ids, weights, strict=True)):
                 tok = tokens[n] if n < len(tokens) else "?"
-                cells = [f"{n // seq}:{n % seq}", tok[:6]]
+                cells = [f"{n // seq}:{n % seq}", Text(printable(tok[:6]))]  # never markup
                 for e, w in zip(row_ids, row_w, strict=True):
                     cells += [str(int(e)), f"{w:.2f}"]
                 rows.append(cells)
@@ -247,7 +249,7 @@ class RouterScreen(LayerViewScreen):
         if rec.note:
             lines.append(rec.note)
         summary = self.query_one("#router-summary", Static)
-        text = "\n".join(lines)
+        text = "\n".join(printable(line) for line in lines)  # names a module, the router
         width, height = summary.content_region.width, summary.content_region.height
         same = width > 0 and visualize(summary, text, markup=False).get_height(
             summary.styles, width) == height
