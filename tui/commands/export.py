@@ -28,7 +28,6 @@ import csv
 import itertools
 import json
 import math
-import os
 import sys
 
 from tui.errors import MdbError
@@ -151,14 +150,9 @@ def run(args: argparse.Namespace) -> int:
             info = store.run(args.run)
             if args.rank is not None:
                 _check_rank(store, info, args.rank)
-            try:
-                write(store, info, args.format, sys.stdout, args.rank)
-                sys.stdout.flush()
-            except BrokenPipeError:
-                # the reader stopped early (`mdb export r | head`): not an error
-                devnull = os.open(os.devnull, os.O_WRONLY)
-                os.dup2(devnull, sys.stdout.fileno())
-                return 0
+            # a write error (a full disk) is one line, a reader that stopped early (`mdb
+            # export r | head`) ends it quietly: tui.cli.main (tui.output)
+            write(store, info, args.format, sys.stdout, args.rank)
     except RunStoreError as exc:
         raise MdbError(str(exc)) from None
     return 0
