@@ -123,27 +123,52 @@ def import_torch_uninterrupted() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``mdb`` console script; returns the process exit code: the
-    command's, 2 with one ``mdb: error:`` line for bad input (:class:`MdbError`), 130 with
-    ``mdb: interrupted`` for a SIGINT at any point, the parser's start included."""
+    command's, 2 with one ``mdb: error:`` line for bad input (:class:`MdbError`) and for
+    output that cannot be written (``mdb runs > /dev/full``, a closed stdout: ``cannot write
+    output: No space left on device``), 0 when the reader of a pipe stopped reading (``mdb
+    runs --json | head -c 20``: quiet, :mod:`tui.output`), 130 with ``mdb: interrupted`` for
+    a SIGINT at any point, the parser's start included."""
+    from tui.output import guarded_stdout, is_output_error, silence
+
     try:
-        words = list(argv) if argv is not None else sys.argv[1:]
-        # `mdb step ...` builds step's parser only (the start-up of mdb step, issue 25)
-        parser = build_parser(words[0] if words and words[0] in COMMANDS else None)
-        args = parser.parse_args(argv)
-        args._argv = words  # the trainer's
-        if not getattr(args, "_run", None):
-            parser.print_help()
-            return 0
-        check_common_options(args)
-        if getattr(args, "_torch", True):  # the store commands read SQLite only
-            import_torch_uninterrupted()
-        return int(args._run(args) or 0)
+        with guarded_stdout() as out:
+            try:
+                code = _run(argv)
+                out.flush()  # a full disk is often said only here, by the last flush
+                return code
+            except OSError as exc:
+                if not is_output_error(exc):
+                    raise
+                silence(out)  # what is still buffered goes nowhere at exit
+                if isinstance(exc, BrokenPipeError):
+                    return 0
+                raise MdbError(f"cannot write output: {exc.strerror or exc}") from None
+            except SystemExit:
+                if not isinstance(out.error, BrokenPipeError):
+                    raise
+                return 0  # rich's console ended the command on the closed pipe (exit 1)
     except MdbError as exc:
         print_error(exc)
         return exc.exit_code
     except KeyboardInterrupt:
         print("mdb: interrupted", file=sys.stderr)
         return 130
+
+
+def _run(argv: list[str] | None) -> int:
+    """Parse ``argv`` and run its command (see :func:`main`)."""
+    words = list(argv) if argv is not None else sys.argv[1:]
+    # `mdb step ...` builds step's parser only (the start-up of mdb step, issue 25)
+    parser = build_parser(words[0] if words and words[0] in COMMANDS else None)
+    args = parser.parse_args(argv)
+    args._argv = words  # the trainer's
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 0
+    check_common_options(args)
+    if getattr(args, "_torch", True):  # the store commands read SQLite only
+        import_torch_uninterrupted()
+    return int(args._run(args) or 0)
 
 
 if __name__ == "__main__":  # pragma: no cover

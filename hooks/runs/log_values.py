@@ -1,6 +1,8 @@
 """The values ``hooks.run`` takes, checked on the caller's thread before anything is stored:
 logged scalars (:func:`to_float`), the per-expert load table (:func:`expert_load_table`), the
-run's ``total_steps``/``gather_every`` and its ``config``. Every error names the argument.
+run's ``total_steps``/``gather_every`` and its ``config``, ``run.log``'s ``step``
+(:func:`checked_step`) and ``run.watch``'s ``every`` and byte budgets (:func:`checked_every`,
+:func:`checked_bytes`). Every error names the argument.
 
 This module never imports textual, rich or tui.
 """
@@ -12,13 +14,28 @@ import operator
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["checked_counts", "config_checked", "expert_load_table", "to_float"]
+__all__ = ["checked_bytes", "checked_counts", "checked_every", "checked_step", "config_checked",
+           "expert_load_table", "to_float"]
+
+#: Steps are SQLite INTEGERs: the largest step (and ``every``) the store can hold.
+MAX_STEP = 2**63 - 1
 
 
 def to_float(name: str, value: Any) -> float:
-    """A logged value as a Python float: a number, or a one-element tensor / numpy value."""
+    """A logged value as a Python float: a number, or a one-element tensor / numpy value.
+
+    Raises:
+        TypeError: Text, a complex number (a complex tensor), or another object that is not a
+            number; the message names the metric.
+        ValueError: A tensor of more than one element, an integer beyond float64's range.
+    """
     if type(value) is float:
         return value
+    is_complex = getattr(value, "is_complex", None)  # a torch tensor
+    if isinstance(value, complex) or callable(is_complex) and is_complex() is True:
+        raise TypeError(f"run.log({name}=...): expected a real number, got a complex "
+                        f"{type(value).__name__} (log its .real, .imag or abs() as metrics "
+                        "of their own)")
     if isinstance(value, (int, float)):
         try:
             return float(value)
@@ -37,6 +54,10 @@ def to_float(name: str, value: Any) -> float:
             raise ValueError(
                 f"run.log({name}=...): expected a scalar, got a tensor of shape {shape}"
             ) from exc
+        if isinstance(x, complex):  # a numpy complex scalar
+            raise TypeError(f"run.log({name}=...): expected a real number, got a complex "
+                            f"{type(value).__name__} (log its .real, .imag or abs() as "
+                            "metrics of their own)")
         if isinstance(x, (int, float)):
             return float(x)
     try:
@@ -129,3 +150,68 @@ def config_checked(config: Mapping[str, Any] | None) -> dict[str, Any]:
         why = " (a value in it contains itself)" if "ircular" in str(exc) else ""
         raise ValueError(f"hooks.run(config=...) cannot be stored as JSON: {exc}{why}") from None
     return config
+
+
+def _integer(call: str, value: Any) -> int:
+    """``value`` as an int (an int, a numpy or 0-dim tensor integer), never a bool or a
+    float; else ``TypeError`` naming ``call`` (``"run.watch(every=...)"``)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{call}: expected an integer, got a bool ({value})")
+    try:
+        return operator.index(value)
+    except TypeError:
+        shown = repr(value)
+        shown = shown if len(shown) <= 40 else shown[:39] + "…"
+        raise TypeError(f"{call}: expected an integer, got {type(value).__name__} "
+                        f"{shown}") from None
+
+
+def _shown_int(n: int) -> str:
+    return str(n) if n.bit_length() <= 64 else f"<an integer of {n.bit_length()} bits>"
+
+
+def checked_step(step: Any) -> int:
+    """``run.log(step=...)`` as an int in 0 … :data:`MAX_STEP`.
+
+    Raises:
+        TypeError: Not an integer (a float, a bool: ``step=True`` is not step 1).
+        ValueError: Negative, or above :data:`MAX_STEP` (the store could not hold it).
+    """
+    step = _integer("run.log(step=...)", step)
+    if step < 0:
+        raise ValueError(f"run.log(step={step}): steps are counted from 0")
+    if step > MAX_STEP:  # SQLite's INTEGER: the writer thread could not store it
+        raise ValueError(f"run.log(step={_shown_int(step)}): steps go up to 2**63 - 1")
+    return step
+
+
+def checked_every(every: Any) -> int:
+    """``run.watch(every=...)`` as an int in 1 … :data:`MAX_STEP`: an ``every`` beyond the
+    largest step the store holds would capture no step at all, silently.
+
+    Raises:
+        TypeError: Not an integer (``1.5``, ``nan``, a bool).
+        ValueError: Below 1 or above :data:`MAX_STEP`.
+    """
+    every = _integer("run.watch(every=...)", every)
+    if every < 1:
+        raise ValueError(f"watch(every={every}): must be 1 or more")
+    if every > MAX_STEP:
+        raise ValueError(f"watch(every={_shown_int(every)}): steps go up to 2**63 - 1, so no step "
+                         "would ever be captured; every must be at most 2**63 - 1")
+    return every
+
+
+def checked_bytes(options: Mapping[str, Any], call: str = "run.watch") -> None:
+    """The byte budgets among ``options`` (``hooks.capture``'s ``attention_bytes`` and
+    ``keep_bytes``), checked when ``run.watch`` is called rather than at the first capture.
+
+    Raises:
+        TypeError: A budget that is not an integer (a float, a bool).
+        ValueError: A negative budget.
+    """
+    for key in ("attention_bytes", "keep_bytes"):
+        if key in options:
+            n = _integer(f"{call}({key}=...)", options[key])
+            if n < 0:
+                raise ValueError(f"{call}({key}={n}): a budget in bytes, 0 or more")

@@ -61,12 +61,15 @@ def check_watch_arguments(optimizer: Any, scheduler: Any, capture_options: dict)
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, ``scheduler`` has no
             ``step`` or no ``optimizer`` (a ``torch.optim.lr_scheduler`` scheduler), or a
-            keyword that neither ``watch`` nor :func:`hooks.capture` takes.
-        ValueError: ``scheduler`` drives another optimizer than ``optimizer``.
+            keyword that neither ``watch`` nor :func:`hooks.capture` takes, an
+            ``attention_bytes`` or ``keep_bytes`` that is not an integer.
+        ValueError: ``scheduler`` drives another optimizer than ``optimizer``; a negative
+            ``attention_bytes`` or ``keep_bytes``.
     """
     import inspect
 
     from hooks.capture import capture
+    from hooks.runs.log_values import checked_bytes
 
     known = [n for n, p in inspect.signature(capture).parameters.items()
              if p.kind == p.KEYWORD_ONLY and n not in ("step", "meta")]
@@ -75,6 +78,7 @@ def check_watch_arguments(optimizer: Any, scheduler: Any, capture_options: dict)
         raise TypeError(f"watch() got an unexpected keyword argument {bad[0]!r} (it takes "
                         f"every, optimizer, scheduler and the capture options "
                         f"{', '.join(known)})")
+    checked_bytes(capture_options)  # here, not at the first capture, steps later
     if optimizer is not None:
         optimizer = _inner(optimizer, "optimizer")
         if not isinstance(optimizer, torch.optim.Optimizer):

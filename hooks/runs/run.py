@@ -64,7 +64,6 @@ import atexit
 import collections
 import contextlib
 import math
-import operator
 import os
 import signal
 import sys
@@ -76,7 +75,14 @@ from pathlib import Path
 from typing import Any
 
 from hooks.runs.control import ControlPoller, RunControls
-from hooks.runs.log_values import checked_counts, config_checked, expert_load_table, to_float
+from hooks.runs.log_values import (
+    checked_counts,
+    checked_every,
+    checked_step,
+    config_checked,
+    expert_load_table,
+    to_float,
+)
 from hooks.runs.reserve import DiskReserve, finish_run
 from hooks.runs.store import (
     RunExistsError,
@@ -279,6 +285,7 @@ class Run(RunControls):
         # watch
         self._model: Any = None
         self._every = 0
+        self._watched: str | None = None  # the first watch() call, "watch(...) at file:line"
         self._capture_options: dict[str, Any] = {}
         self._capture: Any = None
         self._capture_step: int | None = None
@@ -482,15 +489,7 @@ class Run(RunControls):
         """The step a ``log(step=...)`` call is for (see :meth:`log`)."""
         if step is None:
             return self.step + 1 if self._logged else 1
-        try:
-            step = operator.index(step)
-        except TypeError:
-            raise TypeError(f"run.log(step=...): expected an integer, got "
-                            f"{type(step).__name__}") from None
-        if step < 0:
-            raise ValueError(f"run.log(step={step}): steps are counted from 0")
-        if step >= 2**63:  # SQLite's INTEGER: the writer thread could not store it
-            raise ValueError(f"run.log(step={step}): steps go up to 2**63 - 1")
+        step = checked_step(step)  # an integer (not a bool) in 0 … 2**63 - 1
         if self._logged and step < self.step:
             raise ValueError(
                 f"run.log(step={step}): step {step} is before the last step logged "
@@ -621,9 +620,13 @@ class Run(RunControls):
         Raises:
             TypeError: ``model`` is not an ``nn.Module``, ``optimizer`` not a
                 ``torch.optim.Optimizer``, ``scheduler`` not an LR scheduler, a keyword
-                neither ``watch`` nor :func:`hooks.capture` takes, or ``every`` is not an
-                integer (at once, before anything is attached).
-            ValueError: ``every < 1``; ``scheduler`` drives another optimizer.
+                neither ``watch`` nor :func:`hooks.capture` takes, or ``every``,
+                ``attention_bytes`` or ``keep_bytes`` is not an integer (a float, a bool; at
+                once, before anything is attached).
+            ValueError: ``every`` not in 1 … 2**63 - 1, a negative ``attention_bytes`` or
+                ``keep_bytes``; ``scheduler`` drives another optimizer.
+            RuntimeError: ``watch`` was called before on this run (the message names that
+                call): a run watches one model, once.
         """
         from torch import nn
 
@@ -633,13 +636,13 @@ class Run(RunControls):
         if not isinstance(model, nn.Module):
             raise TypeError(f"watch expects a torch.nn.Module, got {type(model).__name__}")
         optimizer = check_watch_arguments(optimizer, scheduler, capture_options)
-        every = operator.index(every)
-        if every < 1:
-            raise ValueError(f"watch(every={every}): must be 1 or more")
-        if self._capture is not None:  # watching another model, or again: start over
-            with contextlib.suppress(Exception):
-                self._capture.stop()
-            self._capture = None
+        every = checked_every(every)
+        if self._watched is not None:
+            raise RuntimeError(f"{self._title}: {self._watched} came first; a run watches one "
+                               "model, once: call run.watch once, before the training loop")
+        caller = traceback.extract_stack(limit=2)[0]
+        self._watched = (f"watch({type(model).__name__}, every={every}) at "
+                         f"{os.path.basename(caller.filename)}:{caller.lineno}")
         self._model, self._every, self._capture_options = model, every, dict(capture_options)
         nxt = self.step + 1 if self._logged else 1
         if self._link is not None:
@@ -648,13 +651,8 @@ class Run(RunControls):
             inner = getattr(model, "module", None)
             if isinstance(inner, nn.Module) and type(model).__name__ == "DistributedDataParallel":
                 self._model = inner  # captured under the user's own module names
-        if self._sentinel is not None:
-            self._sentinel.remove()
         self._sentinel = NonFiniteSentinel(self._model, lambda: self._capture is not None,
-                                           optimizer)
-        if self._doctor is not None:
-            self._doctor_findings(close=True)
-            self._doctor = None
+                                           optimizer)  # the first and only watch: none before
         if optimizer is not None and self.rank == 0 and self._sharded(self._model):
             self._say(f"{self._title}: the loop doctor is off for a sharded (FSDP2/tensor-"
                       "parallel) model: its checks would run collectives on rank 0 alone")

@@ -351,6 +351,19 @@ class RunStore:
         process holds past the lock wait raises :class:`DatabaseLockedError`."""
         return Transaction(self.connection, self.path, immediate)
 
+    def snapshot(self) -> Transaction:
+        """``with store.snapshot():`` one read transaction: every read inside the block sees
+        the database as it was at its first read (a run still being written included), and
+        no writer waits on it (WAL). Reads on :attr:`connection` inside it are consistent
+        with each other, e.g. a run's metric names and its values.
+
+        Raises:
+            DatabaseLockedError: The database is locked past the lock wait (a writer
+                changing its journal mode; ordinary writes never block a read).
+            RunStoreError: The store is closed.
+        """
+        return self._transaction(immediate=False)
+
     def _require_writable(self) -> None:
         if self.read_only:
             raise RunStoreError(

@@ -71,13 +71,13 @@ def source_batch(args: argparse.Namespace, workload) -> Any:
     """
     if args.source_batch:
         from hooks.batch import Batch, BatchError
-        from tui.commands.workload import _import_factory_module, exits_reported
+        from tui.commands.workload import exits_reported, import_factory_module
 
         module_name, sep, func_name = args.source_batch.partition(":")
         if not sep or not module_name or not func_name:
             raise MdbError(f"--source-batch {args.source_batch!r}: expected MODULE:FUNCTION")
         with exits_reported(f"--source-batch {args.source_batch}", "instead of a batch"):
-            module = _import_factory_module(args.source_batch, module_name)
+            module = import_factory_module(args.source_batch, module_name, "--source-batch")
             func = getattr(module, func_name, None)
             if not callable(func):
                 raise MdbError(f"--source-batch: {module_name} has no function {func_name}")

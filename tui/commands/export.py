@@ -14,20 +14,22 @@ A distributed run (a ``torchrun`` job recorded by ``hooks.run``) has a ``rank`` 
 ``step``: one row per rank and step, every rank's own logged values; ``--rank N`` keeps rank
 N's rows.
 
-The export streams: SQLite pivots the run's values into one row per step and orders them
-(:func:`hooks.runs.table.table_batches`), and the rows are written in batches of 20,000 by
-the ``csv`` module, with no Python object per step; memory stays flat whatever the run's
-length (a run of a million steps × 5 metrics takes about 2× what the ``sqlite3`` command line
-takes to print the same values, which it cuts to 15 digits; ``benchmarks/bench_store.py``).
+The export streams: SQLite orders the run's values and pivots them into one row per step
+(:func:`hooks.runs.table.table_batches`; a run of more than 64 metrics is pivoted in Python,
+any number of metrics), and the rows are written in batches of 20,000 by the ``csv`` module,
+read in one snapshot of the run (:meth:`hooks.runs.store.RunStore.snapshot`); memory stays
+flat whatever the run's length (a run of a million steps × 5 metrics takes about 2× what the
+``sqlite3`` command line takes to print the same values, which it cuts to 15 digits;
+``benchmarks/bench_store.py``). Nothing is written when the first rows cannot be read.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import math
-import os
 import sys
 
 from hooks.text import printable
@@ -54,18 +56,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rank", metavar="N", type=int, default=None,
                         help="a torchrun job's run: only rank N's rows (default: every rank, "
                              "a rank column after step)")
-
-
-def csv_cell(value: float | None, logged: bool) -> str:
-    """A value as a CSV cell: ``""`` when not logged, ``nan`` for NaN (stored as ``None``),
-    ``inf`` / ``-inf``, else the shortest text that reads back as the same float."""
-    if not logged:
-        return ""
-    if value is None or math.isnan(value):
-        return "nan"
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    return repr(float(value))
 
 
 def rows(store, run_id: int):
@@ -104,36 +94,42 @@ def write(store, info, fmt: str, out, rank: int | None = None) -> int:
     from hooks.runs.table import table_batches
 
     conn = store.connection
-    names_ids = conn.execute("SELECT id, name FROM metric_names WHERE run_id = ? ORDER BY id",
-                             (info.id,)).fetchall()
-    names = [n for _i, n in names_ids]
     ranked = bool(info.world_size)
     keys = ["step", "rank"] if ranked else ["step"]
-    lead = len(keys)
     n = 0
-    with store._transaction(immediate=False):  # one snapshot of a run still being written
+    with store.snapshot():  # the names and values of a run still being written, as one
+        names_ids = conn.execute("SELECT id, name FROM metric_names WHERE run_id = ? "
+                                 "ORDER BY id", (info.id,)).fetchall()
+        names = [name for _i, name in names_ids]
         batches = table_batches(conn, info.id, [i for i, _n in names_ids], ranks=ranked,
                                 rank=rank, where=f"{info.name!r} in {store.path}")
+        first = next(batches, [])  # read before the header: a failed read writes nothing
         if fmt == "csv":
             w = csv.writer(out, lineterminator="\n")
             # a name is shown as text (a newline would split the header line, an ESC drive
             # the terminal it is read on): escaped; jsonl's json.dumps escapes it already
             w.writerow([*keys, *(printable(name) for name in names)])
-            for batch in batches:
+            for batch in itertools.chain([first], batches):
                 w.writerows(batch)  # None: an empty cell; "nan"; floats as their repr
                 n += len(batch)
             return n
         heads = [json.dumps(k) + ": " for k in [*keys, *names]]
-        for batch in batches:
-            lines = []
-            for row in batch:
-                parts = [f"{heads[i]}{row[i]}" for i in range(lead)]
-                parts += [heads[i] + _json_value(v) for i, v in enumerate(row) if i >= lead
-                          and v is not None]
-                lines.append("{" + ", ".join(parts) + "}\n")
-            out.write("".join(lines))
+        for batch in itertools.chain([first], batches):
+            out.write(_json_lines(batch, heads, len(keys)))
             n += len(batch)
     return n
+
+
+def _json_lines(batch, heads: list[str], lead: int) -> str:
+    """Rows of :func:`hooks.runs.table.table_batches` as JSON lines: the keys, then the
+    metrics logged at that step (``heads``: each column's ``"name": ``)."""
+    lines = []
+    for row in batch:
+        parts = [f"{heads[i]}{row[i]}" for i in range(lead)]
+        parts += [heads[i] + _json_value(v) for i, v in enumerate(row) if i >= lead
+                  and v is not None]
+        lines.append("{" + ", ".join(parts) + "}\n")
+    return "".join(lines)
 
 
 def _check_rank(store, info, rank: int) -> None:
@@ -159,14 +155,9 @@ def run(args: argparse.Namespace) -> int:
             info = store.run(args.run)
             if args.rank is not None:
                 _check_rank(store, info, args.rank)
-            try:
-                write(store, info, args.format, sys.stdout, args.rank)
-                sys.stdout.flush()
-            except BrokenPipeError:
-                # the reader stopped early (`mdb export r | head`): not an error
-                devnull = os.open(os.devnull, os.O_WRONLY)
-                os.dup2(devnull, sys.stdout.fileno())
-                return 0
+            # a write error (a full disk) is one line, a reader that stopped early (`mdb
+            # export r | head`) ends it quietly: tui.cli.main (tui.output)
+            write(store, info, args.format, sys.stdout, args.rank)
     except RunStoreError as exc:
         raise MdbError(str(exc)) from None
     return 0

@@ -219,7 +219,7 @@ def run_viewer(args: argparse.Namespace) -> int:
     on its own: 0 finished, 1 failed; 143 when a SIGTERM closed the viewer, after the same line
     as ``q``: detached while the run trains on)."""
     from hooks.runs.store import RunStore
-    from tui.commands.stop import detached_line, ended_line
+    from tui.commands.stop import detached_line, ended_line, stays_paused
     from tui.driver import SIGTERM_EXIT_CODE
     from tui.live_app import make_watch_app
     from tui.screens.live_controls import STOPPED
@@ -236,7 +236,8 @@ def run_viewer(args: argparse.Namespace) -> int:
         ended = screen.state not in ("reading", "running", "paused")
         if screen.outcome != STOPPED and not ended and proc.poll() is None:
             # d, Ctrl-C, q → d, SIGTERM; or closed before the first read: it goes on either way
-            print(detached_line(name, proc.pid, args.db))
+            paused = screen.run is not None and stays_paused(store, screen.run.id)
+            print(detached_line(name, proc.pid, args.db, paused=paused))
             return SIGTERM_EXIT_CODE if terminated else 0
         if terminated and screen.outcome == STOPPED and proc.poll() is None:
             # asked to stop, then SIGTERM: not waited for (a terminated command ends promptly)

@@ -63,11 +63,32 @@ def ended_line(info, db: str | None) -> str:
     return printable(line)  # the run's name and reason, read from the database
 
 
-def detached_line(name: str, pid: int | None, db: str | None) -> str:
-    """What a viewer says when it leaves a run training: the commands that re-attach and stop."""
+def detached_line(name: str, pid: int | None, db: str | None, paused: bool = False) -> str:
+    """What a viewer says when it leaves a run training (``paused``: a paused run, which
+    stays paused): the commands that re-attach (and resume) and stop."""
     where = f" --db {db}" if db else ""
+    if paused:
+        return printable(f"mdb: detached; run {name} stays paused (pid {pid}) · resume it: "
+                         f"mdb watch {name}{where}, then p · stop it: mdb stop {name}{where}")
     return printable(f"mdb: detached; run {name} goes on training (pid {pid}) · re-attach: "
                      f"mdb watch {name}{where} · stop it: mdb stop {name}{where}")
+
+
+def stays_paused(store, run_id: int) -> bool:
+    """Whether run ``run_id`` is paused, or will be, when a viewer leaves it: its stored state,
+    then the pause/resume requests its process has not acted on yet, the last one winning (a
+    ``p`` pressed just before ``d``). ``False`` when the store cannot be read."""
+    from hooks.runs.control import pending
+    from hooks.runs.store import RunStoreError
+
+    try:
+        paused = bool(store.run(run_id).paused)
+        for command in pending(store.path, run_id):
+            if command in ("pause", "resume"):
+                paused = command == "pause"
+    except (RunStoreError, sqlite3.Error, OSError):  # cannot be read now: the usual line
+        return False
+    return paused
 
 
 def wait_until_stopped(store, name: str, timeout: float) -> object:

@@ -88,12 +88,12 @@ def after_viewer(screen, store, db: str | None) -> int:
     """What the terminal says once a viewer closed: detached (the run goes on; the command
     that re-attaches), stopped (waits for the run's checkpoint and says what became of it), or
     nothing when the run had ended. Returns the exit status (0)."""
-    from tui.commands.stop import detached_line, ended_line, wait_until_stopped
+    from tui.commands.stop import detached_line, ended_line, stays_paused, wait_until_stopped
     from tui.screens.live_controls import DETACHED, STOPPED
 
     run = screen.run
     if screen.outcome == DETACHED:
-        print(detached_line(run.name, run.pid, db))
+        print(detached_line(run.name, run.pid, db, paused=stays_paused(store, run.id)))
     elif screen.outcome == STOPPED:
         how = ("waiting for its checkpoint…" if run.kind == "overfit" else "waiting for its "
                "loop to see run.should_stop… (Ctrl-C leaves it running)")

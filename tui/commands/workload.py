@@ -113,7 +113,7 @@ def load_user_workload(spec: str) -> Workload:
         raise MdbError(f"--model {spec!r}: expected MODULE:FUNCTION, e.g. mymodels:build")
     with exits_reported(f"--model {spec}: importing {module_name}",
                         f"instead of defining {func_name}"):
-        module = _import_factory_module(spec, module_name)
+        module = import_factory_module(spec, module_name)
     func = getattr(module, func_name, None)
     if not callable(func):
         raise MdbError(f"--model {spec}: {module_name} has no function {func_name}")
@@ -148,8 +148,9 @@ def load_user_workload(spec: str) -> Workload:
     )
 
 
-def _import_factory_module(spec: str, module_name: str):
-    """The module of ``--model``: a ``.py`` file (or a path) run as a module, with the file's
+def import_factory_module(spec: str, module_name: str, option: str = "--model"):
+    """The module of ``--model`` (or of ``option``, e.g. ``--source-batch``, which the error
+    line names): a ``.py`` file (or a path) run as a module, with the file's
     folder put first on ``sys.path`` (and left there, as ``python FILE`` does) so that it and
     its factory import the modules beside it; else imported by name from the current directory
     or ``sys.path``. mdb's own packages are bound first (their ``__init__`` is cheap), so a
@@ -162,7 +163,7 @@ def _import_factory_module(spec: str, module_name: str):
         if module_name.endswith(".py") or os.sep in module_name:
             path = Path(module_name)
             if not path.exists():
-                raise MdbError(f"--model {spec}: no such file {path}")
+                raise MdbError(f"{option} {spec}: no such file {path}")
             folder = str(path.resolve().parent)
             if folder not in sys.path:
                 sys.path.insert(0, folder)
@@ -180,7 +181,7 @@ def _import_factory_module(spec: str, module_name: str):
         raise
     except Exception as exc:  # the user's code: any failure is theirs to see, on one line
         raise MdbError(
-            f"--model {spec}: cannot import {module_name}: {type(exc).__name__}: {exc}"
+            f"{option} {spec}: cannot import {module_name}: {type(exc).__name__}: {exc}"
         ) from None
 
 

@@ -7,6 +7,9 @@ which is a viewer of the trainer process it started).
   requests through the run store (:mod:`hooks.runs.control`), acted on by the process that
   trains, whichever terminal started it.
 * ``q`` asks whether to detach (the default) or to stop; Ctrl-C detaches, and says so.
+* When the run's state changes while it is viewed (paused, resumed, stopped, ended), by this
+  viewer's request or another's (``mdb stop``, a second ``mdb watch``), the hint line says the
+  state it is now in (:meth:`ViewerControls.say_state`): never a request that is stale.
 
 Of a run that is not running (finished, failed, gone), ``q`` and Ctrl-C just close the viewer.
 """
@@ -34,6 +37,21 @@ class ViewerControls:
         closes the viewer; ``mdb overfit --nproc`` then stops its job, as before)."""
         return (self.watch and self.run is not None and self.state in ("running", "paused")
                 and (getattr(self.run, "world_size", None) or 1) <= 1)
+
+    def say_state(self, before: str, state: str) -> None:
+        """Put the run's new ``state`` in the hint line (it was ``before``), in place of what
+        a request of this viewer said (``asked the run to pause``) or of an older state. Not
+        at the first read (``before`` is ``reading``): the screen's opening hint stays."""
+        if before == "reading" or state == before:
+            return
+        live = self.viewing_live_run()
+        if state == "paused":
+            self.hint("the run is paused · p resumes" if live else "the run is paused")
+        elif state == "running":
+            self.hint("the run is training · p pauses · x stops" if live
+                      else "the run is training")
+        else:
+            self.hint(f"the run has ended: {self.run.status_line()} · q closes")
 
     def _leave(self, outcome: str) -> None:
         if not (outcome == CLOSED and self.outcome == STOPPED):  # x, then q once it ended

@@ -171,10 +171,11 @@ class WatchScreen(ViewerControls, LiveScreen):
         state = u.run.writer_state()
         if state == "running" and u.run.paused:
             state = "paused"
-        changed = state != self.state
-        self.state = state
+        before, self.state = self.state, state
+        changed = state != before
         if changed:
             self.refresh_bindings()  # p, x, d only while the run trains
+            self.say_state(before, state)  # not "asked the run to pause" once it stopped
         if u.metrics or changed or self.polls == 1 or getattr(u, "spikes", None):
             self._data_changed()
         # An ended run may still be resumed by `mdb overfit --resume`: keep looking, less often.
