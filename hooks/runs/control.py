@@ -14,7 +14,7 @@ Table (created on first use, so databases written before it keep working)::
 
 ``done``: when the training process received the request. ``seen`` (added to a table that
 lacks it): when it acted on it — ``mdb overfit``'s trainer at once; a ``hooks.run`` loop when
-it read ``run.should_stop`` after the stop arrived (:func:`seen`). ``mdb stop`` tells by it a
+it read ``run.should_stop`` after the stop arrived (:func:`progress`). ``mdb stop`` tells by it a
 loop that never checks ``run.should_stop`` from one that is busy in a long step.
 
 This module never imports textual, rich or tui.
@@ -30,8 +30,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["COMMANDS", "POLL_INTERVAL", "ControlPoller", "RunControls", "pending", "request",
-           "seen"]
+__all__ = ["COMMANDS", "POLL_INTERVAL", "ControlPoller", "RunControls", "pending", "progress",
+           "request"]
 
 #: What a request may ask.
 COMMANDS = ("stop", "pause", "resume")
@@ -101,19 +101,24 @@ def pending(path: str | Path, run_id: int) -> list[str]:
         conn.close()
 
 
-def seen(path: str | Path, request_id: int) -> bool:
-    """Whether the run acted on request ``request_id`` (see the ``seen`` column above);
-    ``False`` for a table without the column (an older mdb trains the run)."""
+def progress(path: str | Path, request_id: int) -> str:
+    """How far request ``request_id`` got: ``"pending"`` (not received yet), ``"received"``
+    (the training process has it: ``done``) or ``"seen"`` (it acted on it, see the ``seen``
+    column above; never for a table without the column, made by an older mdb)."""
     conn = _connect(path)
     try:
-        row = conn.execute("SELECT seen FROM control WHERE id = ?", (int(request_id),)).fetchone()
+        row = conn.execute("SELECT done, seen FROM control WHERE id = ?",
+                           (int(request_id),)).fetchone()
     except sqlite3.OperationalError as exc:
-        if "no such" in str(exc):
-            return False
-        raise
+        if "no such" not in str(exc):
+            raise
+        row = conn.execute("SELECT done, NULL FROM control WHERE id = ?",
+                           (int(request_id),)).fetchone()
     finally:
         conn.close()
-    return row is not None and row[0] is not None
+    if row is None or row[0] is None:
+        return "pending"
+    return "seen" if row[1] is not None else "received"
 
 
 class ControlPoller:

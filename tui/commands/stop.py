@@ -91,11 +91,11 @@ def detached_line(name: str, pid: int | None, db: str | None) -> str:
 
 def unchecked_line(info, steps: int, waited: float) -> str:
     """What ``mdb stop`` says of a ``hooks.run`` loop that does not read ``run.should_stop``."""
-    return (f"run {info.name} logged {steps} more step(s) in {waited:.0f} s since the stop "
-            f"request without reading run.should_stop (at step {info.last_step}): its loop does "
-            f"not check for stop requests; make it stop with `{STOP_LINE}` after run.log(...) "
-            "in the loop. The request stays (run.should_stop is True in the loop); a loop that "
-            "runs to its end is marked finished")
+    return (f"run {info.name} logged {steps} more step(s) in {waited:.0f} s after it received "
+            f"the stop request without reading run.should_stop (at step {info.last_step}): "
+            f"its loop does not check for stop requests; make it stop with `{STOP_LINE}` after "
+            "run.log(...) in the loop. The request stays (run.should_stop is True in the loop); "
+            "a loop that runs to its end is marked finished")
 
 
 def wait_until_stopped(store, name: str, timeout: float, *, request_id: int | None = None,
@@ -113,16 +113,17 @@ def wait_until_stopped(store, name: str, timeout: float, *, request_id: int | No
         check_wait: See ``request_id``.
 
     Raises:
-        UncheckedStopError: A ``hooks.run`` loop logged two steps or more, and ``check_wait``
-            seconds passed, since the request without reading ``run.should_stop``.
+        UncheckedStopError: A ``hooks.run`` loop logged two steps or more since it received
+            the request without reading ``run.should_stop``, and ``check_wait`` seconds
+            passed.
         NotStoppedError: Still running after ``timeout`` seconds, or its process died.
     """
-    from hooks.runs.control import seen
+    from hooks.runs.control import progress
 
     start = time.monotonic()
     deadline = start + timeout
-    info = store.run(name)
-    asked_at, check = info.last_step, request_id is not None and info.kind == "api"
+    check = request_id is not None and store.run(name).kind == "api"
+    received_at: int | None = None  # the run's last step when the loop got the request
     while True:
         info = store.run(name)
         state = info.writer_state()
@@ -131,9 +132,14 @@ def wait_until_stopped(store, name: str, timeout: float, *, request_id: int | No
         if state != "running":
             return info
         waited = time.monotonic() - start
-        if check and waited >= check_wait and info.last_step >= asked_at + 2 \
-                and not seen(store.path, request_id):
-            raise UncheckedStopError(unchecked_line(info, info.last_step - asked_at, waited))
+        if check:
+            got = progress(store.path, request_id)
+            if received_at is None and got != "pending":
+                received_at = info.last_step
+            if waited >= check_wait and got == "received" \
+                    and info.last_step >= received_at + 2:
+                raise UncheckedStopError(
+                    unchecked_line(info, info.last_step - received_at, waited))
         if time.monotonic() > deadline:
             raise NotStoppedError(
                 f"run {name} has not stopped after {timeout:.0f} s (at step {info.last_step}); "
@@ -143,7 +149,7 @@ def wait_until_stopped(store, name: str, timeout: float, *, request_id: int | No
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``mdb stop``."""
-    from hooks.runs.control import request, seen
+    from hooks.runs.control import progress, request
     from hooks.runs.store import RunStore, RunStoreError, default_db_path
 
     path = args.db if args.db else default_db_path()
@@ -166,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
                   "waiting for its checkpoint…", file=sys.stderr)
             info = wait_until_stopped(store, info.name, args.timeout, request_id=rid,
                                       check_wait=args.wait)
-            ran_to_end = info.status == "finished" and not seen(store.path, rid)
+            ran_to_end = info.status == "finished" and progress(store.path, rid) != "seen"
     except RunStoreError as exc:
         raise MdbError(str(exc)) from None
     line = ended_line(info, args.db)
