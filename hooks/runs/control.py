@@ -9,7 +9,13 @@ started live, detached or headless (``mdb overfit``) or by a user's own loop (``
 
 Table (created on first use, so databases written before it keep working)::
 
-    control(id INTEGER PRIMARY KEY, run_id INTEGER, command TEXT, requested REAL, done REAL)
+    control(id INTEGER PRIMARY KEY, run_id INTEGER, command TEXT, requested REAL, done REAL,
+            seen REAL)
+
+``done``: when the training process received the request. ``seen`` (added to a table that
+lacks it): when it acted on it — ``mdb overfit``'s trainer at once; a ``hooks.run`` loop when
+it read ``run.should_stop`` after the stop arrived (:func:`progress`). ``mdb stop`` tells by it a
+loop that never checks ``run.should_stop`` from one that is busy in a long step.
 
 This module never imports textual, rich or tui.
 """
@@ -26,7 +32,8 @@ from pathlib import Path
 
 from hooks.text import printable
 
-__all__ = ["COMMANDS", "POLL_INTERVAL", "ControlPoller", "RunControls", "request", "pending"]
+__all__ = ["COMMANDS", "POLL_INTERVAL", "ControlPoller", "RunControls", "pending", "progress",
+           "request"]
 
 #: What a request may ask.
 COMMANDS = ("stop", "pause", "resume")
@@ -34,7 +41,15 @@ COMMANDS = ("stop", "pause", "resume")
 POLL_INTERVAL = 0.25
 _BUSY_MS = 10_000
 _SCHEMA = ("CREATE TABLE IF NOT EXISTS control (id INTEGER PRIMARY KEY, run_id INTEGER NOT "
-           "NULL, command TEXT NOT NULL, requested REAL NOT NULL, done REAL)")
+           "NULL, command TEXT NOT NULL, requested REAL NOT NULL, done REAL, seen REAL)")
+
+
+def _ensure_table(conn: sqlite3.Connection) -> None:
+    """The ``control`` table, with its ``seen`` column (added to a table made before it)."""
+    conn.execute(_SCHEMA)
+    if "seen" not in {r[1] for r in conn.execute("PRAGMA table_info(control)")}:
+        with contextlib.suppress(sqlite3.OperationalError):  # another process added it
+            conn.execute("ALTER TABLE control ADD COLUMN seen REAL")
 
 
 def _connect(path: str | Path) -> sqlite3.Connection:
@@ -64,7 +79,7 @@ def request(path: str | Path, run_id: int, command: str) -> int:
         raise ValueError(f"unknown control command {command!r}: one of {', '.join(COMMANDS)}")
     conn = _connect(path)
     try:
-        conn.execute(_SCHEMA)
+        _ensure_table(conn)
         cur = conn.execute("INSERT INTO control (run_id, command, requested) VALUES (?, ?, ?)",
                            (int(run_id), command, time.time()))
         return int(cur.lastrowid)
@@ -88,6 +103,26 @@ def pending(path: str | Path, run_id: int) -> list[str]:
         conn.close()
 
 
+def progress(path: str | Path, request_id: int) -> str:
+    """How far request ``request_id`` got: ``"pending"`` (not received yet), ``"received"``
+    (the training process has it: ``done``) or ``"seen"`` (it acted on it, see the ``seen``
+    column above; never for a table without the column, made by an older mdb)."""
+    conn = _connect(path)
+    try:
+        row = conn.execute("SELECT done, seen FROM control WHERE id = ?",
+                           (int(request_id),)).fetchone()
+    except sqlite3.OperationalError as exc:
+        if "no such" not in str(exc):
+            raise
+        row = conn.execute("SELECT done, NULL FROM control WHERE id = ?",
+                           (int(request_id),)).fetchone()
+    finally:
+        conn.close()
+    if row is None or row[0] is None:
+        return "pending"
+    return "seen" if row[1] is not None else "received"
+
+
 class ControlPoller:
     """The training side: a daemon thread that reads run ``run_id``'s requests every
     ``interval`` seconds and hands each to ``on_request`` once (in the poller's thread), then
@@ -102,12 +137,18 @@ class ControlPoller:
         since: Requests written before this Unix time are marked done unread: they were for
             an earlier attempt of the run (a ``stop`` that arrived as it ended must not stop
             its resume).
+        acknowledged: For a ``stop`` handed to a loop that decides itself when to stop
+            (``hooks.run``): whether it has acted on it (read ``run.should_stop``); the
+            request is marked ``seen`` once it returns true. ``None``: at once.
     """
 
     def __init__(self, path: str | Path, run_id: int, on_request: Callable[[str], None],
-                 interval: float = POLL_INTERVAL, since: float | None = None) -> None:
+                 interval: float = POLL_INTERVAL, since: float | None = None,
+                 acknowledged: Callable[[], bool] | None = None) -> None:
         self.path, self.run_id = Path(path), int(run_id)
         self.since = since
+        self.acknowledged = acknowledged
+        self._unseen: list[int] = []  # stop requests handed over, not yet acted on
         self.on_request = on_request
         self.interval = interval
         self._stop = threading.Event()
@@ -137,10 +178,15 @@ class ControlPoller:
                 conn = None
             self._stop.wait(self.interval)
         if conn is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # a stop the loop read at its last step
+                if self._unseen and self.acknowledged is not None and self.acknowledged():
+                    self._mark_seen(conn, self._unseen)
                 conn.close()
 
     def _poll(self, conn: sqlite3.Connection) -> None:
+        if self._unseen and self.acknowledged is not None and self.acknowledged():
+            self._mark_seen(conn, self._unseen)
+            self._unseen = []
         try:
             rows = conn.execute(
                 "SELECT id, command, requested FROM control WHERE run_id = ? AND done IS NULL "
@@ -155,13 +201,26 @@ class ControlPoller:
             if command in COMMANDS and not stale:
                 with contextlib.suppress(Exception):  # the trainer's side must not die
                     self.on_request(command)
+                if command == "stop" and self.acknowledged is not None:
+                    self._unseen.append(rid)
+                elif command == "stop":
+                    self._mark_seen(conn, [rid])
+
+    @staticmethod
+    def _mark_seen(conn: sqlite3.Connection, ids: list[int]) -> None:
+        with contextlib.suppress(sqlite3.OperationalError):  # a table of an older mdb
+            if "seen" not in {r[1] for r in conn.execute("PRAGMA table_info(control)")}:
+                conn.execute("ALTER TABLE control ADD COLUMN seen REAL")
+            conn.executemany("UPDATE control SET seen = ? WHERE id = ?",
+                             [(time.time(), i) for i in ids])
 
 
 class RunControls:
     """What :class:`hooks.runs.run.Run` does with a request: ``stop`` sets
     :attr:`should_stop`; ``pause`` makes ``log()`` wait until ``resume`` (or ``stop``).
 
-    Uses the run's ``_stop_asked`` (bool), ``_resumed`` (a set ``threading.Event``),
+    Uses the run's ``_stop_asked`` and ``_stop_seen`` (bools), ``_resumed`` (a set
+    ``threading.Event``),
     ``_enqueue``, ``_wake``, ``_closed``, ``_dead``, ``name``, ``rank`` and ``step``.
     """
 
@@ -178,7 +237,11 @@ class RunControls:
     def should_stop(self) -> bool:
         """Whether ``mdb stop`` (or ``x`` in ``mdb watch``) asked this run to stop: end your
         loop (``if run.should_stop: break``) and the run is marked ``interrupted (stopped)``;
-        ``mdb stop`` returns once it is."""
+        ``mdb stop`` returns once it is. (Reading it after a stop tells ``mdb stop`` that the
+        loop checks it; a loop that never reads it runs to its end and is ``finished``.)
+        Also true once the run's database was deleted (nothing more is recorded)."""
+        if self._stop_asked:
+            self._stop_seen = True
         return self._stop_asked
 
     @property

@@ -8,7 +8,8 @@
   :class:`DamagedRunError`, :class:`WriterBusyError`; their base
   :class:`~hooks.runs.sqlite_open.RunStoreError`);
 * run names (:func:`validate_run_name`), the loss metric (:func:`loss_metric`), a writer's
-  liveness (:func:`pid_alive`) and non-finite findings (:func:`nonfinite_sentence`).
+  liveness (:meth:`RunInfo.writer_alive`; :func:`pid_alive` is
+  :mod:`hooks.runs.liveness`'s) and non-finite findings (:func:`nonfinite_sentence`).
 
 A row changed outside mdb (text in a numeric column, a config that is not JSON) is read with
 the unreadable fields left empty and :attr:`RunInfo.damaged` saying which; such a run is never
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import socket
 import sqlite3
@@ -31,10 +31,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from hooks.runs.liveness import pid_alive, process_lives
 from hooks.runs.spikes import Spike
 from hooks.runs.sqlite_open import RunStoreError
 
-#: A running run whose heartbeat is older than this many seconds is reported "gone".
+#: A running run written from another host whose heartbeat is older than this many seconds
+#: is reported "gone" (on this host the writer's process is asked, see
+#: :meth:`RunInfo.writer_alive`).
 DEFAULT_STALE_AFTER = 15.0
 #: Run statuses as stored in ``runs.status``.
 STATUSES = ("running", "finished", "interrupted", "failed")
@@ -89,25 +92,6 @@ def validate_run_name(name: str) -> str:
             "starting with a letter or digit"
         )
     return name
-
-
-def pid_alive(pid: int | None) -> bool:
-    """Whether a process with this id exists on this machine (signal 0 probe).
-
-    A zombie (exited, not yet reaped by its parent) still counts as alive; a process owned by
-    another user counts as alive (``EPERM``).
-    """
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except (OSError, OverflowError):
-        return False
-    return True
 
 
 def loss_metric(names: Iterable[str]) -> str | None:
@@ -238,6 +222,9 @@ class RunInfo:
             capture.
         world_size: The number of ranks of a distributed run (``torchrun``), ``None`` for a
             single process.
+        writer: The writing process as it recorded itself, ``{"pid", "host", "start"}``
+            (:func:`hooks.runs.liveness.this_process`), ``None`` when none did (a writer of an
+            older mdb) or the row cannot say.
     """
 
     id: int
@@ -263,6 +250,7 @@ class RunInfo:
     nonfinite: dict[str, Any] | None = field(default=None, hash=False)
     world_size: int | None = None
     damaged: str | None = field(default=None, hash=False)
+    writer: dict[str, Any] | None = field(default=None, hash=False)
 
     def writer_state(
         self, now: float | None = None, stale_after: float = DEFAULT_STALE_AFTER
@@ -271,27 +259,47 @@ class RunInfo:
 
         Args:
             now: Current Unix time (defaults to ``time.time()``).
-            stale_after: Seconds without heartbeat after which a running writer counts as gone.
+            stale_after: Seconds without heartbeat after which a running writer of another
+                host (or one that did not record its process) counts as gone.
 
         Returns:
             ``finished``, ``interrupted`` or ``failed`` as stored; for a ``running`` run,
-            ``running`` while the writer looks alive, else ``gone`` — its pid does not exist
-            (checked only when the writer ran on this host) or its heartbeat is older than
-            ``stale_after`` seconds.
+            ``running`` while the writer lives (see :meth:`writer_alive`), else ``gone``.
         """
         if self.status != "running":
             return self.status
         return "running" if self.writer_alive(now, stale_after) else "gone"
 
+    def _recorded_start(self) -> tuple[bool, int | None]:
+        """``(recorded, start)``: whether the writer named by ``pid``/``host`` recorded its
+        process (:attr:`writer`), and its start time then."""
+        w = self.writer
+        if not w or w.get("pid") != self.pid or w.get("host") != self.host:
+            return False, None  # none, or the previous writer's (a resume is taking over)
+        return True, w.get("start")
+
     def writer_alive(
         self, now: float | None = None, stale_after: float = DEFAULT_STALE_AFTER
     ) -> bool:
-        """Whether the writer of a ``running`` run still looks alive (see :meth:`writer_state`)."""
+        """Whether the writer of a ``running`` run lives.
+
+        On this host, a writer that recorded its process (:attr:`writer`) lives while that
+        process does — the same pid and start time, running or stopped (``SIGSTOP``), not a
+        zombie — however old its heartbeat (:func:`hooks.runs.liveness.process_lives`). A
+        writer of another host cannot be asked: it lives while its heartbeat is at most
+        ``stale_after`` seconds old (a writer stopped that long on another host counts as
+        gone). A writer of an older mdb (no :attr:`writer`) on this host: its pid must exist
+        and its heartbeat be fresh.
+        """
         if self.status != "running":
             return False
+        if self.host == socket.gethostname():
+            recorded, start = self._recorded_start()
+            if recorded:
+                return process_lives(self.pid, start)
+            if not pid_alive(self.pid):
+                return False
         now = time.time() if now is None else now
-        if self.host == socket.gethostname() and not pid_alive(self.pid):
-            return False
         beat = self.heartbeat if self.heartbeat is not None else self.started
         return now - beat <= stale_after
 
@@ -302,12 +310,14 @@ class RunInfo:
         if self.writer_state(now, stale_after) != "gone":
             return ""
         now = time.time() if now is None else now
-        if self.host == socket.gethostname() and not pid_alive(self.pid):
+        here = self.host == socket.gethostname()
+        if here and (self._recorded_start()[0] or not pid_alive(self.pid)):
             return f"writer gone: process {self.pid} on {self.host} no longer exists"
         beat = self.heartbeat if self.heartbeat is not None else self.started
+        why = "" if here else " (another host: its process cannot be asked from here)"
         return (
             f"writer gone: no heartbeat from pid {self.pid} on {self.host} for "
-            f"{now - beat:.0f} s"
+            f"{now - beat:.0f} s{why}"
         )
 
     def status_line(self, now: float | None = None) -> str:
@@ -591,6 +601,23 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 40 else text[:39] + "…"
 
 
+def _writer_from_json(text: Any) -> dict[str, Any] | None:
+    """:attr:`RunInfo.writer` from ``runs.writer`` (``None`` for anything else than what a
+    writer records: a reader never trusts a start time it cannot read)."""
+    if not isinstance(text, str) or not text:
+        return None
+    try:
+        d = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    if not isinstance(d, dict) or not isinstance(d.get("pid"), int) \
+            or not isinstance(d.get("host"), str):
+        return None
+    start = d.get("start")
+    return {"pid": d["pid"], "host": d["host"],
+            "start": start if isinstance(start, int) and not isinstance(start, bool) else None}
+
+
 def _run_from_row(row: sqlite3.Row) -> RunInfo:
     """A :class:`RunInfo` from a ``runs`` row; what cannot be read is left empty and named in
     :attr:`RunInfo.damaged` (a row changed outside mdb never raises here)."""
@@ -626,5 +653,6 @@ def _run_from_row(row: sqlite3.Row) -> RunInfo:
         nonfinite=_nonfinite_from_json(row["nonfinite"]),
         world_size=row["world_size"] if "world_size" in row.keys() else None,
         damaged=damaged,
+        writer=_writer_from_json(row["writer"]) if "writer" in row.keys() else None,
         **fields,
     )

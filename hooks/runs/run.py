@@ -65,7 +65,6 @@ import collections
 import contextlib
 import math
 import os
-import signal
 import sys
 import threading
 import time
@@ -84,6 +83,7 @@ from hooks.runs.log_values import (
     to_float,
 )
 from hooks.runs.reserve import DiskReserve, finish_run
+from hooks.runs.run_process import RunProcess
 from hooks.runs.store import (
     RunExistsError,
     RunStore,
@@ -93,10 +93,10 @@ from hooks.runs.store import (
     loss_metric,
     validate_run_name,
 )
+from hooks.runs.writer import WriterLostError
 
 __all__ = ["Run", "run"]
 
-_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
 #: Distributed runs started by this process (names their keys in the job's store).
 _DIST_RUNS = [0]
 
@@ -199,7 +199,7 @@ def _last_line(exc: BaseException) -> str:
     return line[:500]
 
 
-class Run(RunControls):
+class Run(RunControls, RunProcess):
     """One training run being recorded: :func:`run` returns it.
 
     Use it as a context manager (the run finishes when the block ends) or call :meth:`finish`.
@@ -236,6 +236,8 @@ class Run(RunControls):
     #: The training-loop doctor while watching with an optimizer
     #: (:class:`hooks.runs.loop_watch.LoopWatch`), else ``None``.
     _doctor: Any = None
+    #: The database was deleted (or the run resumed elsewhere): nothing more is written.
+    _lost = False
 
     def __init__(
         self,
@@ -294,6 +296,7 @@ class Run(RunControls):
         self._sentinel: Any = None  # hooks.runs.origin.NonFiniteSentinel while watching
         # mdb stop / pause / resume (hooks.runs.control), read by a poller thread
         self._stop_asked = False
+        self._stop_seen = False  # the loop read should_stop once it was asked
         self._resumed = threading.Event()
         self._resumed.set()
         self._poller: Any = None
@@ -306,7 +309,9 @@ class Run(RunControls):
             )
             self._thread.start()
             self._poller = ControlPoller(self.db, self.id, self._on_request,
-                                         since=time.time()).start()
+                                         since=time.time(),
+                                         acknowledged=lambda: self._stop_seen).start()
+            self._track_fork()
         if job is not None:
             self.rank, self.world_size = job.rank, job.world_size
             link = self._link or self._make_link(job, gather_every)
@@ -505,7 +510,10 @@ class Run(RunControls):
 
     def _enqueue(self, item: tuple) -> None:
         if self._dead or self._thread is None:
-            return  # recording stopped (or another rank: rank 0 writes): nothing accumulates
+            # recording stopped (or another rank: rank 0 writes; or a forked child, which
+            # says so once): nothing accumulates
+            self._dropped_in_child()
+            return
         q = self._queue
         traced = item[0] == "step" and item[4] is not None
         if len(q) >= self.MAX_PENDING or (
@@ -746,7 +754,8 @@ class Run(RunControls):
             raise ValueError(f"status must be finished/interrupted/failed, not {status!r}")
         if self._closed:
             return
-        if status == "finished" and self._stop_asked and not self._reached_total():
+        # a loop that never read should_stop ran to its own end: it did not stop for mdb stop
+        if status == "finished" and self._stop_seen and not self._reached_total():
             status, reason = "interrupted", reason or "stopped"
         self._finishing = True
         self._closed = True
@@ -800,48 +809,6 @@ class Run(RunControls):
         hook = self._prev_excepthook if self._prev_excepthook is not self._excepthook else None
         (hook or sys.__excepthook__)(exc_type, exc, tb)
 
-    # -- signals -----------------------------------------------------------------------------------
-    def _install_signals(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for name in _SIGNALS:
-            sig = getattr(signal, name, None)
-            if sig is None:
-                continue
-            prev = signal.getsignal(sig)
-            if prev is signal.SIG_IGN:
-                continue  # ignored (nohup): stays ignored
-            try:
-                signal.signal(sig, self._on_signal)
-            except (ValueError, OSError):
-                continue
-            self._prev_handlers[sig] = prev
-
-    def _restore_signals(self) -> None:
-        for sig, prev in self._prev_handlers.items():
-            with contextlib.suppress(ValueError, TypeError, OSError):
-                if signal.getsignal(sig) == self._on_signal:
-                    signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        # Runs in the main thread between two bytecodes of the loop: it takes no lock the
-        # loop may hold (log() only appends to a deque).
-        prev = self._prev_handlers.get(signum)
-        if not self._done:
-            if self._finishing:
-                return  # the final commit is under way: a second Ctrl-C must not abandon it
-            if self._signal is None:
-                self._signal = signal.Signals(signum).name
-        # (a finished run's handler still reached through a later run's chain passes it on)
-        if callable(prev):
-            prev(signum, frame)
-            return
-        # the default action (terminate): save the run, then terminate by the same signal
-        if not self._done:
-            self.finish("interrupted", reason=signal.Signals(signum).name)
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-
     # -- the writer thread -------------------------------------------------------------------------
 
     def _writer_main(self) -> None:
@@ -870,8 +837,12 @@ class Run(RunControls):
                 except Exception as exc:
                     self._die(exc, writer)
             elif not self._dead and time.monotonic() - last_beat >= self.HEARTBEAT_INTERVAL:
-                with contextlib.suppress(Exception):
+                try:
                     writer.heartbeat()
+                except WriterLostError as exc:  # the database deleted while the loop is idle
+                    self._die(exc, writer)
+                except Exception:
+                    pass
                 last_beat = time.monotonic()
             if stopping and (not self._queue or self._dead):
                 break
@@ -967,9 +938,14 @@ class Run(RunControls):
         after = f"after step {done}" if done is not None else "before the first step"
         line = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         self.error = f"recording of run {self.name} stopped {after}: {line}"
+        self._queue.clear()
+        if isinstance(exc, WriterLostError):  # nothing of the run is this process's to write
+            self._lost = self._stop_asked = True
+            self._resumed.set()
+            self._say(f"warning: {self.error}; run.should_stop is now True")
+            return
         self._say(f"{self.error} (training goes on unrecorded; the database keeps every step "
                   "committed before)")
-        self._queue.clear()
         if writer is not None:
             with contextlib.suppress(Exception):
                 self._finish_writer(writer, "failed", self.error)
@@ -984,6 +960,8 @@ class Run(RunControls):
         if final is None:
             return
         status, reason = final
+        if self._lost:
+            return  # the database deleted, or the run resumed elsewhere: never written
         if self._dead:
             status = "failed"
             reason = f"{self.error}; the loop went on to step {self.step}"

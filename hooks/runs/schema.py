@@ -7,7 +7,7 @@ Schema (version :data:`SCHEMA_VERSION`; ``meta`` identifies the file as an mdb r
     meta(key TEXT PRIMARY KEY, value TEXT)
     runs(id, name UNIQUE, kind, config JSON, status, pid, host, started, ended, heartbeat,
          total_steps, last_step, last_loss, paused, reason, fail_step, fail_module,
-         checkpoint_step, checkpoint_path, attempt, nonfinite JSON)
+         checkpoint_step, checkpoint_path, attempt, nonfinite JSON, world_size, writer JSON)
     metrics(run_id, step, wall, expert_load JSON (L, E))      PRIMARY KEY (run_id, step)
     metric_names(run_id, id, name)        PRIMARY KEY (run_id, id), UNIQUE (run_id, name)
     scalars(run_id, step, metric, value)  PRIMARY KEY (run_id, step, metric)
@@ -40,6 +40,11 @@ a metric not logged at that step, and infinities round-trip. Times are Unix seco
 (:mod:`hooks.runs.spikes`: one row per episode of the run's loss far above its running median).
 The table was added without a version change: a writer creates it in a version-2 database that
 lacks it, and a reader of such a database sees no spikes.
+
+``runs.writer`` (JSON ``{"pid", "host", "start"}``: the writing process, named by its start
+time too, :mod:`hooks.runs.liveness`) was added without a version change as well: a writer
+adds the column to a database that lacks it; a reader of a row without it judges the writer
+by its pid and heartbeat, as before.
 
 **Distributed runs** (a ``torchrun`` job recorded by ``hooks.run``, see
 :mod:`hooks.runs.distributed`) keep the run-level tables as a single process would fill them,
@@ -119,7 +124,8 @@ _TABLES = {
     checkpoint_path TEXT,
     attempt         INTEGER NOT NULL DEFAULT 1,
     nonfinite       TEXT,
-    world_size      INTEGER
+    world_size      INTEGER,
+    writer          TEXT
 )""",
     "metrics": """CREATE TABLE metrics (
     run_id      INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,

@@ -5,10 +5,18 @@ A batch of steps is written in one short transaction (their metrics rows and sca
 internals and samples if any, the loss spikes found in them, and the run row's ``last_step`` /
 ``last_loss`` / ``heartbeat``), so a reader sees a step completely or not at all.
 
-The writer's liveness is recorded as ``pid``, ``host`` and a ``heartbeat`` timestamp refreshed by
-a background thread (:meth:`RunWriter.start_heartbeat`), so a reader can tell a run that is
+The writer's liveness is recorded as ``pid``, ``host``, the process's identity (``writer``:
+pid, host and start time, :mod:`hooks.runs.liveness`) and a ``heartbeat`` timestamp refreshed
+by a background thread (:meth:`RunWriter.start_heartbeat`), so a reader can tell a run that is
 still being written from one whose writer died without saying so (``kill -9``, a power cut):
 see :meth:`hooks.runs.rows.RunInfo.writer_state`.
+
+A writer writes only while the run and the file are still its own: every commit (steps,
+checkpoint, heartbeat, final status) first checks that the database file at its path is the
+one it opened (its device and inode: ``rm`` of the database, or another file put in its place,
+raises :class:`DatabaseGoneError`), and writes the run row only if its ``pid`` and ``host``
+are still this writer's (a resume from another process took the run over:
+:class:`RunTakenOverError`). Either way nothing more is written, and the caller stops.
 
 A distributed run's rank 0 also writes every rank's view (:meth:`RunWriter.set_ranks`,
 :meth:`~RunWriter.log_rank_steps`, :meth:`~RunWriter.add_findings`,
@@ -30,6 +38,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hooks.runs.liveness import this_process
 from hooks.runs.rows import (
     _DIRECTIONS,
     _NONFINITE_KEYS,
@@ -45,6 +54,29 @@ from hooks.runs.schema import _lock_wait
 from hooks.runs.spikes import Spike, SpikeDetector
 from hooks.runs.sqlite_open import RunStoreError, open_database
 from hooks.runs.summary import record_captures, record_scalars
+
+
+class WriterLostError(RunStoreError):
+    """This writer may no longer write its run: :class:`DatabaseGoneError` or
+    :class:`RunTakenOverError`. Nothing was written; stop training into it."""
+
+
+class DatabaseGoneError(WriterLostError):
+    """The database file was deleted (or another file put at its path) while the run was being
+    written: what would be written now goes to a file no one can open."""
+
+
+class RunTakenOverError(WriterLostError):
+    """Another process resumed the run (its row names that process's pid and host now)."""
+
+
+def _file_id(path: str) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of the file at ``path``, ``None`` when there is none."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _metric_mapping(metrics: MetricRow | Mapping[str, Any]) -> tuple[int, Any, Any, dict]:
@@ -93,8 +125,59 @@ class RunWriter:
         self._ids: dict[str, int] | None = None
         self._detector: SpikeDetector | None = None
         self._detected_step: int | None = None  # the last step the detector was given
-        self._max_step: int | None = None  # the run's last stored step (None: not read yet)
         self.spikes: list[Spike] = []
+        # the file this writer writes, by absolute path (a loop may chdir) and identity
+        self._path = os.path.abspath(store.path)
+        self._file = _file_id(self._path)
+        self._owner = self._claim()
+
+    def _claim(self) -> tuple[Any, Any]:
+        """Record this process as the run's writer (``runs.writer``) when the run row names
+        it, and return the row's ``(pid, host)``: the owner every write checks for."""
+        me = this_process()
+        with self.store._transaction() as conn:
+            cols = {r[1] for r in conn.execute("PRAGMA table_info(runs)")}
+            if "writer" not in cols:  # a database of an older mdb: added, no version change
+                conn.execute("ALTER TABLE runs ADD COLUMN writer TEXT")
+            row = conn.execute("SELECT pid, host, writer FROM runs WHERE id = ?",
+                               (self.run_id,)).fetchone()
+            text = json.dumps(me)
+            # written only when it changes (a second writer of this process, e.g. the one
+            # that writes a final status on a full disk, writes nothing here)
+            if row is not None and (row[0], row[1]) == (me["pid"], me["host"]) \
+                    and row[2] != text:
+                conn.execute("UPDATE runs SET writer = ? WHERE id = ?", (text, self.run_id))
+        return (row[0], row[1]) if row is not None else (None, None)
+
+    def check_file(self) -> None:
+        """Raise :class:`DatabaseGoneError` when the file at the database's path is no longer
+        the one this writer opened (deleted, or replaced). One ``stat``; called before every
+        commit."""
+        if self._file is None:
+            return  # could not be told when the writer started
+        now = _file_id(self._path)
+        if now != self._file:
+            what = "deleted" if now is None else "replaced by another file"
+            raise DatabaseGoneError(
+                f"the run database {self._path} was {what} while run {self.name} was being "
+                "written: nothing more can be recorded")
+
+    def _owned(self, conn: sqlite3.Connection, sql: str, params: tuple) -> None:
+        """Run ``UPDATE runs SET ... WHERE id = ?`` (``sql``, its last parameter the run's
+        id) only while the row still names this writer's pid and host.
+
+        Raises:
+            RunTakenOverError: Another process resumed the run (the transaction rolls back).
+        """
+        cur = conn.execute(sql + " AND pid IS ? AND host IS ?", (*params, *self._owner))
+        if cur.rowcount:
+            return
+        row = conn.execute("SELECT pid, host FROM runs WHERE id = ?", (self.run_id,)).fetchone()
+        who = (f"pid {row[0]} on {row[1]}" if row is not None
+               else "nothing: the run is no longer in the database")
+        raise RunTakenOverError(
+            f"run {self.name} is now written by {who} (resumed while this process, pid "
+            f"{self._owner[0]}, was not writing it): this process stops writing it")
 
     @property
     def info(self) -> RunInfo:
@@ -163,13 +246,13 @@ class RunWriter:
         if not rows:
             return
         found: list[Spike] = []
+        self.check_file()
         try:
             with self.store._transaction() as conn:
                 self._write(conn, rows, extras_i, extras_s, now, found)
         except BaseException:
             self._ids = None  # names added in the rolled-back transaction are not stored
             self._detector = None  # nor its steps: seeded again from the database
-            self._max_step = None
             raise
         for spike in found:
             if self.spikes and self.spikes[-1].step == spike.step:
@@ -231,14 +314,12 @@ class RunWriter:
         return mid
 
     def _relogged(self, conn: sqlite3.Connection, rows) -> bool:
-        """Whether some step of ``rows`` may be stored already (a step logged again): not when
-        they all come after the run's last stored step. Called before the rows are written."""
-        if self._max_step is None:
-            (last,) = conn.execute("SELECT max(step) FROM metrics WHERE run_id = ?",
-                                   (self.run_id,)).fetchone()
-            self._max_step = last
-        before = self._max_step
-        self._max_step = max([r[0] for r in rows] + ([before] if before is not None else []))
+        """Whether some step of ``rows`` may be stored already (a step logged again, or
+        written by another writer of the run): not when they all come after the run's last
+        stored step, read in this transaction (an index lookup). Called before the rows are
+        written."""
+        (before,) = conn.execute("SELECT max(step) FROM metrics WHERE run_id = ?",
+                                 (self.run_id,)).fetchone()
         return before is not None and min(r[0] for r in rows) <= before
 
     def _count_captures(self, conn: sqlite3.Connection, steps: list[int],
@@ -296,16 +377,11 @@ class RunWriter:
                 v = values[key]
                 loss = (None if v is None else float(v),)
         if loss is None:
-            conn.execute(
-                "UPDATE runs SET last_step = MAX(last_step, ?), heartbeat = ? WHERE id = ?",
-                (last_step, now, self.run_id),
-            )
+            self._owned(conn, "UPDATE runs SET last_step = MAX(last_step, ?), heartbeat = ?"
+                        " WHERE id = ?", (last_step, now, self.run_id))
         else:
-            conn.execute(
-                "UPDATE runs SET last_step = MAX(last_step, ?), last_loss = ?, heartbeat = ?"
-                " WHERE id = ?",
-                (last_step, loss[0], now, self.run_id),
-            )
+            self._owned(conn, "UPDATE runs SET last_step = MAX(last_step, ?), last_loss = ?,"
+                        " heartbeat = ? WHERE id = ?", (last_step, loss[0], now, self.run_id))
 
     # -- distributed runs ------------------------------------------------------------------
 
@@ -461,25 +537,32 @@ class RunWriter:
             )
 
     def heartbeat(self) -> None:
-        """Refresh the run's heartbeat timestamp."""
+        """Refresh the run's heartbeat timestamp.
+
+        Raises:
+            WriterLostError: The database was deleted, or the run taken over.
+        """
+        self.check_file()
         with self.store._transaction() as conn:
-            conn.execute(
-                "UPDATE runs SET heartbeat = ? WHERE id = ?", (time.time(), self.run_id)
-            )
+            self._owned(conn, "UPDATE runs SET heartbeat = ? WHERE id = ?",
+                        (time.time(), self.run_id))
 
     def set_paused(self, paused: bool) -> None:
         """Record whether training is paused (watchers show it)."""
         with self.store._transaction() as conn:
-            conn.execute(
-                "UPDATE runs SET paused = ?, heartbeat = ? WHERE id = ?",
-                (int(paused), time.time(), self.run_id),
-            )
+            self._owned(conn, "UPDATE runs SET paused = ?, heartbeat = ? WHERE id = ?",
+                        (int(paused), time.time(), self.run_id))
 
     def set_checkpoint(self, step: int, path: str | os.PathLike[str]) -> None:
         """Record that a complete checkpoint of ``step`` now exists at ``path``.
 
         ``path`` is stored relative to the database's directory when it lies under it.
+
+        Raises:
+            WriterLostError: The database was deleted, or the run taken over: nothing is
+                recorded (the checkpoint's files stay where they are).
         """
+        self.check_file()
         p = Path(path).resolve()
         base = self.store.path.resolve().parent
         try:
@@ -487,11 +570,8 @@ class RunWriter:
         except ValueError:
             rel = str(p)
         with self.store._transaction() as conn:
-            conn.execute(
-                "UPDATE runs SET checkpoint_step = ?, checkpoint_path = ?, heartbeat = ?"
-                " WHERE id = ?",
-                (int(step), rel, time.time(), self.run_id),
-            )
+            self._owned(conn, "UPDATE runs SET checkpoint_step = ?, checkpoint_path = ?,"
+                        " heartbeat = ? WHERE id = ?", (int(step), rel, time.time(), self.run_id))
 
     def set_nonfinite(self, nonfinite: Mapping[str, Any] | None) -> None:
         """Record where a logged value first turned NaN/Inf (:attr:`RunInfo.nonfinite`).
@@ -552,16 +632,20 @@ class RunWriter:
 
         Raises:
             ValueError: Unknown status.
+            WriterLostError: The database was deleted, or the run taken over: the status
+                is not written (the heartbeat is stopped all the same).
         """
         if status not in STATUSES or status == "running":
             raise ValueError(f"final status must be finished/interrupted/failed, not {status!r}")
         self.stop_heartbeat()
+        self.check_file()
         now = time.time()
         nf = _nonfinite_from_failure(status, reason, fail_step, fail_module)
         with self.store._transaction() as conn:
-            conn.execute(
-                "UPDATE runs SET status = ?, ended = ?, heartbeat = ?, reason = ?, fail_step = ?,"
-                " fail_module = ?, paused = 0, nonfinite = COALESCE(nonfinite, ?) WHERE id = ?",
+            self._owned(
+                conn, "UPDATE runs SET status = ?, ended = ?, heartbeat = ?, reason = ?,"
+                " fail_step = ?, fail_module = ?, paused = 0,"
+                " nonfinite = COALESCE(nonfinite, ?) WHERE id = ?",
                 (status, now, now, reason, fail_step, fail_module,
                  json.dumps(nf) if nf else None, self.run_id),
             )
@@ -580,6 +664,7 @@ class RunWriter:
         self._hb_stop.clear()
         path = self.store.path
         run_id = self.run_id
+        pid, host = self._owner
 
         def beat() -> None:
             try:
@@ -590,9 +675,9 @@ class RunWriter:
                 while not self._hb_stop.wait(interval):
                     try:
                         conn.execute("BEGIN IMMEDIATE")
-                        conn.execute(
-                            "UPDATE runs SET heartbeat = ? WHERE id = ? AND status = 'running'",
-                            (time.time(), run_id),
+                        conn.execute(  # never another writer's run (a resume took it over)
+                            "UPDATE runs SET heartbeat = ? WHERE id = ? AND status = 'running'"
+                            " AND pid IS ? AND host IS ?", (time.time(), run_id, pid, host),
                         )
                         conn.execute("COMMIT")
                     except sqlite3.Error:

@@ -553,6 +553,7 @@ def run_headless(session, args: argparse.Namespace | None = None) -> int:
         failed (disk full) or the model raised — each with one ``mdb: error:`` line.
     """
     from hooks.runs.trainer import install_stop_signals
+    from hooks.runs.writer import WriterLostError
 
     restore = install_stop_signals(session.control, stop_signals(),
                                    on_repeat=_say_already_stopping(session))
@@ -563,6 +564,10 @@ def run_headless(session, args: argparse.Namespace | None = None) -> int:
     try:
         with reporter:
             result = session.run(on_step=reporter.on_step, heartbeat_interval=heartbeat)
+    except WriterLostError as exc:  # the database deleted, or the run resumed elsewhere
+        print(f"mdb: error: {exc}; training stopped at step {session.trainer.step}; "
+              f"{_kept(session)}", file=sys.stderr)
+        return EXIT_FAILED
     except sqlite3.Error as exc:
         print_error(f"run {session.name}: writing step {session.trainer.step} to "
                     f"{session.store.path} failed: {exc}; {_recorded(session)}")
@@ -602,6 +607,14 @@ def _control_poller(session):
                "resume": control.resume}
     return ControlPoller(session.store.path, session.writer.run_id,
                          lambda command: actions[command](), since=PROCESS_STARTED).start()
+
+
+def _kept(session) -> str:
+    """Where the run's last checkpoint stays, after its database was lost."""
+    saved = session.last_checkpoint_step
+    if saved is None:
+        return "no checkpoint was written"
+    return f"its checkpoint of step {saved} is kept in {session.last_checkpoint}"
 
 
 def _recorded(session) -> str:

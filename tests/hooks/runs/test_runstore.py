@@ -130,15 +130,21 @@ def test_writer_gone_when_pid_dead_or_heartbeat_stale(db):
         dead = store.run("dead")
         assert dead.writer_state() == "gone"
         assert str(child.pid) in dead.gone_reason()
-        # Stale heartbeat: alive pid, but no heartbeat for longer than stale_after.
+        # Stale heartbeat of a writer on this host whose process lives (stopped, or busy):
+        # still running, its process is what counts (issue 32).
         store.create_run("stale", {})
         store.connection.execute(
             "UPDATE runs SET heartbeat = ? WHERE name = 'stale'", (time.time() - 100,)
         )
+        assert store.run("stale").writer_state(stale_after=15) == "running"
+        # On another host its process cannot be asked: no heartbeat for longer than
+        # stale_after is gone.
+        store.connection.execute("UPDATE runs SET host = 'elsewhere' WHERE name = 'stale'")
         stale = store.run("stale")
         assert stale.writer_state(stale_after=15) == "gone"
         assert stale.writer_state(stale_after=1000) == "running"
         assert "heartbeat" in stale.gone_reason(stale_after=15)
+        assert "another host" in stale.gone_reason(stale_after=15)
 
 
 def test_heartbeat_thread_keeps_beating(db):
