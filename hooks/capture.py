@@ -54,7 +54,7 @@ from hooks.capture_fast_path import (
     _has_forward_hooks,
     encoder_layer_fast_path_blocker,
 )
-from hooks.capture_params import flat_grad_weight, param_records, unread_notes
+from hooks.capture_params import GradStatsBuffer, param_records, unread_notes
 from hooks.capture_recompute import _in_backward, _Recomputed, _same_values, _signature
 from hooks.dtensor_stats import MeshStats, Results, is_dtensor, local_piece
 from hooks.edits_apply import Editor
@@ -276,11 +276,12 @@ class Capture:
             ctx.attention = self._attention
             self._handles.extend(self._attention.attach(self._modules))
         if self.params:
-            for name, p in named_parameters(self._modules):
-                if p.requires_grad:
-                    self._handles.append(
-                        p.register_post_accumulate_grad_hook(partial(self._on_param, name))
-                    )
+            trained = [(n, p) for n, p in named_parameters(self._modules) if p.requires_grad]
+            self._touched = GradStatsBuffer([n for n, _ in trained],
+                                            [p.device for _, p in trained])
+            for name, p in trained:
+                self._handles.append(
+                    p.register_post_accumulate_grad_hook(partial(self._on_param, name)))
         self._watch_fast_path(fast_path)
         self._active = True
         # thousands of small objects until stop(): fewer young-generation GC passes
@@ -304,8 +305,8 @@ class Capture:
         self._handles: list[Any] = []
         self._tensor_handles: list[Any] = []
         self._no_grad: dict[str, int] = {}
-        # name -> 0-d tensors (|g|^2, min g, max g, |w|^2), read back together at exit
-        self._touched: dict[str, tuple[torch.Tensor, ...]] = {}
+        # per parameter (|g|^2, min g, max g, |w|^2), read back together at exit
+        self._touched = GradStatsBuffer([], [])
         self._kept = 0
         self._dropped = 0
         self._errors: dict[str, str] = {}
@@ -646,10 +647,7 @@ class Capture:
         try:
             # in the hook, never on the worker: an optimizer step in a later hook of this
             # backward (optimizer-in-backward) would change them before the worker read them
-            gf, wf = flat_grad_weight(param.grad, param)
-            lo, hi = torch.aminmax(gf)
-            # dot(x, x) is the fastest sum of squares on CPU (BLAS); sqrt taken at exit
-            self._touched[name] = (torch.dot(gf, gf), lo, hi, torch.dot(wf, wf))
+            self._touched.put(name, param.grad, param)
         except Exception as exc:
             self._error(name, exc)
 
@@ -894,7 +892,7 @@ class Capture:
         sharded = self._dist.param_records(self._results, self.trace) if self._dist else {}
         if sharded:
             self._dist.set_shapes(named, sharded)
-        return param_records(named, self._touched, sharded)
+        return param_records(named, self._touched.values(), sharded)
 
 
 def capture(
