@@ -143,3 +143,36 @@ def test_capture_of_a_compiled_step_leaves_its_gradients_and_says_how_far_eager_
     assert "beyond float rounding in outputs, gradients" in note
     assert tr.forward[-1].outputs[0].stats.max == pytest.approx(
         3 * float(out_plain.max()), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_inductor_watched_steps_apply_the_same_updates(tmp_path):
+    """The same with inductor's kernels (a C++ compiler on the machine; ~1 min to compile)."""
+    import shutil
+
+    if not (shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("inductor needs a C++ compiler")
+
+    def loop(watched):
+        torch.manual_seed(0)
+        model = Net().train()
+        compiled = torch.compile(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        run = hooks.run("ind", db=tmp_path / f"{watched}.sqlite")
+        if watched:
+            run.watch(compiled, every=2, optimizer=opt)
+        torch.manual_seed(123)
+        try:
+            for x, y in batches(4):
+                loss = nn.functional.cross_entropy(compiled(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                run.log(loss=loss)
+        finally:
+            run.finish()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    plain, watched = loop(False), loop(True)
+    for k in plain:
+        assert torch.equal(plain[k], watched[k]), k
