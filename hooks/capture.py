@@ -25,7 +25,6 @@ How it works (and why):
 from __future__ import annotations
 
 import fnmatch
-import sys
 import time
 import weakref
 from collections.abc import Iterable, Sequence
@@ -37,8 +36,6 @@ from torch import nn
 
 from hooks.attention import DEFAULT_ATTENTION_BYTES, AttentionCapture
 from hooks.capture_compile import (
-    _compiled_parts,
-    _force_eager,
     _in_compiled_wrapper,
     unwrap_compiled,
 )
@@ -54,8 +51,9 @@ from hooks.capture_fast_path import (
     _has_forward_hooks,
     encoder_layer_fast_path_blocker,
 )
-from hooks.capture_params import flat_grad_weight, param_records, unread_notes
+from hooks.capture_params import GradStatsBuffer, param_records, unread_notes
 from hooks.capture_recompute import _in_backward, _Recomputed, _same_values, _signature
+from hooks.capture_replay import CompiledReplay
 from hooks.dtensor_stats import MeshStats, Results, is_dtensor, local_piece
 from hooks.edits_apply import Editor
 from hooks.ops import Replay
@@ -121,7 +119,7 @@ def module_infos(
     ]
 
 
-class Capture:
+class Capture(CompiledReplay):
     """Context manager that records one :class:`~hooks.trace.Trace` of ``model``.
 
     Prefer :func:`capture`, which builds one. ``start()``/``stop()`` are the same as
@@ -250,48 +248,60 @@ class Capture:
         self._modules = named_modules(root)
         tr.modules = module_infos(root, self._modules)
         self._start_eager(root)
-        fast_path = _fast_path_layers(self._modules)
-        # what re-runs this forward for Trace.ops (the root's first call and the RNG state)
-        self._handles.append(root.register_forward_pre_hook(
-            self._remember_call, with_kwargs=True, prepend=True))
-        ctx = ProbeContext(self)
-        for name, m in self._modules:
-            tname = type(m).__name__
-            if self._selected(name, m):
-                self._handles.append(
-                    m.register_forward_pre_hook(partial(self._pre, name, tname), with_kwargs=True)
-                )
-                self._handles.append(
-                    m.register_forward_hook(partial(self._post, name, tname), with_kwargs=True)
-                )
-            if self.probes:
-                for probe in probes_for(m):
-                    self._handles.extend(probe.attach(name, m, ctx))
         # routing from each MoE block's experts call; attention from the model's own calls
+        ctx = self._ctx = ProbeContext(self)
         self._routing = ExpertsRouting(ctx) if self.probes else None
-        if self._routing is not None:
-            self._handles.extend(self._routing.attach(self._modules))
         self._attention = AttentionCapture(ctx, self.attention_bytes) if self.attention else None
         if self._attention is not None:
             ctx.attention = self._attention
-            self._handles.extend(self._attention.attach(self._modules))
+        if self._replay_mode:  # compiled: hooks only while each call is replayed eagerly
+            self._watch_fast_path([])
+            self._intercept(root)
+        else:
+            fast_path = _fast_path_layers(self._modules)
+            self._handles.extend(self._recording_hooks(root))
+            self._watch_fast_path(fast_path)
         if self.params:
-            for name, p in named_parameters(self._modules):
-                if p.requires_grad:
-                    self._handles.append(
-                        p.register_post_accumulate_grad_hook(partial(self._on_param, name))
-                    )
-        self._watch_fast_path(fast_path)
+            trained = [(n, p) for n, p in named_parameters(self._modules) if p.requires_grad]
+            self._touched = GradStatsBuffer([n for n, _ in trained],
+                                            [p.device for _, p in trained])
+            for name, p in trained:
+                self._handles.append(
+                    p.register_post_accumulate_grad_hook(partial(self._on_param, name)))
         self._active = True
         # thousands of small objects until stop(): fewer young-generation GC passes
         fewer_gc_passes()
-        if self._attention is not None:
+        if self._attention is not None and not self._replay_mode:
             try:
                 self._attention.start()  # last: nothing is left installed if start() raised
             except BaseException:
                 gc_passes_back()
                 raise
         return tr
+
+    def _recording_hooks(self, root: nn.Module) -> list[Any]:
+        """Attach the hooks that record module calls (the root's call for Trace.ops, each
+        selected module's, the probes', routing's and attention's); return their handles."""
+        handles = [root.register_forward_pre_hook(  # what re-runs this forward (Trace.ops)
+            self._remember_call, with_kwargs=True, prepend=True)]
+        ctx = self._ctx
+        for name, m in self._modules:
+            tname = type(m).__name__
+            if self._selected(name, m):
+                handles.append(
+                    m.register_forward_pre_hook(partial(self._pre, name, tname), with_kwargs=True)
+                )
+                handles.append(
+                    m.register_forward_hook(partial(self._post, name, tname), with_kwargs=True)
+                )
+            if self.probes:
+                for probe in probes_for(m):
+                    handles.extend(probe.attach(name, m, ctx))
+        if self._routing is not None:
+            handles.extend(self._routing.attach(self._modules))
+        if self._attention is not None:
+            handles.extend(self._attention.attach(self._modules))
+        return handles
 
     def _init_state(self) -> None:
         self._drain_task = -1  # autograd graph task whose end drains the worker
@@ -304,8 +314,8 @@ class Capture:
         self._handles: list[Any] = []
         self._tensor_handles: list[Any] = []
         self._no_grad: dict[str, int] = {}
-        # name -> 0-d tensors (|g|^2, min g, max g, |w|^2), read back together at exit
-        self._touched: dict[str, tuple[torch.Tensor, ...]] = {}
+        # per parameter (|g|^2, min g, max g, |w|^2), read back together at exit
+        self._touched = GradStatsBuffer([], [])
         self._kept = 0
         self._dropped = 0
         self._errors: dict[str, str] = {}
@@ -646,10 +656,7 @@ class Capture:
         try:
             # in the hook, never on the worker: an optimizer step in a later hook of this
             # backward (optimizer-in-backward) would change them before the worker read them
-            gf, wf = flat_grad_weight(param.grad, param)
-            lo, hi = torch.aminmax(gf)
-            # dot(x, x) is the fastest sum of squares on CPU (BLAS); sqrt taken at exit
-            self._touched[name] = (torch.dot(gf, gf), lo, hi, torch.dot(wf, wf))
+            self._touched.put(name, param.grad, param)
         except Exception as exc:
             self._error(name, exc)
 
@@ -804,51 +811,6 @@ class Capture:
                 )
             )
 
-    # -- torch.compile: the captured step runs eagerly -------------------------------------------
-    def _start_eager(self, root: nn.Module) -> None:
-        self._compiled = _compiled_parts(self._modules)
-        self._unwrapped = root is not self.model
-        self._stance = _force_eager()
-        # a module compiled elsewhere (torch.compile(model) called, model captured) is seen
-        # when its first call arrives through the wrapper
-        self._watch_wrapper = self._stance is not None
-        self._via_wrapper = False
-        if self._compiled and self._stance is None and "torch._dynamo" in sys.modules:
-            self.trace.notes.append(
-                Note(
-                    "compiled",
-                    f"{', '.join(self._compiled[:3])} torch.compile'd, and this torch has no "
-                    "torch.compiler.set_stance (torch < 2.6) to run the step eagerly: hooks "
-                    "added after compilation may not fire; capture the uncompiled module",
-                )
-            )
-
-    def _stop_eager(self) -> None:
-        if self._stance is not None:
-            self._stance.__exit__(None, None, None)
-            self._stance = None
-
-    def _finish_eager(self) -> None:
-        if not (self._unwrapped or self._via_wrapper or self._compiled):
-            return
-        if self._unwrapped:
-            what = "the model is a torch.compile wrapper (OptimizedModule): recorded under its "
-            what += "original module's names (_orig_mod)"
-        elif self._compiled:
-            what = f"{', '.join(self._compiled[:3])} torch.compile'd"
-        else:
-            what = "the model ran inside its torch.compile wrapper (OptimizedModule)"
-        if self._watch_wrapper:  # the stance was set
-            self.trace.notes.append(
-                Note(
-                    "compiled",
-                    f"{what}; the captured step ran eagerly (torch.compiler.set_stance("
-                    "'force_eager')) so that every module call is recorded and dynamo traces "
-                    "none of the hooks: values are eager PyTorch's, which can differ from the "
-                    "compiled kernels' by float rounding",
-                )
-            )
-
     # -- PyTorch fast paths the hooks turn off ----------------------------------------------------
     def _watch_fast_path(self, layers: list[tuple[str, nn.Module, bool]]) -> None:
         """``nn.TransformerEncoderLayer`` runs one fused kernel in inference only while no
@@ -894,7 +856,7 @@ class Capture:
         sharded = self._dist.param_records(self._results, self.trace) if self._dist else {}
         if sharded:
             self._dist.set_shapes(named, sharded)
-        return param_records(named, self._touched, sharded)
+        return param_records(named, self._touched.values(), sharded)
 
 
 def capture(

@@ -30,7 +30,7 @@ def unwrap_compiled(model: nn.Module) -> nn.Module:
     return model
 
 
-def _compiled_parts(modules: list[tuple[str, nn.Module]]) -> list[str]:
+def compiled_parts(modules: list[tuple[str, nn.Module]]) -> list[str]:
     """Names of the modules that are compiled: ``torch.compile(m)`` wrappers and modules
     compiled in place with ``m.compile()``."""
     ef = _dynamo_eval_frame()
@@ -51,7 +51,7 @@ def _in_compiled_wrapper() -> bool:
     return bool(check is not None and check())
 
 
-def _force_eager() -> Any:
+def force_eager() -> Any:
     """Enter ``torch.compiler.set_stance("force_eager")`` when dynamo is loaded: compiled code
     (``torch.compile``'d modules and functions) runs its original Python eagerly until the
     returned context is exited, so module hooks fire and dynamo traces none of them. Returns
@@ -70,6 +70,8 @@ def _force_eager() -> Any:
                 return None
         _EAGER[0] += 1
     return _EagerHold()
+
+
 
 
 _EAGER_LOCK = threading.Lock()

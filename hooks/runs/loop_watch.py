@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from hooks.capture_recompute import _in_backward
+from hooks.capture_replay import held_state
 from hooks.ops import Replay
 from hooks.runs import loop_checks as lc
 
@@ -310,8 +311,13 @@ class LoopWatch:
         self._sched_steps += 1
 
     # -- forward and backward ----------------------------------------------------------------------
+    def _others(self) -> bool:
+        """Whether a call of the model now is mdb's, not the user's: another part of mdb
+        re-runs the forward, or the capture replays a compiled model's call eagerly."""
+        return self._busy() or getattr(self._capture(), "replaying", False)
+
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._inside or self._busy() or _in_backward():
+        if self._inside or self._others() or _in_backward():
             return
         try:
             if not torch.is_grad_enabled():
@@ -332,7 +338,7 @@ class LoopWatch:
             pass
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if self._inside or self._busy() or _in_backward() or not torch.is_grad_enabled():
+        if self._inside or self._others() or _in_backward() or not torch.is_grad_enabled():
             return
         if not self._mbs or self._mbs[-1].hooked:
             return
@@ -523,16 +529,13 @@ class LoopWatch:
         r = mb.replay
         cap = self._capture()
         paused = cap is not None and getattr(cap, "_active", False)
-        flags = [(m, m.training) for m in self.model.modules()]
         self._inside = True
         if paused:
             cap._active = False
         try:
-            devices = list(range(len(r.rng_cuda))) if r.rng_cuda is not None else []
-            with torch.random.fork_rng(devices=devices), torch.enable_grad():
-                torch.set_rng_state(r.rng_cpu)
-                if r.rng_cuda is not None:
-                    torch.cuda.set_rng_state_all(r.rng_cuda)
+            # on clones of the buffers (BatchNorm statistics), RNG and modes restored after:
+            # the replay leaves the training state as the step left it
+            with held_state(self.model, r.rng_cpu, r.rng_cuda), torch.enable_grad():
                 self.model.train(r.training)
                 out = self.model(*r.args, **r.kwargs)
                 loss = loss_of(out)
@@ -542,8 +545,6 @@ class LoopWatch:
                 wrt = params + ([logits] if logits is not None else [])
                 grads = torch.autograd.grad(loss.reshape(()), wrt, allow_unused=True)
         finally:
-            for m, f in flags:
-                m.training = f
             if paused:
                 cap._active = True
             self._inside = False
