@@ -137,6 +137,7 @@ __all__ = [
     "SampleRow",
     "WriterBusyError",
     "checkpoint_dir",
+    "checkpoint_folder",
     "default_db_path",
     "loss_metric",
     "pid_alive",
@@ -168,10 +169,63 @@ def default_db_path(environ: Mapping[str, str] | None = None) -> Path:
 def checkpoint_dir(db_path: str | os.PathLike[str], run_name: str) -> Path:
     """Directory holding a run's checkpoint files, beside the database.
 
-    For ``runs/mdb.sqlite`` and run ``r1`` this is ``runs/mdb-checkpoints/r1``.
+    For ``runs/mdb.sqlite`` and run ``r1`` this is ``runs/mdb-checkpoints/r1``. The name is
+    checked as on input (:func:`validate_run_name`) whether the user typed it or it was read
+    back from a database: a run renamed ``../victim`` outside mdb never becomes a path.
+
+    Raises:
+        RunStoreError: ``run_name`` is not a valid run name.
     """
+    validate_run_name(run_name)
     db = Path(db_path)
     return db.with_name(f"{db.stem}-checkpoints") / run_name
+
+
+def _inside(path: str, parent: str) -> bool:
+    return path == parent or os.path.commonpath([path, parent]) == parent
+
+
+def checkpoint_folder(db_path: str | os.PathLike[str], run_name: str,
+                      path: str | os.PathLike[str] | None = None) -> Path:
+    """A run's checkpoint folder, checked before anything there is read, written or deleted.
+
+    The run's directory (:func:`checkpoint_dir`) must resolve, symbolic links followed, inside
+    ``<db stem>-checkpoints/`` (itself resolved: that folder may be a link to another disk),
+    and ``path`` (a checkpoint folder as the database records it, relative to the database's
+    directory or absolute) inside the run's directory. A database, trace or checkpoint from
+    elsewhere is data: what it names is never trusted to be where mdb would have put it.
+
+    Args:
+        db_path: The run database.
+        run_name: The run (checked as on input).
+        path: A checkpoint folder of the run; ``None``: the run's directory itself.
+
+    Returns:
+        ``path`` (relative ones joined to the database's directory), or the run's directory,
+        as given, not resolved.
+
+    Raises:
+        RunStoreError: An invalid run name, a run directory that is a link leading out of
+            ``<db stem>-checkpoints/``, or ``path`` outside the run's directory: one line.
+    """
+    run_dir = checkpoint_dir(db_path, run_name)
+    root = os.path.realpath(run_dir.parent)
+    real_dir = os.path.realpath(run_dir)
+    if real_dir == root or not _inside(real_dir, root):
+        raise RunStoreError(f"the checkpoint directory of run {run_name!r}, {run_dir}, leads "
+                            f"out of {run_dir.parent} (to {real_dir}): refused, nothing there "
+                            "is read, written or deleted")
+    if path is None:
+        return run_dir
+    folder = Path(path)
+    if not folder.is_absolute():
+        folder = Path(db_path).parent / folder
+    real = os.path.realpath(folder)
+    if not _inside(real, real_dir):
+        raise RunStoreError(f"run {run_name!r} records its checkpoint at {str(path)!r}, which "
+                            f"is not inside {run_dir} (the database was changed outside mdb, "
+                            "or moved): refused, nothing there is read or deleted")
+    return folder
 
 
 class RunStore:
