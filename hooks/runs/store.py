@@ -647,18 +647,47 @@ class RunStore:
         For a step captured by :class:`hooks.runs.trainer.Trainer` or by ``Run.watch`` this is
         ``hooks.Trace.to_dict()``; :func:`hooks.runs.trainer.load_trace` rebuilds the
         :class:`hooks.Trace` with its tensors.
+
+        Raises:
+            DamagedRunError: The stored text is not a JSON object (the database was changed
+                outside mdb): one line.
         """
         row = self.connection.execute(
             "SELECT data FROM internals WHERE run_id = ? AND step = ?", (run_id, step)
         ).fetchone()
-        return json.loads(row[0]) if row is not None else None
+        return self._capture(run_id, "internals", step, row[0]) if row is not None else None
+
+    def _capture(self, run_id: int, table: str, step: int, text: Any) -> dict[str, Any]:
+        """A stored capture's JSON, parsed: a damaged one (cut, not JSON, an integer of
+        thousands of digits, not an object) is a :class:`DamagedRunError`."""
+        why = "not a JSON object"
+        try:
+            data = json.loads(text) if isinstance(text, (str, bytes)) else None
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, int digits, nesting
+            data, why = None, f"which does not parse as JSON ({str(exc)[:120]})"
+        if not isinstance(data, dict):
+            raise self._damaged(run_id, f"the capture of step {step} ({table}.data) holds "
+                                f"{_shown(text)}, {why}")
+        return data
+
+    def _blob(self, run_id: int, table: str, step: int, value: Any) -> bytes | None:
+        if value is None:
+            return None
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise self._damaged(run_id, f"the tensors of step {step} ({table}.tensors) hold "
+                                f"{_shown(value)}, not safetensors bytes")
+        return bytes(value)
 
     def internals_tensors(self, run_id: int, step: int) -> bytes | None:
-        """The tensors captured with ``step``'s internals (safetensors bytes), or ``None``."""
+        """The tensors captured with ``step``'s internals (safetensors bytes), or ``None``.
+
+        Raises:
+            DamagedRunError: Not bytes (the database was changed outside mdb).
+        """
         row = self.connection.execute(
             "SELECT tensors FROM internals WHERE run_id = ? AND step = ?", (run_id, step)
         ).fetchone()
-        return bytes(row[0]) if row is not None and row[0] is not None else None
+        return self._blob(run_id, "internals", step, row[0]) if row is not None else None
 
     # -- distributed runs ------------------------------------------------------------------
 
@@ -728,7 +757,8 @@ class RunStore:
             "SELECT data FROM rank_internals WHERE run_id = ? AND step = ? AND rank = ?",
             (run_id, step, rank),
         ).fetchone()
-        return json.loads(row[0]) if row is not None else None
+        return self._capture(run_id, "rank_internals", step, row[0]) if row is not None \
+            else None
 
     def rank_internals_tensors(self, run_id: int, step: int, rank: int) -> bytes | None:
         """The tensors of :meth:`rank_internals` (safetensors bytes), or ``None``."""
@@ -738,7 +768,7 @@ class RunStore:
             "SELECT tensors FROM rank_internals WHERE run_id = ? AND step = ? AND rank = ?",
             (run_id, step, rank),
         ).fetchone()
-        return bytes(row[0]) if row is not None and row[0] is not None else None
+        return self._blob(run_id, "rank_internals", step, row[0]) if row is not None else None
 
     def findings(self, run_id: int, after_id: int = 0) -> list[Finding]:
         """The findings of a distributed run's cross-rank checks with ``id > after_id``, in the
