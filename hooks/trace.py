@@ -323,7 +323,7 @@ class Trace:
             raise FileNotFoundError(f"no {JSON_NAME} in {d}")
         try:
             data = json.loads(_read_capped(jpath, MAX_JSON_BYTES).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, ValueError) as exc:  # also an integer of 5,000 digits
             raise TraceFormatError(f"{jpath} is not valid JSON: {exc}") from None
         except RecursionError:
             raise TraceFormatError(f"{jpath} nests too deeply to be a trace") from None
@@ -343,11 +343,22 @@ class Trace:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Trace:
-        """Inverse of :meth:`to_dict` + :meth:`all_tensors`.
+        """Inverse of :meth:`to_dict` + :meth:`all_tensors`. ``data`` and ``tensors`` are
+        untrusted (a file or a run database from elsewhere): the trace rebuilt is checked
+        field by field (:func:`hooks.trace_check.check_trace`).
 
         Raises:
-            TraceFormatError: another schema version, or missing/mistyped fields or tensors.
+            TraceFormatError: another schema version, or missing/mistyped fields or tensors
+                (one line naming the first).
         """
+        from hooks.trace_check import check_trace
+
+        trace = cls._from_dict(data, tensors)
+        check_trace(trace)
+        return trace
+
+    @classmethod
+    def _from_dict(cls, data: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Trace:
         schema = data.get("schema", SCHEMA_VERSION) if isinstance(data, dict) else None
         if schema != SCHEMA_VERSION:
             raise TraceFormatError(
@@ -384,8 +395,12 @@ class Trace:
                                  else BackwardOrigin.from_dict(data["backward_origin"])),
                 edits=[AppliedEdit.from_dict(e) for e in data.get("edits", [])],
             )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TraceFormatError(f"malformed trace: {type(exc).__name__}: {exc}") from None
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError,
+                RuntimeError, RecursionError) as exc:  # RuntimeError: a tensor torch refuses
+            if isinstance(exc, TraceFormatError):
+                raise
+            raise TraceFormatError(f"malformed trace: {type(exc).__name__}: "
+                                   f"{str(exc)[:200]}") from None
 
 
 def _read_capped(path: Path, limit: int) -> bytes:

@@ -50,11 +50,19 @@ from hooks.runs.overfit_options import (
     ModelOverfitOptions,
     OverfitOptions,
     default_overfit_text,
+    model_file_sha256,
     nproc_resume_error,
+    resume_model_refusal,
 )
 from hooks.runs.overfit_options import resolve_model_spec as resolve_model_spec
 from hooks.runs.reserve import DiskReserve, finish_run
-from hooks.runs.store import DamagedRunError, RunStore, RunStoreError, RunWriter, checkpoint_dir
+from hooks.runs.store import (
+    DamagedRunError,
+    RunStore,
+    RunStoreError,
+    RunWriter,
+    checkpoint_folder,
+)
 from hooks.runs.trainer import (
     StepReport,
     TrainControl,
@@ -194,6 +202,7 @@ class RunSession:
             store = store()
         self.store = store
         self.name = name(store) if callable(name) else name
+        checkpoint_folder(store.path, self.name)  # a stray link there: refused before the run
         self.writer = store.create_run(self.name, self._config(),
                                        total_steps=self.options.steps)
 
@@ -206,8 +215,10 @@ class RunSession:
 
     @property
     def checkpoint_root(self) -> Path:
-        """This run's directory of checkpoints (beside the database)."""
-        return checkpoint_dir(self.store.path, self.name)
+        """This run's directory of checkpoints (beside the database), checked each time it is
+        used (:func:`hooks.runs.store.checkpoint_folder`: a link leading elsewhere is refused
+        with :class:`RunStoreError`)."""
+        return checkpoint_folder(self.store.path, self.name)
 
     @property
     def checkpoint_path(self) -> Path:
@@ -239,12 +250,14 @@ class RunSession:
         return path
 
     def _prune_checkpoints(self, keep: Path) -> None:
-        """Delete this run's checkpoint directories other than ``keep`` (best effort)."""
+        """Delete this run's checkpoint directories other than ``keep`` (best effort), only
+        inside the run's own directory: a link there (to a folder elsewhere) is left alone."""
         root = self.checkpoint_root
         if not root.is_dir():
             return
         for child in root.iterdir():
-            if child.is_dir() and child.name.startswith("step-") and child != keep:
+            if (child.name.startswith("step-") and child != keep and not child.is_symlink()
+                    and child.is_dir()):
                 shutil.rmtree(child, ignore_errors=True)
         # the layout before step directories: files directly in the run's directory
         for name in ("model.safetensors", "optimizer.safetensors", "checkpoint.json"):
@@ -646,21 +659,26 @@ class OverfitSession(RunSession):
 
 
 def _resume(store: RunStore, name: str, options_cls: Any, steps: int | None,
-            make: Callable[[Any, int, Path], Any]) -> Any:
-    """What both sessions' ``resume`` do: options from the stored config (a new ``steps``),
-    the checkpoint checked, the session built by ``make(options, step, checkpoint)`` (which
-    raises when it does not fit; ``(options, 0, None)`` for a run without a checkpoint, which
-    starts again), then the store's run taken over and its config updated."""
+            make: Callable[[Any, int, Path], Any],
+            prepare: Callable[[Any], None] | None = None) -> Any:
+    """What both sessions' ``resume`` do: options from the stored config (a new ``steps``;
+    then ``prepare(options)``, which may refuse them), the checkpoint checked, the session
+    built by ``make(options, step, checkpoint)`` (which raises when it does not fit;
+    ``(options, 0, None)`` for a run without a checkpoint, which starts again), then the
+    store's run taken over and its config updated."""
     run = store.run(name)
     if run.damaged:
         raise DamagedRunError(f"cannot resume: {run.damaged}")
     refused = nproc_resume_error(name, run.kind, run.world_size, run.config)
     if refused:  # before anything is changed: the job's per-rank rows stay
         raise RunStoreError(refused)
+    checkpoint_folder(store.path, run.name)  # the name read back, as on input; no link out
     options = options_cls.from_dict(run.config)
     if steps is not None:
         options.steps = int(steps)
     options.validate()
+    if prepare is not None:
+        prepare(options)
     ckpt, step = _resumable_checkpoint(store, run)
     try:
         session = make(options, step, ckpt)
@@ -683,10 +701,9 @@ def _resumable_checkpoint(store: RunStore, run: Any) -> tuple[Path | None, int]:
         if run.kind != "overfit":  # hooks.run's runs: nothing of them to rebuild here
             raise RunStoreError(f"run {run.name!r} has no checkpoint to resume from")
         return None, 0
-    ckpt = Path(run.checkpoint_path or "")
-    if not ckpt.is_absolute():
-        ckpt = store.path.parent / ckpt
+    ckpt = checkpoint_folder(store.path, run.name, run.checkpoint_path)
     meta = read_checkpoint_meta(ckpt)
+    checkpoint_folder(store.path, run.name, meta["_dir"])  # its <step>.old, when read instead
     if meta["step"] != run.checkpoint_step:
         raise ValueError(
             f"checkpoint at {ckpt} is of step {meta['step']}, the database says "
@@ -806,26 +823,43 @@ class ModelOverfitSession(RunSession):
             hooks.runs.store.RunStoreError: Bad name or the name exists.
         """
         options.validate()
+        options.model_sha256 = model_file_sha256(options.model_path)  # before it is imported
         session = cls(options, None, None, build)  # type: ignore[arg-type]
         session._register(store, name)
         return session
 
     @classmethod
     def resume(cls, store: RunStore, name: str, build: WorkloadBuilder,
-               steps: int | None = None) -> ModelOverfitSession:
-        """Continue run ``name``: rebuild the model from the same factory (the stored
-        ``model_path``), check it still matches the checkpoint, load it (model, optimizer, RNG);
-        a run without a checkpoint starts again from step 0 (:attr:`restarted`).
+               steps: int | None = None, model: str | None = None) -> ModelOverfitSession:
+        """Continue run ``name``: rebuild the model from its factory, check it still matches
+        the checkpoint, load it (model, optimizer, RNG); a run without a checkpoint starts
+        again from step 0 (:attr:`restarted`).
+
+        The factory imported is ``model`` when given (the user named it again), else the
+        stored ``model_path``, only if that file still has the sha256 stored when the run was
+        made (:func:`hooks.runs.overfit_options.resume_model_refusal`): importing a file runs
+        its code, and the database may come from elsewhere.
 
         Raises:
             hooks.runs.store.RunStoreError: No such run, its writer is alive, no checkpoint,
                 it already reached its step target, or it was a job of ``mdb overfit --nproc``
                 (:func:`hooks.runs.overfit_options.nproc_resume_error`).
-            ValueError: The checkpoint is missing, or the factory's model no longer matches it
-                (one line naming the first tensor that differs).
+            ValueError: The stored model file is not to be imported (no sha256 stored, changed
+                or gone: one line saying to pass ``--model``), the checkpoint is missing, or
+                the factory's model no longer matches it (one line naming the first tensor
+                that differs).
         """
+        def prepare(options: ModelOverfitOptions) -> None:
+            if model is not None:
+                options.model, options.model_path = model, resolve_model_spec(model)
+            else:
+                refused = resume_model_refusal(name, options)
+                if refused is not None:
+                    raise ValueError(refused)
+            options.model_sha256 = model_file_sha256(options.model_path)
+
         return _resume(store, name, ModelOverfitOptions, steps, lambda options, step, ckpt: cls(
-            options, store, None, build, start_step=step, checkpoint=ckpt))
+            options, store, None, build, start_step=step, checkpoint=ckpt), prepare)
 
     def _config(self) -> dict[str, Any]:
         return {**self.options.to_dict(), "workload": "model", "loss_source": self.loss_source,
@@ -860,13 +894,16 @@ class ModelOverfitSession(RunSession):
 
 
 def resume_session(store: RunStore, name: str, *, steps: int | None = None,
-                   build: WorkloadBuilder | None = None) -> RunSession:
+                   build: WorkloadBuilder | None = None,
+                   model: str | None = None) -> RunSession:
     """Resume run ``name`` with the session its stored config needs: a
-    :class:`ModelOverfitSession` for a ``--model`` run (``build`` imports its factory), else an
+    :class:`ModelOverfitSession` for a ``--model`` run (``build`` imports its factory: ``model``
+    when the user named one again, else the stored one if its file is unchanged), else an
     :class:`OverfitSession`.
 
     Raises:
-        hooks.runs.store.RunStoreError, ValueError: As the sessions' ``resume``.
+        hooks.runs.store.RunStoreError, ValueError: As the sessions' ``resume``; ``model``
+            given for a run of minillm.
     """
     run = store.run(name)
     if run.damaged:
@@ -874,5 +911,8 @@ def resume_session(store: RunStore, name: str, *, steps: int | None = None,
     if run.config.get("workload") == "model" or "model_path" in run.config:
         if build is None:
             raise ValueError(f"run {name!r} trains a --model; resuming it needs its factory")
-        return ModelOverfitSession.resume(store, name, build, steps=steps)
+        return ModelOverfitSession.resume(store, name, build, steps=steps, model=model)
+    if model is not None:
+        raise ValueError(f"--model applies only to a run made with --model; run {name!r} "
+                         "trains minillm")
     return OverfitSession.resume(store, name, steps=steps)

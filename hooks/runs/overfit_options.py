@@ -194,7 +194,11 @@ class ModelOverfitOptions(_StoredOptions):
     Attributes:
         model: The ``module:function`` (or ``path/to/file.py:function``) as given.
         model_path: The same with a file's path made absolute — what a resume imports, from
-            any directory.
+            any directory, when the file is unchanged (:attr:`model_sha256`).
+        model_sha256: The sha256 of the file ``model_path`` imports, taken when the run was
+            made (:func:`model_file_sha256`); ``""`` when it could not be read. A resume
+            imports the file again only when it still has this hash, or when the user names it
+            on the command line (:func:`resume_model_refusal`).
         steps: Total steps.
         lr: AdamW learning rate (constant).
         weight_decay: AdamW weight decay.
@@ -206,6 +210,7 @@ class ModelOverfitOptions(_StoredOptions):
 
     model: str
     model_path: str = ""
+    model_sha256: str = ""
     steps: int = 300
     lr: float = 3e-3
     weight_decay: float = 0.01
@@ -229,6 +234,71 @@ def resolve_model_spec(spec: str) -> str:
     if sep and (module.endswith(".py") or os.sep in module):
         return f"{Path(module).resolve()}:{func}"
     return spec
+
+
+def model_file(spec: str) -> Path | None:
+    """The file ``--model spec`` imports, found without running any code: a ``.py`` (or a
+    path) as given; a module name as ``import`` finds it, from the current directory first
+    (as ``--model`` imports it), then ``sys.path``. ``None`` when there is none."""
+    import importlib.machinery
+    import sys
+
+    module, _, _ = spec.partition(":")
+    if module.endswith(".py") or os.sep in module:
+        path = Path(module)
+        return path if path.is_file() else None
+    where: list[str] = [os.getcwd(), *sys.path]
+    found = None
+    for part in module.split("."):
+        try:
+            found = importlib.machinery.PathFinder.find_spec(part, where)
+        except (ImportError, ValueError, OSError):
+            return None
+        if found is None:
+            return None
+        where = list(found.submodule_search_locations or [])
+    origin = getattr(found, "origin", None)
+    return Path(origin) if origin and os.path.isfile(origin) else None
+
+
+def model_file_sha256(spec: str) -> str:
+    """The sha256 (hex) of :func:`model_file`'s file, ``""`` when there is none or it cannot
+    be read."""
+    import hashlib
+
+    path = model_file(spec)
+    if path is None:
+        return ""
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    except OSError:
+        return ""
+    return digest.hexdigest()
+
+
+def resume_model_refusal(name: str, options: ModelOverfitOptions) -> str | None:
+    """Why a resume of run ``name`` must not import the model file its stored config names,
+    or ``None`` when it may: the file's sha256 is the one stored when the run was made.
+    Importing a file runs its code, and a database may come from elsewhere: a run made before
+    mdb stored the hash, a file changed since, or one that is gone needs the user to name the
+    file again (``--model FILE:function``)."""
+    spec = options.model_path or options.model
+    again = f"to import it as it is now, name it again: --resume {name} --model {spec}"
+    if not options.model_sha256:
+        return (f"run {name!r} imports its model from {spec}, and the database holds no "
+                f"sha256 of that file (a run made by an older mdb, or a database from "
+                f"elsewhere); importing a file runs its code: {again}")
+    now = model_file_sha256(spec)
+    if not now:
+        return (f"run {name!r} imports its model from {spec}, which is no longer there; name "
+                "the file to import: --model FILE:function")
+    if now != options.model_sha256:
+        return (f"the model file of run {name!r}, {spec}, changed since the run was made (its "
+                f"sha256 is not the one stored with the run); {again}")
+    return None
 
 
 #: How ``mdb overfit --nproc N`` split the model, by the run config's ``parallel`` (what

@@ -137,6 +137,7 @@ __all__ = [
     "SampleRow",
     "WriterBusyError",
     "checkpoint_dir",
+    "checkpoint_folder",
     "default_db_path",
     "loss_metric",
     "pid_alive",
@@ -168,10 +169,63 @@ def default_db_path(environ: Mapping[str, str] | None = None) -> Path:
 def checkpoint_dir(db_path: str | os.PathLike[str], run_name: str) -> Path:
     """Directory holding a run's checkpoint files, beside the database.
 
-    For ``runs/mdb.sqlite`` and run ``r1`` this is ``runs/mdb-checkpoints/r1``.
+    For ``runs/mdb.sqlite`` and run ``r1`` this is ``runs/mdb-checkpoints/r1``. The name is
+    checked as on input (:func:`validate_run_name`) whether the user typed it or it was read
+    back from a database: a run renamed ``../victim`` outside mdb never becomes a path.
+
+    Raises:
+        RunStoreError: ``run_name`` is not a valid run name.
     """
+    validate_run_name(run_name)
     db = Path(db_path)
     return db.with_name(f"{db.stem}-checkpoints") / run_name
+
+
+def _inside(path: str, parent: str) -> bool:
+    return path == parent or os.path.commonpath([path, parent]) == parent
+
+
+def checkpoint_folder(db_path: str | os.PathLike[str], run_name: str,
+                      path: str | os.PathLike[str] | None = None) -> Path:
+    """A run's checkpoint folder, checked before anything there is read, written or deleted.
+
+    The run's directory (:func:`checkpoint_dir`) must resolve, symbolic links followed, inside
+    ``<db stem>-checkpoints/`` (itself resolved: that folder may be a link to another disk),
+    and ``path`` (a checkpoint folder as the database records it, relative to the database's
+    directory or absolute) inside the run's directory. A database, trace or checkpoint from
+    elsewhere is data: what it names is never trusted to be where mdb would have put it.
+
+    Args:
+        db_path: The run database.
+        run_name: The run (checked as on input).
+        path: A checkpoint folder of the run; ``None``: the run's directory itself.
+
+    Returns:
+        ``path`` (relative ones joined to the database's directory), or the run's directory,
+        as given, not resolved.
+
+    Raises:
+        RunStoreError: An invalid run name, a run directory that is a link leading out of
+            ``<db stem>-checkpoints/``, or ``path`` outside the run's directory: one line.
+    """
+    run_dir = checkpoint_dir(db_path, run_name)
+    root = os.path.realpath(run_dir.parent)
+    real_dir = os.path.realpath(run_dir)
+    if real_dir == root or not _inside(real_dir, root):
+        raise RunStoreError(f"the checkpoint directory of run {run_name!r}, {run_dir}, leads "
+                            f"out of {run_dir.parent} (to {real_dir}): refused, nothing there "
+                            "is read, written or deleted")
+    if path is None:
+        return run_dir
+    folder = Path(path)
+    if not folder.is_absolute():
+        folder = Path(db_path).parent / folder
+    real = os.path.realpath(folder)
+    if not _inside(real, real_dir):
+        raise RunStoreError(f"run {run_name!r} records its checkpoint at {str(path)!r}, which "
+                            f"is not inside {run_dir} (the database was changed outside mdb, "
+                            "or moved): refused, nothing there is read or deleted")
+    return folder
 
 
 class RunStore:
@@ -606,18 +660,47 @@ class RunStore:
         For a step captured by :class:`hooks.runs.trainer.Trainer` or by ``Run.watch`` this is
         ``hooks.Trace.to_dict()``; :func:`hooks.runs.trainer.load_trace` rebuilds the
         :class:`hooks.Trace` with its tensors.
+
+        Raises:
+            DamagedRunError: The stored text is not a JSON object (the database was changed
+                outside mdb): one line.
         """
         row = self.connection.execute(
             "SELECT data FROM internals WHERE run_id = ? AND step = ?", (run_id, step)
         ).fetchone()
-        return json.loads(row[0]) if row is not None else None
+        return self._capture(run_id, "internals", step, row[0]) if row is not None else None
+
+    def _capture(self, run_id: int, table: str, step: int, text: Any) -> dict[str, Any]:
+        """A stored capture's JSON, parsed: a damaged one (cut, not JSON, an integer of
+        thousands of digits, not an object) is a :class:`DamagedRunError`."""
+        why = "not a JSON object"
+        try:
+            data = json.loads(text) if isinstance(text, (str, bytes)) else None
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, int digits, nesting
+            data, why = None, f"which does not parse as JSON ({str(exc)[:120]})"
+        if not isinstance(data, dict):
+            raise self._damaged(run_id, f"the capture of step {step} ({table}.data) holds "
+                                f"{_shown(text)}, {why}")
+        return data
+
+    def _blob(self, run_id: int, table: str, step: int, value: Any) -> bytes | None:
+        if value is None:
+            return None
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise self._damaged(run_id, f"the tensors of step {step} ({table}.tensors) hold "
+                                f"{_shown(value)}, not safetensors bytes")
+        return bytes(value)
 
     def internals_tensors(self, run_id: int, step: int) -> bytes | None:
-        """The tensors captured with ``step``'s internals (safetensors bytes), or ``None``."""
+        """The tensors captured with ``step``'s internals (safetensors bytes), or ``None``.
+
+        Raises:
+            DamagedRunError: Not bytes (the database was changed outside mdb).
+        """
         row = self.connection.execute(
             "SELECT tensors FROM internals WHERE run_id = ? AND step = ?", (run_id, step)
         ).fetchone()
-        return bytes(row[0]) if row is not None and row[0] is not None else None
+        return self._blob(run_id, "internals", step, row[0]) if row is not None else None
 
     # -- distributed runs ------------------------------------------------------------------
 
@@ -687,7 +770,8 @@ class RunStore:
             "SELECT data FROM rank_internals WHERE run_id = ? AND step = ? AND rank = ?",
             (run_id, step, rank),
         ).fetchone()
-        return json.loads(row[0]) if row is not None else None
+        return self._capture(run_id, "rank_internals", step, row[0]) if row is not None \
+            else None
 
     def rank_internals_tensors(self, run_id: int, step: int, rank: int) -> bytes | None:
         """The tensors of :meth:`rank_internals` (safetensors bytes), or ``None``."""
@@ -697,7 +781,7 @@ class RunStore:
             "SELECT tensors FROM rank_internals WHERE run_id = ? AND step = ? AND rank = ?",
             (run_id, step, rank),
         ).fetchone()
-        return bytes(row[0]) if row is not None and row[0] is not None else None
+        return self._blob(run_id, "rank_internals", step, row[0]) if row is not None else None
 
     def findings(self, run_id: int, after_id: int = 0) -> list[Finding]:
         """The findings of a distributed run's cross-rank checks with ``id > after_id``, in the

@@ -515,9 +515,11 @@ def load_trace(store: RunStore, run_id: int, step: int):
         captured internals.
 
     Raises:
-        hooks.TraceFormatError: The stored internals are not a trace this mdb can read.
+        hooks.TraceFormatError: The stored internals are not a trace this mdb can read, or
+            their tensors are not a whole safetensors blob (cut, changed outside mdb).
+        hooks.runs.store.DamagedRunError: The stored JSON does not parse (one line).
     """
-    from hooks.trace import Trace
+    from hooks.trace import Trace, TraceFormatError
 
     data = store.internals(run_id, step)
     if data is None:
@@ -527,7 +529,12 @@ def load_trace(store: RunStore, run_id: int, step: int):
     if blob:
         from safetensors.torch import load
 
-        tensors = load(blob)
+        try:
+            tensors = load(blob)
+        except Exception as exc:  # safetensors' own error types for a cut or garbled blob
+            raise TraceFormatError(f"the tensors stored with step {step} are not a valid "
+                                   f"safetensors blob ({len(blob):,} bytes): "
+                                   f"{str(exc)[:200]}") from None
     return Trace.from_dict(data, tensors)
 
 

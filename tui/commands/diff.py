@@ -85,6 +85,20 @@ def resolve_trace(spec: str, db: str | None = None):
     return load_run_trace(spec, db, label="")
 
 
+def _strict(value):
+    """``value`` for strict JSON: a NaN or Inf (an aux loss that turned NaN) as ``"nan"``,
+    ``"inf"``, ``"-inf"`` (:func:`hooks.stats.encode_float`)."""
+    from hooks.stats import encode_float
+
+    if isinstance(value, float):
+        return encode_float(value)
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
+
+
 _MODEL_OPTIONS = ("preset", "config", "model", "text", "source_text", "source_ids",
                   "source_batch")
 
@@ -127,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     diff = a.diff(b)
     if args.json:
         doc = {"a": args.a, "b": args.b, "no_differences": diff.is_zero(), **diff.to_dict()}
-        print(json.dumps(doc, allow_nan=False, default=str))
+        print(json.dumps(_strict(doc), allow_nan=False, default=str))
         return 0
     if args.table or not (is_terminal(sys.stdin) and is_terminal(sys.stdout)):
         print_table(diff, args.a, args.b, args.limit)

@@ -75,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="memorise your own model's batch: FUNCTION() returns (model, batch) or "
                           "(model, batch, loss_fn), as for `mdb step --model` (a module name or "
                           "path/to/file.py); the loss is loss_fn(out, batch), else out.loss, "
-                          "else the scalar of a returned tuple; resume rebuilds it from there")
+                          "else the scalar of a returned tuple. Importing the file runs its code")
     g.add_argument("--steps", type=positive_int, default=None,
                    help="total training steps (default 300; with --resume: a new total)")
     g.add_argument("--lr", type=positive_float, default=None,
@@ -104,7 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "interruption only); lets a run killed with -9 resume")
     r.add_argument("--resume", metavar="RUN", default=None,
                    help="continue an interrupted run from its checkpoint (takes only --steps, "
-                        "--db, --headless, --threads); a --model run imports its factory again")
+                        "--db, --headless, --threads, --model); a --model run imports its "
+                        "factory again only if the file's sha256 is the one stored with the "
+                        "run, or if you name it again with --model")
     x = parser.add_argument_group("running")
     x.add_argument("--headless", action="store_true",
                    help="no UI: one progress line on a terminal, plain lines otherwise (for "
@@ -274,7 +276,7 @@ def _resumed_session(args: argparse.Namespace):
 
     given = [
         f"--{k.replace('_', '-')}"
-        for k in ("text", "preset", "config", "model", "lr", "seq_len", "batch_size", "seed",
+        for k in ("text", "preset", "config", "lr", "seq_len", "batch_size", "seed",
                   "run", "every", "sample_every", "checkpoint_every")
         if getattr(args, k, None) is not None
     ]
@@ -284,7 +286,8 @@ def _resumed_session(args: argparse.Namespace):
         )
     store = open_run_store(args, create=False)
     try:
-        session = resume_session(store, args.resume, steps=args.steps, build=_build_workload)
+        session = resume_session(store, args.resume, steps=args.steps, build=_build_workload,
+                                 model=getattr(args, "model", None))
     except RunStoreError as exc:
         store.close()
         raise MdbError(str(exc)) from None
@@ -672,8 +675,14 @@ def _run_nproc(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``mdb overfit``."""
+    from hooks.runs.store import RunStoreError, validate_run_name
     from hooks.runs.trainer import TrainControl, install_stop_signals
 
+    if args.resume is not None:  # checked as --run is, before it names anything on disk
+        try:
+            validate_run_name(args.resume)
+        except RunStoreError as exc:
+            raise MdbError(f"--resume: {exc}") from None
     if getattr(args, "nproc", None) is not None:
         if args.detach:
             from tui.commands.overfit_ddp import job_kind

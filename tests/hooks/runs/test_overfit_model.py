@@ -170,11 +170,15 @@ def test_cli_model_run_resume_and_a_changed_factory_refused(tmp_path, capsys, mo
     monkeypatch.chdir(REPO)
     assert main(["overfit", "--headless", "--resume", "t", "--steps", "6", "--db", str(db)]) == 0
     assert "run t finished: step 6/6" in capsys.readouterr().out
-    # the factory now builds another model: refused in one line, the run left as it was
+    # the factory now builds another model: the changed file is not imported unless named
+    # again; named, its model is refused in one line; the run left as it was
     factory.write_text(textwrap.dedent(_FACTORY.format(width=24)))
     assert main(["overfit", "--headless", "--resume", "t", "--steps", "8", "--db", str(db)]) == 2
+    assert "changed since the run was made" in _one_error_line(capsys)
+    assert main(["overfit", "--headless", "--resume", "t", "--steps", "8", "--db", str(db),
+                 "--model", f"{factory}:build"]) == 2
     line = _one_error_line(capsys)
-    assert "cannot resume 't': the model from mymodel.py:build no longer matches its " \
+    assert f"cannot resume 't': the model from {factory}:build no longer matches its " \
            "checkpoint of step 6: emb.weight is (32, 24) in the model, (32, 16) in the " \
            "checkpoint (2 tensors differ)" in line
     with RunStore(db) as store:
