@@ -36,6 +36,7 @@ from hooks.records import (
     ProbeRecord,
     RoutingRecord,
 )
+from hooks.trace_check import TraceFormatError, check_trace
 
 #: Version of the on-disk format; bumped on incompatible changes.
 SCHEMA_VERSION = 1
@@ -44,10 +45,6 @@ TENSORS_NAME = "tensors.safetensors"
 #: Largest trace.json :meth:`Trace.load` reads (bytes): a captured step of a 4-layer model
 #: writes about 0.4 MB; a few hundred MB would take gigabytes of memory to parse.
 MAX_JSON_BYTES = 512 << 20
-
-
-class TraceFormatError(ValueError):
-    """A file that is not a trace, or a trace of an unsupported schema version."""
 
 
 @dataclass
@@ -351,8 +348,6 @@ class Trace:
             TraceFormatError: another schema version, or missing/mistyped fields or tensors
                 (one line naming the first).
         """
-        from hooks.trace_check import check_trace
-
         trace = cls._from_dict(data, tensors)
         check_trace(trace)
         return trace

@@ -29,9 +29,12 @@ _NON_NEGATIVE = frozenset({"index", "call_index", "depth", "own_params", "total_
                            "inf_count", "hist_count", "recomputed", "kept_bytes"})
 
 
-def _error(where: str, what: str) -> ValueError:
-    from hooks.trace import TraceFormatError
+class TraceFormatError(ValueError):
+    """A file that is not a trace, a trace of an unsupported schema version, or a trace whose
+    fields are not what a capture writes (re-exported as ``hooks.trace.TraceFormatError``)."""
 
+
+def _error(where: str, what: str) -> ValueError:
     return TraceFormatError(f"malformed trace: {where} {what}")
 
 
