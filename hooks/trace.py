@@ -318,8 +318,9 @@ class Trace:
         jpath = d / JSON_NAME
         if not jpath.exists():
             raise FileNotFoundError(f"no {JSON_NAME} in {d}")
+        raw = _read_capped(jpath, MAX_JSON_BYTES)  # not a regular file, too large: its own line
         try:
-            data = json.loads(_read_capped(jpath, MAX_JSON_BYTES).decode("utf-8"))
+            data = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as exc:  # also an integer of 5,000 digits
             raise TraceFormatError(f"{jpath} is not valid JSON: {exc}") from None
         except RecursionError:
