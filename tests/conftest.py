@@ -49,12 +49,14 @@ def pytest_configure(config):
 
 
 async def wait_until(pilot, cond, timeout: float = 60.0) -> None:
-    """Let a Textual Pilot run until ``cond()`` is true; AssertionError after ``timeout`` s."""
+    """Let a Textual Pilot run until ``cond()`` is true; AssertionError after ``timeout`` s.
+    Between two looks ``pilot.pause()`` lets the app process what is pending and waits until
+    it is idle (20 ms at least): no fixed time."""
     t0 = time.monotonic()
     while not cond():
         if time.monotonic() - t0 > timeout:
             raise AssertionError("timed out")
-        await pilot.pause(0.05)
+        await pilot.pause()
 
 
 async def drawn(pilot, screen, timeout: float = 60.0) -> None:

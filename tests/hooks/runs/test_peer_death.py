@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from hooks.runs import distributed
 from hooks.runs.distributed import Job, RankLink
-from tests.waiting import wait_until
+from tests.conftest import wait_for
 
 KEY = "peer"
 
@@ -108,14 +108,14 @@ def _run(monkeypatch, tmp_path, *, host: str, hidden: int | None, drop: bool = F
         link = RankLink(Job(0, 2, 0, server, me, os.getpid()), KEY, every=5, emit=emit)
         link.start()
         assert rank1.stdout.readline() == b"announced\n", (tmp_path / "rank1.log").read_text()
-        wait_until(lambda: link.state == "running", what="rank 0's Gloo group")
+        wait_for(lambda: link.state == "running", what="rank 0's Gloo group")
         if drop:
             rank1.stdin.write(b"drop\n")
             rank1.stdin.flush()
         else:
             os.kill(rank1.pid, signal.SIGKILL)
             rank1.wait(60)  # reaped: its process no longer exists (only SlowDeath hides it)
-        wait_until(lambda: link.state == "broken", what="rank 0's collective to fail")
+        wait_for(lambda: link.state == "broken", what="rank 0's collective to fail")
         slow.finishing = True
         ends = link.finish("failed", "RuntimeError: [gloo] Connection reset by peer", 4)
     finally:
