@@ -655,7 +655,8 @@ class RankLink:
             if now >= self._next_beat:
                 self._beat()
                 self._monitor(rows=True)
-            elif (self._finish_mono is not None or self._break is not None) and \
+            elif (self._finish_mono is not None or (self._break is not None
+                                                    and not self._break.get("said"))) and \
                     now >= next_check:
                 next_check = now + 0.25
                 self._monitor(rows=False)  # finishing, or broken: notice a dead rank at once
