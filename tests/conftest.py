@@ -48,13 +48,20 @@ def pytest_configure(config):
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
 
 
+#: Seconds between two looks at a condition (:func:`wait_until`, :func:`wait_for`).
+POLL_S = 0.02
+
+
 async def wait_until(pilot, cond, timeout: float = 60.0) -> None:
-    """Let a Textual Pilot run until ``cond()`` is true; AssertionError after ``timeout`` s."""
+    """Let a Textual Pilot run until ``cond()`` is true; AssertionError after ``timeout`` s.
+    Between two looks the app processes what is pending and runs for :data:`POLL_S` (not
+    ``pilot.pause()`` alone: it waits for the process to be idle, up to 1 s a look while a
+    trainer thread of the test's process computes)."""
     t0 = time.monotonic()
     while not cond():
         if time.monotonic() - t0 > timeout:
             raise AssertionError("timed out")
-        await pilot.pause(0.05)
+        await pilot.pause(POLL_S)
 
 
 async def drawn(pilot, screen, timeout: float = 60.0) -> None:
@@ -73,5 +80,5 @@ def wait_for(cond, timeout: float = 120.0, what: str = "condition"):
         value = cond()
         if value:
             return value
-        time.sleep(0.02)
+        time.sleep(POLL_S)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")

@@ -123,6 +123,11 @@ class RankLink:
     BEAT_INTERVAL = 1.0
     #: Seconds between two looks at the store while a gather is awaited.
     POLL_INTERVAL = 0.1
+    #: Seconds rank 0 keeps looking, after a collective failed, for a rank that has not ended
+    #: to turn out gone. A peer's death reaches rank 0 first as a failed collective (gloo's
+    #: "Connection reset by peer") a moment before its process is seen gone (a zombie, once
+    #: the kernel has finished it): the rank that died is named, not that error.
+    PEER_GONE_WAIT = 5.0
 
     def __init__(self, job: Job, key: str, *, every: int,
                  emit: Callable[..., None] | None = None,
@@ -182,6 +187,7 @@ class RankLink:
         self._reported: set[tuple[str, str]] = set()
         self._best_nf: tuple[tuple[int, int, int, int], dict[str, Any]] | None = None
         self._delivered: set[int] = set()
+        self._break: dict[str, Any] | None = None  # gathering broke: when, why, said yet
         self._thread = threading.Thread(target=self._main, name=f"mdb-rank-link-{self.rank}",
                                         daemon=True)
 
@@ -396,6 +402,7 @@ class RankLink:
             self._broken(f"{type(exc).__name__}: {exc}")
             if self.rank == 0:
                 with contextlib.suppress(Exception):
+                    self._settle_break(final=True)
                     self._root_drain_local()
         finally:
             self.stats["thread_cpu_s"] = time.thread_time() - c0
@@ -410,16 +417,48 @@ class RankLink:
             self.say(f"rank {self.rank}: gathering from the ranks stopped: {error}; its steps "
                      "after that are not recorded")
             return
+        # a rank that died explains it (and is named first); its death may show only a moment
+        # after the collective failed: the finding waits for it (:attr:`PEER_GONE_WAIT`)
+        self._break = {"mono": time.monotonic(), "step": self.last_step, "seq": self._seq,
+                       "error": error}
+        self._settle_break(final=False)
+
+    def _settle_break(self, final: bool) -> None:
+        """Rank 0, after gathering broke: once a rank is seen gone, or nothing more can show
+        one (``final``, or :meth:`_unsettled` says so), say why in a ``gather_failed``
+        finding: the first rank that died, stopped reporting or failed, else the error."""
+        brk = self._break
+        if brk is None or brk.get("said"):
+            return
         with contextlib.suppress(Exception):
-            self._monitor(rows=False)  # a rank that died explains it (and is named first)
+            self._monitor(rows=False)
         gone = [p for r, p in sorted(self._peers.items())
                 if r != 0 and p["state"] in ("dead", "silent", "failed")]
-        cause = f"{_describe(gone[0])} {gone[0]['state']}" if gone else error
-        line = f"gathering from the ranks stopped after step {self.last_step}: {cause}"
+        if not gone and not final and self._unsettled(brk["mono"]):
+            return
+        brk["said"] = True
+        cause = f"{_describe(gone[0])} {gone[0]['state']}" if gone else brk["error"]
+        line = f"gathering from the ranks stopped after step {brk['step']}: {cause}"
         self.say(f"{line}; rank 0's own steps are still recorded")
-        self._emit("findings", [{"kind": "gather_failed", "step": self.last_step,
+        self._emit("findings", [{"kind": "gather_failed", "step": brk["step"],
                                  "rank": None, "subject": "gather", "line": line,
-                                 "detail": {"gather": self._seq, "error": error}}])
+                                 "detail": {"gather": brk["seq"], "error": brk["error"]}}])
+
+    def _unsettled(self, since: float) -> bool:
+        """Rank 0, after a failure at ``since`` (a collective that raised): whether a rank
+        that has not ended may still be seen gone — its process may die or its heartbeat go
+        stale within :attr:`PEER_GONE_WAIT` of ``since``, or its heartbeat stopped and has not
+        been missing :attr:`STALE_AFTER` seconds yet."""
+        now = time.monotonic()
+        for r, p in self._peers.items():
+            if r == 0 or r in self._delivered or p.get("ended") or \
+                    p["state"] in ("absent", "dead", "silent", "failed"):
+                continue
+            fresh = now - p["seen"] <= 2.5 * self.BEAT_INTERVAL
+            if now - since < self.PEER_GONE_WAIT or (not fresh and
+                                                     now - p["seen"] <= self.STALE_AFTER):
+                return True
+        return False
 
     def _beat(self) -> None:
         self._beats += 1
@@ -616,9 +655,12 @@ class RankLink:
             if now >= self._next_beat:
                 self._beat()
                 self._monitor(rows=True)
-            elif self._finish_mono is not None and now >= next_check:
+            elif (self._finish_mono is not None or (self._break is not None
+                                                    and not self._break.get("said"))) and \
+                    now >= next_check:
                 next_check = now + 0.25
-                self._monitor(rows=False)  # finishing: notice a dead rank at once
+                self._monitor(rows=False)  # finishing, or broken: notice a dead rank at once
+                self._settle_break(final=False)
             self._root_drain_local()
             if self._pg is not None and self.state == "running" and now >= next_look:
                 next_look = now + self.POLL_INTERVAL
@@ -881,7 +923,10 @@ class RankLink:
             if r == 0 or r in self._delivered or p["state"] in ("absent", "dead", "silent"):
                 continue
             if self._pg is None or self.state != "running":
-                continue  # nothing more can arrive
+                # nothing more can arrive; after a failed collective, wait to name the cause
+                if self._break is not None and self._unsettled(self._break["mono"]):
+                    return False
+                continue
             if p.get("ended"):
                 if waited < self.FINAL_GRACE:
                     return False  # it ended; its last gather is on its way
@@ -905,6 +950,7 @@ class RankLink:
                     self._receive()
             except Exception as exc:
                 self._broken(f"{type(exc).__name__}: {exc}")
+        self._settle_break(final=True)
         self._root_drain_local()
         self._compare_ready(final=True)
         for r, p in sorted(self._peers.items()):

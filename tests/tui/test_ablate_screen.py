@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
 
 import pytest
 
 from hooks.runs.store import RunStore
+from tests.conftest import wait_until
 from tests.hooks.runs.test_ablate import ABL_TOML
 from tui.cli import main
 from tui.screens.compare import CompareApp
@@ -31,15 +31,11 @@ def _drive(keys: list[str], db):
     def run(self, *args, **kwargs):
         async def drive():
             async with self.run_test(size=(80, 24)) as pilot:
-                t0 = time.monotonic()
-                while min(_steps(db).get(n, 0) for n in NAMES) < 2:
-                    assert time.monotonic() - t0 < 240, "the workers never trained"
-                    await pilot.pause(0.2)
+                await wait_until(pilot, lambda: min(_steps(db).get(n, 0) for n in NAMES) >= 2,
+                                 timeout=240)  # the workers trained
                 await pilot.press(keys[0])
                 controller = self.compare.controller
-                while controller.running():
-                    assert time.monotonic() - t0 < 300, "the workers never stopped"
-                    await pilot.pause(0.2)
+                await wait_until(pilot, lambda: not controller.running(), timeout=300)
                 for key in keys[1:]:
                     await pilot.press(key)
             return 0

@@ -78,11 +78,14 @@ async def test_compare_follows_a_run_being_written(db):
             assert gqa.info.writer_state() == "running"
             go.set()  # the writer adds 25 steps while the screen is open
             await wait_until(pilot, lambda: gqa.series.step == 30, timeout=30)
-            await wait_until(pilot, lambda: "30/60" in _table_text(screen), timeout=10)
-            await pilot.pause(0.6)  # the chart's redraw slot
+            await wait_until(pilot, lambda: "30/60" in _table_text(screen), timeout=60)
+            chart = app.screen.query_one("#cmp-chart")
+            # the chart's redraw slot: drawn with every run's points up to their last step
+            await wait_until(pilot, lambda: [s.xs[-1] if s.xs else None for s in chart.series]
+                             == [v.series.step for v in screen.views], timeout=60)
             done.set()
-            await wait_until(pilot, lambda: "finished" in _cells(screen, "status")[1], timeout=10)
-            await wait_until(pilot, lambda: "2.5000" in _table_text(screen), timeout=10)
+            await wait_until(pilot, lambda: "finished" in _cells(screen, "status")[1], timeout=60)
+            await wait_until(pilot, lambda: "2.5000" in _table_text(screen), timeout=60)
             assert _cells(screen, "held-out ce@16") == ["—", "2.5000", "—"]
             assert gqa.series.step == 30 and len(gqa.series.metric("ce")) == 30  # no new point
             # the table: a column per run, minillm numbers from the config, "—" and why else
@@ -99,15 +102,14 @@ async def test_compare_follows_a_run_being_written(db):
             note = str(app.screen.query_one("#cmp-note").render())
             assert "own-loop: — a hooks.run loop" in note
             # every run's marker is on the chart and in its legend: apart without colour
-            chart = app.screen.query_one("#cmp-chart")
             text = "\n".join("".join(t for t, _ in row) for row in chart._rows)
             for i in range(3):
                 assert text.count(RUN_STYLES[i][1]) >= 2, RUN_STYLES[i][1]
             assert text.splitlines()[0].startswith("ce (log)") is False  # two metrics: "loss"
             assert "loss (log)" in text.splitlines()[0]
             await pilot.press("l")
-            await pilot.pause(0.1)
-            assert "loss (linear)" in "".join(t for t, _ in chart._rows[0])
+            await wait_until(pilot, lambda: "loss (linear)" in "".join(
+                t for t, _ in chart._rows[0]), timeout=60)
     finally:
         go.set()
         done.set()
@@ -155,8 +157,7 @@ async def test_too_small_terminal_and_keys(db):
     screen = CompareScreen(db, ["abl-attention=mha", "own-loop"], poll_interval=0.05)
     app = CompareApp(screen)
     async with app.run_test(size=(70, 20)) as pilot:
-        await pilot.pause(0.2)
-        assert screen.has_class("-too-small")
+        await wait_until(pilot, lambda: screen.has_class("-too-small"))
         await pilot.press("a")
         assert not isinstance(app.screen, RunPicker)
         footer = " ".join(str(k.render()) for k in app.screen.query("FooterKey"))
@@ -248,7 +249,6 @@ async def test_ablation_controller_statuses_and_stop_keys(db):
     app = CompareApp(screen)
     async with app.run_test(size=(80, 24)) as pilot:
         await wait_until(pilot, lambda: screen.polls >= 2)
-        await pilot.pause(0.3)
         assert _cells(screen, "status") == ["finished", "worker failed (exit 1): MemoryError",
                                             "queued"]
         footer = " ".join(str(k.render()) for k in app.screen.query("FooterKey"))

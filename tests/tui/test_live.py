@@ -101,9 +101,14 @@ async def test_live_screen_20_steps_charts_grow_and_loss_falls(tmp_path):
     sizes = []
     async with app.run_test(size=(80, 24)) as pilot:
         loss_chart = app.screen.query_one("#live-loss")
-        while not screen.training_done.is_set():
-            sizes.append(sum(len(s.xs) for s in loss_chart.series))
-            await pilot.pause(0.05)
+
+        def size() -> int:
+            return sum(len(s.xs) for s in loss_chart.series)
+
+        while not screen.training_done.is_set():  # every size the chart is drawn at
+            sizes.append(size())
+            await wait_until(pilot, lambda: size() != sizes[-1]
+                             or screen.training_done.is_set())
         await wait_until(pilot, lambda: screen.ended is not None)
         await drawn(pilot, app.live)
         sizes.append(sum(len(s.xs) for s in loss_chart.series))
@@ -223,7 +228,6 @@ async def test_too_small_terminal_says_so(tmp_path):
     app = make_overfit_app(session)
     async with app.run_test(size=(60, 20)) as pilot:
         await wait_until(pilot, lambda: app.live.training_done.is_set())
-        await pilot.pause(0.2)
-        assert app.screen.has_class("-too-small")
+        await wait_until(pilot, lambda: app.screen.has_class("-too-small"))
         assert "terminal too small" in str(app.screen.query_one("#too-small").render())
         await pilot.press("q")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hooks.runs.store import RunStore
-from tests.conftest import wait_until
+from tests.conftest import drawn, wait_until
 from tests.loop_models import TinyLM, batches, run_loop
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -46,6 +46,6 @@ async def test_watch_shows_the_loop_findings(tmp_path):
         app = make_watch_app(store, store.run("clean"))
         async with app.run_test(size=(100, 30)) as pilot:
             await wait_until(pilot, lambda: app.live.polls >= 1)
-            await pilot.pause(0.2)
+            await drawn(pilot, app.live)  # the first read shown: no finding in it
             widget = app.live.query_one(LoopFindings)
             assert not widget.display and widget.findings == []

@@ -10,14 +10,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from textual.geometry import Region
 
 from hooks.runs.store import FIXED_METRICS, MetricRow, RunStore
-from tests.conftest import drawn, wait_until
+from tests.conftest import drawn, wait_for, wait_until
 from tests.processes import mdb_argv
 from tests.terminal import spawn_in_pty
 
@@ -127,8 +126,10 @@ async def test_watch_help_lists_the_viewer_keys_and_wraps_whole_words(tmp_path):
     async with app.run_test(size=(80, 24)) as pilot:
         await wait_until(pilot, lambda: app.live.polls >= 1)
         await pilot.press("question_mark")
-        await wait_until(pilot, lambda: isinstance(app.screen, LiveHelpScreen))
-        await pilot.pause(0.2)
+        await wait_until(pilot, lambda: isinstance(app.screen, LiveHelpScreen)
+                         and app.screen.query_one("#help-text").region.width > 0
+                         and app.screen.query_one("#help-text").virtual_size.height > 0)
+        await pilot.pause()  # laid out: its lines are rendered at that width
         widget = app.screen.query_one("#help-text")
         width = widget.region.width
         lines = ["".join(seg.text for seg in strip).rstrip()
@@ -231,7 +232,8 @@ class Sleepy(nn.Module):
 
     def forward(self, x):
         CALLS[0] += 1
-        if CALLS[0] > AFTER:
+        if CALLS[0] > AFTER:  # says so (a file beside this one), then hangs
+            open(os.path.join(os.path.dirname(__file__), "sleeping"), "w").close()
             time.sleep(600)
         return self.fc(x).pow(2).mean()
 
@@ -301,7 +303,7 @@ def test_ctrl_c_while_the_model_is_built_ends_at_once_and_records_nothing(tmp_pa
     pexpect, child, db = _spawn_live(tmp_path, after=0)  # the probe's forward sleeps
     try:
         child.expect("building the model")
-        time.sleep(1.0)
+        wait_for(lambda: (tmp_path / "sleeping").exists(), 120, "the probe's forward to hang")
         child.sendintr()
         child.expect(pexpect.EOF, timeout=60)
     finally:

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from tests.conftest import wait_for
 from tests.processes import mdb_argv
 from tests.terminal import REPO, spawn_in_pty
 
@@ -23,6 +24,7 @@ from tests.terminal import REPO, spawn_in_pty
 RESTORE = ("\x1b[?1049l", "\x1b[?25h", "\x1b[?1000l", "\x1b[?1003l", "\x1b[?1006l")
 
 SLOW_MODEL = '''\
+import pathlib
 import time
 
 import torch
@@ -36,6 +38,7 @@ class Slow(nn.Module):
         self.out = nn.Linear(16, 32)
 
     def forward(self, ids):
+        pathlib.Path(__file__).with_name("forward-started").touch()
         time.sleep(120)  # still capturing when the test sends SIGTERM
         return self.out(self.emb(ids))
 
@@ -74,7 +77,7 @@ def test_sigterm_closes_mdb_step_and_restores_the_terminal():
     child = spawn_in_pty([*mdb_argv(), "step", "--preset", "tiny"], OMP_NUM_THREADS="1")
     try:
         child.expect("call 1/", timeout=120)  # the step view is on screen
-        time.sleep(0.3)
+        wait_for(lambda: not _echo_on(child), 60, "the app to hold the terminal")
         after, took = _terminate_and_wait(child)
         echo = _echo_on(child)
     finally:
@@ -95,7 +98,7 @@ def test_sigterm_while_mdb_step_captures_exits_without_waiting_for_the_forward(t
     child = spawn_in_pty(argv, OMP_NUM_THREADS="1")
     try:
         child.expect("capturing one forward", timeout=120)  # the loading screen
-        time.sleep(0.5)
+        wait_for(lambda: (tmp_path / "forward-started").exists(), 120, "the forward to start")
         after, took = _terminate_and_wait(child)  # the forward sleeps 120 s: no wait for it
         echo = _echo_on(child)
     finally:

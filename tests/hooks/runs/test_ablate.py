@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,9 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from hooks.runs.ablate import AblateError, expand_variants, parse_vary
+from hooks.runs.rows import pid_alive
 from hooks.runs.store import RunStore
 from minillm import CharTokenizer, MiniLLM, MiniLLMConfig, load_preset
-from tests.conftest import REPO, SAMPLES, TINY_TOML, terminal_signals
+from tests.conftest import REPO, SAMPLES, TINY_TOML, terminal_signals, wait_for
 from tui.cli import main
 
 # -- variants -----------------------------------------------------------------------------------
@@ -244,17 +244,15 @@ def test_rope_length_study_reports_ce_at_T_2T_4T(tmp_path):
 
 
 def _wait_runs(db: Path, names, min_step: int, timeout: float = 120) -> None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
+    def reached() -> bool:
         try:
             with RunStore(db) as store:
                 steps = {r.name: r.last_step for r in store.runs()}
-            if all(steps.get(n, 0) >= min_step for n in names):
-                return
         except Exception:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"runs never reached step {min_step}")
+            return False
+        return all(steps.get(n, 0) >= min_step for n in names)
+
+    wait_for(reached, timeout, f"runs {', '.join(names)} to reach step {min_step}")
 
 
 @pytest.mark.slow
@@ -297,7 +295,8 @@ def test_failing_and_killed_workers_are_reported_with_their_reason(tmp_path):
         with RunStore(db) as store:
             victim = store.run("abl-attention=mqa").pid
         os.kill(victim, signal.SIGKILL)
-        time.sleep(1.0)
+        # mdb ablate reaps its worker when it sees it ended: then the pid is gone
+        wait_for(lambda: not pid_alive(victim), 120, "mdb ablate to see its worker killed")
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=120)
     finally:

@@ -17,7 +17,6 @@ import socket
 import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ from hooks.runs import distributed
 from hooks.runs.ddp_overfit import rank_windows
 from hooks.runs.store import SCHEMA_VERSION, RunStore, RunStoreError
 from tests.checksum_reference import checksum as reference_checksum
+from tests.conftest import wait_for
 from tui.cli import main
 
 REPO = Path(__file__).resolve().parents[3]
@@ -278,15 +278,15 @@ def _job(tmp_path: Path, *worker_args: str, tag: str = "job"):
 
 
 def _wait_for(cond, timeout: float, what: str, proc=None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def ready() -> bool:
         if cond():
-            return
+            return True
         if proc is not None and proc.poll() is not None and not cond():
             raise AssertionError(f"the job ended (exit {proc.returncode}) before {what}:\n"
                                  + proc.log.read_text(errors="replace")[-3000:])
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+        return False
+
+    wait_for(ready, timeout, what)
 
 
 def _reference(out: Path, rank: int) -> tuple[int, dict[int, dict[str, float]]]:
@@ -526,10 +526,9 @@ def test_the_torchrun_guide_shows_the_ddp_sample_complete():
 
 def test_a_zombie_counts_as_gone():
     child = subprocess.Popen([sys.executable, "-c", "pass"])
-    deadline = time.monotonic() + 60
-    while not distributed.process_gone(child.pid) and time.monotonic() < deadline:
-        time.sleep(0.05)  # exited, not reaped: a zombie, which os.kill(pid, 0) still finds
-    assert distributed.process_gone(child.pid)
+    # once it exited, not reaped: a zombie, which os.kill(pid, 0) still finds
+    wait_for(lambda: distributed.process_gone(child.pid), 60, "the child to exit")
+    assert os.path.exists(f"/proc/{child.pid}")  # not reaped yet: it is the zombie
     assert not distributed.process_gone(os.getpid())
     child.wait()
     assert distributed.process_gone(child.pid)

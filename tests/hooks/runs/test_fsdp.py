@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 from hooks.runs.rank_checksums import NOT_COMPARED
 from hooks.runs.store import RunStore, RunStoreError
 from tests import dtensor_worker as worker
+from tests.conftest import wait_for
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -205,11 +205,12 @@ def test_an_fsdp_rank_killed_with_sigkill_is_named_and_nothing_recorded_is_lost(
     with _job(tmp_path, "fsdp_worker.py", "--db", str(db), "--name", "kill", "--out",
               str(tmp_path), "--steps", "100000", "--every", "5", "--watch-every", "1000",
               "--sleep", "0.02") as proc:
-        deadline = time.monotonic() + 300
-        while (_query(db, lambda s: len(s.rank_steps(s.run("kill").id, rank=1))) or 0) < 10:
-            assert proc.poll() is None and time.monotonic() < deadline, \
-                proc.log.read_text(errors="replace")[-3000:]
-            time.sleep(0.1)
+        def ten_steps() -> bool:
+            assert proc.poll() is None, proc.log.read_text(errors="replace")[-3000:]
+            return (_query(db, lambda s: len(s.rank_steps(s.run("kill").id, rank=1)))
+                    or 0) >= 10
+
+        wait_for(ten_steps, 300, "rank 1's 10th step")
         before = _query(db, lambda s: [(x.step, x.rank, x.values)
                                        for x in s.rank_steps(s.run("kill").id)])
         lines = (tmp_path / "rank1.jsonl").read_text().splitlines()

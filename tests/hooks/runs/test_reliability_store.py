@@ -23,7 +23,7 @@ import pytest
 import hooks
 from hooks.runs.sqlite_open import DamagedDatabaseError, DatabaseLockedError
 from hooks.runs.store import RunStore, RunStoreError
-from tests.conftest import REPO, TINY_TOML, terminal_signals
+from tests.conftest import REPO, TINY_TOML, terminal_signals, wait_for
 from tui.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -56,16 +56,20 @@ def _spawn_overfit(args, cwd: Path, log: Path, env: dict[str, str], preexec=term
 def _inside_checkpoint(fifo: Path, proc: subprocess.Popen, log: Path, timeout=120.0) -> int:
     """Wait until ``proc`` holds its first checkpoint at the hold point (it opened ``fifo``
     for reading: ``MDB_TEST_HOLD_CHECKPOINT``); the write end, to release it."""
-    deadline = time.monotonic() + timeout
-    while True:
+    opened: list[int] = []
+
+    def write_end() -> bool:
         try:
-            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            opened.append(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            return True
         except OSError as exc:
             if exc.errno != errno.ENXIO:  # ENXIO: nobody reads it yet
                 raise
         assert proc.poll() is None, f"exited {proc.returncode}: {log.read_text()}"
-        assert time.monotonic() < deadline, f"never reached its checkpoint: {log.read_text()}"
-        time.sleep(0.01)
+        return False
+
+    wait_for(write_end, timeout, f"the trainer to reach its checkpoint: {log}")
+    return opened[0]
 
 
 def _run(db: Path, name: str):

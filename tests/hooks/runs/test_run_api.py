@@ -374,11 +374,11 @@ def test_a_locked_database_stops_recording_once_said_and_the_run_is_marked(db, m
                               stdout=subprocess.PIPE, text=True)
     try:
         assert locker.stdout.readline().strip() == "locked"
-        i = 0
-        while run.error is None:  # the loop goes on while the writer fails
+        def a_step_said() -> bool:  # the loop goes on (a step per look) while the writer fails
             run.log(loss=2.0)
-            i += 1
-            time.sleep(0.01)
+            return run.error is not None
+
+        _wait(a_step_said, what="the writer to say it cannot write")
         for _ in range(5):
             run.log(loss=3.0)
     finally:
@@ -646,12 +646,12 @@ def test_nested_runs_chain_their_handlers_and_a_finished_one_passes_signals_on(d
     assert signal.getsignal(signal.SIGINT) == inner._on_signal
     with pytest.raises(KeyboardInterrupt):
         os.kill(os.getpid(), signal.SIGINT)  # inner → outer (finished: passes on) → Python's
-        time.sleep(5)
+        _wait(lambda: False, 60, "the KeyboardInterrupt")  # raised between two looks
     inner.finish("interrupted", reason="SIGINT")
     assert signal.getsignal(signal.SIGINT) == outer._on_signal  # the handler before inner's
     with pytest.raises(KeyboardInterrupt):
         os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(5)
+        _wait(lambda: False, 60, "the KeyboardInterrupt")
     assert _read(db, "outer")[0].status == "finished"
     assert (_read(db, "inner")[0].status, _read(db, "inner")[0].reason) == ("interrupted",
                                                                            "SIGINT")

@@ -103,9 +103,8 @@ def test_a_second_signal_while_stopping_only_says_so(terminal_sigint):
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGINT)  # used to raise KeyboardInterrupt here
         os.kill(os.getpid(), signal.SIGTERM)
-        deadline = time.monotonic() + 30  # handlers run in this thread, between bytecodes
-        while len(said) < 2 and time.monotonic() < deadline:
-            time.sleep(0.001)
+        # handlers run in this thread, between bytecodes
+        _wait_for(lambda: len(said) >= 2, 30, "both repeats said")
     finally:
         restore()
     assert control.stop_reason == "SIGINT" and said == ["SIGINT", "SIGTERM"]

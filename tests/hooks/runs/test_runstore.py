@@ -29,6 +29,7 @@ from hooks.runs.store import (
     default_db_path,
     validate_run_name,
 )
+from tests.conftest import wait_for
 from tui.cli import main
 
 
@@ -152,9 +153,7 @@ def test_heartbeat_thread_keeps_beating(db):
         w = store.create_run("hb", {})
         store.connection.execute("UPDATE runs SET heartbeat = 0 WHERE name = 'hb'")
         w.start_heartbeat(interval=0.05)
-        deadline = time.time() + 5
-        while store.run("hb").heartbeat == 0 and time.time() < deadline:
-            time.sleep(0.02)
+        wait_for(lambda: store.run("hb").heartbeat != 0, 60, "a heartbeat")
         assert store.run("hb").heartbeat > time.time() - 5
         thread = w._hb_thread
         w.finish("finished")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hooks.runs.control import request
+from hooks.runs.control import pending, request
 from hooks.runs.store import RunStore
 from tests.conftest import REPO, TINY_TOML, terminal_signals, wait_until
 from tests.conftest import wait_for as _wait
@@ -91,10 +91,10 @@ def test_a_paused_run_makes_no_step_until_it_is_resumed(tmp_path, tiny):
         info = _wait(lambda: (i := _info(db, "p")) and i.last_step >= 2 and i, what="2 steps")
         request(db, info.id, "pause")
         info = _wait(lambda: (i := _info(db, "p")) and i.paused and i, what="paused")
-        held = info.last_step
-        # the trainer polls every 0.25 s and a step takes milliseconds: 2 s paused would have
-        # made dozens of steps
-        time.sleep(2.0)
+        held, beat = info.last_step, info.heartbeat
+        # the trainer polls every 0.25 s and a step takes milliseconds: 2 s of its heartbeats
+        # paused (however long a loaded machine makes them) would have made dozens of steps
+        _wait(lambda: _info(db, "p").heartbeat >= beat + 2.0, what="2 s of heartbeats paused")
         assert _info(db, "p").last_step == held and _info(db, "p").writer_state() == "running"
         request(db, info.id, "resume")
         _wait(lambda: _info(db, "p").last_step > held + 5, what="steps after resume")
@@ -134,8 +134,10 @@ def test_a_hooks_run_loop_obeys_stop_and_pause(tmp_path, capsys):
         info = _wait(lambda: (i := _info(db, "loop")) and i.last_step >= 5 and i, what="steps")
         request(db, info.id, "pause")
         info = _wait(lambda: (i := _info(db, "loop")) and i.paused and i, what="paused")
-        held = info.last_step
-        time.sleep(1.0)  # log() blocks while paused: no step in a second (hundreds otherwise)
+        held, beat = info.last_step, info.heartbeat
+        # log() blocks while paused: no step in a second of the run's heartbeats (hundreds
+        # otherwise); its writer beats every second while nothing is logged
+        _wait(lambda: _info(db, "loop").heartbeat >= beat + 1.0, what="a heartbeat paused")
         assert _info(db, "loop").last_step == held
         assert main(["stop", "loop", "--db", str(db)]) == 0  # wakes the paused loop too
         out, err = proc.communicate(timeout=60)
@@ -219,8 +221,13 @@ async def test_p_pauses_and_resumes_x_asks_then_stops(tmp_path, tiny):
             await wait_until(pilot, lambda: screen.state == "running", timeout=60)
             await pilot.press("x")  # asks first: n keeps it training
             await pilot.press("n")
-            await pilot.pause(1.0)
+            await wait_until(pilot, lambda: app.screen is screen, timeout=60)
+            # a second of the trainer's heartbeats after n: its poller (every 0.25 s) would
+            # have seen a stop by then
+            beat = _info(db, "k").heartbeat
+            await wait_until(pilot, lambda: _info(db, "k").heartbeat >= beat + 1.0, timeout=60)
             assert _info(db, "k").writer_state() == "running"
+            assert pending(db, _info(db, "k").id) == []  # nothing was asked
             await pilot.press("x", "y")
             await wait_until(pilot, lambda: screen.state == "interrupted", timeout=60)
             # nothing to drive now: p, x, d leave the footer
@@ -244,7 +251,7 @@ async def test_d_q_and_ctrl_c_detach_and_training_goes_on(tmp_path, tiny, keys):
         async with app.run_test(size=(80, 24)) as pilot:
             await wait_until(pilot, lambda: app.live.state == "running", timeout=60)
             await pilot.press(*keys)
-            await pilot.pause(0.5)
+            await wait_until(pilot, lambda: app.return_code is not None, timeout=60)
             assert app.return_code == 0 and app.live.outcome == "detached"
         store.close()
         held = _info(db, "v").last_step

@@ -8,11 +8,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import time
 
 import pytest
 
 from hooks.runs.store import RunStore
+from tests.conftest import wait_for
 from tests.processes import mdb_argv
 from tests.terminal import spawn_in_pty
 from tui.cli import main
@@ -31,14 +31,11 @@ def test_a_hangup_ends_the_viewer_and_training_goes_on(tmp_path):
     try:
         child.expect("running")
         os.close(child.child_fd)  # the terminal is gone for good
-        deadline = time.monotonic() + 90
-        while child.isalive() and time.monotonic() < deadline:  # before the fix: forever
-            time.sleep(0.2)
+        with contextlib.suppress(AssertionError):  # before the fix: forever (judged below,
+            wait_for(lambda: not child.isalive(), 90, "the viewer to end")  # trainer stopped)
         viewer_alive = child.isalive()
         held = _run(db).last_step
-        deadline = time.monotonic() + 120
-        while _run(db).last_step <= held + 20 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_for(lambda: _run(db).last_step > held + 20, 120, "20 steps more")
         assert _run(db).writer_state() == "running" and _run(db).last_step > held + 20
         assert main(["stop", "hup", "--db", str(db)]) == 0
     finally:

@@ -106,7 +106,7 @@ def check_runs_and_export(db: Path, steps: int, spike_step: int, capsys) -> None
 
 
 async def check_watch(db: Path, steps: int, spike_step: int) -> None:
-    from tests.conftest import wait_until
+    from tests.conftest import drawn, wait_until
     from tui.commands.watch import open_run
     from tui.live_app import make_watch_app
     from tui.screens.live_chart import LineChart, chart_rows
@@ -115,9 +115,11 @@ async def check_watch(db: Path, steps: int, spike_step: int) -> None:
     app = make_watch_app(store, run)
     try:
         async with app.run_test(size=(120, 36)) as pilot:
-            await wait_until(pilot, lambda: app.live.polls >= 1, timeout=60)
-            await pilot.pause(0.3)
             screen = app.live
+            # the first read marks the charts to be drawn; they are drawn on the screen's next
+            # redraw slot, however long that takes on a loaded machine
+            await wait_until(pilot, lambda: screen.polls >= 1, timeout=60)
+            await drawn(pilot, screen)
             assert screen.state == "finished" and screen.series.step == steps
             status = str(screen.query_one("#live-status").render())
             assert "finished" in status
@@ -166,7 +168,7 @@ async def test_a_run_of_a_million_steps_is_listed_exported_and_watched_exactly(t
 # -- never import torch ----------------------------------------------------------------------
 
 _WATCH = textwrap.dedent("""
-    import asyncio, sys
+    import asyncio, sys, time
     from tui.commands.watch import open_run
     from tui.live_app import make_watch_app
 
@@ -174,10 +176,9 @@ _WATCH = textwrap.dedent("""
         store, run = open_run(sys.argv[1], "big")
         app = make_watch_app(store, run)
         async with app.run_test(size=(100, 30)) as pilot:
-            for _ in range(600):
-                await pilot.pause(0.05)
-                if app.live.polls:
-                    break
+            deadline = time.monotonic() + 60
+            while not app.live.polls and time.monotonic() < deadline:
+                await pilot.pause()
             print("polls", app.live.polls, app.live.state)
         store.close()
 

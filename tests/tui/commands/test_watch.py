@@ -7,13 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from hooks.runs.store import RunStore
-from tests.conftest import REPO, TINY_TOML, drawn, wait_until
+from tests.conftest import REPO, TINY_TOML, drawn, wait_for, wait_until
 from tests.processes import one_error_line as _one_error_line
 from tui.cli import main
 
@@ -33,18 +32,17 @@ def _writer(tmp_path, steps: int, name: str = "w") -> tuple[subprocess.Popen, Pa
 
 
 def _wait_for_run(db: Path, name: str, min_step: int = 1, timeout: float = 60.0):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if db.exists():
-            try:
-                with RunStore(db) as store:
-                    run = store.run(name)
-                    if run.last_step >= min_step:
-                        return run
-            except Exception:
-                pass
-        time.sleep(0.05)
-    raise AssertionError(f"run {name} never reached step {min_step}")
+    def reached():
+        if not db.exists():
+            return None
+        try:
+            with RunStore(db) as store:
+                run = store.run(name)
+        except Exception:
+            return None
+        return run if run.last_step >= min_step else None
+
+    return wait_for(reached, timeout, f"run {name} to reach step {min_step}")
 
 
 @pytest.mark.slow
