@@ -260,7 +260,8 @@ class RunStore:
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, create: bool = False):
         self.path = Path(path) if path is not None else default_db_path()
-        opened = open_database(self.path, create=create, wait=_lock_wait())
+        wait = _lock_wait()
+        opened = open_database(self.path, create=create, wait=wait)
         self._conn: sqlite3.Connection | None = opened.conn
         self.read_only = opened.read_only
         self.note = opened.note
@@ -275,7 +276,7 @@ class RunStore:
             if isinstance(exc, RunStoreError):  # DatabaseLockedError
                 raise
             if is_locked(exc):
-                raise locked_error(self.path, time.monotonic() - t0) from exc
+                raise locked_error(self.path, time.monotonic() - t0, wait) from exc
             raise RunStoreError(f"cannot use the run database {self.path}: {exc}") from exc
         except BaseException:
             self.close()
