@@ -56,7 +56,7 @@ async def test_router_view_labels_the_rule_and_the_aux_loss_of_qwen3_moe():
         assert f"what {rec.module}.experts received" in summary
         assert f"layer aux loss {rec.aux_loss:.4f}" in summary
         tokens = screen.query_one("#tokens", DataTable)
-        assert [tokens.get_row_at(n)[1] for n in range(4)] == [str(i) for i in ids[:4]]
+        assert [str(tokens.get_row_at(n)[1]) for n in range(4)] == [str(i) for i in ids[:4]]
 
 
 async def test_router_view_of_deepseek_v3_says_why_there_is_no_aux_loss():
