@@ -196,3 +196,26 @@ def test_rank_medians_and_stragglers_are_the_same_in_mdb_runs_and_mdb_watch(
         assert main(["runs", "--db", str(db)]) == 0
         pct = comp[3] / statistics.median(comp[r] for r in range(4)) - 1
         assert f"straggler rank 3 (+{pct * 100:.0f}% compute time)" in capsys.readouterr().out
+
+
+def test_the_headless_line_of_an_nproc_job_shows_the_runs_speed(tmp_path, capsys):
+    """``mdb overfit --nproc N`` without a terminal: the same steps/s as every view (the median
+    spacing of the steps' walls), not rank 0's own ``steps_per_s`` of one step."""
+    from types import SimpleNamespace
+
+    from tui.commands.overfit_ddp import _headless
+
+    walls = [100.0, 100.5, 101.0, 101.25]  # spacings 0.5, 0.5, 0.25: median 0.5 s
+    db = tmp_path / "mdb.sqlite"
+    with RunStore(db, create=True) as store:
+        w = store.create_run("job", {}, total_steps=4)
+        for s, wall in enumerate(walls, 1):
+            w.log_step({"step": s, "wall": wall, "ce": 1.0, "aux": 0.0, "grad_norm": 1.0,
+                        "step_time": 0.02, "steps_per_s": 50.0})
+        w.finish("finished")
+    with RunStore(db) as store:
+        _headless(store, store.run("job"), SimpleNamespace(alive=lambda: False, log="log"), 2)
+    last = capsys.readouterr().out.splitlines()[-1]
+    spacings = [b - a for a, b in zip(walls, walls[1:], strict=False)]
+    assert last.startswith("step 4/4") and last.endswith(
+        f"  {1 / statistics.median(spacings):.1f} steps/s"), last
