@@ -46,10 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object per run (one per line) instead of a table: "
                              "name, status, steps, metrics (names in first-logged order), "
+                             "loss_metric and loss, steps_per_s, eta_s, "
                              "nonfinite (step, metric, module, direction[, rank]), spikes, "
                              "damaged, the run row, and for a torchrun job world_size, ranks, "
-                             "findings and parallel (DDP, FSDP2, tensor parallel: how an "
-                             "mdb overfit --nproc job split the model)")
+                             "findings, rank_times, straggler_basis, stragglers and "
+                             "parallel (DDP, FSDP2, tensor parallel: how an mdb overfit --nproc "
+                             "job split the model)")
 
 
 def format_age(seconds: float) -> str:
