@@ -6,6 +6,9 @@
   writer keeps so that readers never scan a long run (latest values, per-block aggregates,
   capture count) in :mod:`hooks.runs.summary`, a run as one table pivoted by SQLite (``mdb
   export``) in :mod:`hooks.runs.table`;
+* :mod:`hooks.runs.numbers` — what each number every view shows means, computed once: the
+  run's loss, steps/s and the ETA (:mod:`hooks.runs.rates`), the ranks' median times and
+  stragglers (:mod:`hooks.runs.rank_stats`);
 * :mod:`hooks.runs.spikes` — loss spikes, found by the store's writer as steps are written;
 * :mod:`hooks.runs.run` — ``hooks.run``: record your own training loop (:class:`Run`);
 * :mod:`hooks.runs.trainer` — a UI-free training loop with live controls (:class:`Trainer`);

@@ -7,7 +7,8 @@
 * the store's errors (:class:`RunNotFoundError`, :class:`RunExistsError`,
   :class:`DamagedRunError`, :class:`WriterBusyError`; their base
   :class:`~hooks.runs.sqlite_open.RunStoreError`);
-* run names (:func:`validate_run_name`), the loss metric (:func:`loss_metric`), a writer's
+* run names (:func:`validate_run_name`), the loss metric (:func:`loss_metric`, defined in
+  :mod:`hooks.runs.numbers` with every number the views show), a writer's
   liveness (:meth:`RunInfo.writer_alive`; :func:`pid_alive` is
   :mod:`hooks.runs.liveness`'s) and non-finite findings (:func:`nonfinite_sentence`).
 
@@ -16,7 +17,8 @@ the unreadable fields left empty and :attr:`RunInfo.damaged` saying which; such 
 resumed. A metric row that cannot be read raises :class:`DamagedRunError`.
 
 Part of the run store (:mod:`hooks.runs.store`, which re-exports every public name). This
-module uses only the standard library (and :mod:`hooks.runs.spikes`, which does too).
+module uses only the standard library (and :mod:`hooks.runs.spikes` and
+:mod:`hooks.runs.numbers`, which do too).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import re
 import socket
 import sqlite3
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -92,17 +94,6 @@ def validate_run_name(name: str) -> str:
             "starting with a letter or digit"
         )
     return name
-
-
-def loss_metric(names: Iterable[str]) -> str | None:
-    """The metric that stands for "the loss" among ``names``: ``total`` (``mdb overfit``'s
-    back-propagated loss), else ``loss``, else the first name containing ``loss``; ``None``
-    when none does. It feeds :attr:`RunInfo.last_loss`."""
-    names = list(names)
-    for key in ("total", "loss"):
-        if key in names:
-            return key
-    return next((n for n in names if "loss" in n), None)
 
 
 def _nan_to_none(x: float | None) -> float | None:

@@ -82,6 +82,7 @@ from hooks.runs.log_values import (
     expert_load_table,
     to_float,
 )
+from hooks.runs.numbers import loss_metric
 from hooks.runs.reserve import DiskReserve, finish_run
 from hooks.runs.run_process import RunProcess
 from hooks.runs.store import (
@@ -90,7 +91,6 @@ from hooks.runs.store import (
     RunWriter,
     checkpoint_dir,
     default_db_path,
-    loss_metric,
     validate_run_name,
 )
 from hooks.runs.writer import WriterLostError

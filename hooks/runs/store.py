@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from hooks.runs.listing import latest_names
+from hooks.runs.numbers import loss_metric
 from hooks.runs.rows import (
     DEFAULT_STALE_AFTER,
     FINDING_KINDS,
@@ -76,7 +77,6 @@ from hooks.runs.rows import (
     _cell,
     _run_from_row,
     _shown,
-    loss_metric,
     pid_alive,
     validate_run_name,
 )

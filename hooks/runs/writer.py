@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from hooks.runs.liveness import this_process
+from hooks.runs.numbers import loss_metric
 from hooks.runs.rows import (
     _DIRECTIONS,
     _NONFINITE_KEYS,
@@ -48,7 +49,6 @@ from hooks.runs.rows import (
     MetricRow,
     RunInfo,
     _nonfinite_from_failure,
-    loss_metric,
 )
 from hooks.runs.schema import _lock_wait
 from hooks.runs.spikes import Spike, SpikeDetector

@@ -96,9 +96,12 @@ async def test_compare_follows_a_run_being_written(db):
                                       f"{MiniLLM(cfg_gqa).num_parameters():,}", "—"]
             assert rows["num_key_value_heads"][:2] == ["4", "2"]
             assert rows["KV bytes/token fp32"][:2] == ["512", "256"]  # 2·L·Hkv·Dh·4 bytes, ∝ Hkv
-            assert rows["last loss"] == ["0.0750", "0.0667", "0.2000"]
-            assert rows["best loss"] == ["0.0750", "0.0667", "0.2000"]
-            assert rows["loss metric"] == ["ce", "ce", "loss"]
+            # the run's loss, as mdb runs and mdb watch say: minillm's total (ce + aux), the
+            # ce beside it
+            assert rows["last loss"] == ["0.0850", "0.0767", "0.2000"]
+            assert rows["best loss"] == ["0.0850", "0.0767", "0.2000"]
+            assert rows["loss metric"] == ["total", "total", "loss"]
+            assert rows["last ce"] == ["0.0750", "0.0667", "—"]
             note = str(app.screen.query_one("#cmp-note").render())
             assert "own-loop: — a hooks.run loop" in note
             # every run's marker is on the chart and in its legend: apart without colour

@@ -104,7 +104,9 @@ async def test_a_gone_writer_keeps_g_whole_and_says_how_to_continue(tmp_path):
         await drawn(pilot, app.live)
         q = app.screen.query_one
         status = _text(q("#live-status"))
-        assert status.startswith("✗ writer gone  step 30/5000  ce 0.1060  aux 0.0394")
+        ce = 2.5 * 0.9 ** 30  # the run's loss (total) first, then the losses that fit
+        assert status.startswith(f"✗ writer gone  step 30/5000  total {ce + 0.0394:.4f}  "
+                                 f"ce {ce:.4f}"), status
         g = f"{0.008723 * (1 + 1 / 30):.3g}"
         assert status.endswith(f"  |g| {g}"), status  # whole, at the end
         assert len(status) <= 78

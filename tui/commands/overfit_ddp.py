@@ -156,7 +156,12 @@ def _fmt(x: float | None, spec: str = ".4f") -> str:
 
 
 def _headless(store, info, job: _Job, nproc: int, what: str = "DDP") -> None:
-    """Plain progress lines from the store until the job ends (every ~5 % or 10 s)."""
+    """Plain progress lines from the store until the job ends (every ~5 % or 10 s); the speed
+    is the run's end-to-end steps/s, as every view shows it (:class:`hooks.runs.rates.StepRate`),
+    not one step's own ``steps_per_s``."""
+    from hooks.runs.rates import StepRate
+
+    rate = StepRate()
     total = info.total_steps or 0
     every = max(1, total // 20)
     cursor, last_print = 0, 0.0
@@ -165,15 +170,19 @@ def _headless(store, info, job: _Job, nproc: int, what: str = "DDP") -> None:
     while True:
         alive = job.alive()
         update = store.poll(info.id, cursor)
+        if update.restarted:
+            rate.reset()
         for row in update.metrics:
             v = row.values
+            rate.add(row.wall)
             now = time.monotonic()
             if row.step % every == 0 or row.step == total or row.step == 1 or \
                     now - last_print >= 10:
                 last_print = now
                 print(f"step {row.step}/{total}  ce {_fmt(v.get('ce'))}  aux "
                       f"{_fmt(v.get('aux'))}  |g| {_fmt(v.get('grad_norm'), '.3g')}  "
-                      f"{_fmt(v.get('steps_per_s'), '.1f')} steps/s (rank 0)", flush=True)
+                      f"{_fmt(rate.steps_per_s(v.get('step_time')), '.1f')} steps/s",
+                      flush=True)
         cursor = update.last_step if update.metrics else cursor
         if not alive:
             return

@@ -46,10 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object per run (one per line) instead of a table: "
                              "name, status, steps, metrics (names in first-logged order), "
+                             "loss_metric and loss, steps_per_s, eta_s, "
                              "nonfinite (step, metric, module, direction[, rank]), spikes, "
                              "damaged, the run row, and for a torchrun job world_size, ranks, "
-                             "findings and parallel (DDP, FSDP2, tensor parallel: how an "
-                             "mdb overfit --nproc job split the model)")
+                             "findings, rank_times, straggler_basis, stragglers and "
+                             "parallel (DDP, FSDP2, tensor parallel: how an mdb overfit --nproc "
+                             "job split the model)")
 
 
 def format_age(seconds: float) -> str:
@@ -74,15 +76,23 @@ def run_record(run, store, now: float, probe: bool = False) -> dict:
     metric's latest value by name, ``null`` for NaN), ``nonfinite_line``,
     ``captures`` (how many steps have a stored capture) and ``last_capture`` (the latest such
     step, ``None`` without), ``last_ce``, ``spikes`` (each loss spike the writer recorded:
-    step, metric, value, baseline, ratio, peak_step, last_step), ``world_size`` (``None`` for
-    a single process), ``ranks`` (a distributed run's ranks: :class:`hooks.runs.store.RankInfo`
+    step, metric, value, baseline, ratio, peak_step, last_step), ``loss_metric`` (the metric
+    that is the run's loss, :func:`hooks.runs.numbers.loss_metric`) and ``loss`` (its latest
+    value), ``steps_per_s`` (end to end, :class:`hooks.runs.rates.StepRate`) and ``eta_s``
+    (seconds to ``total_steps`` at that pace while the run is running, else ``None``) — the
+    numbers ``mdb watch`` and ``mdb compare`` show —, ``world_size`` (``None`` for a single
+    process), ``ranks`` (a distributed run's ranks: :class:`hooks.runs.store.RankInfo`
     fields), ``parallel`` (how a distributed run split its model, as its stored config says:
     ``DDP``, ``FSDP2``, ``tensor parallel``; ``None`` for one process or when it does not
     say), ``findings`` (its cross-rank checks' findings, :class:`hooks.runs.store.Finding`
     fields: ``kind``, ``step``, ``rank``, ``subject`` — the parameter or ``rank N`` — and
     ``line``; also the training-loop doctor's findings of ``run.watch(..., optimizer=,
-    scheduler=)``, with ``detail["severity"]`` and ``detail["evidence"]``) and ``details``
-    (the lines the table prints under the run, uncut).
+    scheduler=)``, with ``detail["severity"]`` and ``detail["evidence"]``), for a distributed
+    run ``rank_times`` (each rank's median ``step_time`` and ``compute_time`` over its last
+    steps), ``straggler_basis`` (``compute``, ``step`` or ``None``) and ``stragglers``
+    (``rank``, ``time``, ``median``, slowest first) as ``mdb watch``'s ranks screen names them
+    (:mod:`hooks.runs.rank_stats`), and ``details`` (the lines the table prints under the run,
+    uncut).
 
     ``probe`` (the file is damaged): the first and last rows of the run's per-step tables are
     read too, so that a run whose rows sit on a damaged page is said ``damaged``.
@@ -100,10 +110,13 @@ def run_record(run, store, now: float, probe: bool = False) -> dict:
     d.update(writer_state=run.writer_state(now), status_line=run.status_line(now),
              steps=run.last_step, nonfinite_line=run.nonfinite_line(), metrics=[], latest={},
              captures=0,
-             last_capture=None, last_ce=None, spikes=[], ranks=[], findings=[])
+             last_capture=None, last_ce=None, spikes=[], ranks=[], findings=[],
+             loss_metric=None, loss=None, steps_per_s=None, eta_s=None, rank_times=[],
+             straggler_basis=None, stragglers=[])
     try:
         summary = store.summary(run.id)  # kept by the writer: no scan of the run's rows
         ce = summary.latest.get("ce")
+        ranks = store.ranks(run.id)
         d.update(
             metrics=store.metric_names(run.id),
             captures=summary.captures,
@@ -111,9 +124,10 @@ def run_record(run, store, now: float, probe: bool = False) -> dict:
             last_ce=ce[1] if ce is not None and ce[0] == run.last_step else None,
             latest={name: value for name, (_step, value) in summary.latest.items()},
             spikes=[s.to_dict() for s in store.spikes(run.id)],
-            ranks=[r.to_dict() for r in store.ranks(run.id)],
+            ranks=[r.to_dict() for r in ranks],
             findings=[f.to_dict() for f in store.findings(run.id)],
         )
+        d.update(_numbers(run, store, d["metrics"], summary.latest, ranks, d["writer_state"]))
         if probe:
             _probe_rows(store, run.id)
     except DatabaseLockedError:
@@ -124,6 +138,23 @@ def run_record(run, store, now: float, probe: bool = False) -> dict:
         d["damaged"] = d["damaged"] or f"run {run.name!r}: its rows cannot be read ({exc})"
     d["details"] = detail_lines(run, d, now)
     return d
+
+
+def _numbers(run, store, names, latest, ranks, state: str) -> dict:
+    """The run's loss, speed, ETA and, for a ``torchrun`` job, its ranks' median times and
+    stragglers, as every view computes them (:func:`hooks.runs.numbers.stored_numbers`); the
+    ETA only while the run is running (the live screen shows "—" once it ended)."""
+    from hooks.runs.numbers import stored_numbers
+
+    with store.snapshot():
+        n = stored_numbers(store.connection, run, names, latest, ranks)
+    return {"loss_metric": n.loss_metric, "loss": n.loss, "steps_per_s": n.steps_per_s,
+            "eta_s": n.eta_s if state == "running" else None,
+            "rank_times": [{"rank": r, "step_time": st, "compute_time": ct}
+                           for r, (st, ct) in n.rank_times.items()],
+            "straggler_basis": n.straggler_basis,
+            "stragglers": [{"rank": r, "time": x, "median": med}
+                           for r, x, med in n.stragglers]}
 
 
 def _probe_rows(store, run_id: int) -> None:
@@ -142,8 +173,9 @@ def detail_lines(run, record: dict, now: float, db: str | None = None) -> list[s
     the command that continues an interrupted run or one whose writer is gone (``continue:
     ...``), or restarts one that has no checkpoint to continue from (``restart from step 0:
     ...``) — never for a job of ``mdb overfit --nproc``, which cannot be resumed; a
-    distributed run's line says its ranks and, when its config records it, how it split the
-    model (``2 ranks · FSDP2``)."""
+    distributed run's line says its ranks, when its config records it how it split the model,
+    and its stragglers as ``mdb watch`` names them (``2 ranks · FSDP2 · straggler rank 1 (+23%
+    compute time)``)."""
     from hooks.runs.spikes import Spike
 
     if record.get("damaged"):
@@ -180,7 +212,10 @@ def detail_lines(run, record: dict, now: float, db: str | None = None) -> list[s
     if run.world_size:
         found = record.get("findings", [])
         kind = record.get("parallel")
-        lines.append(f"{run.world_size} ranks" + (f" · {kind}" if kind else "")
+        basis = record.get("straggler_basis")
+        slow = "".join(f" · straggler rank {s['rank']} (+{(s['time'] / s['median'] - 1):.0%}"
+                       f" {basis} time)" for s in record.get("stragglers", []))
+        lines.append(f"{run.world_size} ranks" + (f" · {kind}" if kind else "") + slow
                      + (f" · {len(found)} finding(s)" if found else ""))
         lines += [f["line"] for f in found]
     elif record.get("findings"):  # the training-loop doctor's, of a single process
@@ -239,20 +274,16 @@ def table_lines(runs, records: list[dict], now: float, width: int | None,
     """
     from rich.text import Text
 
-    from hooks.runs.store import loss_metric
-
     rows = []
     for r, d in zip(runs, records, strict=True):
         status = "damaged" if d.get("damaged") else d["writer_state"]
         if status == "running" and r.paused:
             status = "paused"
         steps = f"{r.last_step}/{r.total_steps}" if r.total_steps else str(r.last_step)
-        if d["steps"] == 0:
+        if d["steps"] == 0 or d["loss_metric"] is None:
             loss = "—"
-        elif r.last_loss is None:
-            loss = "nan" if loss_metric(d["metrics"]) is not None else "—"
-        else:
-            loss = f"{r.last_loss:.4f}"
+        else:  # the run's loss as every view shows it (hooks.runs.numbers)
+            loss = "nan" if d["loss"] is None else f"{d['loss']:.4f}"
         updated = r.heartbeat if r.heartbeat is not None else r.started
         if d.get("damaged"):  # its times may be what could not be read
             age = ago = "?"

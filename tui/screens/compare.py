@@ -1,13 +1,15 @@
 """``CompareScreen``: 2–8 runs of the run store side by side, live — ``mdb compare`` and
 ``mdb ablate``.
 
-* **One chart** of every run's loss on shared axes (``ce`` for minillm runs, else the run's loss
-  metric), log scale by default (``l``: linear). Each run has a colour *and* a marker
+* **One chart** of every run's loss on shared axes (:func:`hooks.runs.numbers.loss_metric`:
+  ``total`` for minillm runs, as ``mdb runs`` and ``mdb watch`` say), log scale by default
+  (``l``: linear). Each run has a colour *and* a marker
   (:data:`tui.screens.compare_data.RUN_STYLES`), kept while the run is on the screen, so the
   lines stay apart without colour (``NO_COLOR``, a text capture).
 * **One table**, a column per run: the config fields in which the runs differ, parameters,
-  attention parameters per layer, KV-cache bytes per token, the last and best loss, held-out
-  ``ce@N`` when recorded, steps/s, step and status
+  attention parameters per layer, KV-cache bytes per token, the last and best loss, the last
+  ``ce`` when the loss is another metric, held-out ``ce@N`` when recorded, steps/s, step and
+  status
   (:func:`tui.screens.compare_data.compare_rows`). Numbers of a run whose config is not a
   minillm config are "—", and a line below the table says why.
 * **Live**: a thread worker reads what is new about every shown run from the store
@@ -473,10 +475,11 @@ class CompareScreen(MdbScreen):
 
     def action_help(self) -> None:
         text = help_text([("mdb compare", self.BINDINGS)]) + (
-            "\n\nThe chart overlays each run's loss (ce for minillm runs); every run keeps"
+            "\n\nThe chart overlays each run's loss (total for minillm runs); every run keeps"
             "\nits colour and marker while shown. The table's columns are the runs: the"
             "\nsettings in which they differ, then parameters, attention parameters per"
-            "\nlayer, KV-cache bytes per token, last and best loss, held-out ce@N, steps/s."
+            "\nlayer, KV-cache bytes per token, last and best loss, last ce, held-out ce@N,"
+            "\nsteps/s."
             "\n'—': not known for that run (the line below the table says why).")
         self.app.push_screen(HelpScreen(text))
 

@@ -9,20 +9,22 @@ share this module, so both show the same numbers:
   ``None`` and the reason, never a guess.
 * :func:`compare_rows` — the table: the config fields in which the runs differ, then per run
   parameters, attention parameters per layer, KV-cache bytes per token, the last and the best
-  value of its loss (``ce`` for minillm, else the run's loss metric), held-out ``ce@N``,
-  steps/s, step and status.
+  value of its loss (:func:`hooks.runs.numbers.loss_metric`: ``total`` for minillm, as in
+  ``mdb runs`` and ``mdb watch``), the last ``ce`` when a run's loss is another metric (a MoE
+  model's ``total`` adds the load-balancing loss), held-out ``ce@N``, steps/s
+  (:class:`hooks.runs.rates.StepRate`), step and status.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from hooks.runs.numbers import HELD_OUT, loss_metric
 from hooks.text import printable
-from tui.screens.live_data import RunSeries, is_loss_like
+from tui.screens.live_data import RunSeries
 
 #: (Rich style, marker) of the runs, by slot; a run keeps its slot while it is shown.
 RUN_STYLES: tuple[tuple[str, str], ...] = (
@@ -34,7 +36,6 @@ MAX_RUNS = len(RUN_STYLES)
 #: Config keys that are not settings to compare (the run's own bookkeeping, long text).
 _SKIP_KEYS = {"text", "metrics", "loss_metrics", "moe", "top_k", "workload", "model_config",
               "resolved_model_config", "model_state", "batch", "loss_source", "model_path"}
-_EVAL_RE = re.compile(r"^ce@(\d+)$")
 
 
 def minillm_config_of(run: Any) -> tuple[Any, str]:
@@ -94,16 +95,10 @@ def config_fields(run: Any) -> dict[str, str]:
 
 
 def run_loss_metric(names: Sequence[str]) -> str | None:
-    """The loss a run is compared by: ``ce`` (minillm's cross-entropy) when logged, else the
-    store's loss metric (``total``, ``loss``, a name with ``loss``), else the first loss-like
-    name; ``None`` when the run logs none."""
-    from hooks.runs.store import loss_metric
-
-    names = list(names)
-    if "ce" in names:
-        return "ce"
-    return loss_metric(names) or next((n for n in names if is_loss_like(n)
-                                       and not _EVAL_RE.match(n)), None)
+    """The loss a run is compared by: :func:`hooks.runs.numbers.loss_metric`, the run's loss
+    in every view (``total``, ``loss``, a name with ``loss``, ``ce``, another loss-like name,
+    never a held-out ``ce@N``); ``None`` when the run logs none."""
+    return loss_metric(names)
 
 
 @dataclass
@@ -310,10 +305,14 @@ def compare_rows(views: Sequence[RunView]) -> list[CompareRow]:
                                               for v, n in zip(views, losses, strict=True)]))
     rows.append(CompareRow(f"best {label}", [_fmt(v.best(n)) if n else "—"
                                               for v, n in zip(views, losses, strict=True)]))
+    if any(n != "ce" and "ce" in v.series.stats for v, n in zip(views, losses, strict=True)):
+        # the cross-entropy apart from what the loss adds to it (a MoE model's aux loss)
+        rows.append(CompareRow("last ce", [_fmt(v.series.value("ce")) if "ce" in v.series.stats
+                                           else "—" for v in views]))
     evals: list[str] = []
     for v in views:
-        evals += [n for n in v.series.names if _EVAL_RE.match(n) and n not in evals]
-    for n in sorted(evals, key=lambda s: int(_EVAL_RE.match(s).group(1))):
+        evals += [n for n in v.series.names if HELD_OUT.match(n) and n not in evals]
+    for n in sorted(evals, key=lambda s: int(HELD_OUT.match(s).group(1))):
         rows.append(CompareRow(f"held-out {n}", [_fmt(v.series.value(n)) if n in v.series.stats
                                                  else "—" for v in views]))
     rows.append(CompareRow("steps/s", [_fmt(v.series.steps_per_s(), ".1f") for v in views]))

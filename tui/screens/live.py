@@ -28,8 +28,9 @@ a run of ``mdb overfit`` (minillm or ``--model``) and one of a user's own loop (
 * how the run ended, and for a run that can continue, its checkpoint and the command;
 * a step that takes far longer than the ones before (a forward that hangs): for how long.
 
-Every line is laid out for 80 columns: the status line keeps the state, the step, the main loss
-and ``|g|`` and drops the other losses first; hints are one line; the help wraps whole words.
+Every line is laid out for 80 columns: the status line keeps the state, the step, the loss
+(:func:`hooks.runs.numbers.loss_metric`) and ``|g|`` and drops the other losses first; hints are
+one line; the help wraps whole words.
 
 Redraws are throttled so the screen costs a trainer in the same process little (see
 ``benchmarks/bench_overfit_ui.py``): the numbers at most every ``text_interval`` (0.2 s), the
@@ -401,13 +402,17 @@ class LiveScreen(MdbScreen):
             self.query_one(selector, Static).update(content)
 
     def _status_text(self) -> Text:
-        """The state, the step, the losses and ``|g|``, fitted to the line: the losses after the
-        first are dropped before anything is cut (``|g|`` keeps its place)."""
+        """The state, the step, the losses and ``|g|``, fitted to the line: the run's loss
+        first, the other losses dropped before anything is cut (``|g|`` keeps its place)."""
         s = self.series
         total = f"/{s.total_steps}" if s.total_steps else ""
         pieces: list[tuple[int, str, str]] = [(0, f"step {s.step}{total}", "")]  # (rank, ...)
         if s.last is not None:
-            for i, name in enumerate(s.loss_names()[:3]):
+            # the run's loss first (hooks.runs.numbers.loss_metric, as mdb runs and mdb compare
+            # show it), then the other losses charted with it
+            main = s.loss_name if s.loss_name in s.stats else None
+            losses = ([main] if main else []) + [n for n in s.loss_names() if n != main]
+            for i, name in enumerate(losses[:3]):
                 pieces.append((1 if i == 0 else 3, f"{display_name(name)} "
                                f"{_num(s.value(name))}", ""))
             if "grad_norm" in s.stats:

@@ -10,18 +10,23 @@ costs the same at step 100 as at step 100,000:
   per metric the run logs — whatever their names: ``ce``/``aux``/``total`` of ``mdb overfit``,
   ``loss`` of a user's model, ``val_loss`` or ``acc`` of a user's own loop — keeps each
   metric's last, min and max, per MoE layer per expert the tokens routed to it, and the numbers
-  the header shows (throughput, ETA, last sample). :func:`is_loss_like` decides which metrics
-  are charted together as losses (a run may declare them instead).
+  the header shows (throughput, ETA, last sample). :func:`hooks.runs.numbers.is_loss_like`
+  decides which metrics are charted together as losses (a run may declare them instead).
+
+Every number shown about a run — which metric is "the loss", steps/s, the ETA — is defined in
+:mod:`hooks.runs.numbers` (with :mod:`hooks.runs.rates`) and only fed here, so ``mdb runs``,
+``mdb compare`` and the live screen agree.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hooks.runs.numbers import is_loss_like, loss_metric
+from hooks.runs.rates import StepRate, eta_seconds
 from hooks.text import printable
 
 #: Buckets kept per series: about two points per column of a full-width chart.
@@ -36,7 +41,6 @@ FIXED_METRICS = ("ce", "aux", "total", "grad_norm", "lr", "step_time", "tokens_p
                  "steps_per_s")
 #: Metrics the rate row shows already (not repeated in the table).
 THROUGHPUT_METRICS = ("step_time", "tokens_per_s", "steps_per_s")
-_LOSS_TOKENS = frozenset({"ce", "nll", "ppl", "xent", "perplexity"})
 
 
 def display_name(name: str) -> str:
@@ -44,16 +48,6 @@ def display_name(name: str) -> str:
     characters escaped, ``a\\nb``), ``""`` for an empty name (``hooks.run`` takes any
     keyword)."""
     return printable(name) if name else '""'
-
-
-def is_loss_like(name: str) -> bool:
-    """Whether a metric is a loss by its name: it contains ``loss`` or ``perplexity``, or one
-    of its ``_``/``/``/``.``/``-``-separated words is ``ce``, ``nll``, ``ppl`` or ``xent``
-    (``val_loss``, ``train/ce``, ``nll``, ``val_ppl`` yes; ``acc``, ``balance``, ``lr`` no)."""
-    low = name.lower()
-    if "loss" in low or "perplexity" in low:
-        return True
-    return any(tok in _LOSS_TOKENS for tok in re.split(r"[^a-z0-9]+", low))
 
 
 def metric_values(row: Any, names: Sequence[str] | None = None) -> dict[str, float | None]:
@@ -321,8 +315,6 @@ class RunSeries:
         self.sample: Sample | None = None
         self.spikes: dict[int, Any] = {}
         self.rows = 0
-        from hooks.runs.rates import StepRate  # (hooks imports torch: not at `mdb --help`)
-
         self._rate = StepRate()
         self._tokens_per_step: float | None = None
         self._empty = Downsampler(capacity)
@@ -459,6 +451,12 @@ class RunSeries:
             found = [n for n in self.names if n not in THROUGHPUT_METRICS][:1]
         return found
 
+    @property
+    def loss_name(self) -> str | None:
+        """The metric that is the run's loss (:func:`hooks.runs.numbers.loss_metric`, the
+        same in every view), ``None`` when it logs none."""
+        return loss_metric(self.names)
+
     def other_names(self) -> list[str]:
         """The metrics shown in the table: neither losses nor throughput (the rate row's)."""
         losses = set(self.loss_names())
@@ -506,9 +504,9 @@ class RunSeries:
         return self._rate.seconds_per_step(self.value("step_time"))
 
     def steps_per_s(self) -> float | None:
-        """End-to-end training steps per second (steps, sampling and recording)."""
-        spp = self.seconds_per_step()
-        return 1.0 / spp if spp else None
+        """End-to-end training steps per second (steps, sampling and recording;
+        :meth:`hooks.runs.rates.StepRate.steps_per_s`)."""
+        return self._rate.steps_per_s(self.value("step_time"))
 
     def tokens_per_s(self) -> float | None:
         """Tokens trained on per second, end to end."""
@@ -518,13 +516,9 @@ class RunSeries:
         return rate * self._tokens_per_step
 
     def eta(self) -> float | None:
-        """Seconds until ``total_steps`` at the current rate (``None`` if unknown)."""
-        if self.total_steps is None:
-            return None
-        spp = self.seconds_per_step()
-        if spp is None:
-            return None
-        return max(0, self.total_steps - self.step) * spp
+        """Seconds until ``total_steps`` at the current rate (``None`` if unknown;
+        :func:`hooks.runs.rates.eta_seconds`)."""
+        return eta_seconds(self.total_steps, self.step, self.seconds_per_step())
 
 
 def first_read(store, run_id: int, cursor: int,

@@ -10,17 +10,15 @@ step's values per rank are kept as the latest. From those:
 * :meth:`RankSeries.furthest`: the rank furthest from the median of a metric, and by how much;
 * :meth:`RankSeries.times` and :meth:`RankSeries.stragglers`: each rank's median step time and
   compute time over its last :data:`TIME_WINDOW` steps, and the ranks slower than the median
-  of the ranks by more than :data:`STRAGGLER_RATIO`. In synchronous DDP every rank waits for
-  the slowest in the gradient all-reduce, so the time between two ``log()`` calls is the same
-  on every rank; the compute time (measured with ``run.watch``: until the rank's backward
-  produced the last gradient, before it waits) is what tells them apart, and is used whenever
-  every rank has it;
+  of the ranks by more than :data:`hooks.runs.rank_stats.STRAGGLER_RATIO`, on the basis
+  :func:`hooks.runs.rank_stats.straggler_basis` picks (compute time whenever every rank has
+  it). These numbers are computed by :mod:`hooks.runs.rank_stats`, as ``mdb runs --json``
+  computes them; this module only keeps each rank's last times;
 * :meth:`RankSeries.expert_load`: the latest expert load of each rank, (L_moe, E).
 """
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -30,9 +28,6 @@ from hooks.runs.rank_stats import TIME_WINDOW
 from hooks.runs.rank_stats import finite as _finite
 from hooks.runs.store import loss_metric
 from tui.screens.live_data import DEFAULT_CAPACITY, Downsampler
-
-#: States of a rank whose steps are no longer awaited.
-GONE_STATES = ("dead", "silent", "absent")
 
 
 class RankSeries:
@@ -106,8 +101,8 @@ class RankSeries:
         self._complete()
 
     def _awaited(self) -> list[int]:
-        gone = {r for r, info in self.ranks.items() if info.state in GONE_STATES}
-        return [r for r in range(self.world_size) if r not in gone]
+        return rank_stats.awaited(self.world_size,
+                                  {r: info.state for r, info in self.ranks.items()})
 
     def _complete(self) -> None:
         awaited = self._awaited()
@@ -157,14 +152,8 @@ class RankSeries:
 
     def times(self) -> dict[int, tuple[float | None, float | None]]:
         """Per rank, the median (step time, compute time) of its last :data:`TIME_WINDOW`
-        steps, in seconds (``None``: not measured)."""
-        out = {}
-        for r in sorted(set(self._times) | set(self._compute)):
-            st = self._times.get(r)
-            ct = self._compute.get(r)
-            out[r] = (statistics.median(st) if st else None,
-                      statistics.median(ct) if ct else None)
-        return out
+        steps, in seconds (``None``: not measured; :func:`hooks.runs.rank_stats.median_times`)."""
+        return rank_stats.median_times(self._times, self._compute)
 
     def awaited(self) -> list[int]:
         """The ranks still reporting (not dead, silent or absent)."""
@@ -172,27 +161,14 @@ class RankSeries:
 
     def straggler_basis(self) -> str | None:
         """``"compute"`` when every awaited rank has a compute time, else ``"step"`` when they
-        have step times, else ``None``."""
-        t = self.times()
-        awaited = self._awaited()
-        if len(awaited) < 2:
-            return None
-        if all(r in t and t[r][1] is not None for r in awaited):
-            return "compute"
-        if all(r in t and t[r][0] is not None for r in awaited):
-            return "step"
-        return None
+        have step times, else ``None`` (:func:`hooks.runs.rank_stats.straggler_basis`)."""
+        return rank_stats.straggler_basis(self.times(), self._awaited())
 
     def stragglers(self) -> list[tuple[int, float, float]]:
         """``(rank, its time, the median of the ranks)`` of each rank slower than the median
-        by more than :data:`hooks.runs.rank_stats.STRAGGLER_RATIO`, slowest first (see
-        :meth:`straggler_basis`; :func:`hooks.runs.rank_stats.stragglers`)."""
-        basis = self.straggler_basis()
-        if basis is None:
-            return []
-        k = 1 if basis == "compute" else 0
-        times = self.times()
-        return rank_stats.stragglers({r: times[r][k] for r in self._awaited()})
+        by more than :data:`hooks.runs.rank_stats.STRAGGLER_RATIO`, slowest first, on the
+        :meth:`straggler_basis` (:func:`hooks.runs.rank_stats.slow_ranks`)."""
+        return rank_stats.slow_ranks(self.times(), self._awaited())
 
     def expert_load(self) -> dict[int, list[list[float]]]:
         """Per rank, the latest expert load it logged, (L_moe, E) shares."""
