@@ -27,7 +27,8 @@ from __future__ import annotations
 import fnmatch
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -211,6 +212,20 @@ class Capture(CompiledReplay):
         Probes' forward hooks check it (through ``ProbeContext.active``), so a call re-run by
         activation checkpointing adds no second routing or attention record."""
         return self._active and not _in_backward()
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """``with cap.paused():`` the hooks record nothing inside the block (``recording`` is
+        False there) and record again after it, exception or not. For a forward and backward
+        that mdb itself runs during a captured step (the loop doctor's replay of a
+        micro-batch), which must not be recorded as the user's calls. A capture that is not
+        recording (not started, stopped, or a step that is not sampled) stays as it is."""
+        was = self._active
+        self._active = False
+        try:
+            yield
+        finally:
+            self._active = was
 
     def __enter__(self) -> Trace:
         return self.start()

@@ -364,12 +364,9 @@ class CompiledReplay:
             if float(left.abs().max()) > ROUNDING.get(g.dtype, 1e-4) * float(g.abs().max()):
                 rest.append((e, left))
         if rest:
-            self._active = False  # the module gradients recorded are the first pass's
-            try:
+            with self.paused():  # the module gradients recorded are the first pass's
                 more = torch.autograd.grad([e for e, _ in rest], params,
                                            [g for _, g in rest], allow_unused=True)
-            finally:
-                self._active = True
             grads = [b if a is None else (a if b is None else a + b)
                      for a, b in zip(grads, more, strict=True)]
         return grads

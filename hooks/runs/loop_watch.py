@@ -528,14 +528,12 @@ class LoopWatch:
         scalar loss."""
         r = mb.replay
         cap = self._capture()
-        paused = cap is not None and getattr(cap, "_active", False)
         self._inside = True
-        if paused:
-            cap._active = False
         try:
             # on clones of the buffers (BatchNorm statistics), RNG and modes restored after:
             # the replay leaves the training state as the step left it
-            with held_state(self.model, r.rng_cpu, r.rng_cuda), torch.enable_grad():
+            with (cap.paused() if cap is not None else contextlib.nullcontext()), \
+                    held_state(self.model, r.rng_cpu, r.rng_cuda), torch.enable_grad():
                 self.model.train(r.training)
                 out = self.model(*r.args, **r.kwargs)
                 loss = loss_of(out)
@@ -545,8 +543,6 @@ class LoopWatch:
                 wrt = params + ([logits] if logits is not None else [])
                 grads = torch.autograd.grad(loss.reshape(()), wrt, allow_unused=True)
         finally:
-            if paused:
-                cap._active = True
             self._inside = False
         flat = torch.cat([(g.reshape(-1).float() if g is not None else
                            p.new_zeros(p.numel(), dtype=torch.float32))

@@ -290,7 +290,6 @@ class Run(RunControls, RunProcess):
         self._watched: str | None = None  # the first watch() call, "watch(...) at file:line"
         self._capture_options: dict[str, Any] = {}
         self._capture: Any = None
-        self._capture_step: int | None = None
         self._step_trace: Any = None  # the trace of the current step, if it was captured
         self._locate_pending = False
         self._sentinel: Any = None  # hooks.runs.origin.NonFiniteSentinel while watching
@@ -668,7 +667,7 @@ class Run(RunControls, RunProcess):
             sentinel = self._sentinel
             self._doctor = LoopWatch(self._model, optimizer, scheduler,
                                      capture=lambda: self._capture,
-                                     busy=lambda: getattr(sentinel, "_inside", False))
+                                     busy=lambda: sentinel.replaying)
             self._doctor.once(nxt)
             self._doctor_findings(close=False)
         if not self._closed and nxt % every == 0:
@@ -716,7 +715,7 @@ class Run(RunControls, RunProcess):
             self._model = None
             self._capture = None
             return
-        self._capture, self._capture_step = cap, step
+        self._capture = cap
 
     def _end_capture(self, step: int, values: dict[str, float]) -> Any:
         cap, self._capture = self._capture, None

@@ -405,6 +405,15 @@ class RunStore:
         process holds past the lock wait raises :class:`DatabaseLockedError`."""
         return Transaction(self.connection, self.path, immediate)
 
+    def transaction(self) -> Transaction:
+        """``with store.transaction() as conn:`` one write transaction (``BEGIN IMMEDIATE``) on
+        :attr:`connection`: committed when the block ends normally, rolled back otherwise.
+
+        Raises:
+            DatabaseLockedError: Another process held the write lock past the lock wait.
+        """
+        return self._transaction()
+
     def snapshot(self) -> Transaction:
         """``with store.snapshot():`` one read transaction: every read inside the block sees
         the database as it was at its first read (a run still being written included), and
