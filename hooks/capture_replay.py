@@ -232,6 +232,7 @@ class CompiledReplay:
                 return out
 
             self._compiled_impl = impl
+            # torch private: where Module.compile() keeps the compiled forward (no public API)
             root._compiled_call_impl = call
             return
         outer = self.model if self._unwrapped else root

@@ -501,10 +501,10 @@ class Run(RunControls, RunProcess):
             )
         return step
 
-    def _log_sample(self, step: int, prompt: str, text: str) -> None:
-        """mdb's own runs: the model's greedy continuation of ``prompt``, written with step
-        ``step`` (call it before that step's first ``log()``; ``mdb watch`` shows the
-        latest)."""
+    def log_sample(self, step: int, prompt: str, text: str) -> None:
+        """Record the model's greedy continuation ``text`` of ``prompt``, written with step
+        ``step``: call it before that step's first ``log()``; ``mdb watch`` shows the latest.
+        Used by mdb's own runs (``mdb overfit``)."""
         self._sample = (int(step), str(prompt), str(text))
 
     def _enqueue(self, item: tuple) -> None:

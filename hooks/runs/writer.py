@@ -40,17 +40,17 @@ from typing import Any
 
 from hooks.runs.liveness import this_process
 from hooks.runs.rows import (
-    _DIRECTIONS,
-    _NONFINITE_KEYS,
+    DIRECTIONS,
     FINDING_KINDS,
+    NONFINITE_KEYS,
     RANK_STATES,
     STATUSES,
     MetricRow,
     RunInfo,
-    _nonfinite_from_failure,
     loss_metric,
+    nonfinite_from_failure,
 )
-from hooks.runs.schema import _lock_wait
+from hooks.runs.schema import store_lock_wait
 from hooks.runs.spikes import Spike, SpikeDetector
 from hooks.runs.sqlite_open import RunStoreError, open_database
 from hooks.runs.summary import record_captures, record_scalars
@@ -587,7 +587,7 @@ class RunWriter:
         """
         text = None
         if nonfinite is not None:
-            nf = {k: nonfinite.get(k) for k in _NONFINITE_KEYS}
+            nf = {k: nonfinite.get(k) for k in NONFINITE_KEYS}
             if nonfinite.get("rank") is not None:
                 nf["rank"] = int(nonfinite["rank"])
             if not isinstance(nf["step"], int):
@@ -595,8 +595,8 @@ class RunWriter:
             for key in ("detail", "note"):
                 if nf[key] is None:
                     del nf[key]
-            if nf["direction"] not in _DIRECTIONS:
-                raise ValueError(f"direction must be one of {_DIRECTIONS}, not "
+            if nf["direction"] not in DIRECTIONS:
+                raise ValueError(f"direction must be one of {DIRECTIONS}, not "
                                  f"{nf['direction']!r}")
             text = json.dumps(nf)
         with self.store.transaction() as conn:
@@ -640,7 +640,7 @@ class RunWriter:
         self.stop_heartbeat()
         self.check_file()
         now = time.time()
-        nf = _nonfinite_from_failure(status, reason, fail_step, fail_module)
+        nf = nonfinite_from_failure(status, reason, fail_step, fail_module)
         with self.store.transaction() as conn:
             self._owned(
                 conn, "UPDATE runs SET status = ?, ended = ?, heartbeat = ?, reason = ?,"
@@ -668,7 +668,7 @@ class RunWriter:
 
         def beat() -> None:
             try:
-                conn = open_database(path, create=False, wait=_lock_wait()).conn
+                conn = open_database(path, create=False, wait=store_lock_wait()).conn
             except (RunStoreError, sqlite3.Error):  # locked, or gone: the writer's own writes say
                 return
             try:
