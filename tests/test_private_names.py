@@ -51,11 +51,23 @@ LIBRARY_PRIVATE = {
     "_get_default_store": "the process group's TCPStore (rank heartbeats; no public getter)",
     "_getframe": "sys._getframe: documented CPython API, cheaper than inspect.stack",
     "_exit": "os._exit: documented; leave a child process without running atexit handlers",
+    "_fields": "namedtuple._fields: documented namedtuple API (the underscore avoids clashes)",
+    "_base": "Tensor._base: the tensor a view was taken of (a Parameter's view)",
+    "_local_tensor": "DTensor._local_tensor: what to_local() returns, without a dispatch",
+    "_is_in_optimized_module": "torch._dynamo.eval_frame: a torch.compile wrapper runs now",
+    "_schedule_phases": "OneCycleLR's phases: where its warm-up ends (no public reader)",
+    "_milestones": "SequentialLR's milestones: where its first scheduler ends",
+    "_vertical_scrollbar": "Textual Widget: flush_repaints hands pending repaints over",
+    "_horizontal_scrollbar": "Textual Widget: the same, for the horizontal scroll bar",
+    "_repaint_required": "Textual Widget: a repaint is pending",
+    "_layout_required": "Textual Widget: a layout is pending",
+    "_check_refresh": "Textual Widget: deliver the pending refresh now (one frame)",
 }
 
 #: Entries of mdb's own argparse namespace (``set_defaults(_run=...)`` and the argv), named
 #: with an underscore so no command's option can take the same dest.
-OWN_NAMESPACE = {("tui/cli.py", "_argv"), ("tui/cli.py", "_run")}
+OWN_NAMESPACE = {("tui/cli.py", "_argv"), ("tui/cli.py", "_run"), ("tui/cli.py", "_torch"),
+                 ("tui/commands/overfit_detach.py", "_argv")}
 
 
 def _modules() -> list[Path]:
@@ -85,6 +97,14 @@ def _class_members(tree: ast.Module) -> set[str]:
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 out.update(t.id for t in targets if isinstance(t, ast.Name))
     return out
+
+
+def _by_name(node: ast.AST) -> bool:
+    """``getattr(obj, "_name", ...)``, ``hasattr`` or ``setattr`` of a private name."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+            and _private(node.args[1].value))
 
 
 def _imported_from_ours(tree: ast.Module) -> set[str]:
@@ -118,8 +138,9 @@ def private_uses(root: Path = ROOT) -> tuple[list[str], list[str]]:
             elif isinstance(node, ast.ImportFrom) and node.level > 0:
                 imports += [f"{rel}:{node.lineno}: from {'.' * node.level}{node.module or ''} "
                             f"import {a.name}" for a in node.names if _private(a.name)]
-            elif isinstance(node, ast.Attribute) and _private(node.attr):
-                v, name = node.value, node.attr
+            elif (isinstance(node, ast.Attribute) and _private(node.attr)) or _by_name(node):
+                v, name = (node.value, node.attr) if isinstance(node, ast.Attribute) \
+                    else (node.args[0], node.args[1].value)
                 if isinstance(v, ast.Name) and v.id in ("self", "cls"):
                     continue
                 if isinstance(v, ast.Name) and v.id in imported:  # a module or class of ours
@@ -159,27 +180,41 @@ def test_the_scan_finds_what_it_must(tmp_path) -> None:
         "    store._transaction()\n"
         "    widget._mdb_text = 'x'\n"
         "    hc._names(x)\n"
+        "    getattr(x, '_inside', False), getattr(self_, '_mdb_x', 0)\n"
         "    return x._version, x.__class__, _\n",
         encoding="utf-8")
     for pkg_name in ("tui", "minillm"):
         (tmp_path / pkg_name).mkdir()
     imports, attrs = private_uses(tmp_path)
     assert imports == ["hooks/a.py:1: from hooks.b import _helper"]
-    assert attrs == ["hooks/a.py:10: store._transaction", "hooks/a.py:12: hc._names"]
+    assert attrs == ["hooks/a.py:10: store._transaction", "hooks/a.py:12: hc._names",
+                     "hooks/a.py:13: x._inside"]
 
 
 def test_the_library_private_names_read_exist_on_the_installed_versions() -> None:
     """Each entry of LIBRARY_PRIVATE, on the installed torch: an upgrade that renames one
     fails here, by name, not somewhere in a capture."""
+    import collections
     import os
     import sys
 
+    import textual
     import torch
+    import torch._dynamo.eval_frame as eval_frame
     import torch.distributed.distributed_c10d as c10d
     import torch.utils.backend_registration as backend_registration
+    from textual.widget import Widget
     from torch import nn
+    from torch.distributed.tensor import DTensor
+    from torch.optim.lr_scheduler import LinearLR, OneCycleLR, SequentialLR
 
     m = nn.Linear(2, 2)
+    Point = collections.namedtuple("Point", "x y")
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    one_cycle = OneCycleLR(opt, max_lr=1.0, total_steps=10)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    sequential = SequentialLR(opt, [LinearLR(opt), LinearLR(opt)], milestones=[3])
+    widget = Widget()
     present = {
         "_C": hasattr(torch, "_C"),
         "_nn": hasattr(torch._C, "_nn"),
@@ -207,10 +242,20 @@ def test_the_library_private_names_read_exist_on_the_installed_versions() -> Non
         "_get_default_store": callable(getattr(c10d, "_get_default_store", None)),
         "_getframe": callable(getattr(sys, "_getframe", None)),
         "_exit": callable(getattr(os, "_exit", None)),
+        "_fields": Point._fields == ("x", "y"),
+        "_base": torch.zeros(4)[:2]._base is not None,
+        "_local_tensor": "_local_tensor" in getattr(DTensor, "__slots__", ()),
+        "_is_in_optimized_module": callable(getattr(eval_frame, "_is_in_optimized_module",
+                                                    None)),
+        "_schedule_phases": bool(getattr(one_cycle, "_schedule_phases", None)),
+        "_milestones": getattr(sequential, "_milestones", None) == [3],
+        **{a: hasattr(widget, a) for a in ("_vertical_scrollbar", "_horizontal_scrollbar",
+                                          "_repaint_required", "_layout_required")},
+        "_check_refresh": callable(getattr(widget, "_check_refresh", None)),
     }
     assert set(present) == set(LIBRARY_PRIVATE)
     missing = sorted(k for k, ok in present.items() if not ok)
-    assert missing == [], f"torch {torch.__version__}: {missing}"
+    assert missing == [], f"torch {torch.__version__}, textual {textual.__version__}: {missing}"
 
 
 @pytest.mark.parametrize("pattern", ["_active", "_inside", "_transaction", "_parent"])
@@ -220,7 +265,10 @@ def test_the_named_reaches_of_issue_33_are_gone(pattern) -> None:
     hits = []
     for path in _modules():
         tree = _parsed(path)
-        hits += [f"{path.relative_to(ROOT)}:{n.lineno}" for n in ast.walk(tree)
-                 if isinstance(n, ast.Attribute) and n.attr == pattern
-                 and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))]
+        for n in ast.walk(tree):
+            obj, name = ((n.value, n.attr) if isinstance(n, ast.Attribute) else
+                         (n.args[0], n.args[1].value) if _by_name(n) else (None, None))
+            if name == pattern and not (isinstance(obj, ast.Name)
+                                        and obj.id in ("self", "cls")):
+                hits.append(f"{path.relative_to(ROOT)}:{n.lineno}")
     assert hits == []

@@ -673,6 +673,13 @@ class Run(RunControls, RunProcess):
         if not self._closed and nxt % every == 0:
             self._start_capture(nxt)
 
+    @property
+    def loop_doctor(self) -> Any:
+        """The loop doctor (:class:`hooks.runs.loop_watch.LoopWatch`) that ``watch(...,
+        optimizer=)`` attached on rank 0, or ``None``: an integration that drives the step
+        itself (Lightning's ``optimizer.step(closure)``) tells it when the step comes."""
+        return self._doctor
+
     @staticmethod
     def _sharded(model: Any) -> bool:
         """Whether ``model`` holds DTensor parameters (FSDP2, tensor parallel): the loop
