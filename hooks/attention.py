@@ -325,7 +325,10 @@ def no_softmax_kind(name: str, m: nn.Module) -> str | None:
                 None)
 
 
-def _looks_like_attention(m: nn.Module) -> bool:
+def looks_like_attention(m: nn.Module) -> bool:
+    """Whether ``m`` is taken for an attention module: its class name says Attention, it is an
+    ``nn.MultiheadAttention``, or it has q/qkv projections (``q_proj``, ``qkv_proj``,
+    ``c_attn``, ``Wqkv``, ``query_key_value``)."""
     if "Attention" in type(m).__name__ or isinstance(m, nn.MultiheadAttention):
         return True
     return any(hasattr(m, a) for a in ("q_proj", "qkv_proj", "c_attn", "Wqkv", "query_key_value"))
@@ -495,7 +498,7 @@ class AttentionCapture:
             if not isinstance(heads, int) or heads < 1 or out.shape[0] % heads:
                 return None
             mha = isinstance(mod, nn.MultiheadAttention)
-            if not (mha or _looks_like_attention(mod)):
+            if not (mha or looks_like_attention(mod)):
                 return None
             probs = out.reshape(-1, heads, *out.shape[1:])
             x = inp.reshape(probs.shape)
@@ -561,7 +564,7 @@ class AttentionCapture:
         said = self._no_softmax_notes(names)
         missing = []
         for name, (mod, calls) in self._ran.items():
-            if not calls or not _looks_like_attention(mod) or not self.host.wants_attention(name):
+            if not calls or not looks_like_attention(mod) or not self.host.wants_attention(name):
                 continue
             if no_softmax_kind(name, mod) is not None:
                 continue  # said by layer in _no_softmax_notes

@@ -27,7 +27,8 @@ from __future__ import annotations
 import fnmatch
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -36,7 +37,7 @@ from torch import nn
 
 from hooks.attention import DEFAULT_ATTENTION_BYTES, AttentionCapture
 from hooks.capture_compile import (
-    _in_compiled_wrapper,
+    in_compiled_wrapper,
     unwrap_compiled,
 )
 from hooks.capture_env import (
@@ -47,12 +48,12 @@ from hooks.capture_env import (
     gc_passes_back,
 )
 from hooks.capture_fast_path import (
-    _fast_path_layers,
-    _has_forward_hooks,
     encoder_layer_fast_path_blocker,
+    fast_path_layers,
+    has_forward_hooks,
 )
 from hooks.capture_params import GradStatsBuffer, param_records, unread_notes
-from hooks.capture_recompute import _in_backward, _Recomputed, _same_values, _signature
+from hooks.capture_recompute import Recomputed, in_backward, same_values, storage_signature
 from hooks.capture_replay import CompiledReplay
 from hooks.dtensor_stats import MeshStats, Results, is_dtensor, local_piece
 from hooks.edits_apply import Editor
@@ -203,14 +204,28 @@ class Capture(CompiledReplay):
         reentrant or not; HF ``gradient_checkpointing_enable``), not a new call. The capture
         keeps such calls with the call they repeat (``CallRecord.recomputed``); probes must not
         record them again."""
-        return self._active and _in_backward()
+        return self._active and in_backward()
 
     @property
     def active(self) -> bool:
         """True while forward hooks should record: ``recording`` and not ``recomputing``.
         Probes' forward hooks check it (through ``ProbeContext.active``), so a call re-run by
         activation checkpointing adds no second routing or attention record."""
-        return self._active and not _in_backward()
+        return self._active and not in_backward()
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """``with cap.paused():`` the hooks record nothing inside the block (``recording`` is
+        False there) and record again after it, exception or not. For a forward and backward
+        that mdb itself runs during a captured step (the loop doctor's replay of a
+        micro-batch), which must not be recorded as the user's calls. A capture that is not
+        recording (not started, stopped, or a step that is not sampled) stays as it is."""
+        was = self._active
+        self._active = False
+        try:
+            yield
+        finally:
+            self._active = was
 
     def __enter__(self) -> Trace:
         return self.start()
@@ -258,7 +273,7 @@ class Capture(CompiledReplay):
             self._watch_fast_path([])
             self._intercept(root)
         else:
-            fast_path = _fast_path_layers(self._modules)
+            fast_path = fast_path_layers(self._modules)
             self._handles.extend(self._recording_hooks(root))
             self._watch_fast_path(fast_path)
         if self.params:
@@ -503,7 +518,7 @@ class Capture(CompiledReplay):
 
     # -- hooks ----------------------------------------------------------------------------------
     def _remember_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.active and self.trace.replay is None and not _in_backward():
+        if self.active and self.trace.replay is None and not in_backward():
             self.trace.replay = Replay.at(module, args, kwargs)
         return None
 
@@ -511,14 +526,14 @@ class Capture(CompiledReplay):
         if not self._active:
             return None
         try:
-            in_backward = _in_backward()
-            if in_backward:
+            backward = in_backward()
+            if backward:
                 if self._pre_recomputed(name, args, kwargs):
                     return None
             elif self._rstack:  # left open by a recomputation that stopped early
                 self._rstack.clear()
             stack = self._stack
-            if not stack and self._watch_wrapper and _in_compiled_wrapper():
+            if not stack and self._watch_wrapper and in_compiled_wrapper():
                 self._via_wrapper = True
             ci = self._counts.get(name, 0)
             self._counts[name] = ci + 1
@@ -527,7 +542,7 @@ class Capture(CompiledReplay):
                 len(fwd), name, tname, ci, len(stack), stack[-1].index if stack else None
             )
             fwd.append(rec)
-            if in_backward:
+            if backward:
                 rec.notes.append(
                     "called while autograd ran a backward pass, and no earlier forward call of "
                     "this module matches it: recorded as a new call"
@@ -549,7 +564,7 @@ class Capture(CompiledReplay):
                 if sync:
                     self._drain()
                 rec.inputs = [self._info(p, t, sync) for p, t in tensors]
-                self._sigs[rec.index] = _signature(tensors)
+                self._sigs[rec.index] = storage_signature(tensors)
             stack.append(rec)
             self._t0.append(time.perf_counter())
         except Exception as exc:  # never break the user's forward
@@ -563,7 +578,7 @@ class Capture(CompiledReplay):
             return None
         t_end = time.perf_counter()
         try:
-            if self._rstack and _in_backward() and self._post_recomputed(name, output):
+            if self._rstack and in_backward() and self._post_recomputed(name, output):
                 return None
             stack = self._stack
             while stack and stack[-1].module != name:  # a child raised and was not closed
@@ -672,7 +687,7 @@ class Capture(CompiledReplay):
     # back-propagates through the re-run, whose outputs then get the tensor hooks, attributed
     # to the original call. A re-run's output statistics are compared with the original's.
     def _init_recompute(self) -> None:
-        self._rstack: list[_Recomputed] = []  # open re-runs, innermost last
+        self._rstack: list[Recomputed] = []  # open re-runs, innermost last
         self._sigs: dict[int, tuple] = {}  # trace.forward index -> its inputs' storage
         self._by_module: dict[str, list[CallRecord]] = {}
         self._kids: dict[int, dict[str, list[CallRecord]]] = {}
@@ -718,7 +733,7 @@ class Capture(CompiledReplay):
                 "with this call, not recorded as a new one; its gradients are recorded here"
             )
         self._reruns += 1
-        rs.append(_Recomputed(name, orig))
+        rs.append(Recomputed(name, orig))
         return True
 
     def _match_outermost(self, name: str, args: tuple, kwargs: dict) -> CallRecord | None:
@@ -732,7 +747,7 @@ class Capture(CompiledReplay):
             tensors: list[tuple[str, torch.Tensor]] = []
             find_tensors(args, "args", tensors, [], left_out=LeftOut())  # as _pre walked them
             find_tensors(kwargs, "kwargs", tensors, [], left_out=LeftOut())
-            sig = _signature(tensors)
+            sig = storage_signature(tensors)
             pool = [c for c in cands if self._sigs.get(c.index) == sig] or cands
         for c in reversed(pool):  # backward re-runs regions from the last one
             if c.index not in self._claimed:
@@ -778,7 +793,7 @@ class Capture(CompiledReplay):
         differs: list[tuple[CallRecord, TensorInfo, TensorStats]] = []
         for orig, info, slot in self._recheck:
             again = results[slot]
-            if info.stats is not None and again is not None and not _same_values(info.stats,
+            if info.stats is not None and again is not None and not same_values(info.stats,
                                                                                   again):
                 differs.append((orig, info, again))
                 orig.notes.append(
@@ -818,7 +833,7 @@ class Capture(CompiledReplay):
         a pre-hook notes each call that would have taken that path without them."""
         self._fast_path: dict[str, int] = {}
         for name, layer, had_hooks in layers:
-            if not had_hooks and _has_forward_hooks(layer):
+            if not had_hooks and has_forward_hooks(layer):
                 self._handles.append(
                     layer.register_forward_pre_hook(
                         partial(self._on_fast_path_layer, name), with_kwargs=True

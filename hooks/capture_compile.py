@@ -26,7 +26,7 @@ def unwrap_compiled(model: nn.Module) -> nn.Module:
     ef = _dynamo_eval_frame()
     wrapper = getattr(ef, "OptimizedModule", None) if ef is not None else None
     while wrapper is not None and isinstance(model, wrapper):
-        model = model._orig_mod
+        model = model._orig_mod  # torch private, the only way to the wrapped module
     return model
 
 
@@ -44,7 +44,7 @@ def compiled_parts(modules: list[tuple[str, nn.Module]]) -> list[str]:
     ]
 
 
-def _in_compiled_wrapper() -> bool:
+def in_compiled_wrapper() -> bool:
     """True while a ``torch.compile(module)`` wrapper (``OptimizedModule``) runs its module."""
     ef = _dynamo_eval_frame()
     check = getattr(ef, "_is_in_optimized_module", None) if ef is not None else None

@@ -35,6 +35,7 @@ def distributed() -> bool:
 def check_data(modules: list[tuple[str, nn.Module]]) -> None:
     """Raise ``ValueError`` (one line naming it) when a parameter or buffer of ``modules``
     (``(qualified name, module)`` pairs) is on the meta device: it holds no values to read."""
+    # Module._parameters/_buffers (torch private): a module's own, no recursive walk
     no_data = next((f"{prefix}.{n}" if prefix else n for prefix, m in modules
                     for d in (m._parameters, m._buffers) for n, t in d.items()
                     if t is not None and t.is_meta), None)

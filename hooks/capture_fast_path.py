@@ -8,15 +8,17 @@ import torch
 from torch import nn
 
 
-def _has_forward_hooks(module: nn.Module) -> bool:
+def has_forward_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` or a submodule has forward or forward pre-hooks (PyTorch's
+    ``_forward_hooks`` / ``_forward_pre_hooks``: nn.Module has no public reader of them)."""
     return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
 
 
-def _fast_path_layers(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module, bool]]:
+def fast_path_layers(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module, bool]]:
     """``(name, layer, had forward hooks before the capture)`` of every
     ``nn.TransformerEncoderLayer``."""
     return [
-        (name, m, _has_forward_hooks(m))
+        (name, m, has_forward_hooks(m))
         for name, m in modules
         if isinstance(m, nn.TransformerEncoderLayer)
     ]
@@ -49,6 +51,7 @@ def encoder_layer_fast_path_blocker(layer: nn.Module, args: tuple, kwargs: dict)
         return "self_attn.batch_first was not True"
     if attn.in_proj_bias is None:
         return "self_attn was passed bias=False"
+    # the checks of torch's TransformerEncoderLayer.forward, on the same private names
     if not attn._qkv_same_embed_dim:
         return "self_attn._qkv_same_embed_dim was not True"
     if not getattr(layer, "activation_relu_or_gelu", False):

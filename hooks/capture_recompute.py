@@ -12,12 +12,12 @@ from hooks.stats import TensorStats
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     """True while autograd runs a backward pass on this thread (checkpoint recomputation)."""
     return _graph_task_id is not None and _graph_task_id() != -1
 
 
-class _Recomputed:
+class Recomputed:
     """An open re-run (by activation checkpointing) of the forward call ``original``."""
 
     __slots__ = ("module", "original", "children")
@@ -28,7 +28,7 @@ class _Recomputed:
         self.children: dict[str, int] = {}  # module -> re-run children of that name so far
 
 
-def _signature(tensors: list[tuple[str, torch.Tensor]]) -> tuple:
+def storage_signature(tensors: list[tuple[str, torch.Tensor]]) -> tuple:
     """Where a call's input tensors live (their storage), to tell calls of one module apart."""
     try:
         return tuple([t.data_ptr() for _, t in tensors])
@@ -36,7 +36,7 @@ def _signature(tensors: list[tuple[str, torch.Tensor]]) -> tuple:
         return tuple(id(t) for _, t in tensors)
 
 
-def _same_values(a: TensorStats, b: TensorStats, rtol: float = 1e-5) -> bool:
+def same_values(a: TensorStats, b: TensorStats, rtol: float = 1e-5) -> bool:
     """Whether two summaries describe the same values up to float rounding."""
     if (a.numel, a.nan_count, a.inf_count) != (b.numel, b.nan_count, b.inf_count):
         return False

@@ -232,6 +232,7 @@ class CompiledReplay:
                 return out
 
             self._compiled_impl = impl
+            # torch private: where Module.compile() keeps the compiled forward (no public API)
             root._compiled_call_impl = call
             return
         outer = self.model if self._unwrapped else root
@@ -364,12 +365,9 @@ class CompiledReplay:
             if float(left.abs().max()) > ROUNDING.get(g.dtype, 1e-4) * float(g.abs().max()):
                 rest.append((e, left))
         if rest:
-            self._active = False  # the module gradients recorded are the first pass's
-            try:
+            with self.paused():  # the module gradients recorded are the first pass's
                 more = torch.autograd.grad([e for e, _ in rest], params,
                                            [g for _, g in rest], allow_unused=True)
-            finally:
-                self._active = True
             grads = [b if a is None else (a if b is None else a + b)
                      for a, b in zip(grads, more, strict=True)]
         return grads

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from hooks.stats import HIST_SAMPLE, _hist_sample
+from hooks.stats import HIST_SAMPLE, hist_sample
 
 __all__ = ["Fingerprint", "candidates", "confirm", "position_checksum", "replicas", "wholes"]
 
@@ -231,7 +231,7 @@ class Fingerprint:
             xf = x.reshape(-1)
             if xf.dtype is not torch.float32 and xf.dtype is not torch.float64:
                 xf = xf.float()
-            sample, k = _hist_sample(xf, x.shape[-1] if x.dim() else 1)
+            sample, k = hist_sample(xf, x.shape[-1] if x.dim() else 1)
             if int(position_checksum(sample[:k])) != self.cheap:
                 return None
             self.full = int(position_checksum(x))

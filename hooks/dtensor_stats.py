@@ -86,9 +86,9 @@ from hooks.stats import (
     NUM_BINS,
     ZERO_EXACT_NUMEL,
     TensorStats,
-    _count_nonzero,
-    _from_moments,
-    _hist_sample,
+    count_nonzero,
+    hist_sample,
+    stats_from_moments,
 )
 
 __all__ = ["MeshStats", "SLOT_BASE", "is_dtensor", "local_piece",
@@ -242,12 +242,12 @@ def _moments(x: torch.Tensor) -> tuple[list[float], list[float], torch.Tensor]:
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return _moments_nonfinite(xf, n, last)
     s, ss = xf.sum().item(), torch.dot(xf, xf).item()
-    sample, k = _hist_sample(xf, last)
+    sample, k = hist_sample(xf, last)
     if n <= HIST_SAMPLE:  # the sample is the piece, padded with zeros
         counted, nnz = True, float(torch.count_nonzero(sample).item())
     else:
         counted = n <= ZERO_EXACT_NUMEL or torch.count_nonzero(sample).item() < HIST_SAMPLE
-        nnz = float(_count_nonzero(xf)) if counted else float(n)
+        nnz = float(count_nonzero(xf)) if counted else float(n)
     var = (ss - s * s / n) if n > 1 else 1.0
     if n > 1 and (not (math.isfinite(s) and math.isfinite(ss)) or var <= 1e-3 * ss):
         xd = xf.double()
@@ -265,9 +265,9 @@ def _moments_nonfinite(xf: torch.Tensor, n: int, last: int
     lo, hi = (v.item() for v in torch.aminmax(xf))
     xd = xf.double()
     s, ss = xd.sum().item(), torch.dot(xd, xd).item()
-    sample, k = _hist_sample(xf, last)
+    sample, k = hist_sample(xf, last)
     return ([float(xf.numel()), nan, inf, n, bit, -lo, hi],
-            [s, ss, float(_count_nonzero(xf)), 0.0], sample[:k])
+            [s, ss, float(count_nonzero(xf)), 0.0], sample[:k])
 
 
 def _light(x: torch.Tensor) -> tuple[list[float], list[float]]:
@@ -806,7 +806,7 @@ class MeshStats:
         mean = s / count
         var = max((ss - count * mean * mean) / (count - 1), 0.0) if count > 1 else 0.0
         lo, hi = -mm[0], mm[1]
-        st = _from_moments(n, count, mean, var, lo, hi, ss, nnz, nan, inf, hist, hist_count)
+        st = stats_from_moments(n, count, mean, var, lo, hi, ss, nnz, nan, inf, hist, hist_count)
         if uncounted:
             st.zero_exact, st.zero_frac = False, 0.0
         return st

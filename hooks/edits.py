@@ -43,6 +43,7 @@ from typing import Any
 
 from torch import nn
 
+from hooks.attention import looks_like_attention  # noqa: F401  (hooks.edits' name too)
 from hooks.edits_record import AppliedEdit
 
 #: The edit operations, in the order the form offers them.
@@ -202,14 +203,6 @@ def parse_edit(spec: str | Edit) -> Edit:
 # -- what the model has -----------------------------------------------------------------------
 def _is_container(m: nn.Module) -> bool:
     return type(m).forward is nn.Module.forward
-
-
-def looks_like_attention(m: nn.Module) -> bool:
-    """What :mod:`hooks.attention` takes for an attention module (its class name says
-    Attention, or it has q/qkv projections)."""
-    from hooks.attention import _looks_like_attention
-
-    return _looks_like_attention(m)
 
 
 def in_features(proj: nn.Module) -> int | None:

@@ -218,9 +218,9 @@ class Editor:
         t, st = self.targets[i], self._states[i]
 
         def hook(mod, args, output):
-            from hooks.capture_recompute import _in_backward
+            from hooks.capture_recompute import in_backward
 
-            if not _in_backward():
+            if not in_backward():
                 st.index += 1
             st.calls += 1
             if t.kind == "router":
@@ -311,9 +311,9 @@ class Editor:
         return args, {**kwargs, key: new}
 
     def _zero_expert_weights(self, t: Target, st: _State, args: tuple, kwargs: dict):
-        from hooks.routing import _routing_args
+        from hooks.routing import routing_args
 
-        got = _routing_args(args, kwargs)
+        got = routing_args(args, kwargs)
         if isinstance(got, str):
             st.why = f"{got}: expert not zeroed"
             return None
@@ -370,7 +370,7 @@ class Editor:
 
     @staticmethod
     def _choose_again(t: Target, st: _State, logits, masked, ids, w):
-        from hooks.routing import BIAS_ATTRS, _attr, infer_rule
+        from hooks.routing import BIAS_ATTRS, first_attr, infer_rule
 
         router = t.module
         rule, _ = infer_rule(logits.reshape(-1, logits.shape[-1]), ids, w, router)
@@ -382,7 +382,7 @@ class Editor:
         scores = torch.softmax(m, dim=-1) if rule.scoring == "softmax" else torch.sigmoid(m)
         choice = scores
         if rule.bias:
-            choice = scores + _attr(router, BIAS_ATTRS).detach().float()
+            choice = scores + first_attr(router, BIAS_ATTRS).detach().float()
         _, new_ids = torch.topk(choice, ids.shape[-1], dim=-1)
         picked = scores.gather(1, new_ids)
         if rule.normalized:

@@ -77,7 +77,8 @@ def _tol(dtype: torch.dtype) -> float:
     return max(1e-5, 8 * eps)
 
 
-def _attr(obj: Any, names: tuple[str, ...]) -> Any:
+def first_attr(obj: Any, names: tuple[str, ...]) -> Any:
+    """The first attribute of ``obj`` among ``names`` that is not ``None``, else ``None``."""
     for n in names:
         v = getattr(obj, n, None)
         if v is not None:
@@ -171,13 +172,13 @@ def infer_rule(
     n, e = logits.shape
     if ids.shape[0] != n or ids.numel() == 0 or int(ids.max()) >= e or int(ids.min()) < 0:
         return UNKNOWN, None
-    bias = _attr(router, BIAS_ATTRS) if router is not None else None
+    bias = first_attr(router, BIAS_ATTRS) if router is not None else None
     if not (isinstance(bias, torch.Tensor) and bias.shape == (e,)):
         bias = None
     groups = None
     if router is not None and getattr(router, "topk_method", None) in (None, "group_limited_greedy",
                                                                          "noaux_tc"):
-        g, kept = _attr(router, GROUP_ATTRS[0]), _attr(router, GROUP_ATTRS[1])
+        g, kept = first_attr(router, GROUP_ATTRS[0]), first_attr(router, GROUP_ATTRS[1])
         if isinstance(g, int) and isinstance(kept, int) and 1 < g and kept < g and e % g == 0:
             groups = (g, kept)
 
@@ -300,7 +301,7 @@ def _join(prefix: str, child: str) -> str:
     return f"{prefix}.{child}" if prefix else child
 
 
-def _routing_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor,
+def routing_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor,
                                                        torch.Tensor] | str:
     """``(hidden (N, D), ids (N, k), weights (N, k))`` from an experts call, else why not."""
     vals = list(args[:3])
@@ -377,7 +378,7 @@ class ExpertsRouting:
             if not (state.get("open") and host.recording):
                 return None
             try:
-                got = _routing_args(args, kwargs)
+                got = routing_args(args, kwargs)
                 if isinstance(got, str):
                     self._why.setdefault(name, got)
                     return None

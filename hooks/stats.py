@@ -187,7 +187,7 @@ def _sample_index(n: int, last_dim: int) -> tuple[torch.Tensor, int]:
     return idx, real.numel()
 
 
-def _hist_sample(xf: torch.Tensor, last_dim: int) -> tuple[torch.Tensor, int]:
+def hist_sample(xf: torch.Tensor, last_dim: int) -> tuple[torch.Tensor, int]:
     """``(sample, k)``: a copy of HIST_SAMPLE values of ``xf`` (1-D, CPU) whose first ``k`` are
     the histogram sample — all of ``xf`` when it is that small, else its strided sample
     (:func:`_sample_index`). The padding after them repeats one value (zero, or element 0), so
@@ -199,7 +199,7 @@ def _hist_sample(xf: torch.Tensor, last_dim: int) -> tuple[torch.Tensor, int]:
     return torch.index_select(xf, 0, idx), k
 
 
-def _count_nonzero(xf: torch.Tensor) -> int:
+def count_nonzero(xf: torch.Tensor) -> int:
     """Non-zero elements of a finite 1-D float tensor.
 
     ``dot(sign(x), sign(x))`` runs about twice as fast as ``torch.count_nonzero`` on CPU and is
@@ -354,7 +354,7 @@ class StatsBatch:
         self.background = background
         self._out: list[TensorStats | None] = []
         # CPU path: histogram samples binned in finalize, one (sample, k, slot) per tensor:
-        # HIST_SAMPLE values each (see _hist_sample), the first k of them the sample
+        # HIST_SAMPLE values each (see hist_sample), the first k of them the sample
         self._samples: list[tuple[torch.Tensor, int, int]] = []
         self._wsamples: list[tuple[torch.Tensor, int, int]] = []  # the worker's, not yet binned
         # sync-free path: per slot device tensors, converted in finalize
@@ -386,7 +386,7 @@ class StatsBatch:
         if (self.background and not sync and n >= BACKGROUND_MIN_NUMEL and x.is_cpu
                 and not self.sync_free):
             try:
-                version = x._version
+                version = x._version  # torch private: the in-place write counter
             except RuntimeError:  # an inference tensor counts no versions: summarised now
                 pass
             else:
@@ -482,7 +482,7 @@ class StatsBatch:
         if math.isfinite(lo) and math.isfinite(hi):
             # the histogram sample, copied (the tensor is not kept); binned in finalize, all
             # samples at once (one histc per tensor costs ~20 us of overhead)
-            sample, k = _hist_sample(xf, last)
+            sample, k = hist_sample(xf, last)
             # the padding repeats element 0, a zero only if the sample holds one already
             zero_exact = n <= ZERO_EXACT_NUMEL or torch.count_nonzero(sample).item() < HIST_SAMPLE
             if not zero_exact:
@@ -504,9 +504,9 @@ class StatsBatch:
             xf = xf[finite]
             mn, mx = torch.aminmax(xf)
             lo, hi, s_, ss_ = torch.stack([mn, mx, xf.sum(), torch.dot(xf, xf)]).tolist()
-            nnz_ = _count_nonzero(xf)
+            nnz_ = count_nonzero(xf)
             zero_exact = True
-            sample, k = _hist_sample(xf, last)
+            sample, k = hist_sample(xf, last)
         mean = s_ / count
         var = (ss_ - count * mean * mean) / (count - 1) if count > 1 else 0.0
         # sum and sum of squares lose precision when |mean| >> std (or overflow in fp32):
@@ -523,7 +523,7 @@ class StatsBatch:
         var = max(var, 0.0)
         # one append: the worker may add beside us
         (self._samples if samples is None else samples).append((sample, k, slot))
-        st = _from_moments(n, count, mean, var, lo, hi, ss_, nnz_, nan, inf, [], k)
+        st = stats_from_moments(n, count, mean, var, lo, hi, ss_, nnz_, nan, inf, [], k)
         st.zero_exact = zero_exact
         self._out[slot] = st
 
@@ -611,7 +611,7 @@ class StatsBatch:
                 continue
             var = max(var, 0.0)
             sumsq = (c - 1) * var + c * mean * mean
-            self._out[slot] = _from_moments(
+            self._out[slot] = stats_from_moments(
                 n, c, mean, var, lo, hi, sumsq, nnz, nan, n - c - nan, [int(v) for v in h], c
             )
 
@@ -630,7 +630,7 @@ class StatsBatch:
         return out  # type: ignore[return-value]
 
 
-def _from_moments(
+def stats_from_moments(
     n: int,
     count: int,
     mean: float,

@@ -213,6 +213,7 @@ def named_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
             return
         memo.add(id(m))
         out.append((prefix, m))
+        # Module._modules (torch private): the direct children, without a generator per call
         for name, child in m._modules.items():
             if child is not None:
                 visit(child, f"{prefix}.{name}" if prefix else name)

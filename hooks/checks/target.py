@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -262,6 +262,12 @@ class Target:
         for p in self.model.parameters():
             return p.device
         return torch.device("cpu")
+
+    @property
+    def forward_params(self) -> Mapping[str, inspect.Parameter]:
+        """The parameters of ``model.forward`` by name (:func:`inspect.signature`; empty when
+        it has none that can be read)."""
+        return self._params
 
     def accepts(self, name: str) -> bool:
         """Whether ``model.forward`` takes a keyword ``name``: by name, or through

@@ -32,7 +32,7 @@ def _aux_loss(out: Any) -> torch.Tensor | None:
 
 def _grad_kwargs(t: Target) -> dict[str, Any]:
     """HF MoE models return their aux loss only with ``output_router_logits=True``."""
-    return {"output_router_logits": True} if "output_router_logits" in t._params else {}
+    return {"output_router_logits": True} if "output_router_logits" in t.forward_params else {}
 
 
 def _first_tensor(out: Any) -> torch.Tensor | None:

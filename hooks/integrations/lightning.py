@@ -83,12 +83,12 @@ def _make() -> type:
             total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
             self.run = self.options.start(pl_module, optimizer, scheduler,
                                           trainer_config=hparams, total_steps=total)
-            doctor = getattr(self.run, "_doctor", None)
+            doctor = getattr(self.run, "loop_doctor", None)
             if doctor is not None:
                 doctor.external_step = True  # optimizer.step(closure): see the module
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-            doctor = getattr(self.run, "_doctor", None)
+            doctor = getattr(self.run, "loop_doctor", None)
             if doctor is not None and doctor.armed:
                 doctor.before_step()
 

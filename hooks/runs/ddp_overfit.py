@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     ids, seq, b = session.ids, session.seq_len, options.batch_size
     n = ids.shape[1]
     k = max(1, int(session.config.num_experts_per_tok or 1)) if session.config.is_moe else 1
-    config = {**session._config(), "nproc": world, "gather_every": args.gather_every,
+    config = {**session.run_config(), "nproc": world, "gather_every": args.gather_every,
               "parallel": args.parallel}
     status = 0
     with Run(args.run_name, db=args.db, config=config, total_steps=options.steps,
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                     rank == 0 or sharded):  # a sharded forward needs every rank
                 sample = session.greedy_sample(model)
                 if rank == 0:
-                    run._log_sample(step, *sample)  # written with the step
+                    run.log_sample(step, *sample)  # written with the step
             run.log(expert_load=load, **{k_: v for k_, v in values.items() if v is not None})
             if not ok:
                 what = "loss" if not math.isfinite(float(out.loss.detach())) else "gradient"

@@ -54,14 +54,14 @@ from datetime import timedelta
 from typing import Any
 
 from hooks.runs.rank_checksums import (
-    _hex,
     checksums,
     compare_checksums,
     grads_by_key,
+    hex64,
     shared_names,
     tensor_checksum,
 )
-from hooks.runs.rank_job import Job, _describe, band, job, process_gone
+from hooks.runs.rank_job import Job, band, describe_rank, job, process_gone
 from hooks.runs.rank_payload import decode_payload, encode_payload
 
 __all__ = [
@@ -437,7 +437,7 @@ class RankLink:
         if not gone and not final and self._unsettled(brk["mono"]):
             return
         brk["said"] = True
-        cause = f"{_describe(gone[0])} {gone[0]['state']}" if gone else brk["error"]
+        cause = f"{describe_rank(gone[0])} {gone[0]['state']}" if gone else brk["error"]
         line = f"gathering from the ranks stopped after step {brk['step']}: {cause}"
         self.say(f"{line}; rank 0's own steps are still recorded")
         self._emit("findings", [{"kind": "gather_failed", "step": brk["step"],
@@ -786,7 +786,7 @@ class RankLink:
             self._reported.add((kind, name))
             ref = next(r for r in sorted(values) if r not in odd)
             who = ", ".join(f"rank {r}" for r in odd)
-            sums = " vs ".join(f"{_hex(values[r])} (rank {r})" for r in [ref, *odd][:3])
+            sums = " vs ".join(f"{hex64(values[r])} (rank {r})" for r in [ref, *odd][:3])
             if kind == "params":
                 line = (f"{name} differs across ranks after the optimizer step of step {step}: "
                         f"{who} {'differs' if len(odd) == 1 else 'differ'} from rank {ref} "
@@ -881,7 +881,7 @@ class RankLink:
             return
         p["state"], p["reason"] = state, reason
         self._emit("ranks", [self._rank_row(rank)])
-        desc = _describe(p)
+        desc = describe_rank(p)
         if state == "dead":
             self._finding("rank_dead", p["last_step"], rank, f"rank {rank}",
                           f"{desc} died: its process no longer exists (the last step it "

@@ -72,7 +72,8 @@ def finding(kind: str, step: int | None, subject: str, line: str, evidence: str,
             "detail": {"severity": severity, "evidence": evidence, **numbers}}
 
 
-def _names(names: list[str]) -> str:
+def names_listed(names: list[str]) -> str:
+    """The first :data:`NAMES_SHOWN` of ``names``, comma-separated, and how many more."""
     shown = ", ".join(names[:NAMES_SHOWN])
     return shown + (f" (+{len(names) - NAMES_SHOWN} more)" if len(names) > NAMES_SHOWN else "")
 
@@ -110,14 +111,14 @@ def weight_decay_findings(model: nn.Module, optimizer: torch.optim.Optimizer,
             out.append(finding(
                 "weight_decay", step, f"param group {gi}",
                 f"weight decay {wd:g} on {len(small)} norm weight(s)/bias(es) in param group "
-                f"{gi}: {_names(small)} (put ndim < 2 parameters in a group with "
+                f"{gi}: {names_listed(small)} (put ndim < 2 parameters in a group with "
                 "weight_decay=0)",
                 f"group {gi}: weight_decay={wd:g}; parameters with ndim < 2 in it: "
                 f"{', '.join(small)}", group=gi, weight_decay=wd, params=small))
         if emb:
             out.append(finding(
                 "weight_decay", step, f"param group {gi} (embeddings)",
-                f"weight decay {wd:g} on embedding(s) in param group {gi}: {_names(emb)} "
+                f"weight decay {wd:g} on embedding(s) in param group {gi}: {names_listed(emb)} "
                 "(most LLM recipes do not decay embeddings; ignore if on purpose)",
                 f"group {gi}: weight_decay={wd:g}; nn.Embedding weights in it: "
                 f"{', '.join(emb)}", severity="warning", group=gi, weight_decay=wd,
@@ -141,7 +142,7 @@ def optimizer_param_findings(model: nn.Module, optimizer: torch.optim.Optimizer,
         out.append(finding(
             "optimizer_params", step, missing[0] if len(missing) == 1 else "parameters",
             f"{len(missing)} trainable parameter(s) are in no optimizer param group, so they "
-            f"never change: {_names(missing)}",
+            f"never change: {names_listed(missing)}",
             f"not held by {type(optimizer).__name__}: {', '.join(missing)}", params=missing))
     twice = [(names.get(pid, "<not in the model>"), groups) for pid, groups in seen.items()
              if len(groups) > 1]
@@ -150,7 +151,7 @@ def optimizer_param_findings(model: nn.Module, optimizer: torch.optim.Optimizer,
         out.append(finding(
             "optimizer_params", step, twice[0][0] if len(twice) == 1 else "parameters",
             f"{len(twice)} parameter(s) held twice by the optimizer, updated twice per step: "
-            f"{_names(listed)}",
+            f"{names_listed(listed)}",
             f"held more than once: {', '.join(listed)}", params=[n for n, _ in twice]))
     return out
 
@@ -513,7 +514,7 @@ def lost_update_findings(step: int, named: list[tuple[str, torch.Tensor, torch.T
         f"below |w|·{eps:.3g} rounds away); keep fp32 master weights (torch.autocast, or "
         "an fp32 copy the optimizer steps)",
         f"elements with a non-zero gradient left unchanged by optimizer.step (lr {lr:g}): "
-        f"{_names(worst)}", lost=lost, updated=total, dtype=str(dtype), lr=lr,
+        f"{names_listed(worst)}", lost=lost, updated=total, dtype=str(dtype), lr=lr,
         params=[w.rsplit(" (", 1)[0] for w in worst])]
 
 

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hooks.capture_recompute import _in_backward
+from hooks.capture_recompute import in_backward
 from hooks.capture_replay import held_state
 from hooks.ops import Replay
 from hooks.runs import loop_checks as lc
@@ -317,7 +317,7 @@ class LoopWatch:
         return self._busy() or getattr(self._capture(), "replaying", False)
 
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._inside or self._others() or _in_backward():
+        if self._inside or self._others() or in_backward():
             return
         try:
             if not torch.is_grad_enabled():
@@ -338,7 +338,7 @@ class LoopWatch:
             pass
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if self._inside or self._others() or _in_backward() or not torch.is_grad_enabled():
+        if self._inside or self._others() or in_backward() or not torch.is_grad_enabled():
             return
         if not self._mbs or self._mbs[-1].hooked:
             return
@@ -478,7 +478,7 @@ class LoopWatch:
             self._add([lc.finding(
                 "optimizer_params", self._step, "no gradient",
                 f"{len(names)} parameter(s) held by the optimizer got no gradient in "
-                f"{self._no_grad_windows} watched steps: {lc._names(names)} (unused in the "
+                f"{self._no_grad_windows} watched steps: {lc.names_listed(names)} (unused in the "
                 "forward, frozen, or cut from the graph by .detach())",
                 f"grad None or zero at the optimizer step of each of "
                 f"{self._no_grad_windows} watched steps: {', '.join(names)}", params=names)])
@@ -528,14 +528,12 @@ class LoopWatch:
         scalar loss."""
         r = mb.replay
         cap = self._capture()
-        paused = cap is not None and getattr(cap, "_active", False)
         self._inside = True
-        if paused:
-            cap._active = False
         try:
             # on clones of the buffers (BatchNorm statistics), RNG and modes restored after:
             # the replay leaves the training state as the step left it
-            with held_state(self.model, r.rng_cpu, r.rng_cuda), torch.enable_grad():
+            with (cap.paused() if cap is not None else contextlib.nullcontext()), \
+                    held_state(self.model, r.rng_cpu, r.rng_cuda), torch.enable_grad():
                 self.model.train(r.training)
                 out = self.model(*r.args, **r.kwargs)
                 loss = loss_of(out)
@@ -545,8 +543,6 @@ class LoopWatch:
                 wrt = params + ([logits] if logits is not None else [])
                 grads = torch.autograd.grad(loss.reshape(()), wrt, allow_unused=True)
         finally:
-            if paused:
-                cap._active = True
             self._inside = False
         flat = torch.cat([(g.reshape(-1).float() if g is not None else
                            p.new_zeros(p.numel(), dtype=torch.float32))

@@ -333,6 +333,13 @@ class NonFiniteSentinel:
         if optimizer is not None:
             self._handles.append(optimizer.register_step_pre_hook(self._before_update))
 
+    @property
+    def replaying(self) -> bool:
+        """True while the sentinel re-runs the model's forward to locate a non-finite value's
+        origin (:func:`replay_origin`): a forward seen now is mdb's, not the user's (the loop
+        doctor skips it)."""
+        return self._inside
+
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not self._inside and self._found is None:
             self._replay = Replay.at(module, args, kwargs)

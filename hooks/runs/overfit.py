@@ -68,7 +68,7 @@ from hooks.runs.trainer import (
     TrainControl,
     Trainer,
     TrainResult,
-    _router_logits,
+    router_logits,
     step_metric_names,
 )
 
@@ -203,7 +203,7 @@ class RunSession:
         self.store = store
         self.name = name(store) if callable(name) else name
         checkpoint_folder(store.path, self.name)  # a stray link there: refused before the run
-        self.writer = store.create_run(self.name, self._config(),
+        self.writer = store.create_run(self.name, self.run_config(),
                                        total_steps=self.options.steps)
 
     def _declared(self) -> dict[str, Any]:
@@ -529,7 +529,9 @@ class OverfitSession(RunSession):
         session._register(store, name)
         return session
 
-    def _config(self) -> dict[str, Any]:
+    def run_config(self) -> dict[str, Any]:
+        """The run's stored config (``runs.config``): the options, the workload and what
+        was resolved from them."""
         return {**self.options.to_dict(), "workload": "minillm",
                 "resolved_model_config": self.config.to_dict(), **self._declared()}
 
@@ -688,7 +690,7 @@ def _resume(store: RunStore, name: str, options_cls: Any, steps: int | None,
                          f"{_one_line(exc)}") from None
     writer = store.resume_run(name, total_steps=options.steps, restart=ckpt is None)
     session.writer, session.name, session.restarted = writer, name, ckpt is None
-    writer.update_config(session._config())
+    writer.update_config(session.run_config())
     return session
 
 
@@ -804,7 +806,7 @@ class ModelOverfitSession(RunSession):
         self.loss_source = choice.source
         ids = batch.ids(model)
         self._metric_names = step_metric_names(out, choice, tokens=ids is not None)
-        self._moe = bool(_router_logits(out))
+        self._moe = bool(router_logits(out))
         cfg = getattr(model, "config", None)
         self._top_k = int(getattr(cfg, "num_experts_per_tok", None) or 1)
 
@@ -861,7 +863,9 @@ class ModelOverfitSession(RunSession):
         return _resume(store, name, ModelOverfitOptions, steps, lambda options, step, ckpt: cls(
             options, store, None, build, start_step=step, checkpoint=ckpt), prepare)
 
-    def _config(self) -> dict[str, Any]:
+    def run_config(self) -> dict[str, Any]:
+        """The run's stored config (``runs.config``): the options, the workload and what
+        was resolved from them."""
         return {**self.options.to_dict(), "workload": "model", "loss_source": self.loss_source,
                 "batch": self.batch.describe(self.model),
                 "model_state": _model_state_signature(self.model), **self._declared()}

@@ -146,5 +146,6 @@ def grads_by_key(params: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
             for n, p in params]
 
 
-def _hex(v: int | None) -> str:
+def hex64(v: int | None) -> str:
+    """A checksum as 16 hex digits (its two's complement for a negative one), or ``"None"``."""
     return "None" if v is None else f"{v & 0xFFFFFFFFFFFFFFFF:016x}"

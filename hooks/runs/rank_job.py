@@ -56,6 +56,7 @@ def job() -> Job | None:
         rank = int(dist.get_rank())
         from torch.distributed import distributed_c10d
 
+        # torch private: the process group's store, no public getter
         store = distributed_c10d._get_default_store()
     except Exception:  # a process group that cannot tell: not a job we can follow
         return None
@@ -79,7 +80,9 @@ def process_gone(pid: int | None) -> bool:
     return stat.rpartition(")")[2].split()[:1] == ["Z"]
 
 
-def _describe(p: Mapping[str, Any]) -> str:
+def describe_rank(p: Mapping[str, Any]) -> str:
+    """``rank R (pid P on HOST)`` for a rank's row (``rank``, and ``pid``, ``host`` when
+    known)."""
     where = []
     if p.get("pid") is not None:
         where.append(f"pid {p['pid']}")

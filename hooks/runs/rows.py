@@ -100,7 +100,7 @@ def _nan_to_none(x: float | None) -> float | None:
     return None if x is None or math.isnan(x) else x
 
 
-def _nonfinite_from_failure(
+def nonfinite_from_failure(
     status: str, reason: str | None, fail_step: int | None, fail_module: str | None
 ) -> dict[str, Any] | None:
     """The :attr:`RunInfo.nonfinite` finding of a run that :class:`hooks.runs.trainer.Trainer`
@@ -139,9 +139,9 @@ def nonfinite_sentence(nf: Mapping[str, Any]) -> str:
     return text + (f"; {nf['note']}" if nf.get("note") else "")
 
 
-_NONFINITE_KEYS = ("step", "metric", "module", "direction", "detail", "note")
+NONFINITE_KEYS = ("step", "metric", "module", "direction", "detail", "note")
 #: Where a non-finite value started (:attr:`hooks.runs.origin.Origin.direction`).
-_DIRECTIONS = (None, "forward", "backward", "parameter", "gradient")
+DIRECTIONS = (None, "forward", "backward", "parameter", "gradient")
 
 
 def _nonfinite_from_json(text: str | None) -> dict[str, Any] | None:
@@ -153,7 +153,7 @@ def _nonfinite_from_json(text: str | None) -> dict[str, Any] | None:
         return None
     if not isinstance(d, dict) or not isinstance(d.get("step"), int):
         return None
-    out = {k: d.get(k) for k in _NONFINITE_KEYS}
+    out = {k: d.get(k) for k in NONFINITE_KEYS}
     for key in ("metric", "module", "detail", "note"):
         if not isinstance(out[key], (str, type(None))):
             out[key] = str(out[key])
@@ -162,7 +162,7 @@ def _nonfinite_from_json(text: str | None) -> dict[str, Any] | None:
     for key in ("detail", "note"):
         if out[key] is None:
             del out[key]
-    if out["direction"] not in _DIRECTIONS:
+    if out["direction"] not in DIRECTIONS:
         out["direction"] = None
     if isinstance(d.get("rank"), int):  # a distributed run: the rank that logged it
         out["rank"] = d["rank"]
@@ -555,7 +555,7 @@ class RunUpdate:
         return self.metrics[-1].step if self.metrics else self.run.last_step
 
 
-#: The columns of ``runs`` as :func:`_run_from_row` reads them: (kind, may be NULL).
+#: The columns of ``runs`` as :func:`run_from_row` reads them: (kind, may be NULL).
 _RUN_COLUMNS: dict[str, tuple[str, bool]] = {
     "id": ("int", False), "name": ("text", False), "kind": ("text", False),
     "status": ("status", False), "pid": ("int", True), "host": ("text", True),
@@ -570,7 +570,7 @@ _KIND_WORDS = {"int": "an integer", "real": "a number", "text": "text",
                "status": "one of " + "/".join(STATUSES)}
 
 
-def _cell(kind: str, value: Any) -> tuple[bool, Any]:
+def read_cell(kind: str, value: Any) -> tuple[bool, Any]:
     """``(readable, value)`` of one stored value of a column of this kind."""
     if kind == "int":
         if isinstance(value, int) and not isinstance(value, bool):
@@ -587,7 +587,8 @@ def _cell(kind: str, value: Any) -> tuple[bool, Any]:
     return isinstance(value, str), value
 
 
-def _shown(value: Any) -> str:
+def shown_value(value: Any) -> str:
+    """``repr(value)`` cut to 40 characters (an unreadable stored value, in a message)."""
     text = repr(value)
     return text if len(text) <= 40 else text[:39] + "…"
 
@@ -609,7 +610,7 @@ def _writer_from_json(text: Any) -> dict[str, Any] | None:
             "start": start if isinstance(start, int) and not isinstance(start, bool) else None}
 
 
-def _run_from_row(row: sqlite3.Row) -> RunInfo:
+def run_from_row(row: sqlite3.Row) -> RunInfo:
     """A :class:`RunInfo` from a ``runs`` row; what cannot be read is left empty and named in
     :attr:`RunInfo.damaged` (a row changed outside mdb never raises here)."""
     problems: list[str] = []
@@ -619,9 +620,9 @@ def _run_from_row(row: sqlite3.Row) -> RunInfo:
         if value is None and nullable:
             fields[name] = None
             continue
-        ok, got = _cell(kind, value) if value is not None else (False, None)
+        ok, got = read_cell(kind, value) if value is not None else (False, None)
         if not ok:
-            problems.append(f"runs.{name} holds {_shown(value)}, not {_KIND_WORDS[kind]}")
+            problems.append(f"runs.{name} holds {shown_value(value)}, not {_KIND_WORDS[kind]}")
             got = None if nullable else _EMPTY[kind]
         fields[name] = got
     config: Any = {}
@@ -631,7 +632,7 @@ def _run_from_row(row: sqlite3.Row) -> RunInfo:
     except (json.JSONDecodeError, RecursionError):
         config = None
     if not isinstance(config, dict):
-        problems.append(f"runs.config holds {_shown(text)}, not a JSON object")
+        problems.append(f"runs.config holds {shown_value(text)}, not a JSON object")
         config = {}
     damaged = None
     if problems:

@@ -290,7 +290,6 @@ class Run(RunControls, RunProcess):
         self._watched: str | None = None  # the first watch() call, "watch(...) at file:line"
         self._capture_options: dict[str, Any] = {}
         self._capture: Any = None
-        self._capture_step: int | None = None
         self._step_trace: Any = None  # the trace of the current step, if it was captured
         self._locate_pending = False
         self._sentinel: Any = None  # hooks.runs.origin.NonFiniteSentinel while watching
@@ -502,10 +501,10 @@ class Run(RunControls, RunProcess):
             )
         return step
 
-    def _log_sample(self, step: int, prompt: str, text: str) -> None:
-        """mdb's own runs: the model's greedy continuation of ``prompt``, written with step
-        ``step`` (call it before that step's first ``log()``; ``mdb watch`` shows the
-        latest)."""
+    def log_sample(self, step: int, prompt: str, text: str) -> None:
+        """Record the model's greedy continuation ``text`` of ``prompt``, written with step
+        ``step``: call it before that step's first ``log()``; ``mdb watch`` shows the latest.
+        Used by mdb's own runs (``mdb overfit``)."""
         self._sample = (int(step), str(prompt), str(text))
 
     def _enqueue(self, item: tuple) -> None:
@@ -668,11 +667,18 @@ class Run(RunControls, RunProcess):
             sentinel = self._sentinel
             self._doctor = LoopWatch(self._model, optimizer, scheduler,
                                      capture=lambda: self._capture,
-                                     busy=lambda: getattr(sentinel, "_inside", False))
+                                     busy=lambda: sentinel.replaying)
             self._doctor.once(nxt)
             self._doctor_findings(close=False)
         if not self._closed and nxt % every == 0:
             self._start_capture(nxt)
+
+    @property
+    def loop_doctor(self) -> Any:
+        """The loop doctor (:class:`hooks.runs.loop_watch.LoopWatch`) that ``watch(...,
+        optimizer=)`` attached on rank 0, or ``None``: an integration that drives the step
+        itself (Lightning's ``optimizer.step(closure)``) tells it when the step comes."""
+        return self._doctor
 
     @staticmethod
     def _sharded(model: Any) -> bool:
@@ -716,7 +722,7 @@ class Run(RunControls, RunProcess):
             self._model = None
             self._capture = None
             return
-        self._capture, self._capture_step = cap, step
+        self._capture = cap
 
     def _end_capture(self, step: int, values: dict[str, float]) -> Any:
         cap, self._capture = self._capture, None

@@ -82,7 +82,7 @@ import json
 import sqlite3
 import time
 
-from hooks.runs.rows import FIXED_METRICS, _nonfinite_from_failure
+from hooks.runs.rows import FIXED_METRICS, nonfinite_from_failure
 from hooks.runs.sqlite_open import lock_wait
 from hooks.runs.summary import rebuild
 
@@ -96,7 +96,7 @@ FORMAT_NAME = "mdb-runstore"
 #: ``$MDB_LOCK_WAIT`` (seconds) says otherwise (:func:`hooks.runs.sqlite_open.lock_wait`).
 BUSY_TIMEOUT_MS = 10_000
 
-_TABLES = {
+TABLES = {
     "meta": """CREATE TABLE meta (
     key   TEXT PRIMARY KEY,
     value TEXT NOT NULL
@@ -264,7 +264,7 @@ _TABLES = {
 _RANK_TABLES = ("ranks", "rank_steps", "rank_scalars", "rank_internals", "findings", "checks")
 
 
-def _lock_wait() -> float:
+def store_lock_wait() -> float:
     """Seconds to wait for a lock another process holds (``$MDB_LOCK_WAIT``, else
     :data:`BUSY_TIMEOUT_MS`)."""
     return lock_wait(BUSY_TIMEOUT_MS / 1000)
@@ -275,9 +275,11 @@ def _lock_wait() -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-def _create_schema(conn: sqlite3.Connection) -> None:
+def create_schema(conn: sqlite3.Connection) -> None:
+    """Create every table of the current schema (:data:`TABLES`) on an empty database and
+    record its application id and version."""
     conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-    for sql in _TABLES.values():
+    for sql in TABLES.values():
         conn.execute(sql)
     conn.executemany(
         "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
@@ -307,8 +309,8 @@ def _migrate_v1(conn: sqlite3.Connection) -> None:
     ``runs`` gains ``nonfinite``, filled for runs the trainer stopped on a non-finite value.
     """
     conn.execute("ALTER TABLE runs ADD COLUMN nonfinite TEXT")
-    conn.execute(_TABLES["metric_names"])
-    conn.execute(_TABLES["scalars"])
+    conn.execute(TABLES["metric_names"])
+    conn.execute(TABLES["scalars"])
     run_ids = [r[0] for r in conn.execute("SELECT DISTINCT run_id FROM metrics")]
     for run_id in run_ids:
         next_id = 1
@@ -330,7 +332,7 @@ def _migrate_v1(conn: sqlite3.Connection) -> None:
                 (next_id, run_id),
             )
             next_id += 1
-    conn.execute(_TABLES["metrics"].replace("CREATE TABLE metrics", "CREATE TABLE metrics_v2"))
+    conn.execute(TABLES["metrics"].replace("CREATE TABLE metrics", "CREATE TABLE metrics_v2"))
     conn.execute(
         "INSERT INTO metrics_v2 (run_id, step, wall, expert_load) "
         "SELECT run_id, step, wall, expert_load FROM metrics"
@@ -341,7 +343,7 @@ def _migrate_v1(conn: sqlite3.Connection) -> None:
         "SELECT id, status, reason, fail_step, fail_module FROM runs WHERE status = 'failed'"
     ).fetchall()
     for r in rows:
-        nf = _nonfinite_from_failure(r[1], r[2], r[3], r[4])
+        nf = nonfinite_from_failure(r[1], r[2], r[3], r[4])
         if nf is not None:
             conn.execute("UPDATE runs SET nonfinite = ? WHERE id = ?", (json.dumps(nf), r[0]))
     conn.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
@@ -353,7 +355,7 @@ def _migrate_v2(conn: sqlite3.Connection) -> None:
     distributed runs are created empty (:data:`_RANK_TABLES`)."""
     conn.execute("ALTER TABLE runs ADD COLUMN world_size INTEGER")
     for name in _RANK_TABLES:
-        conn.execute(_TABLES[name])
+        conn.execute(TABLES[name])
     conn.execute("UPDATE meta SET value = '3' WHERE key = 'schema_version'")
 
 
@@ -366,11 +368,11 @@ def _migrate_v3(conn: sqlite3.Connection) -> None:
     what the writer keeps (:data:`_SUMMARY_TABLES`) are created and filled from every run's
     rows (:func:`hooks.runs.summary.rebuild`), once."""
     for name in _SUMMARY_TABLES:
-        conn.execute(_TABLES[name])
+        conn.execute(TABLES[name])
     for (run_id,) in conn.execute("SELECT id FROM runs").fetchall():
         rebuild(conn, run_id)
     conn.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
 
 
 #: Migrations by the version they start from.
-_MIGRATIONS = {1: _migrate_v1, 2: _migrate_v2, 3: _migrate_v3}
+MIGRATIONS = {1: _migrate_v1, 2: _migrate_v2, 3: _migrate_v3}

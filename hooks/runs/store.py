@@ -74,20 +74,20 @@ from hooks.runs.rows import (
     RunUpdate,
     SampleRow,
     WriterBusyError,
-    _cell,
-    _run_from_row,
-    _shown,
     pid_alive,
+    read_cell,
+    run_from_row,
+    shown_value,
     validate_run_name,
 )
 from hooks.runs.rows import nonfinite_sentence as nonfinite_sentence
 from hooks.runs.schema import (
-    _MIGRATIONS,
-    _TABLES,
     APPLICATION_ID,
+    MIGRATIONS,
     SCHEMA_VERSION,
-    _create_schema,
-    _lock_wait,
+    TABLES,
+    create_schema,
+    store_lock_wait,
 )
 from hooks.runs.schema import FORMAT_NAME as FORMAT_NAME
 from hooks.runs.spikes import Spike
@@ -260,7 +260,7 @@ class RunStore:
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, create: bool = False):
         self.path = Path(path) if path is not None else default_db_path()
-        wait = _lock_wait()
+        wait = store_lock_wait()
         opened = open_database(self.path, create=create, wait=wait)
         self._conn: sqlite3.Connection | None = opened.conn
         self.read_only = opened.read_only
@@ -342,7 +342,7 @@ class RunStore:
             self._migrate(version)
         if "spikes" not in tables and not self.read_only:
             # added within version 2: a writer adds it to a database that lacks it
-            self.connection.execute(_TABLES["spikes"].replace("CREATE TABLE",
+            self.connection.execute(TABLES["spikes"].replace("CREATE TABLE",
                                                               "CREATE TABLE IF NOT EXISTS"))
 
     def _version(self, app_id: int, tables: set[str]) -> int:
@@ -365,7 +365,7 @@ class RunStore:
     def _migrate(self, version: int) -> None:
         """Bring an older database up to :data:`SCHEMA_VERSION` in one write transaction (a
         read-only database is migrated in a private copy)."""
-        if version not in _MIGRATIONS:
+        if version not in MIGRATIONS:
             raise RunStoreError(
                 f"{self.path} has schema version {version}, which this mdb cannot read"
             )
@@ -373,7 +373,7 @@ class RunStore:
             self.connection.close()
             opened = open_copy(self.path, (self.note or f"{self.path} is read-only") +
                                 f"; its schema {version} is upgraded in a private copy",
-                               _lock_wait())
+                               store_lock_wait())
             self._conn, self.note, self._copy_dir = opened.conn, opened.note, opened.copy_dir
         conn = self.connection
         with self._transaction():
@@ -383,7 +383,7 @@ class RunStore:
             ).fetchone()
             v = int(current)
             while v < SCHEMA_VERSION:
-                _MIGRATIONS[v](conn)
+                MIGRATIONS[v](conn)
                 v += 1
 
     def _init_schema(self) -> bool:
@@ -391,13 +391,13 @@ class RunStore:
         again whether another process created it meanwhile (writers creating one database
         at once): whether this process created it."""
         conn = self.connection
-        mode = set_wal(conn, self.path, _lock_wait())
+        mode = set_wal(conn, self.path, store_lock_wait())
         if mode.lower() != "wal":
             raise RunStoreError(f"cannot put {self.path} in WAL mode (got {mode!r})")
         with self._transaction():
             if conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
                 return False
-            _create_schema(conn)
+            create_schema(conn)
         return True
 
     def _transaction(self, immediate: bool = True) -> Transaction:
@@ -405,6 +405,15 @@ class RunStore:
         for writes, ``BEGIN`` for a consistent multi-statement read; a write lock another
         process holds past the lock wait raises :class:`DatabaseLockedError`."""
         return Transaction(self.connection, self.path, immediate)
+
+    def transaction(self) -> Transaction:
+        """``with store.transaction() as conn:`` one write transaction (``BEGIN IMMEDIATE``) on
+        :attr:`connection`: committed when the block ends normally, rolled back otherwise.
+
+        Raises:
+            DatabaseLockedError: Another process held the write lock past the lock wait.
+        """
+        return self._transaction()
 
     def snapshot(self) -> Transaction:
         """``with store.snapshot():`` one read transaction: every read inside the block sees
@@ -450,7 +459,7 @@ class RunStore:
     def runs(self) -> list[RunInfo]:
         """All runs, oldest first."""
         rows = self.connection.execute("SELECT * FROM runs ORDER BY started, id").fetchall()
-        return [_run_from_row(r) for r in rows]
+        return [run_from_row(r) for r in rows]
 
     def run(self, name_or_id: str | int) -> RunInfo:
         """One run by name (``str``) or id (``int``).
@@ -469,14 +478,14 @@ class RunStore:
         if row is None:
             known = latest_names([r.name for r in self.runs()])  # the latest 5 of N, …
             raise RunNotFoundError(f"no run named {name_or_id!r} in {self.path} ({known})")
-        return _run_from_row(row)
+        return run_from_row(row)
 
     def latest_run(self) -> RunInfo | None:
         """The most recently started run, or ``None`` if there is none."""
         row = self.connection.execute(
             "SELECT * FROM runs ORDER BY started DESC, id DESC LIMIT 1"
         ).fetchone()
-        return _run_from_row(row) if row is not None else None
+        return run_from_row(row) if row is not None else None
 
     def metric_names(self, run_id: int) -> list[str]:
         """Names of every scalar the run has logged, in the order each was first logged."""
@@ -520,11 +529,12 @@ class RunStore:
         if not rows:
             return []
         for step, wall, _load in rows:
-            if not _cell("int", step)[0]:
-                raise self._damaged(run_id, f"metrics.step holds {_shown(step)}, not an integer")
-            if not _cell("real", wall)[0]:
-                raise self._damaged(run_id, f"metrics.wall of step {step} holds {_shown(wall)}, "
-                                    "not a number")
+            if not read_cell("int", step)[0]:
+                raise self._damaged(run_id, f"metrics.step holds {shown_value(step)}, "
+                                    "not an integer")
+            if not read_cell("real", wall)[0]:
+                raise self._damaged(run_id, f"metrics.wall of step {step} holds "
+                                    f"{shown_value(wall)}, not a number")
         values: dict[int, dict[str, float | None]] = {r[0]: {} for r in rows}
         names = self._metric_names(run_id)
         scalars = conn.execute(
@@ -537,9 +547,9 @@ class RunStore:
             if name is None:
                 names = self._metric_names(run_id, refresh=True)
                 name = names.get(metric, f"metric{metric}")
-            if value is not None and not _cell("real", value)[0]:
+            if value is not None and not read_cell("real", value)[0]:
                 raise self._damaged(run_id, f"the value of {name} at step {step} is "
-                                    f"{_shown(value)}, not a number")
+                                    f"{shown_value(value)}, not a number")
             bucket = values.get(step)
             if bucket is not None:
                 bucket[name] = None if value is None else float(value)
@@ -559,10 +569,10 @@ class RunStore:
         except (json.JSONDecodeError, RecursionError):
             load = None
         if not (isinstance(load, list) and all(
-                isinstance(layer, list) and all(_cell("real", f)[0] for f in layer)
+                isinstance(layer, list) and all(read_cell("real", f)[0] for f in layer)
                 for layer in load)):
             raise self._damaged(run_id, f"metrics.expert_load of step {step} holds "
-                                f"{_shown(text)}, not a list of per-layer lists of fractions")
+                                f"{shown_value(text)}, not a list of per-layer lists of fractions")
         return [[float(f) for f in layer] for layer in load] or None
 
     def _damaged(self, run_id: int, what: str) -> DamagedRunError:
@@ -586,11 +596,11 @@ class RunStore:
             raise
         out = []
         for step, metric, value, baseline, peak, last in rows:
-            if not (all(_cell("int", v)[0] for v in (step, peak, last))
-                    and all(_cell("real", v)[0] for v in (value, baseline))
+            if not (all(read_cell("int", v)[0] for v in (step, peak, last))
+                    and all(read_cell("real", v)[0] for v in (value, baseline))
                     and isinstance(metric, str)):
-                raise self._damaged(run_id, f"the spike row of step {_shown(step)} holds values "
-                                    "that are not numbers")
+                raise self._damaged(run_id, f"the spike row of step {shown_value(step)} holds "
+                                    "values that are not numbers")
             out.append(Spike(int(step), metric, float(value), float(baseline), int(peak),
                              int(last)))
         return out
@@ -622,7 +632,7 @@ class RunStore:
                 "SELECT step FROM samples WHERE run_id = ? ORDER BY step DESC LIMIT 1", (run_id,)
             ).fetchone()
             recent = self._metrics(run_id, max(last - RECENT_STEPS, 0), None) if last else []
-            update = RunUpdate(_run_from_row(row), recent,
+            update = RunUpdate(run_from_row(row), recent,
                                self.samples(run_id, sample[0] - 1) if sample else [], [], False,
                                self.spikes(run_id, 0))
         return update, hist
@@ -645,7 +655,7 @@ class RunStore:
             (run_id, after_step),
         )
         return [SampleRow(r["step"], str(r["prompt"]), str(r["text"])) for r in rows
-                if _cell("int", r["step"])[0]]
+                if read_cell("int", r["step"])[0]]
 
     def internals_steps(self, run_id: int, after_step: int = 0) -> list[int]:
         """Steps of a run that have captured internals, in order."""
@@ -653,7 +663,7 @@ class RunStore:
             "SELECT step FROM internals WHERE run_id = ? AND step > ? ORDER BY step",
             (run_id, after_step),
         )
-        return [r[0] for r in rows if _cell("int", r[0])[0]]
+        return [r[0] for r in rows if read_cell("int", r[0])[0]]
 
     def internals(self, run_id: int, step: int) -> dict[str, Any] | None:
         """The internals captured at ``step`` (a JSON dict, see the training loop), or ``None``.
@@ -681,7 +691,7 @@ class RunStore:
             data, why = None, f"which does not parse as JSON ({str(exc)[:120]})"
         if not isinstance(data, dict):
             raise self._damaged(run_id, f"the capture of step {step} ({table}.data) holds "
-                                f"{_shown(text)}, {why}")
+                                f"{shown_value(text)}, {why}")
         return data
 
     def _blob(self, run_id: int, table: str, step: int, value: Any) -> bytes | None:
@@ -689,7 +699,7 @@ class RunStore:
             return None
         if not isinstance(value, (bytes, bytearray, memoryview)):
             raise self._damaged(run_id, f"the tensors of step {step} ({table}.tensors) hold "
-                                f"{_shown(value)}, not safetensors bytes")
+                                f"{shown_value(value)}, not safetensors bytes")
         return bytes(value)
 
     def internals_tensors(self, run_id: int, step: int) -> bytes | None:
@@ -826,7 +836,7 @@ class RunStore:
             row = self.connection.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
             if row is None:
                 raise RunNotFoundError(f"run id {run_id} no longer exists in {self.path}")
-            run = _run_from_row(row)
+            run = run_from_row(row)
             restarted = run.last_step < after_step
             cursor = (run.checkpoint_step or 0) if restarted else after_step
             metrics = self._metrics(run_id, cursor, None)

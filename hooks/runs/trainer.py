@@ -426,7 +426,7 @@ def _scalar_field(output: Any, name: str) -> torch.Tensor | None:
     return None
 
 
-def _router_logits(output: Any) -> tuple[torch.Tensor, ...]:
+def router_logits(output: Any) -> tuple[torch.Tensor, ...]:
     """The (N, E) router logits per MoE layer of an output (minillm, HF MoE), or ``()``."""
     value = getattr(output, "router_logits", None)
     if value is None and isinstance(output, Mapping):
@@ -754,7 +754,7 @@ class Trainer:
         loss_value = float(loss.detach())
         values = self._step_values(out, loss_value, grad_norm, step_time, tokens,
                                    total="total" in names)
-        routers = _router_logits(out)
+        routers = router_logits(out)
         metrics = metric_row(
             step, time.time(), {name: values.get(name) for name in names},
             expert_load(routers, self.top_k) if routers else None,

@@ -41,16 +41,16 @@ from typing import Any
 from hooks.runs.liveness import this_process
 from hooks.runs.numbers import loss_metric
 from hooks.runs.rows import (
-    _DIRECTIONS,
-    _NONFINITE_KEYS,
+    DIRECTIONS,
     FINDING_KINDS,
+    NONFINITE_KEYS,
     RANK_STATES,
     STATUSES,
     MetricRow,
     RunInfo,
-    _nonfinite_from_failure,
+    nonfinite_from_failure,
 )
-from hooks.runs.schema import _lock_wait
+from hooks.runs.schema import store_lock_wait
 from hooks.runs.spikes import Spike, SpikeDetector
 from hooks.runs.sqlite_open import RunStoreError, open_database
 from hooks.runs.summary import record_captures, record_scalars
@@ -135,7 +135,7 @@ class RunWriter:
         """Record this process as the run's writer (``runs.writer``) when the run row names
         it, and return the row's ``(pid, host)``: the owner every write checks for."""
         me = this_process()
-        with self.store._transaction() as conn:
+        with self.store.transaction() as conn:
             cols = {r[1] for r in conn.execute("PRAGMA table_info(runs)")}
             if "writer" not in cols:  # a database of an older mdb: added, no version change
                 conn.execute("ALTER TABLE runs ADD COLUMN writer TEXT")
@@ -248,7 +248,7 @@ class RunWriter:
         found: list[Spike] = []
         self.check_file()
         try:
-            with self.store._transaction() as conn:
+            with self.store.transaction() as conn:
                 self._write(conn, rows, extras_i, extras_s, now, found)
         except BaseException:
             self._ids = None  # names added in the rolled-back transaction are not stored
@@ -387,7 +387,7 @@ class RunWriter:
 
     def set_world_size(self, world_size: int) -> None:
         """Record that this run is a distributed job of ``world_size`` ranks."""
-        with self.store._transaction() as conn:
+        with self.store.transaction() as conn:
             conn.execute("UPDATE runs SET world_size = ? WHERE id = ?",
                          (int(world_size), self.run_id))
 
@@ -412,7 +412,7 @@ class RunWriter:
                          r.get("heartbeat"), r.get("reason"), "reason" in r))
         if not rows:
             return
-        with self.store._transaction() as conn:
+        with self.store.transaction() as conn:
             for (run_id, rank, host, pid, local, state, step, beat, reason, has_reason) in rows:
                 conn.execute(
                     "INSERT INTO ranks (run_id, rank, host, pid, local_rank, state, last_step,"
@@ -457,7 +457,7 @@ class RunWriter:
         if not prepared and not extras:
             return
         try:
-            with self.store._transaction() as conn:
+            with self.store.transaction() as conn:
                 ids = self._metric_ids(conn)
                 conn.executemany(
                     "INSERT INTO rank_steps (run_id, step, rank, wall, step_time, compute_time,"
@@ -511,7 +511,7 @@ class RunWriter:
         if not rows:
             return
         now = time.time()
-        with self.store._transaction() as conn:
+        with self.store.transaction() as conn:
             (last,) = conn.execute("SELECT COALESCE(MAX(id), 0) FROM findings WHERE run_id = ?",
                                    (self.run_id,)).fetchone()
             conn.executemany(
@@ -530,7 +530,7 @@ class RunWriter:
                  int(c["compared"]), int(c["differing"])) for c in checks]
         if not rows:
             return
-        with self.store._transaction() as conn:
+        with self.store.transaction() as conn:
             conn.executemany(
                 "INSERT OR REPLACE INTO checks (run_id, step, kind, ranks, compared, differing)"
                 " VALUES (?, ?, ?, ?, ?, ?)", rows,
@@ -543,13 +543,13 @@ class RunWriter:
             WriterLostError: The database was deleted, or the run taken over.
         """
         self.check_file()
-        with self.store._transaction() as conn:
+        with self.store.transaction() as conn:
             self._owned(conn, "UPDATE runs SET heartbeat = ? WHERE id = ?",
                         (time.time(), self.run_id))
 
     def set_paused(self, paused: bool) -> None:
         """Record whether training is paused (watchers show it)."""
-        with self.store._transaction() as conn:
+        with self.store.transaction() as conn:
             self._owned(conn, "UPDATE runs SET paused = ?, heartbeat = ? WHERE id = ?",
                         (int(paused), time.time(), self.run_id))
 
@@ -569,7 +569,7 @@ class RunWriter:
             rel = str(p.relative_to(base))
         except ValueError:
             rel = str(p)
-        with self.store._transaction() as conn:
+        with self.store.transaction() as conn:
             self._owned(conn, "UPDATE runs SET checkpoint_step = ?, checkpoint_path = ?,"
                         " heartbeat = ? WHERE id = ?", (int(step), rel, time.time(), self.run_id))
 
@@ -587,7 +587,7 @@ class RunWriter:
         """
         text = None
         if nonfinite is not None:
-            nf = {k: nonfinite.get(k) for k in _NONFINITE_KEYS}
+            nf = {k: nonfinite.get(k) for k in NONFINITE_KEYS}
             if nonfinite.get("rank") is not None:
                 nf["rank"] = int(nonfinite["rank"])
             if not isinstance(nf["step"], int):
@@ -595,16 +595,16 @@ class RunWriter:
             for key in ("detail", "note"):
                 if nf[key] is None:
                     del nf[key]
-            if nf["direction"] not in _DIRECTIONS:
-                raise ValueError(f"direction must be one of {_DIRECTIONS}, not "
+            if nf["direction"] not in DIRECTIONS:
+                raise ValueError(f"direction must be one of {DIRECTIONS}, not "
                                  f"{nf['direction']!r}")
             text = json.dumps(nf)
-        with self.store._transaction() as conn:
+        with self.store.transaction() as conn:
             conn.execute("UPDATE runs SET nonfinite = ? WHERE id = ?", (text, self.run_id))
 
     def update_config(self, config: Mapping[str, Any]) -> None:
         """Replace the run's stored configuration."""
-        with self.store._transaction() as conn:
+        with self.store.transaction() as conn:
             conn.execute(
                 "UPDATE runs SET config = ? WHERE id = ?",
                 (json.dumps(dict(config), sort_keys=True, default=str), self.run_id),
@@ -640,8 +640,8 @@ class RunWriter:
         self.stop_heartbeat()
         self.check_file()
         now = time.time()
-        nf = _nonfinite_from_failure(status, reason, fail_step, fail_module)
-        with self.store._transaction() as conn:
+        nf = nonfinite_from_failure(status, reason, fail_step, fail_module)
+        with self.store.transaction() as conn:
             self._owned(
                 conn, "UPDATE runs SET status = ?, ended = ?, heartbeat = ?, reason = ?,"
                 " fail_step = ?, fail_module = ?, paused = 0,"
@@ -668,7 +668,7 @@ class RunWriter:
 
         def beat() -> None:
             try:
-                conn = open_database(path, create=False, wait=_lock_wait()).conn
+                conn = open_database(path, create=False, wait=store_lock_wait()).conn
             except (RunStoreError, sqlite3.Error):  # locked, or gone: the writer's own writes say
                 return
             try:

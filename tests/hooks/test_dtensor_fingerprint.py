@@ -183,15 +183,15 @@ def test_held_storages_are_counted_once_and_whole_within_the_budget(monkeypatch)
 def test_a_held_piece_refilled_at_the_same_address_is_lost():
     # FSDP2 frees an unsharded parameter's storage and gathers it again: the same size,
     # often the same address, no version bump; the sample, taken again, tells
-    from hooks.stats import _hist_sample
+    from hooks.stats import hist_sample
 
     x = torch.randn(3 * HIST_SAMPLE, generator=torch.Generator().manual_seed(8))
-    sample, k = _hist_sample(x, x.shape[-1])
+    sample, k = hist_sample(x, x.shape[-1])
     fp = Fingerprint.of(x, sample[:k], finite=True, hold=True)
     with torch.no_grad():
         x.data.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(9)))
     assert x._version == fp.version  # (a write through .data moves no version)
     assert fp.whole() is None
     y = torch.randn(3 * HIST_SAMPLE, generator=torch.Generator().manual_seed(10))
-    sample, k = _hist_sample(y, y.shape[-1])
+    sample, k = hist_sample(y, y.shape[-1])
     assert Fingerprint.of(y, sample[:k], finite=True, hold=True).whole() == _by_definition(y)

@@ -498,6 +498,11 @@ class RunSeries:
         """What the expert series count: ``"tokens"`` (routed slots) or ``"share"``."""
         return "tokens" if self._tokens_per_step else "share"
 
+    @property
+    def expert_slots(self) -> float:
+        """Routed (token, expert) slots of a step: tokens per step × ``top_k``; 0 unknown."""
+        return (self._tokens_per_step or 0.0) * self.top_k
+
     def seconds_per_step(self) -> float | None:
         """Median wall-clock spacing of the last steps, robust to a pause
         (:class:`hooks.runs.rates.StepRate`, the one definition every view shows)."""

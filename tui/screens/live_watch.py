@@ -194,7 +194,7 @@ class WatchScreen(ViewerControls, LiveScreen):
         from hooks.runs.store import RunStore
 
         series = self.series
-        slots = (series._tokens_per_step or 0.0) * series.top_k
+        slots = series.expert_slots
         loads: list = []
         older = None
         cursor = first - 1
