@@ -12,6 +12,8 @@ from torch import nn
 import hooks
 from tests.zoo import batch_for, tiny
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def _o_proj_inputs(model, batch, edits=None):
     """The inputs o_proj of every layer received, in call order, under ``edits``. A plain

@@ -13,6 +13,8 @@ from hooks.lens import logit_lens
 from tests import families
 from tests.zoo import batch_for, tiny
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 EPS32 = torch.finfo(torch.float32).eps
 
 
