@@ -9,7 +9,7 @@ heads) at 4x128. Both sides run forward + backward, interleaved in one run; medi
 ratio are printed, with the probabilities' bytes and a check that the recorded probabilities
 sum to 1 and that the gradients are identical.
 
-``--mechanism`` adds the measurement behind :mod:`hooks.attention`'s choice: the capture
+``--mechanism`` adds the measurement behind :mod:`hooks.probes.attention`'s choice: the capture
 without attention plus (a) a ``TorchFunctionMode`` that only compares each torch call against
 ``scaled_dot_product_attention`` and softmax, and (b) no-op wrappers swapped onto
 ``torch.nn.functional`` / ``torch`` / ``torch.Tensor`` for the step: what each way of

@@ -98,7 +98,7 @@ def sides(model, ids, args: argparse.Namespace, last: dict) -> dict:
     forced into the hooks / onto the worker), the naive hook; the last capture goes to
     ``last["trace"]``."""
     import hooks
-    from hooks.capture import Capture
+    from hooks.engine.capture import Capture
 
     def plain() -> None:
         model.zero_grad(set_to_none=True)
@@ -180,7 +180,7 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
 
-    from hooks.trace import JSON_NAME
+    from hooks.trace.trace import JSON_NAME
     from minillm import MiniLLM, load_preset
 
     cfg = load_preset(args.preset)
@@ -236,7 +236,7 @@ def breakdown(model, ids, overhead_s: float, repeats: int) -> None:
     """Time the statistics of one capture's tensors alone: as computed (aminmax, sum, dot), and
     with two passes (aminmax, var_mean) instead of three."""
     import hooks
-    import hooks.stats as stats
+    import hooks.tensors.stats as stats
 
     seen: list[torch.Tensor] = []
     add = stats.StatsBatch.add

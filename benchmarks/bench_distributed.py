@@ -43,7 +43,7 @@ def _worker(args: argparse.Namespace) -> None:
     from own_loop import TinyGPT
     from torch.nn.parallel import DistributedDataParallel
 
-    from hooks.runs.run import Run
+    from hooks.recorder.run import Run
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))

@@ -4,7 +4,7 @@ Both sides are timed interleaved in one process (``torch.set_num_threads`` switc
 on the same model and batch, so machine load lands on both alike. Prints per-side medians and
 the ratio, plus the per-check seconds of the last 1-thread run. ``--zoo`` times instead the
 checks on each correct model of ``tests/families.py`` (1 thread, median of the repeats), the
-per-model cost of ``tests/hooks/checks/test_doctor_families.py``.
+per-model cost of ``tests/hooks/doctor/model/test_doctor_families.py``.
 
     python benchmarks/bench_doctor.py [--preset default] [--repeats 5]
     python benchmarks/bench_doctor.py --zoo [--repeats 3]
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks._timing import interleaved, report  # noqa: E402
-from hooks.checks import run_checks  # noqa: E402
+from hooks.doctor.model import run_checks  # noqa: E402
 from tui.commands.workload import build_workload  # noqa: E402
 
 

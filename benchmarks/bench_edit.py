@@ -6,7 +6,7 @@ Usage: ``python benchmarks/bench_edit.py [--preset default] [--batch-size 2] [--
 
 Bound (issue 22): on the default model (what ``mdb step`` builds: minillm default, 2×64 of
 samples/alice.txt), the work between the form's Enter and the diff view —
-:func:`hooks.edits_run.rerun_edited` (the edited step: forward, loss and backward under
+:func:`hooks.whatif.rerun.rerun_edited` (the edited step: forward, loss and backward under
 ``hooks.capture`` with the edit's hooks) plus ``Trace.diff`` against the step as is — costs
 <= 1.5x one ``hooks.capture`` of the step (forward, loss, backward). Both sides are timed
 interleaved in one run; medians and the ratio are printed, for the ``--edit`` spec (default:
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
 
     import hooks
-    from hooks.edits_run import rerun_edited
+    from hooks.whatif.rerun import rerun_edited
     from tui.commands.capturing import capture_step
 
     workload = preset_workload(args.preset, args.batch_size, args.seq_len)

@@ -3,11 +3,11 @@
 Usage: ``python benchmarks/bench_fsdp.py [--repeats 20] [--rounds 6] [--block 40]
 [--baseline FILE]`` (it starts itself under ``torchrun``: 2 ranks, gloo, CPU, one torch thread
 each). ``--baseline FILE`` also times captured steps whose statistics come from ``FILE``, an
-older ``hooks/dtensor_stats.py`` (``git show REV:hooks/dtensor_stats.py > FILE``), in the same
+older ``hooks/sharded/stats.py`` (``git show REV:hooks/sharded/stats.py > FILE``), in the same
 interleaved loop: before and after in one run.
 
 The model is minillm's ``seed-test-c`` preset (D=128, 4 layers, 4 experts top-2), sharded
-as ``mdb overfit --fsdp`` shards it (:func:`hooks.runs.sharding.shard_fsdp`), AdamW, a batch
+as ``mdb overfit --fsdp`` shards it (:func:`hooks.train.sharding.shard_fsdp`), AdamW, a batch
 of 4 × 64 tokens per rank. Goals (issue 24):
 
 * a **captured step** (forward, backward and the optimizer step under ``hooks.capture``, whose
@@ -49,7 +49,7 @@ def _worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hooks.runs.sharding import ExpertUse, shard_fsdp
+    from hooks.train.sharding import ExpertUse, shard_fsdp
     from minillm import load_preset
     from minillm.model import MiniLLM
 
@@ -93,7 +93,7 @@ def _unwatched(model, step, args: argparse.Namespace
     gloo's), which other work on the machine disturbs less than the wall clock."""
     import torch.distributed as dist
 
-    from hooks.runs.run import Run
+    from hooks.recorder.run import Run
 
     rates: dict[str, list[float]] = {"plain": [], "hooks.run": []}
     cpu: dict[str, list[float]] = {"plain": [], "hooks.run": []}
@@ -135,7 +135,7 @@ def _captured_vs_plain(model, step, args: argparse.Namespace) -> dict[str, list[
 
     import hooks
 
-    capture_mod = importlib.import_module("hooks.capture")  # (hooks.capture: the function)
+    capture_mod = importlib.import_module("hooks.engine.capture")  # (hooks.capture: the function)
     sides = {"plain": None, "captured": capture_mod.MeshStats, "floor": "floor",
              "floor+coll": "floor+coll"}
     n = _entries_per_capture(model, step)
@@ -168,7 +168,7 @@ def _entries_per_capture(model, step) -> int:
     """How many tensors one captured step reduces across the mesh (its ``MeshStats``
     entries)."""
     import hooks
-    from hooks.dtensor_stats import MeshStats
+    from hooks.sharded.stats import MeshStats
 
     seen: list[int] = []
     finalize = MeshStats.finalize
@@ -194,7 +194,7 @@ def _collectives(n: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from hooks.stats import NUM_BINS
+    from hooks.tensors.stats import NUM_BINS
 
     dist.all_reduce(torch.zeros(8, dtype=torch.int64), op=dist.ReduceOp.MAX)
     for width in (15, NUM_BINS + 1):
@@ -203,7 +203,7 @@ def _collectives(n: int) -> None:
 
 
 def _load_baseline(path: str):
-    """``path`` (an older hooks/dtensor_stats.py) as a module of its own."""
+    """``path`` (an older hooks/sharded/stats.py) as a module of its own."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("baseline_dtensor_stats", path)
@@ -290,7 +290,7 @@ def main() -> None:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--db", default=None, help=argparse.SUPPRESS)
     p.add_argument("--baseline", default=None,
-                   help="an older hooks/dtensor_stats.py: its captured steps timed too")
+                   help="an older hooks/sharded/stats.py: its captured steps timed too")
     args = p.parse_args()
     if args.worker:
         _worker(args)

@@ -57,7 +57,7 @@ SKIP = 5  # warm-up steps left out of the throughput
 
 def throughput(db: Path, name: str) -> float:
     """Steps per second of run ``name`` between step SKIP and its last step."""
-    from hooks.runs.store import RunStore
+    from hooks.store.store import RunStore
 
     with RunStore(db) as store:
         rows = store.metrics(store.run(name).id, after_step=SKIP - 1)
@@ -71,12 +71,12 @@ MODEL: str | None = None
 
 
 def make_session(db: Path, name: str, steps: int):
-    from hooks.runs.overfit import OverfitOptions, OverfitSession, default_overfit_text
-    from hooks.runs.store import RunStore
+    from hooks.store.store import RunStore
+    from hooks.train.overfit import OverfitOptions, OverfitSession, default_overfit_text
     from minillm import load_preset
 
     if MODEL is not None:
-        from hooks.runs.overfit import ModelOverfitOptions, ModelOverfitSession
+        from hooks.train.overfit import ModelOverfitOptions, ModelOverfitSession
         from tui.commands.overfit import _build_workload
 
         return ModelOverfitSession.create(RunStore(db, create=True), name, ModelOverfitOptions(
@@ -161,7 +161,7 @@ def run_live_tmux(db: Path, name: str, steps: int) -> float:
     subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "80", "-y", "24",
                     f"cd {REPO} && {cmd}"], check=True)
     try:
-        from hooks.runs.store import RunStore
+        from hooks.store.store import RunStore
 
         t0 = time.time()
         while time.time() - t0 < 600:  # when the run is finished, quit the screen
@@ -182,7 +182,7 @@ def run_live_tmux(db: Path, name: str, steps: int) -> float:
 # -- run store costs and watcher latency ------------------------------------------------------
 
 def bench_store(args, tmp: Path) -> None:
-    from hooks.runs.store import RunStore  # noqa: F401
+    from hooks.store.store import RunStore  # noqa: F401
 
     print("\n== run store: cost of one step's transaction ==")
     import hooks
@@ -237,7 +237,7 @@ def bench_watch_latency(args, tmp: Path) -> None:
     print("\n== watcher latency: writer subprocess, reader polling every 100 ms ==")
     db = tmp / "watch.sqlite"
     proc = _start_writer(args, tmp / "tiny.toml", db, "--sample-every", "0")
-    from hooks.runs.store import RunStore
+    from hooks.store.store import RunStore
 
     while True:
         try:
@@ -266,7 +266,7 @@ def bench_watch_latency(args, tmp: Path) -> None:
 
 def bench_watch_screen_latency(args, tmp: Path) -> None:
     print("\n== mdb watch screen latency: writer subprocess, the watch app at 80x24 ==")
-    from hooks.runs.store import RunStore
+    from hooks.store.store import RunStore
     from tui.commands.watch import open_run
     from tui.live_app import make_watch_app
 

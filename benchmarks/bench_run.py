@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "samples"))
 from own_loop import TinyGPT  # noqa: E402
 
 import hooks  # noqa: E402
-from hooks.runs.store import RunStore  # noqa: E402
+from hooks.store.store import RunStore  # noqa: E402
 
 
 def _drain(run) -> None:

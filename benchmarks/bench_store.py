@@ -67,7 +67,7 @@ def write_store(db: Path) -> None:
     """Run ``big``: :data:`STEPS` steps of :data:`NAMES`, a spike of 1e4 at a random step."""
     import random
 
-    from hooks.runs.store import RunStore
+    from hooks.store.store import RunStore
 
     spike = random.Random(0).randrange(STEPS)
     with RunStore(db, create=True) as store:

@@ -35,15 +35,14 @@ import types
 # defines it on first use (PEP 562's module ``__getattr__``), so a user who only calls
 # ``hooks.run`` or a store command (``mdb runs``) does not pay ``import torch``. Each module is
 # loaded by a plain ``import`` statement in :func:`_load` (no importlib), so the import-linter
-# contracts of pyproject.toml see every edge. To export a new name: add it to ``_LAZY`` (name →
-# the module under ``hooks`` that defines it), to ``__all__``, and, for a new module, a branch
-# to :func:`_load`.
+# contracts of pyproject.toml see every edge. No package under ``hooks`` is named after a
+# public name (the function ``hooks.capture`` lives in the module ``hooks.engine.capture``), so
+# importing a submodule never hides one. To export a new name: add it to ``_LAZY`` (name → the
+# module under ``hooks`` that defines it), to ``__all__``, and, for a new module, a branch to
+# :func:`_load`.
 _LAZY: dict[str, str] = {
     **dict.fromkeys(("Batch", "BatchError", "LossChoice", "from_factory", "select_loss"), "batch"),
-    **dict.fromkeys(("Capture", "Selector", "capture", "module_infos"), "capture"),
-    **dict.fromkeys(("TensorDiff", "TraceDiff"), "diff"),
-    **dict.fromkeys(("Lens", "LensToken", "logit_lens"), "lens"),
-    **dict.fromkeys(("Divergence", "PrecisionDiff", "precision_diff"), "precision"),
+    **dict.fromkeys(("Capture", "Selector", "capture", "module_infos"), "engine.capture"),
     **dict.fromkeys(
         (
             "BlockRoutingProbe",
@@ -55,8 +54,19 @@ _LAZY: dict[str, str] = {
             "register_probe",
             "unregister_probe",
         ),
-        "probes",
+        "probes.base",
     ),
+    **dict.fromkeys(("Run", "run"), "recorder.run"),
+    **dict.fromkeys(
+        (
+            "NUM_BINS",
+            "StatsBatch",
+            "TensorStats",
+            "summarize_tensor",
+        ),
+        "tensors.stats",
+    ),
+    **dict.fromkeys(("TensorDiff", "TraceDiff"), "trace.diff"),
     **dict.fromkeys(
         (
             "AttentionRecord",
@@ -70,11 +80,11 @@ _LAZY: dict[str, str] = {
             "RoutingRecord",
             "TensorInfo",
         ),
-        "records",
+        "trace.records",
     ),
-    **dict.fromkeys(("NUM_BINS", "StatsBatch", "TensorStats", "summarize_tensor"), "stats"),
-    **dict.fromkeys(("SCHEMA_VERSION", "Trace", "TraceFormatError"), "trace"),
-    **dict.fromkeys(("Run", "run"), "runs.run"),
+    **dict.fromkeys(("SCHEMA_VERSION", "Trace", "TraceFormatError"), "trace.trace"),
+    **dict.fromkeys(("Lens", "LensToken", "logit_lens"), "whatif.lens"),
+    **dict.fromkeys(("Divergence", "PrecisionDiff", "precision_diff"), "whatif.precision"),
 }
 
 
@@ -130,30 +140,26 @@ def _load(module: str) -> types.ModuleType:
     """The module ``hooks.<module>`` of :data:`_LAZY`, imported by a plain statement."""
     if module == "batch":
         import hooks.batch  # noqa: F401 (read from sys.modules)
-    elif module == "capture":
-        import hooks.capture  # noqa: F401 (read from sys.modules)
-    elif module == "diff":
-        import hooks.diff  # noqa: F401 (read from sys.modules)
-    elif module == "lens":
-        import hooks.lens  # noqa: F401 (read from sys.modules)
-    elif module == "precision":
-        import hooks.precision  # noqa: F401 (read from sys.modules)
-    elif module == "probes":
-        import hooks.probes  # noqa: F401 (read from sys.modules)
-    elif module == "records":
-        import hooks.records  # noqa: F401 (read from sys.modules)
-    elif module == "stats":
-        import hooks.stats  # noqa: F401 (read from sys.modules)
-    elif module == "trace":
-        import hooks.trace  # noqa: F401 (read from sys.modules)
-    elif module == "runs.run":
-        # hooks.run / hooks.Run: the run store and its writer thread. This package is the
-        # facade on top of the engine and the runs: pyproject.toml's contracts let it (and the
-        # UI) import hooks.runs, and no module below it import it.
-        import hooks.runs.run  # noqa: F401 (read from sys.modules)
+    elif module == "engine.capture":
+        import hooks.engine.capture  # noqa: F401 (read from sys.modules)
+    elif module == "probes.base":
+        import hooks.probes.base  # noqa: F401 (read from sys.modules)
+    elif module == "recorder.run":
+        import hooks.recorder.run  # noqa: F401 (read from sys.modules)
+    elif module == "tensors.stats":
+        import hooks.tensors.stats  # noqa: F401 (read from sys.modules)
+    elif module == "trace.diff":
+        import hooks.trace.diff  # noqa: F401 (read from sys.modules)
+    elif module == "trace.records":
+        import hooks.trace.records  # noqa: F401 (read from sys.modules)
+    elif module == "trace.trace":
+        import hooks.trace.trace  # noqa: F401 (read from sys.modules)
+    elif module == "whatif.lens":
+        import hooks.whatif.lens  # noqa: F401 (read from sys.modules)
+    elif module == "whatif.precision":
+        import hooks.whatif.precision  # noqa: F401 (read from sys.modules)
     else:  # pragma: no cover - _LAZY names a module _load does not know
         raise AssertionError(f"hooks: no loader for {module!r}")
-    # ``import hooks.capture as m`` would read the package's attribute (the function capture).
     return sys.modules[f"{__name__}.{module}"]
 
 
@@ -169,22 +175,3 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
-
-
-class _Facade(types.ModuleType):
-    """The ``hooks`` package's module type. Importing a submodule sets it as an attribute of
-    its package: ``import hooks.capture`` would make ``hooks.capture`` the module and hide the
-    function :func:`hooks.capture.capture`. A submodule whose name is one of the lazy public
-    names sets that name instead."""
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if (
-            isinstance(value, types.ModuleType)
-            and _LAZY.get(name) == name
-            and value.__name__ == f"{__name__}.{name}"
-        ):
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Facade

@@ -1,4 +1,4 @@
-"""The checksum ``hooks.dtensor_replicas.position_checksum`` promises, computed independently
+"""The checksum ``hooks.sharded.replicas.position_checksum`` promises, computed independently
 with Python integers: ``Σ_ij bits(x_ij) · r_i · c_j`` over the (R, C) view of a tensor's bits
 (C its last dimension, doubled for 8-byte elements read as two halves), wrapped to int64,
 where ``r`` and ``c`` are splitmix64 (Steele, Lea and Flood, "Fast splittable pseudorandom

@@ -31,7 +31,7 @@ from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import hooks  # noqa: E402
-from hooks.runs.distributed import RankLink  # noqa: E402
+from hooks.dist.distributed import RankLink  # noqa: E402
 
 
 def main() -> None:

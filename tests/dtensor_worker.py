@@ -291,7 +291,7 @@ class ReplicaNet(Net):
 def replica_pieces(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(``base``, rank ``rank``'s ``off``) of :class:`ReplicaNet`: ``off`` is ``base`` but on
     rank 1, where its first element outside the histogram sample is 1.0 higher."""
-    from hooks.stats import HIST_SAMPLE, _sample_index
+    from hooks.tensors.stats import HIST_SAMPLE, _sample_index
 
     n = 3 * HIST_SAMPLE
     base = torch.linspace(-1.0, 1.0, n).sin()

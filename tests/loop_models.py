@@ -1,5 +1,5 @@
 """Tiny models and a loop runner for the training-loop doctor's tests
-(tests/hooks/runs/test_loop_doctor*.py, tests/hooks/integrations/, tests/tui/).
+(tests/hooks/doctor/loop/test_loop_doctor*.py, tests/hooks/integrations/, tests/tui/).
 
 :class:`TinyLM` is a causal LM small enough to train on a CPU in milliseconds: an embedding,
 dropout, a LayerNorm, a per-position MLP and an LM head (each position sees only its own
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hooks
-from hooks.runs.store import RunStore
+from hooks.store.store import RunStore
 
 V, D, T = 32, 16, 12
 

@@ -91,9 +91,9 @@ def tiny_workload(seq_len: int = 16):
 def tiny_session(tmp_path, steps: int = 20, name: str = "live", **kw):
     """An ``mdb overfit`` session named ``name`` of ``steps`` steps (V=16, D=32, 2 layers,
     4 experts top-2, lr 1e-2, a sample every 5 steps) in a new store ``tmp_path/mdb.sqlite``;
-    ``kw`` are more :class:`hooks.runs.overfit.OverfitOptions`."""
-    from hooks.runs.overfit import OverfitOptions, OverfitSession
-    from hooks.runs.store import RunStore
+    ``kw`` are more :class:`hooks.train.overfit.OverfitOptions`."""
+    from hooks.store.store import RunStore
+    from hooks.train.overfit import OverfitOptions, OverfitSession
 
     cfg = MiniLLMConfig(vocab_size=16, hidden_size=32, intermediate_size=64,
                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,

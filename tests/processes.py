@@ -90,7 +90,7 @@ def spawn_logged(argv: list[str], cwd: Path, tag: str) -> tuple[subprocess.Popen
 def run_row(db: Path, name: str):
     """The run ``name`` of the store ``db`` as a reader sees it now; None while the database
     or the run does not exist yet (or cannot be read at this instant)."""
-    from hooks.runs.store import RunStore
+    from hooks.store.store import RunStore
 
     if not db.exists():
         return None

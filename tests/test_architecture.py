@@ -39,9 +39,9 @@ def test_cli_help_is_fast_and_imports_no_torch():
 
 def test_import_contracts_hold():
     """The layers of pyproject.toml's [tool.importlinter]: minillm and hooks free of the UI,
-    the checks and the runs on top of the capture engine, the facade ``hooks`` on top of both
-    (the only importer of hooks.runs besides the UI), minillm imported by hooks.runs alone, no
-    cycles between sibling modules."""
+    the packages by concern on the layers below them, the facade ``hooks`` on top of all
+    (hooks.recorder imported by it, the trainer, the integrations and the UI), minillm imported by
+    hooks.train alone, no cycles between sibling modules."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent

@@ -141,7 +141,7 @@ def test_mdb_step_in_a_terminal_names_the_module_and_the_line(bad_models):
 
 def test_a_model_that_raises_during_overfit_is_located_in_the_line_and_the_run(bad_models,
                                                                               tmp_path, capsys):
-    from hooks.runs.store import RunStore
+    from hooks.store.store import RunStore
 
     db = tmp_path / "runs.sqlite"
     argv = ["overfit", "--headless", "--model", f"{bad_models}:raises_later", "--steps", "20",

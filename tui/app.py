@@ -34,7 +34,7 @@ class MdbApp(KeysInOrder, TerminalOutput, App[int]):
         trace: a :class:`hooks.Trace` to open, or None when ``loader`` provides it.
         loader: called in a thread worker to produce the trace (when ``trace`` is None).
         loading_text: what the loading screen says while ``loader`` runs.
-        doctor_results: ``hooks.checks`` results for the ``d`` view, or None.
+        doctor_results: ``hooks.doctor.model`` results for the ``d`` view, or None.
         doctor_runner: runs the checks on demand for the ``d`` view (``mdb step`` passes one
             bound to its model), or None.
         exit_after_paint: exit as soon as the step view is painted (start-up benchmark).
@@ -187,5 +187,5 @@ class DiffApp(KeysInOrder, TerminalOutput, App[int]):
 
 
 def make_diff_app(a, b, diff, name_a: str, name_b: str) -> DiffApp:
-    """The app of ``mdb diff`` for two traces and their :class:`hooks.diff.TraceDiff`."""
+    """The app of ``mdb diff`` for two traces and their :class:`hooks.trace.diff.TraceDiff`."""
     return DiffApp(a, b, diff, name_a, name_b)

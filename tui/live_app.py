@@ -53,7 +53,7 @@ class LiveApp(KeysInOrder, TerminalOutput, App[int]):
 
 
 def make_overfit_app(session, **kwargs) -> LiveApp:
-    """The live app training ``session`` (an :class:`hooks.runs.overfit.OverfitSession`).
+    """The live app training ``session`` (an :class:`hooks.train.overfit.OverfitSession`).
 
     Keyword arguments go to :class:`tui.screens.live.LiveScreen` (``heartbeat``,
     ``chart_interval``, ...).
@@ -64,7 +64,7 @@ def make_overfit_app(session, **kwargs) -> LiveApp:
 
 
 def make_watch_app(store, run, **kwargs) -> LiveApp:
-    """The read-only app following ``run`` (a :class:`hooks.runs.store.RunInfo`) in ``store``."""
+    """The read-only app following ``run`` (a :class:`hooks.store.store.RunInfo`) in ``store``."""
     from tui.screens.live_watch import WatchScreen
 
     return LiveApp(WatchScreen(store, run, **kwargs))

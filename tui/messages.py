@@ -127,9 +127,9 @@ class RunPolled(Message):
     """A watch poll read the database: everything new about the run since the last poll.
 
     Attributes:
-        update: The :class:`hooks.runs.store.RunUpdate` (run row, new metric rows and samples).
+        update: The :class:`hooks.store.store.RunUpdate` (run row, new metric rows and samples).
         history: On a first read of a long run, its metrics bucketed by step range
-            (:class:`hooks.runs.summary.History`); ``update.metrics`` are then only its last
+            (:class:`hooks.store.summary.History`); ``update.metrics`` are then only its last
             steps, which the buckets hold already. ``None`` otherwise.
     """
 

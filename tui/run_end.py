@@ -25,13 +25,13 @@ def end_of_run(
     (disk full, read-only directory), it says so, and which step a resume would start from.
 
     Args:
-        session: The :class:`hooks.runs.overfit.RunSession` that ran.
-        result: Its :class:`hooks.runs.trainer.TrainResult`.
-        last: The last step's :class:`hooks.runs.store.MetricRow`, if any; its main loss (``ce``
+        session: The :class:`hooks.train.overfit.RunSession` that ran.
+        result: Its :class:`hooks.train.trainer.TrainResult`.
+        last: The last step's :class:`hooks.store.store.MetricRow`, if any; its main loss (``ce``
             for minillm, ``loss`` for a ``--model``) is repeated in the line.
         db: The ``--db`` given on the command line (repeated in the resume hint), or ``None``.
     """
-    from hooks.runs.trainer import signal_exit_code
+    from hooks.train.trainer import signal_exit_code
     from tui.screens.live_data import metric_values
 
     name = session.name

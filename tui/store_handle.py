@@ -18,7 +18,7 @@ from typing import Any
 
 
 class StoreHandle:
-    """Lazily opened :class:`hooks.runs.store.RunStore` of ``path``, safe to close from another
+    """Lazily opened :class:`hooks.store.store.RunStore` of ``path``, safe to close from another
     thread than the one reading it.
 
     Args:
@@ -37,10 +37,10 @@ class StoreHandle:
         :meth:`close` waits until the block ends.
 
         Raises:
-            hooks.runs.store.RunStoreError: The database cannot be opened (the next ``use``
+            hooks.store.store.RunStoreError: The database cannot be opened (the next ``use``
                 tries again).
         """
-        from hooks.runs.store import RunStore
+        from hooks.store.store import RunStore
 
         with self._lock:
             if self._closed:

@@ -34,7 +34,7 @@ class CallbackOptions:
                  config: Mapping[str, Any] | None, capture_options: dict[str, Any]) -> None:
         import operator
 
-        from hooks.runs.loop_watch import check_watch_arguments
+        from hooks.doctor.loop.watch import check_watch_arguments
 
         every = operator.index(every)
         if every < 0:
@@ -50,7 +50,7 @@ class CallbackOptions:
     def start(self, model: Any, optimizer: Any, scheduler: Any, *,
               trainer_config: Mapping[str, Any], total_steps: int | None) -> Any:
         """Start the run (and watch ``model`` with the optimizer and scheduler); return it."""
-        from hooks.runs.run import Run
+        from hooks.recorder.run import Run
 
         run = Run(self.name, db=self.db, config={**plain_config(trainer_config), **self.config},
                   total_steps=total_steps if total_steps and total_steps > 0 else None)

@@ -62,7 +62,7 @@ def _make() -> type:
             **capture_options: Passed to ``run.watch``.
 
         Attributes:
-            run: The :class:`hooks.runs.run.Run` once training began (``None`` before).
+            run: The :class:`hooks.recorder.run.Run` once training began (``None`` before).
 
         Raises:
             TypeError, ValueError: A bad option (at once, one line).

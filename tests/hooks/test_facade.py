@@ -13,12 +13,12 @@ assert "torch" not in sys.modules, "import hooks imported torch"
 run, Run = hooks.run, hooks.Run
 assert "torch" not in sys.modules, "hooks.run imported torch"
 assert callable(run) and Run.__name__ == "Run"
-import hooks.capture
+import hooks.engine.capture
 assert callable(hooks.capture) and hooks.capture.__name__ == "capture"
 import torch
 for name in hooks.__all__:
     assert getattr(hooks, name) is not None, name
-from hooks.capture import Capture
+from hooks.engine.capture import Capture
 assert hooks.Capture is Capture
 assert sorted(set(hooks.__all__) - set(dir(hooks))) == []
 ns = {}
@@ -37,9 +37,9 @@ def test_import_hooks_loads_no_torch_and_keeps_every_name():
 def test_hooks_names_are_the_modules_own():
     import hooks
     from hooks.batch import Batch
-    from hooks.runs.run import run
-    from hooks.stats import summarize_tensor
-    from hooks.trace import Trace
+    from hooks.recorder.run import run
+    from hooks.tensors.stats import summarize_tensor
+    from hooks.trace.trace import Trace
 
     assert hooks.Batch is Batch and hooks.Trace is Trace and hooks.run is run
     assert hooks.summarize_tensor is summarize_tensor

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from hooks.capture import capture
-from hooks.runs.origin import NonFiniteSentinel
+from hooks.engine.capture import capture
+from hooks.nonfinite.origin import NonFiniteSentinel
 
 
 class Two(nn.Module):
@@ -111,7 +111,7 @@ def test_sentinel_replaying_is_seen_by_hooks_during_a_replay_origin_rerun() -> N
 
 
 def test_runstore_transaction_is_a_write_transaction(tmp_path) -> None:
-    from hooks.runs.store import RunStore
+    from hooks.store.store import RunStore
 
     store = RunStore(str(tmp_path / "runs.sqlite"), create=True)
     try:

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from hooks.runs.store import RunStore
+from hooks.store.store import RunStore
 from tests.conftest import wait_until
-from tests.hooks.runs.test_ablate import ABL_TOML
+from tests.hooks.train.test_ablate import ABL_TOML
 from tui.cli import main
 from tui.screens.compare import CompareApp
 

@@ -8,7 +8,7 @@ import torch
 from textual.widgets import Static
 
 import hooks
-from tests.hooks.test_attention_families import _build, _ids
+from tests.hooks.probes.test_attention_families import _build, _ids
 from tui.app import make_step_app
 from tui.screens.attention import AttentionScreen, NoProbabilities
 

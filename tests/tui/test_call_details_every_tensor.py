@@ -132,7 +132,7 @@ async def test_every_output_and_input_of_the_root_call_has_its_statistics(captur
 def test_headings_of_different_tensors_stay_different(width):
     """Cut to 11 cells, layer 0's and layer 10's cache tensors were both headed
     ``past_…0][0]``: the columns are now as wide as the longest heading (within the pane)."""
-    from hooks.stats import summarize_tensor
+    from hooks.tensors.stats import summarize_tensor
     from tui.widgets.call_details import stats_tables
 
     paths = [f"past_key_values[{layer}][{kv}]" for layer in (0, 1, 10) for kv in (0, 1)]

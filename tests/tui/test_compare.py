@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from hooks.runs.store import RunStore
+from hooks.store.store import RunStore
 from minillm import MiniLLM, MiniLLMConfig, load_preset
 from tests.conftest import wait_until
 from tui.cli import main

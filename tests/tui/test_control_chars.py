@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import hooks
-from hooks.runs.store import RunStore
+from hooks.store.store import RunStore
 from tests.conftest import wait_until
 from tui import cli
 from tui.app import make_step_app

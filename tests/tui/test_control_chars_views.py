@@ -289,7 +289,7 @@ def test_a_stopped_runs_line_shows_its_stored_name_and_reason_escaped(tmp_path):
     import sqlite3
     import time
 
-    from hooks.runs.store import RunStore
+    from hooks.store.store import RunStore
     from tui.commands.stop import ended_line
 
     path = tmp_path / "mdb.sqlite"

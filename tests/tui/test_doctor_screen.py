@@ -7,7 +7,7 @@ import torch
 from textual.app import App
 from textual.widgets import DataTable, Static
 
-from hooks.checks import CheckResult
+from hooks.doctor.model import CheckResult
 from tui import messages
 from tui.screens.doctor import DoctorScreen, summary_line
 from tui.screens.doctor_evidence import EvidenceScreen
@@ -141,7 +141,7 @@ def tiny_trace_and_results():
     torch.set_num_threads(1)
     try:
         import hooks
-        from hooks.checks import run_checks
+        from hooks.doctor.model import run_checks
         from tests import zoo
         from tui.commands.capturing import capture_step
         from tui.commands.workload import Workload

@@ -164,7 +164,7 @@ async def test_e_on_a_trace_from_disk_says_why(step, tmp_path):
 
 
 async def test_the_app_of_mdb_diff_edit_quits_with_q_and_edits_again_with_e(step):
-    from hooks.edits_run import rerun_edited
+    from hooks.whatif.rerun import rerun_edited
     from tui.commands.diff_edit import _app
 
     trace, _ = step
@@ -190,7 +190,7 @@ def test_e_re_runs_a_step_whose_loss_comes_from_the_factory_s_loss_fn():
     """A user's factory returning (model, batch, loss_fn) whose loss reads batch.targets: the
     re-run uses the step's own batch and loss function (kept on the trace's replay)."""
     from hooks.batch import Batch
-    from hooks.edits_run import rerun_edited
+    from hooks.whatif.rerun import rerun_edited
     from tui.commands.workload import Workload
 
     torch.manual_seed(0)

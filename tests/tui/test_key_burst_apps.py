@@ -16,7 +16,7 @@ import torch
 from textual.widgets import DataTable
 
 import hooks
-from hooks.runs.store import RunStore
+from hooks.store.store import RunStore
 from tests.tui.test_key_burst import burst, settle
 
 SIZE = (80, 24)
@@ -86,8 +86,8 @@ async def test_diff_apps_keys_after_opening_and_leaving_a_b_act_in_order(pair, m
 
 async def test_precision_diff_app_is_a_diff_app_keeping_keys_in_order():
     """``mdb diff --dtype``'s app: ``Enter s j``: the call opened beside fp32, back, one down."""
-    from hooks.precision import precision_diff
-    from tests.hooks.test_precision import NormNet, _batch
+    from hooks.whatif.precision import precision_diff
+    from tests.hooks.whatif.test_precision import NormNet, _batch
     from tui.commands.diff_dtype import make_precision_app
     from tui.screens.precision_diff import PrecisionDiffScreen
 
@@ -117,7 +117,7 @@ async def test_live_app_answer_right_after_the_question_then_a_view_key(tmp_path
     """``mdb watch``'s LiveApp on a run being written: ``x n l``: stop? (a question), no (keep
     training: its letter, read by the question's own key handler), then ``l`` puts the loss on
     the other scale. No stop request reaches the database."""
-    from hooks.runs.control import pending
+    from hooks.store.control import pending
     from tui.live_app import make_watch_app
     from tui.screens.live import LiveScreen
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from hooks.runs.store import MetricRow, RunStore
+from hooks.store.store import MetricRow, RunStore
 from tests.conftest import drawn, wait_until
 from tests.models import tiny_session
 from tui.screens.live_chart import Series, _line, chart_rows
@@ -133,7 +133,7 @@ async def test_live_screen_20_steps_charts_grow_and_loss_falls(tmp_path):
 
 
 async def test_pause_step_capture_opens_step_view_and_comes_back(tmp_path):
-    from tests.hooks.runs.test_training import CountingControl
+    from tests.hooks.train.test_training import CountingControl
     from tui.live_app import make_overfit_app
     from tui.screens.live import LiveScreen
     from tui.screens.step import StepScreen

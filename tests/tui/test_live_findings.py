@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hooks.runs.store import RunStore
+from hooks.store.store import RunStore
 from tests.conftest import drawn, wait_until
 from tests.loop_models import TinyLM, batches, run_loop
 

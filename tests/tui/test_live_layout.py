@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from textual.geometry import Region
 
-from hooks.runs.store import FIXED_METRICS, MetricRow, RunStore
+from hooks.store.store import FIXED_METRICS, MetricRow, RunStore
 from tests.conftest import drawn, wait_for, wait_until
 from tests.processes import mdb_argv
 from tests.terminal import spawn_in_pty

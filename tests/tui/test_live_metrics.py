@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from hooks.runs.store import RunUpdate
+from hooks.store.store import RunUpdate
 from tests.conftest import drawn, wait_until
 from tui.screens.live_chart import Series, chart_rows
 from tui.screens.live_data import RunSeries, is_loss_like, metric_values
@@ -195,8 +195,8 @@ async def test_watch_of_a_users_own_loop_looks_like_an_overfit_run():
 
 
 async def test_watch_replays_a_model_run_without_aux_or_moe(tmp_path):
-    from hooks.runs.overfit import ModelOverfitOptions, ModelOverfitSession
-    from hooks.runs.store import RunStore
+    from hooks.store.store import RunStore
+    from hooks.train.overfit import ModelOverfitOptions, ModelOverfitSession
     from tests.conftest import REPO
     from tui.commands.overfit import _build_workload
     from tui.commands.watch import open_run

@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from hooks.runs.rank_checksums import NOT_COMPARED
-from hooks.runs.store import RankInfo, RankRow, RunStore
+from hooks.sharded.checksums import NOT_COMPARED
+from hooks.store.store import RankInfo, RankRow, RunStore
 from tests.conftest import wait_until
 from tui.screens.live_ranks_data import RankSeries, bar_string
 

@@ -13,7 +13,7 @@ import statistics
 import pytest
 
 import hooks
-from hooks.runs.store import RunStore
+from hooks.store.store import RunStore
 from tests.conftest import wait_for
 from tui.cli import main
 from tui.commands.compare import read_views
@@ -23,7 +23,7 @@ from tui.screens.live_ranks_data import RankSeries
 
 STEPS, TOTAL = 30, 50
 
-#: What a loop logs at step s, and which of its metrics is "the loss" (hooks.runs.numbers):
+#: What a loop logs at step s, and which of its metrics is "the loss" (hooks.store.numbers):
 #: the back-propagated total first, then loss; the cross-entropy when it is all there is.
 LOGS = {
     "ce, aux and total": (lambda s: {"ce": 3.0 / s, "aux": 0.05, "total": 3.0 / s + 0.05},

@@ -3,7 +3,7 @@ CPU) opened with ``mdb step --run NAME@STEP`` (its gradients view), ``mdb watch`
 ranks screen.
 
 The full-tensor numbers themselves are checked against a single-process run in
-``tests/hooks/runs/test_fsdp.py``; here the views must show those stored numbers, the unsharded
+``tests/hooks/train/test_fsdp.py``; here the views must show those stored numbers, the unsharded
 parameters (names and shapes from a model built here from the run's config), and say when an
 activation's statistics count every rank's piece while its shape is this rank's.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from textual.widgets import DataTable
 
-from hooks.runs.store import RunStore
+from hooks.store.store import RunStore
 from tests.conftest import wait_until
 from tests.processes import mdb_env
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from hooks.runs.store import RunStore
+from hooks.store.store import RunStore
 from tui.store_handle import StoreHandle
 
 

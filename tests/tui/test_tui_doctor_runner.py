@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from textual.widgets import DataTable
 
-from hooks.checks import run_checks
+from hooks.doctor.model import run_checks
 from tests.models import tiny_workload
 from tui.app import MdbApp
 from tui.commands.capturing import capture_step

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from hooks.verdicts import param_verdict
+from hooks.doctor.verdicts import param_verdict
 from tui.widgets import fmt
 
 

@@ -9,7 +9,7 @@ import torch
 from textual.widgets import DataTable, Static
 
 from tests.conftest import wait_until
-from tests.hooks.test_ops import CASES, _capture, _line_of, _user_gpt
+from tests.hooks.trace.test_ops import CASES, _capture, _line_of, _user_gpt
 from tui.app import make_step_app
 from tui.screens.ops import OpsScreen
 from tui.screens.step import StepScreen

@@ -7,8 +7,8 @@ from textual.widgets import DataTable
 from torch import nn
 
 import hooks
-import hooks.ops
-import hooks.walk
+import hooks.tensors.walk
+import hooks.trace.ops
 from tests.conftest import wait_until
 from tests.tui.test_tui_ops import SIZE, _text
 from tui.app import make_step_app
@@ -39,7 +39,7 @@ async def test_the_detail_pane_says_how_many_outputs_the_cap_left_out():
     model = Outer()
     with hooks.capture(model) as trace:
         model(torch.randn(2, 4))
-    cap = min(hooks.ops.MAX_OP_TENSORS, hooks.walk.MAX_TENSORS)
+    cap = min(hooks.trace.ops.MAX_OP_TENSORS, hooks.tensors.walk.MAX_TENSORS)
     app = make_step_app(trace)
     async with app.run_test(size=SIZE) as pilot:
         await wait_until(pilot, lambda: isinstance(app.screen, StepScreen))

@@ -414,7 +414,7 @@ async def test_step_screen_embeds_in_another_app(tiny):
 
 async def test_doctor_results_open_and_jump(tiny):
     trace, _ = tiny
-    from hooks.checks.result import CheckResult
+    from hooks.doctor.model.result import CheckResult
     from tui.screens.doctor import DoctorScreen
 
     results = [CheckResult(id=1, key="demo", name="demo check", status="fail",

@@ -14,10 +14,10 @@ from rich.cells import cell_len
 from textual.widgets import DataTable, Static
 
 import hooks
-from hooks.checks import run_checks
+from hooks.doctor.model import run_checks
 from minillm import MiniLLM, load_preset
 from minillm.moe import load_balancing_loss
-from tests.hooks.test_verdicts import D, N, Routed
+from tests.hooks.doctor.test_verdicts import D, N, Routed
 from tui.app import make_step_app
 from tui.commands.capturing import capture_step
 from tui.commands.workload import Workload

@@ -15,7 +15,7 @@ from textual.widgets import DataTable, Static
 
 import hooks
 from tests.conftest import SAMPLES
-from tests.hooks.test_hooks_routing import OneHotBlock
+from tests.hooks.probes.test_hooks_routing import OneHotBlock
 from tui.app import make_step_app
 from tui.commands.capturing import capture_step
 from tui.commands.workload import load_user_workload
@@ -129,7 +129,7 @@ async def test_router_view_names_moe_blocks_it_could_not_read():
 
 @pytest.mark.parametrize("attention", [False, True])
 async def test_attention_view_says_why_nothing_was_recorded(attention):
-    from tests.hooks.test_hooks_attention import Hidden
+    from tests.hooks.probes.test_hooks_attention import Hidden
 
     model = torch.nn.Sequential(Hidden())
     with hooks.capture(model, attention=attention) as trace:

@@ -1,7 +1,7 @@
 """``mdb ablate``: seed 000's controlled-variable experiment in one command.
 
 ``mdb ablate --vary attention=mha,gqa,mqa`` trains one run per variant — MHA, GQA, MQA — each
-the ``--preset``/``--config`` model with only that field changed (:mod:`hooks.runs.ablate`),
+the ``--preset``/``--config`` model with only that field changed (:mod:`hooks.train.ablate`),
 on the same text, seed and steps, as a separate run of the run store named after it
 (``abl-attention=mha``; ``--prefix``). Several ``--vary`` combine (cartesian product). The runs
 go in parallel worker processes (``--jobs``, default: one per variant up to the CPU count, one
@@ -9,7 +9,7 @@ torch thread each), then the compare screen shows them live (:mod:`tui.screens.c
 ``--headless`` (or no terminal) prints the table when they are done.
 
 Each worker is this command again (hidden ``--worker SPEC``) running the ``mdb overfit``
-machinery: an :class:`hooks.runs.overfit.OverfitSession` under
+machinery: an :class:`hooks.train.overfit.OverfitSession` under
 :func:`tui.commands.overfit.run_headless` (signals, checkpoints, failures, the run store). The
 end of the text (``--held-out``) is never trained on: after the last step each variant's CE on
 held-out windows is logged as ``ce@N`` — at T, 2T and 4T when ``rope_scaling`` is varied, the
@@ -112,7 +112,7 @@ class Plan:
 
     Attributes:
         db: The run store's path (absolute).
-        variants: The :class:`hooks.runs.ablate.Variant` list.
+        variants: The :class:`hooks.train.ablate.Variant` list.
         options: Per variant, the ``OverfitOptions`` fields its worker trains with.
         eval_lengths: The held-out lengths.
         jobs: Workers at once.
@@ -149,8 +149,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     Raises:
         MdbError: bad input (one line; the CLI exits 2).
     """
-    from hooks.runs.ablate import AblateError, expand_variants, parse_vary
-    from hooks.runs.store import default_db_path
+    from hooks.store.store import default_db_path
+    from hooks.train.ablate import AblateError, expand_variants, parse_vary
     from minillm import CharTokenizer
     from tui.commands.inputs import default_text_path, load_config, read_text
 
@@ -175,7 +175,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
                                    eval_lengths=lengths)
     except AblateError as exc:
         raise MdbError(str(exc)) from None
-    from hooks.runs.ablate import eval_lengths_for
+    from hooks.train.ablate import eval_lengths_for
 
     lengths = lengths or eval_lengths_for(varies, seq)
     _check_windows(text_path, len(tokenizer.encode(text)), d["held_out"], seq, lengths,
@@ -235,7 +235,7 @@ def _check_names_free(db: Path, variants: list) -> None:
     Raises:
         MdbError: a name is taken, or the store cannot be read.
     """
-    from hooks.runs.store import RunStore, RunStoreError
+    from hooks.store.store import RunStore, RunStoreError
 
     if db.exists():
         try:
@@ -251,13 +251,13 @@ def _check_names_free(db: Path, variants: list) -> None:
 
 def _variant_options(args: argparse.Namespace, d: dict[str, Any], variants: list, text: str,
                      seq: int, lengths: list[int]) -> list[dict[str, Any]]:
-    """Each variant's validated :class:`hooks.runs.overfit.OverfitOptions` as a dict, with its
+    """Each variant's validated :class:`hooks.train.overfit.OverfitOptions` as a dict, with its
     ``ablation`` choices.
 
     Raises:
         MdbError: options a variant rejects.
     """
-    from hooks.runs.overfit import OverfitOptions
+    from hooks.train.overfit import OverfitOptions
 
     options = []
     source = str(args.text) if args.text else "samples/alice.txt"
@@ -440,7 +440,7 @@ class Workers:
 
 
 def _jobs(plan: Plan, spec_dir: Path) -> list[Job]:
-    from hooks.runs.store import checkpoint_dir
+    from hooks.store.store import checkpoint_dir
 
     jobs = []
     for i, (variant, options) in enumerate(zip(plan.variants, plan.options, strict=True)):
@@ -455,7 +455,7 @@ def _jobs(plan: Plan, spec_dir: Path) -> list[Job]:
 
 def _worker(args: argparse.Namespace) -> int:
     """``mdb ablate --worker SPEC``: train one variant (the ``mdb overfit --headless`` path)."""
-    from hooks.runs.trainer import TrainControl, install_stop_signals
+    from hooks.train.trainer import TrainControl, install_stop_signals
 
     control = TrainControl()
     restore = install_stop_signals(control)  # a stop before the first step is still clean
@@ -463,8 +463,8 @@ def _worker(args: argparse.Namespace) -> int:
         spec = json.loads(Path(args.worker).read_text(encoding="utf-8"))
         import torch
 
-        from hooks.runs.overfit import OverfitOptions, OverfitSession
-        from hooks.runs.store import RunStore, RunStoreError
+        from hooks.store.store import RunStore, RunStoreError
+        from hooks.train.overfit import OverfitOptions, OverfitSession
         from tui.commands.overfit import run_headless
 
         torch.set_num_threads(int(spec.get("threads", 1)))
@@ -521,7 +521,7 @@ def _install_signals(workers: Workers, on_hangup=None):
 
 
 def _progress(plan: Plan) -> str:
-    from hooks.runs.store import RunStore, RunStoreError
+    from hooks.store.store import RunStore, RunStoreError
 
     try:
         with RunStore(plan.db) as store:
@@ -542,7 +542,7 @@ def _exit_code(workers: Workers, views) -> int:
     SIGTERM 143, SIGHUP 129); a stop from the screen (``x``, Ctrl-C, or ``q`` while workers run)
     sent every worker SIGINT and interrupted their runs, so it is 130 as Ctrl-C is; a stop by
     an error is 1. Otherwise 1 when a worker failed or a run did not finish, else 0."""
-    from hooks.runs.trainer import signal_exit_code
+    from hooks.train.trainer import signal_exit_code
 
     if workers.stop_reason is not None:
         if workers.stop_reason == "error":
@@ -558,7 +558,7 @@ def run(args: argparse.Namespace) -> int:
     if args.worker:
         return _worker(args)
     plan = make_plan(args)
-    from hooks.runs.store import RunStore, RunStoreError
+    from hooks.store.store import RunStore, RunStoreError
     from tui.commands.compare import print_table, read_views
 
     try:

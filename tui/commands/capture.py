@@ -1,7 +1,7 @@
 """``mdb capture``: run one forward and backward pass and save the trace, without the UI.
 
-The trace is a directory (``trace.json`` + ``tensors.safetensors``, see :mod:`hooks.trace`) that
-``mdb step --trace`` and ``mdb summary --trace`` open, and that :meth:`hooks.Trace.load` reads.
+The trace is a directory (``trace.json`` + ``tensors.safetensors``, see :mod:`hooks.trace.trace`)
+that ``mdb step --trace`` and ``mdb summary --trace`` open, and that :meth:`hooks.Trace.load` reads.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ def capture_step(workload: Workload, *, attention: bool = True, keep_bytes: int 
         attention: record attention probabilities.
         keep_bytes: budget for full tensor copies.
         ops: ``fnmatch`` patterns of module names whose every call's ops are recorded too.
-        edits: edit specs applied to the step (:mod:`hooks.edits`; check them first with
+        edits: edit specs applied to the step (:mod:`hooks.engine.edits`; check them first with
             :func:`tui.commands.editing.edit_plan`), and ``sources`` their patch batches.
 
     Returns:

@@ -60,7 +60,7 @@ def check_names(names: Sequence[str], *, low: int = 2) -> list[str]:
 
 def open_store(db: str | None):
     """The run store, read-only (a missing or foreign file: :class:`MdbError`)."""
-    from hooks.runs.store import RunStore, RunStoreError, default_db_path
+    from hooks.store.store import RunStore, RunStoreError, default_db_path
 
     try:
         return RunStore(db if db else default_db_path())
@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
                 print_table(views, store.path)
             return 0
     except Exception as exc:
-        from hooks.runs.store import RunStoreError
+        from hooks.store.store import RunStoreError
 
         if isinstance(exc, RunStoreError):
             raise MdbError(str(exc)) from None

@@ -87,8 +87,8 @@ def resolve_trace(spec: str, db: str | None = None):
 
 def _strict(value):
     """``value`` for strict JSON: a NaN or Inf (an aux loss that turned NaN) as ``"nan"``,
-    ``"inf"``, ``"-inf"`` (:func:`hooks.stats.encode_float`)."""
-    from hooks.stats import encode_float
+    ``"inf"``, ``"-inf"`` (:func:`hooks.tensors.stats.encode_float`)."""
+    from hooks.tensors.stats import encode_float
 
     if isinstance(value, float):
         return encode_float(value)

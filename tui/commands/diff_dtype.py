@@ -26,7 +26,7 @@ def compute(workload, dtype: str, how: str = "cast"):
         ModelError: the model raised in either run.
     """
     from hooks.errors import describe_error
-    from hooks.precision import precision_diff
+    from hooks.whatif.precision import precision_diff
 
     if dtype not in ("bfloat16", "float16") or how not in ("cast", "autocast"):
         raise MdbError(f"--dtype {dtype}: give bfloat16 or float16")
@@ -42,7 +42,7 @@ def to_json(pd) -> dict:
     """The result as a JSON-ready dict (non-finite numbers as strings)."""
     from dataclasses import asdict
 
-    from hooks.stats import encode_float
+    from hooks.tensors.stats import encode_float
 
     def div(d):
         if d is None:
@@ -85,7 +85,7 @@ def run_dtype(args: argparse.Namespace) -> int:
 def make_precision_app(pd):
     """The app of ``mdb diff --dtype``: :class:`tui.app.DiffApp` opening a
     :class:`tui.screens.precision_diff.PrecisionDiffScreen` for ``pd`` (a
-    :class:`hooks.precision.PrecisionDiff`)."""
+    :class:`hooks.whatif.precision.PrecisionDiff`)."""
     from pathlib import Path
 
     import tui.app

@@ -1,7 +1,7 @@
 """``mdb doctor``: run the battery of measured checks on a model and report pass/warn/fail.
 
 The model is minillm with any preset/config, or a user's model via ``--model module:function``
-(the same options as ``mdb step``). Each check (see :mod:`hooks.checks`) measures something
+(the same options as ``mdb step``). Each check (see :mod:`hooks.doctor.model`) measures something
 through the model's behaviour and reports a status, the evidence with numbers, and a one-line
 hint at the cause; a check that does not apply to the kind of model (decoder-only,
 bidirectional encoder, encoder-decoder, not a sequence model) says ``n/a`` and why. Output: a
@@ -81,7 +81,7 @@ def build_table(results, title: str = "", width: int | None = NARROW):
     """The Rich table of ``results`` (check, status, evidence, hint).
 
     Args:
-        results: :class:`hooks.checks.CheckResult` objects.
+        results: :class:`hooks.doctor.model.CheckResult` objects.
         title: the table's title.
         width: the cells it must fit: from :data:`NARROW` up, one column each for evidence
             and hint; below, checks are named by their key (what ``--only`` takes) and the
@@ -132,7 +132,7 @@ def summary(results, seconds: float) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hooks.checks import resolve_only
+    from hooks.doctor.model import resolve_only
 
     if args.run is not None:  # a recorded run's findings (tui.commands.doctor_run)
         from tui.commands.doctor_run import run_findings
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_and_report(args: argparse.Namespace, workload, only) -> int:
-    from hooks.checks import DoctorOptions, Target, run_checks
+    from hooks.doctor.model import DoctorOptions, Target, run_checks
 
     opts = DoctorOptions(overfit_steps=args.overfit_steps, seed=args.seed)
     target = Target.from_any(workload)

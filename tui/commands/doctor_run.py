@@ -68,7 +68,7 @@ def build_table(run, findings, width: int | None):
 
 def run_findings(args: argparse.Namespace) -> int:
     """Entry point of ``mdb doctor --run NAME`` (see the module docstring)."""
-    from hooks.runs.store import RunStore, RunStoreError, default_db_path
+    from hooks.store.store import RunStore, RunStoreError, default_db_path
 
     check_exclusive(args)
     path = args.db if args.db else default_db_path()

@@ -1,4 +1,4 @@
-"""The options of edits (:mod:`hooks.edits`) shared by ``mdb capture --edit`` and ``mdb diff
+"""The options of edits (:mod:`hooks.engine.edits`) shared by ``mdb capture --edit`` and ``mdb diff
 --edit``: ``--edit SPEC`` (repeatable) and the batch a ``patch`` takes its outputs from
 (``--source-text``, ``--source-ids``, ``--source-batch``), checked against the model before
 anything runs (:func:`edit_plan`: bad input is one line, exit 2)."""
@@ -114,7 +114,7 @@ def source_batch(args: argparse.Namespace, workload) -> Any:
 
 def edit_plan(args: argparse.Namespace, workload) -> tuple[list[str], dict[str, Any]]:
     """``(edits, sources)`` of the options, checked against the workload's model before
-    anything runs (:func:`hooks.edits.resolve_edits`).
+    anything runs (:func:`hooks.engine.edits.resolve_edits`).
 
     Every ``patch ... from=NAME`` takes the one source the options give.
 
@@ -122,7 +122,7 @@ def edit_plan(args: argparse.Namespace, workload) -> tuple[list[str], dict[str, 
         MdbError: a bad spec (one line), a patch without a source, a source given without a
             patch, or a bad source.
     """
-    from hooks.edits import Edit, parse_edit, resolve_edits
+    from hooks.engine.edits import Edit, parse_edit, resolve_edits
 
     specs = list(args.edit or [])
     try:

@@ -15,9 +15,9 @@ A distributed run (a ``torchrun`` job recorded by ``hooks.run``) has a ``rank`` 
 N's rows.
 
 The export streams: SQLite orders the run's values and pivots them into one row per step
-(:func:`hooks.runs.table.table_batches`; a run of more than 64 metrics is pivoted in Python,
+(:func:`hooks.store.table.table_batches`; a run of more than 64 metrics is pivoted in Python,
 any number of metrics), and the rows are written in batches of 20,000 by the ``csv`` module,
-read in one snapshot of the run (:meth:`hooks.runs.store.RunStore.snapshot`); memory stays
+read in one snapshot of the run (:meth:`hooks.store.store.RunStore.snapshot`); memory stays
 flat whatever the run's length (a run of a million steps × 5 metrics takes about 2× what the
 ``sqlite3`` command line takes to print the same values, which it cuts to 15 digits;
 ``benchmarks/bench_store.py``). Nothing is written when the first rows cannot be read.
@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def rows(store, run_id: int):
-    """The run's :class:`hooks.runs.store.MetricRow` s in step order, read a page at a time
+    """The run's :class:`hooks.store.store.MetricRow` s in step order, read a page at a time
     (one object per step: :func:`write` does not use it)."""
     cursor = None
     while True:
@@ -71,7 +71,7 @@ def rows(store, run_id: int):
 
 
 def _json_value(v) -> str:
-    """A value of :func:`hooks.runs.table.table_batches` as JSON text (as ``json.dumps``
+    """A value of :func:`hooks.store.table.table_batches` as JSON text (as ``json.dumps``
     writes it: ``NaN``, ``Infinity``, ``-Infinity``, else the float's repr)."""
     if isinstance(v, str):
         return "NaN"
@@ -89,9 +89,9 @@ def write(store, info, fmt: str, out, rank: int | None = None) -> int:
     ``rank`` column after ``step`` (``rank``: that rank's rows only).
 
     Raises:
-        hooks.runs.store.DamagedRunError: A value is not a number (changed outside mdb).
+        hooks.store.store.DamagedRunError: A value is not a number (changed outside mdb).
     """
-    from hooks.runs.table import table_batches
+    from hooks.store.table import table_batches
 
     conn = store.connection
     ranked = bool(info.world_size)
@@ -121,7 +121,7 @@ def write(store, info, fmt: str, out, rank: int | None = None) -> int:
 
 
 def _json_lines(batch, heads: list[str], lead: int) -> str:
-    """Rows of :func:`hooks.runs.table.table_batches` as JSON lines: the keys, then the
+    """Rows of :func:`hooks.store.table.table_batches` as JSON lines: the keys, then the
     metrics logged at that step (``heads``: each column's ``"name": ``)."""
     lines = []
     for row in batch:
@@ -145,7 +145,7 @@ def _check_rank(store, info, rank: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``mdb export``."""
-    from hooks.runs.store import RunStore, RunStoreError, default_db_path
+    from hooks.store.store import RunStore, RunStoreError, default_db_path
 
     path = args.db if args.db else default_db_path()
     try:

@@ -42,7 +42,7 @@ def compute_lens(workload, k: int = 5):
         ModelError: the model raised in its forward pass.
     """
     from hooks.errors import describe_error
-    from hooks.lens import find_parts, logit_lens
+    from hooks.whatif.lens import find_parts, logit_lens
 
     try:
         find_parts(workload.model)

@@ -141,7 +141,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _options_from_args(args: argparse.Namespace):
-    from hooks.runs.overfit import OverfitOptions, default_overfit_text
+    from hooks.train.overfit import OverfitOptions, default_overfit_text
     from tui.commands.inputs import check_memory, load_config, read_text, samples_dir
 
     if args.text:
@@ -180,7 +180,7 @@ def _options_from_args(args: argparse.Namespace):
 
 
 def _model_options(args: argparse.Namespace):
-    from hooks.runs.overfit import ModelOverfitOptions
+    from hooks.train.overfit import ModelOverfitOptions
 
     d = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in _DEFAULTS.items()}
     return ModelOverfitOptions(model=args.model, steps=d["steps"], lr=d["lr"], seed=d["seed"],
@@ -196,12 +196,12 @@ def _build_workload(spec: str):
 
 def build_session(args: argparse.Namespace, control=None):
     """The session the options describe, new or resumed: an
-    :class:`hooks.runs.overfit.OverfitSession` (minillm) or a
-    :class:`hooks.runs.overfit.ModelOverfitSession` (``--model``).
+    :class:`hooks.train.overfit.OverfitSession` (minillm) or a
+    :class:`hooks.train.overfit.ModelOverfitSession` (``--model``).
 
     Args:
         args: Parsed ``mdb overfit`` options.
-        control: A :class:`hooks.runs.trainer.TrainControl` to use (e.g. one whose signal handlers
+        control: A :class:`hooks.train.trainer.TrainControl` to use (e.g. one whose signal handlers
             are already installed), or ``None`` for a fresh one.
 
     Raises:
@@ -209,8 +209,8 @@ def build_session(args: argparse.Namespace, control=None):
     """
     import torch
 
-    from hooks.runs.overfit import ModelOverfitSession, OverfitSession
-    from hooks.runs.store import RunStoreError, validate_run_name
+    from hooks.store.store import RunStoreError, validate_run_name
+    from hooks.train.overfit import ModelOverfitSession, OverfitSession
 
     torch.set_num_threads(args.threads)
     if args.resume:
@@ -271,8 +271,8 @@ def _resumed_session(args: argparse.Namespace):
     Raises:
         MdbError: Options that do not apply, a database or run that cannot be resumed.
     """
-    from hooks.runs.overfit import resume_session
-    from hooks.runs.store import RunStoreError
+    from hooks.store.store import RunStoreError
+    from hooks.train.overfit import resume_session
 
     given = [
         f"--{k.replace('_', '-')}"
@@ -401,9 +401,9 @@ class _Reporter:
         self.sample = ""
         self.last_metrics = None
         self._spikes_said: set[int] = set()
-        from hooks.runs.rates import StepRate
+        from hooks.store.rates import StepRate
 
-        self.rate = StepRate()  # the speed every view shows (hooks.runs.rates)
+        self.rate = StepRate()  # the speed every view shows (hooks.store.rates)
 
     def line(self, text: str) -> None:
         self.out.write(text + "\n")
@@ -555,8 +555,8 @@ def run_headless(session, args: argparse.Namespace | None = None) -> int:
         non-finite value appeared, the last checkpoint could not be written, a database write
         failed (disk full) or the model raised — each with one ``mdb: error:`` line.
     """
-    from hooks.runs.trainer import install_stop_signals
-    from hooks.runs.writer import WriterLostError
+    from hooks.store.writer import WriterLostError
+    from hooks.train.trainer import install_stop_signals
 
     restore = install_stop_signals(session.control, stop_signals(),
                                    on_repeat=_say_already_stopping(session))
@@ -602,8 +602,8 @@ PROCESS_STARTED = time.time()
 
 def _control_poller(session):
     """Act on ``mdb stop`` and the viewers' ``p``/``x`` (requests in the run store's control
-    table, :mod:`hooks.runs.control`): stop after the step with a checkpoint, pause, resume."""
-    from hooks.runs.control import ControlPoller
+    table, :mod:`hooks.store.control`): stop after the step with a checkpoint, pause, resume."""
+    from hooks.store.control import ControlPoller
 
     control = session.control
     actions = {"stop": lambda: control.stop("stopped"), "pause": control.pause,
@@ -661,7 +661,7 @@ def _run_nproc(args: argparse.Namespace) -> int:
         if args.run and any(r.name == name for r in store.runs()):
             raise MdbError(f"a run named {name!r} already exists in {store.path} (choose "
                            "another --run)")
-        from hooks.runs.store import RunStoreError, validate_run_name
+        from hooks.store.store import RunStoreError, validate_run_name
 
         try:
             validate_run_name(name)
@@ -675,8 +675,8 @@ def _run_nproc(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``mdb overfit``."""
-    from hooks.runs.store import RunStoreError, validate_run_name
-    from hooks.runs.trainer import TrainControl, install_stop_signals
+    from hooks.store.store import RunStoreError, validate_run_name
+    from hooks.train.trainer import TrainControl, install_stop_signals
 
     if args.resume is not None:  # checked as --run is, before it names anything on disk
         try:

@@ -2,8 +2,8 @@
 ``--fsdp``, tensor parallel with ``--tp``).
 
 This process is the launcher: it writes the run's options to a file, starts
-``python -m torch.distributed.run --standalone --nproc-per-node N -m hooks.runs.ddp_overfit``
-(``torchrun``; the workers use the ``gloo`` backend on CPU, see :mod:`hooks.runs.ddp_overfit`)
+``python -m torch.distributed.run --standalone --nproc-per-node N -m hooks.train.ddp_overfit``
+(``torchrun``; the workers use the ``gloo`` backend on CPU, see :mod:`hooks.train.ddp_overfit`)
 in a process group of its own, with its output (torchrun's and the workers') in
 ``<db-name>-logs/<run>.log`` beside the database, and follows the run in the run store that
 rank 0 writes: progress lines (``--headless``, or when not on a terminal) or the read-only live
@@ -46,7 +46,7 @@ def command(nproc: int, options_file: Path, db: Path, run: str, *, gather_every:
             threads: int, parallel: str = "ddp") -> list[str]:
     """The ``torchrun`` command line of the job (``parallel``: ``ddp``, ``fsdp`` or ``tp``)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(nproc), "-m", "hooks.runs.ddp_overfit",
+            "--nproc-per-node", str(nproc), "-m", "hooks.train.ddp_overfit",
             "--options", str(options_file), "--db", str(db), "--run-name", run,
             "--gather-every", str(gather_every), "--threads", str(threads),
             "--parallel", parallel]
@@ -130,7 +130,7 @@ class _Job:
 
 
 def _wait_for_run(store, name: str, job: _Job, what: str = "DDP"):
-    from hooks.runs.store import RunNotFoundError
+    from hooks.store.store import RunNotFoundError
 
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
@@ -157,9 +157,9 @@ def _fmt(x: float | None, spec: str = ".4f") -> str:
 
 def _headless(store, info, job: _Job, nproc: int, what: str = "DDP") -> None:
     """Plain progress lines from the store until the job ends (every ~5 % or 10 s); the speed
-    is the run's end-to-end steps/s, as every view shows it (:class:`hooks.runs.rates.StepRate`),
+    is the run's end-to-end steps/s, as every view shows it (:class:`hooks.store.rates.StepRate`),
     not one step's own ``steps_per_s``."""
-    from hooks.runs.rates import StepRate
+    from hooks.store.rates import StepRate
 
     rate = StepRate()
     total = info.total_steps or 0
@@ -190,11 +190,11 @@ def _headless(store, info, job: _Job, nproc: int, what: str = "DDP") -> None:
 
 
 def run_ddp(args, options, store_path: Path, name: str) -> int:
-    """Run ``options`` (:class:`hooks.runs.overfit.OverfitOptions`) as a job of ``args.nproc``
+    """Run ``options`` (:class:`hooks.train.overfit.OverfitOptions`) as a job of ``args.nproc``
     ranks (DDP, or FSDP2 / tensor parallel with ``args.fsdp`` / ``args.tp``) recorded as run
     ``name`` in ``store_path``; return the exit status."""
-    from hooks.runs.store import RunStore, RunStoreError
-    from hooks.runs.trainer import signal_exit_code
+    from hooks.store.store import RunStore, RunStoreError
+    from hooks.train.trainer import signal_exit_code
 
     tmp = Path(tempfile.mkdtemp(prefix="mdb-ddp-"))
     options_file = tmp / "options.json"

@@ -49,7 +49,7 @@ def trainer_argv(args: argparse.Namespace, name: str, db: Path) -> list[str]:
 def open_store(args: argparse.Namespace, *, create: bool):
     """The run database of ``args.db`` (else the default), as one ``mdb: error:`` line when it
     cannot be used."""
-    from hooks.runs.store import RunStore, RunStoreError, default_db_path
+    from hooks.store.store import RunStore, RunStoreError, default_db_path
 
     path = args.db if args.db else default_db_path()
     try:
@@ -69,8 +69,8 @@ def default_run_name(store) -> str:
 
 
 def _run_name(args: argparse.Namespace) -> tuple[str, Path]:
-    from hooks.runs.overfit_options import nproc_resume_error
-    from hooks.runs.store import RunStoreError, default_db_path
+    from hooks.store.store import RunStoreError, default_db_path
+    from hooks.train.overfit_options import nproc_resume_error
 
     path = Path(args.db if args.db else default_db_path())
     if not args.resume and not path.exists():  # nothing to open: the trainer creates it
@@ -101,7 +101,7 @@ def _run_name(args: argparse.Namespace) -> tuple[str, Path]:
 
 def start_trainer(args: argparse.Namespace) -> tuple[subprocess.Popen, str, Path, Path]:
     """Start the trainer process; returns ``(process, run name, database, log file)``."""
-    from hooks.runs.store import checkpoint_dir
+    from hooks.store.store import checkpoint_dir
 
     name, db = _run_name(args)
     log = checkpoint_dir(db, name) / "trainer.log"
@@ -122,7 +122,7 @@ def _last_line(log: Path) -> str:
 
 def _run_of(proc: subprocess.Popen, name: str, db: Path):
     """Run ``name`` when process ``proc`` wrote it, else ``None``."""
-    from hooks.runs.store import RunStore, RunStoreError
+    from hooks.store.store import RunStore, RunStoreError
 
     with contextlib.suppress(RunStoreError, OSError), RunStore(db) as store:
         info = store.run(name)
@@ -140,7 +140,7 @@ def _forget_log(log: Path) -> None:
 
 def wait_for_run(proc: subprocess.Popen, name: str, db: Path, log: Path):
     """Wait until the trainer's run is in the database, written by that process; return its
-    :class:`hooks.runs.store.RunInfo`.
+    :class:`hooks.store.store.RunInfo`.
 
     Raises:
         MdbError: The trainer exited first (its last line, its exit code), or Ctrl-C here
@@ -218,7 +218,7 @@ def run_viewer(args: argparse.Namespace) -> int:
     closed; returns the exit status (0 detached or stopped; the trainer's when the run ended
     on its own: 0 finished, 1 failed; 143 when a SIGTERM closed the viewer, after the same line
     as ``q``: detached while the run trains on)."""
-    from hooks.runs.store import RunStore
+    from hooks.store.store import RunStore
     from tui.commands.stop import detached_line, ended_line, stays_paused
     from tui.driver import SIGTERM_EXIT_CODE
     from tui.live_app import make_watch_app

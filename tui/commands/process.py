@@ -70,7 +70,7 @@ def _flush_c_stdio() -> None:
 
 def release_stop_signals(control, restore) -> None:
     """End a run's signal handling (``restore`` from
-    :func:`hooks.runs.trainer.install_stop_signals`): the previous handlers come back, unless a
+    :func:`hooks.train.trainer.install_stop_signals`): the previous handlers come back, unless a
     signal stopped the run. The process then exits with 128 + n right away, and a signal
     repeated meanwhile is ignored, so that no ``KeyboardInterrupt`` reaches an atexit handler
     (a traceback on stderr)."""

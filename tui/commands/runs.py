@@ -69,7 +69,7 @@ def format_age(seconds: float) -> str:
 def run_record(run, store, now: float, probe: bool = False) -> dict:
     """One run as ``mdb runs --json`` prints it.
 
-    Keys: every :class:`hooks.runs.store.RunInfo` field but ``config`` (``status`` is the
+    Keys: every :class:`hooks.store.store.RunInfo` field but ``config`` (``status`` is the
     stored status; ``damaged`` names what could not be read), plus ``writer_state``
     (``running``/``gone``/… as a reader should show it), ``status_line``, ``steps`` (the last
     step written), ``metrics`` (the names logged, in first-logged order), ``latest`` (each
@@ -77,21 +77,21 @@ def run_record(run, store, now: float, probe: bool = False) -> dict:
     ``captures`` (how many steps have a stored capture) and ``last_capture`` (the latest such
     step, ``None`` without), ``last_ce``, ``spikes`` (each loss spike the writer recorded:
     step, metric, value, baseline, ratio, peak_step, last_step), ``loss_metric`` (the metric
-    that is the run's loss, :func:`hooks.runs.numbers.loss_metric`) and ``loss`` (its latest
-    value), ``steps_per_s`` (end to end, :class:`hooks.runs.rates.StepRate`) and ``eta_s``
+    that is the run's loss, :func:`hooks.store.numbers.loss_metric`) and ``loss`` (its latest
+    value), ``steps_per_s`` (end to end, :class:`hooks.store.rates.StepRate`) and ``eta_s``
     (seconds to ``total_steps`` at that pace while the run is running, else ``None``) — the
     numbers ``mdb watch`` and ``mdb compare`` show —, ``world_size`` (``None`` for a single
-    process), ``ranks`` (a distributed run's ranks: :class:`hooks.runs.store.RankInfo`
+    process), ``ranks`` (a distributed run's ranks: :class:`hooks.store.store.RankInfo`
     fields), ``parallel`` (how a distributed run split its model, as its stored config says:
     ``DDP``, ``FSDP2``, ``tensor parallel``; ``None`` for one process or when it does not
-    say), ``findings`` (its cross-rank checks' findings, :class:`hooks.runs.store.Finding`
+    say), ``findings`` (its cross-rank checks' findings, :class:`hooks.store.store.Finding`
     fields: ``kind``, ``step``, ``rank``, ``subject`` — the parameter or ``rank N`` — and
     ``line``; also the training-loop doctor's findings of ``run.watch(..., optimizer=,
     scheduler=)``, with ``detail["severity"]`` and ``detail["evidence"]``), for a distributed
     run ``rank_times`` (each rank's median ``step_time`` and ``compute_time`` over its last
     steps), ``straggler_basis`` (``compute``, ``step`` or ``None``) and ``stragglers``
     (``rank``, ``time``, ``median``, slowest first) as ``mdb watch``'s ranks screen names them
-    (:mod:`hooks.runs.rank_stats`), and ``details`` (the lines the table prints under the run,
+    (:mod:`hooks.store.rank_stats`), and ``details`` (the lines the table prints under the run,
     uncut).
 
     ``probe`` (the file is damaged): the first and last rows of the run's per-step tables are
@@ -99,8 +99,8 @@ def run_record(run, store, now: float, probe: bool = False) -> dict:
     """
     import sqlite3
 
-    from hooks.runs.overfit_options import parallel_kind
-    from hooks.runs.store import DatabaseLockedError, RunStoreError
+    from hooks.store.store import DatabaseLockedError, RunStoreError
+    from hooks.train.overfit_options import parallel_kind
 
     d = run.to_dict()
     d.pop("config", None)
@@ -142,9 +142,9 @@ def run_record(run, store, now: float, probe: bool = False) -> dict:
 
 def _numbers(run, store, names, latest, ranks, state: str) -> dict:
     """The run's loss, speed, ETA and, for a ``torchrun`` job, its ranks' median times and
-    stragglers, as every view computes them (:func:`hooks.runs.numbers.stored_numbers`); the
+    stragglers, as every view computes them (:func:`hooks.store.numbers.stored_numbers`); the
     ETA only while the run is running (the live screen shows "—" once it ended)."""
-    from hooks.runs.numbers import stored_numbers
+    from hooks.store.numbers import stored_numbers
 
     with store.snapshot():
         n = stored_numbers(store.connection, run, names, latest, ranks)
@@ -176,7 +176,7 @@ def detail_lines(run, record: dict, now: float, db: str | None = None) -> list[s
     distributed run's line says its ranks, when its config records it how it split the model,
     and its stragglers as ``mdb watch`` names them (``2 ranks · FSDP2 · straggler rank 1 (+23%
     compute time)``)."""
-    from hooks.runs.spikes import Spike
+    from hooks.store.spikes import Spike
 
     if record.get("damaged"):
         return [record["damaged"]]
@@ -235,7 +235,7 @@ def _config(run) -> dict:
 
 def _nproc_job(run) -> bool:
     """Whether ``run`` was a job of ``mdb overfit --nproc`` (DDP, FSDP2, tensor parallel)."""
-    from hooks.runs.overfit_options import is_nproc_run
+    from hooks.train.overfit_options import is_nproc_run
 
     return is_nproc_run(run.kind, run.world_size, _config(run))
 
@@ -282,7 +282,7 @@ def table_lines(runs, records: list[dict], now: float, width: int | None,
         steps = f"{r.last_step}/{r.total_steps}" if r.total_steps else str(r.last_step)
         if d["steps"] == 0 or d["loss_metric"] is None:
             loss = "—"
-        else:  # the run's loss as every view shows it (hooks.runs.numbers)
+        else:  # the run's loss as every view shows it (hooks.store.numbers)
             loss = "nan" if d["loss"] is None else f"{d['loss']:.4f}"
         updated = r.heartbeat if r.heartbeat is not None else r.started
         if d.get("damaged"):  # its times may be what could not be read
@@ -331,8 +331,8 @@ def _read_all(path, now: float) -> tuple[list, list[dict], str | None]:
     sound); one line (:class:`MdbError`) when not even the list of runs can be read."""
     import sqlite3
 
-    from hooks.runs.sqlite_open import damaged_error
-    from hooks.runs.store import RunStore, RunStoreError
+    from hooks.store.sqlite_open import damaged_error
+    from hooks.store.store import RunStore, RunStoreError
 
     try:
         with RunStore(path) as store:
@@ -354,8 +354,8 @@ def _read_all(path, now: float) -> tuple[list, list[dict], str | None]:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``mdb runs``."""
-    from hooks.runs.sqlite_open import damaged_error
-    from hooks.runs.store import default_db_path
+    from hooks.store.sqlite_open import damaged_error
+    from hooks.store.store import default_db_path
 
     path = args.db if args.db else default_db_path()
     now = time.time()

@@ -81,8 +81,8 @@ def load_run_trace(spec: str, db: str | None, label: str = "--run"):
     the run database; every problem is one :class:`MdbError` line starting with
     ``{label} {spec}:`` (``{spec}:`` without a label)."""
     from hooks import TraceFormatError
-    from hooks.runs.store import RunStore, RunStoreError, default_db_path
-    from hooks.runs.trainer import load_trace as load_stored_trace
+    from hooks.store.store import RunStore, RunStoreError, default_db_path
+    from hooks.train.trainer import load_trace as load_stored_trace
 
     where = f"{label} {spec}" if label else spec
     name, at, step_text = spec.partition("@")
@@ -226,7 +226,7 @@ def capture(workload):
 def run_doctor(workload, on_result):
     """``mdb doctor``'s checks (without the slow overfit check) on the workload's model; the
     step view's ``d`` key runs this on demand."""
-    from hooks.checks import run_checks
+    from hooks.doctor.model import run_checks
 
     return run_checks(workload, on_result=on_result)
 

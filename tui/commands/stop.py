@@ -1,6 +1,6 @@
 """``mdb stop RUN``: ask a running run to checkpoint and stop, and wait until it has.
 
-The request goes through the run store (:mod:`hooks.runs.control`), so it works from any
+The request goes through the run store (:mod:`hooks.store.control`), so it works from any
 terminal on the machine, for a run started live, ``--detach`` ed or ``--headless`` by ``mdb
 overfit`` (it stops after its step with a checkpoint: ``interrupted (stopped)``) and for a
 ``hooks.run`` loop that checks ``run.should_stop``.
@@ -98,8 +98,8 @@ def stays_paused(store, run_id: int) -> bool:
     """Whether run ``run_id`` is paused, or will be, when a viewer leaves it: its stored state,
     then the pause/resume requests its process has not acted on yet, the last one winning (a
     ``p`` pressed just before ``d``). ``False`` when the store cannot be read."""
-    from hooks.runs.control import pending
-    from hooks.runs.store import RunStoreError
+    from hooks.store.control import pending
+    from hooks.store.store import RunStoreError
 
     try:
         paused = bool(store.run(run_id).paused)
@@ -123,13 +123,13 @@ def unchecked_line(info, steps: int, waited: float) -> str:
 def wait_until_stopped(store, name: str, timeout: float, *, request_id: int | None = None,
                        check_wait: float = CHECK_WAIT_S) -> object:
     """Read run ``name`` until its writer is no longer ``running``; return its last
-    :class:`hooks.runs.store.RunInfo`.
+    :class:`hooks.store.store.RunInfo`.
 
     Args:
-        store: The open :class:`hooks.runs.store.RunStore`.
+        store: The open :class:`hooks.store.store.RunStore`.
         name: The run.
         timeout: Seconds to wait at most.
-        request_id: The stop request (:func:`hooks.runs.control.request`): of a ``hooks.run``
+        request_id: The stop request (:func:`hooks.store.control.request`): of a ``hooks.run``
             loop, whether the loop read ``run.should_stop`` since is checked after
             ``check_wait`` seconds.
         check_wait: See ``request_id``.
@@ -140,7 +140,7 @@ def wait_until_stopped(store, name: str, timeout: float, *, request_id: int | No
             passed.
         NotStoppedError: Still running after ``timeout`` seconds, or its process died.
     """
-    from hooks.runs.control import progress
+    from hooks.store.control import progress
 
     start = time.monotonic()
     deadline = start + timeout
@@ -171,8 +171,8 @@ def wait_until_stopped(store, name: str, timeout: float, *, request_id: int | No
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``mdb stop``."""
-    from hooks.runs.control import progress, request
-    from hooks.runs.store import RunStore, RunStoreError, default_db_path
+    from hooks.store.control import progress, request
+    from hooks.store.store import RunStore, RunStoreError, default_db_path
 
     path = args.db if args.db else default_db_path()
     try:

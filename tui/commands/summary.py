@@ -4,7 +4,7 @@ One row per module of ``model.named_modules()`` (indented by depth): class, outp
 first call (and the number of calls when more than one), parameters (own and descendants', tied
 ones once), share of the model's parameters, mean and standard deviation of the first output,
 and the L2 norm of the gradients of all its parameters, ``sqrt(Σ ‖∇p‖²)``
-(:func:`hooks.norms.combine_norms`: NaN when one is NaN).
+(:func:`hooks.tensors.norms.combine_norms`: NaN when one is NaN).
 
 Width: in a terminal the table fits the terminal: the columns are kept in order of priority
 (:data:`PRIORITY`; numbers are never cut), module names are indented less and then cut in the
@@ -63,12 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def grad_norms_by_module(trace) -> dict[str, float]:
     """``sqrt(Σ ‖∇p‖²)`` over the parameters under each module (None-grad ones skipped;
-    :func:`hooks.norms.combine_norms`, so a NaN gradient gives NaN).
+    :func:`hooks.tensors.norms.combine_norms`, so a NaN gradient gives NaN).
 
     Returns:
         dict[str, float]: by qualified module name; modules without gradients are absent.
     """
-    from hooks.norms import combine_norms
+    from hooks.tensors.norms import combine_norms
 
     norms: dict[str, list[float]] = {}
     for name, p in trace.params.items():

@@ -41,14 +41,14 @@ def open_run(db: str | None, name: str | None):
     """Open the database read-only and find the run to watch.
 
     Returns:
-        ``(store, run)``: a :class:`hooks.runs.store.RunStore` and the
-        :class:`hooks.runs.store.RunInfo` of ``name`` (or of the latest run).
+        ``(store, run)``: a :class:`hooks.store.store.RunStore` and the
+        :class:`hooks.store.store.RunInfo` of ``name`` (or of the latest run).
 
     Raises:
         MdbError: Missing or unreadable database, a database of something else, no such run,
             or no runs at all (one line each).
     """
-    from hooks.runs.store import RunStore, RunStoreError, default_db_path
+    from hooks.store.store import RunStore, RunStoreError, default_db_path
 
     path = db if db else default_db_path()
     try:

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hooks.checks.target import Target
+from hooks.doctor.model.target import Target
 from tui.commands.inputs import (
     batch_from_text,
     check_memory,
@@ -28,7 +28,7 @@ from tui.errors import MdbError, ModelError
 
 
 class Workload(Target):
-    """A :class:`hooks.checks.target.Target` (the model, its batch and loss convention: the
+    """A :class:`hooks.doctor.model.target.Target` (the model, its batch and loss convention: the
     doctor's checks run on it as it is) with what the commands show of it.
 
     Args:
@@ -132,7 +132,7 @@ def load_user_workload(spec: str) -> Workload:
     except BatchError as exc:
         raise MdbError(f"--model {spec}: {func_name}() {exc}") from None
     check_has_data(model, f"--model {spec}: {func_name}()")
-    from hooks.capture import unwrap_compiled
+    from hooks.engine.capture import unwrap_compiled
 
     n_params = sum(p.numel() for p in model.parameters())
     inner = unwrap_compiled(model)  # torch.compile(m) is an OptimizedModule around m

@@ -7,11 +7,11 @@ positions are the input's tokens. Each cell is a shade for its probability (``·
 is a softmax and sums to 1, unless every key is masked (SDPA gives 0, a hand-written softmax
 NaN: said at the row's end) or the model's softmax also covered non-key columns (sinks).
 
-The second line says where the numbers come from (:data:`hooks.records.ATTENTION_SOURCES`) and
+The second line says where the numbers come from (:data:`hooks.trace.records.ATTENTION_SOURCES`) and
 which KV head the query head reads, as recorded from the call's own shapes (``H`` query heads
 against the keys' heads under ``enable_gqa``, or identical consecutive key heads when K/V were
-repeated before the call; :func:`hooks.attention.kv_heads`): query head h uses KV head
-``h // (H / H_kv)`` (:func:`hooks.attention.kv_groups`). A record whose call did not show the
+repeated before the call; :func:`hooks.probes.attention.kv_heads`): query head h uses KV head
+``h // (H / H_kv)`` (:func:`hooks.probes.attention.kv_groups`). A record whose call did not show the
 keys says the sharing is unknown rather than guessing it from the config.
 """
 
@@ -25,7 +25,7 @@ from textual.binding import Binding
 from textual.containers import ScrollableContainer
 from textual.widgets import Static
 
-from hooks.attention import DEFAULT_ATTENTION_BYTES
+from hooks.probes.attention import DEFAULT_ATTENTION_BYTES
 from hooks.text import printable
 from tui.screens.view import VIEW_BINDINGS, LayerViewScreen
 from tui.widgets import fmt
@@ -52,9 +52,9 @@ KV_UNKNOWN = {
 
 def kv_line(record, head: int) -> str:
     """Where the probabilities come from and which KV head ``head`` reads, as recorded at the
-    call (``AttentionRecord.num_kv_heads``, grouped by :func:`hooks.attention.kv_groups`);
+    call (``AttentionRecord.num_kv_heads``, grouped by :func:`hooks.probes.attention.kv_groups`);
     "unknown" when the call did not show the keys."""
-    from hooks.attention import kv_groups
+    from hooks.probes.attention import kv_groups
 
     n_heads = int(record.probs.shape[1])
     source = SOURCE_SHORT.get(record.source, record.source)
@@ -152,7 +152,7 @@ def empty_reason(trace) -> list[str]:
 @dataclass
 class NoProbabilities:
     """A decoder layer without attention probabilities (state-space, RWKV or linear attention),
-    from the capture's note on it (:func:`hooks.attention.no_softmax_kind`): listed among the
+    from the capture's note on it (:func:`hooks.probes.attention.no_softmax_kind`): listed among the
     layers so the view says so instead of leaving it out."""
 
     module: str
@@ -164,7 +164,7 @@ class NoProbabilities:
 def with_layers_without(trace, records: list) -> list:
     """``records`` with a :class:`NoProbabilities` for each layer the capture noted, placed
     before the first record of a later layer."""
-    from hooks.records import layer_of
+    from hooks.trace.records import layer_of
 
     out = list(records)
     for n in trace.notes:

@@ -1,7 +1,7 @@
 """``CompareScreen``: 2–8 runs of the run store side by side, live — ``mdb compare`` and
 ``mdb ablate``.
 
-* **One chart** of every run's loss on shared axes (:func:`hooks.runs.numbers.loss_metric`:
+* **One chart** of every run's loss on shared axes (:func:`hooks.store.numbers.loss_metric`:
   ``total`` for minillm runs, as ``mdb runs`` and ``mdb watch`` say), log scale by default
   (``l``: linear). Each run has a colour *and* a marker
   (:data:`tui.screens.compare_data.RUN_STYLES`), kept while the run is on the screen, so the

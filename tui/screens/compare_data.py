@@ -9,10 +9,10 @@ share this module, so both show the same numbers:
   ``None`` and the reason, never a guess.
 * :func:`compare_rows` — the table: the config fields in which the runs differ, then per run
   parameters, attention parameters per layer, KV-cache bytes per token, the last and the best
-  value of its loss (:func:`hooks.runs.numbers.loss_metric`: ``total`` for minillm, as in
+  value of its loss (:func:`hooks.store.numbers.loss_metric`: ``total`` for minillm, as in
   ``mdb runs`` and ``mdb watch``), the last ``ce`` when a run's loss is another metric (a MoE
   model's ``total`` adds the load-balancing loss), held-out ``ce@N``, steps/s
-  (:class:`hooks.runs.rates.StepRate`), step and status.
+  (:class:`hooks.store.rates.StepRate`), step and status.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hooks.runs.numbers import HELD_OUT, loss_metric
+from hooks.store.numbers import HELD_OUT, loss_metric
 from hooks.text import printable
 from tui.screens.live_data import RunSeries
 
@@ -95,7 +95,7 @@ def config_fields(run: Any) -> dict[str, str]:
 
 
 def run_loss_metric(names: Sequence[str]) -> str | None:
-    """The loss a run is compared by: :func:`hooks.runs.numbers.loss_metric`, the run's loss
+    """The loss a run is compared by: :func:`hooks.store.numbers.loss_metric`, the run's loss
     in every view (``total``, ``loss``, a name with ``loss``, ``ce``, another loss-like name,
     never a held-out ``ce@N``); ``None`` when the run logs none."""
     return loss_metric(names)
@@ -108,7 +108,7 @@ class RunView:
     Attributes:
         name: The run's name.
         slot: Index into :data:`RUN_STYLES` (its colour and marker).
-        info: The stored :class:`hooks.runs.store.RunInfo` (``None`` until the run exists:
+        info: The stored :class:`hooks.store.store.RunInfo` (``None`` until the run exists:
             an ablation's queued variant).
         series: The run's metrics (:class:`tui.screens.live_data.RunSeries`).
         cursor: The last step read from the store.
@@ -152,7 +152,7 @@ class RunView:
             self.arch, self.arch_why = arch_numbers(config), ""
 
     def add_update(self, update: Any, history: Any = None) -> bool:
-        """Feed a :class:`hooks.runs.store.RunUpdate`; whether anything new arrived. With
+        """Feed a :class:`hooks.store.store.RunUpdate`; whether anything new arrived. With
         ``history`` (a first read of a long run, :func:`tui.screens.live_data.first_read`),
         the series starts from the run's bucketed history instead of its rows."""
         if update.restarted:  # resumed from an earlier checkpoint: read it again

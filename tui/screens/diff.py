@@ -1,7 +1,7 @@
 """``DiffScreen`` and ``CallPairScreen``: ``mdb diff A B`` in a terminal.
 
 ``DiffScreen`` lists every tensor (module output or gradient) whose statistics changed from A to
-B, largest change first (:meth:`hooks.diff.TraceDiff.ranked`: shape changes and new NaN/Inf on
+B, largest change first (:meth:`hooks.trace.diff.TraceDiff.ranked`: shape changes and new NaN/Inf on
 top), with the calls only in A or only in B below. Enter opens ``CallPairScreen``: the call in
 A beside the same call in B, each drawn like the step view's details pane; ``n``/``p`` walk the
 changed rows without going back.

@@ -1,7 +1,7 @@
 """``DoctorScreen``: the doctor's check results in a table; choosing a finding jumps to its module.
 
 Opened by the step view's ``d`` key (``tui.screens.doctor_slot``) with the results of
-:func:`hooks.checks.run_checks`, or by ``mdb doctor --tui``. One row per check (number, name,
+:func:`hooks.doctor.model.run_checks`, or by ``mdb doctor --tui``. One row per check (number, name,
 status, evidence); the panel below shows the highlighted row's full evidence, hint and module.
 
 Statuses: ``pass``, ``n/a`` (the check does not apply to this kind of model; the evidence says
@@ -49,7 +49,7 @@ JUMPABLE = frozenset({"fail", "error", "warn"})
 
 
 def _as_dict(result: Any) -> dict[str, Any]:
-    """A result as a dict: a :class:`hooks.checks.CheckResult` or a dict from ``--json``."""
+    """A result as a dict: a :class:`hooks.doctor.model.CheckResult` or a dict from ``--json``."""
     if isinstance(result, dict):
         return result
     to_dict = getattr(result, "to_dict", None)
@@ -72,7 +72,7 @@ class DoctorScreen(MdbScreen):
     """The doctor's results as a table.
 
     Args:
-        results: :class:`hooks.checks.CheckResult` objects, or their ``to_dict()`` form (the
+        results: :class:`hooks.doctor.model.CheckResult` objects, or their ``to_dict()`` form (the
             ``results`` list of ``mdb doctor --json``).
         title: the first line (e.g. the model's description).
         runner: when there are no results yet, a function ``runner(on_result) -> results``

@@ -1,7 +1,7 @@
 """The step view's ``d`` key: the doctor's results when there are some, else how to get them.
 
 ``tui/screens/doctor.py`` (``DoctorScreen``) is written separately; it lists
-``hooks.checks.CheckResult`` rows and posts :class:`tui.messages.JumpToModule` to open a
+``hooks.doctor.model.CheckResult`` rows and posts :class:`tui.messages.JumpToModule` to open a
 module in the step view (handled by :class:`tui.app.MdbApp` and by the step screen). A screen
 that returns a module name through ``dismiss`` is handled too.
 """

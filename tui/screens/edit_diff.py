@@ -29,7 +29,7 @@ def loss_change_line(a, b) -> str:
 
 
 def edits_line(b) -> str:
-    """One phrase per edit of trace ``b`` (:meth:`hooks.edits.AppliedEdit.describe`)."""
+    """One phrase per edit of trace ``b`` (:meth:`hooks.engine.edits.AppliedEdit.describe`)."""
     return " · ".join(e.describe() for e in getattr(b, "edits", [])) or "no edits"
 
 

@@ -1,11 +1,11 @@
 """``EditFormScreen``: ``e`` in the step view — change one call and re-run the step.
 
 A small form over the current screen: the edits that fit the selected module
-(:func:`hooks.edits.edit_options`: zero, a head, an expert, drop, scale, mean, patch) in a
+(:func:`hooks.engine.edits.edit_options`: zero, a head, an expert, drop, scale, mean, patch) in a
 list, and the spec itself in an input line to adjust (``head=3``, ``by=0.1``, ``pos=5``).
 Enter on a choice copies it to the input; Enter in the input checks the spec against the model
 (a bad one is said in the form, nothing runs), then re-runs the step with it
-(:func:`hooks.edits_run.rerun_edited`, on top of the edits already applied) in a Textual thread
+(:func:`hooks.whatif.rerun.rerun_edited`, on top of the edits already applied) in a Textual thread
 worker; the form then closes with ``(b, diff, edits)`` and the what-if diff view opens
 (:func:`tui.screens.edit_diff.open_edit_form` pushed the form). ``patch``
 in the form takes its source from the batch's rows rolled by one (``from=rolled``). Esc
@@ -46,7 +46,7 @@ class EditFormScreen(ModalScreen[tuple | None]):
     def __init__(self, trace, module: str, *, base: list[str] | None = None, loss_fn=None,
                  embedded: bool = True) -> None:
         super().__init__()
-        from hooks.edits import edit_options
+        from hooks.engine.edits import edit_options
 
         self.trace = trace
         self.module = module
@@ -116,8 +116,8 @@ class EditFormScreen(ModalScreen[tuple | None]):
 
     def _check(self, edits: list[str]) -> None:
         """Parse and bind ``edits`` to the model (ValueError with one line when bad)."""
-        from hooks.edits import parse_edit, resolve_edits
-        from hooks.edits_run import ROLLED
+        from hooks.engine.edits import parse_edit, resolve_edits
+        from hooks.whatif.rerun import ROLLED
 
         parsed = [parse_edit(e) for e in edits]
         sources = {e.source: None for e in parsed if e.op == "patch"}
@@ -129,7 +129,7 @@ class EditFormScreen(ModalScreen[tuple | None]):
 
     def _rerun(self, edits: list[str]):
         """In the worker thread: the edited step and its diff from the step as is."""
-        from hooks.edits_run import rerun_edited
+        from hooks.whatif.rerun import rerun_edited
 
         b = rerun_edited(self.trace, edits, loss_fn=self.loss_fn)
         return b, self.trace.diff(b), edits

@@ -4,10 +4,10 @@ One row per :class:`hooks.ParamGradRecord` (tied parameters once, under their fi
 the model's order, with its decoder layer. Bars are on a log scale between the smallest and the
 largest non-zero finite gradient norm of the model, so layers that differ by orders of magnitude
 stay comparable. Verdicts (``✓ ok``, ``▼ vanishing``, ``◦ few tokens``, ``▲ exploding``,
-``✗ NaN/Inf``, ``∅ None``, ``∅ not called``...) follow :func:`hooks.verdicts.param_verdict`, the
-rule and thresholds the doctor's gradient-flow check uses, judged knowing how many rows (tokens)
-reached each parameter's module (:func:`hooks.verdicts.rows_by_module`). The total ``‖g‖`` is
-:func:`hooks.verdicts.grad_total_norm`: the exact L2 norm over every ``.grad`` (what
+``✗ NaN/Inf``, ``∅ None``, ``∅ not called``...) follow :func:`hooks.doctor.verdicts.param_verdict`,
+the rule and thresholds the doctor's gradient-flow check uses, judged knowing how many rows (tokens)
+reached each parameter's module (:func:`hooks.doctor.verdicts.rows_by_module`). The total ``‖g‖`` is
+:func:`hooks.doctor.verdicts.grad_total_norm`: the exact L2 norm over every ``.grad`` (what
 ``clip_grad_norm_`` and the trainer's ``grad_norm`` give), NaN when one gradient is NaN. Enter on
 a row opens the step view at the module that owns the parameter.
 """
@@ -41,7 +41,7 @@ def log_fraction(value: float | None, lo: float, hi: float) -> float:
 def short_name(name: str) -> tuple[str, str]:
     """``("1", "mlp.gate.weight")`` for ``model.layers.1.mlp.gate.weight``; ``("—", ...)``
     outside the decoder layers (``model.`` stripped)."""
-    from hooks.records import layer_of
+    from hooks.trace.records import layer_of
 
     layer = layer_of(name)
     if layer is None:
@@ -79,7 +79,7 @@ class GradientsScreen(ViewScreen):
         yield MdbFooter()
 
     def on_mount(self) -> None:
-        from hooks.verdicts import grad_total_norm, param_verdict, rows_by_module
+        from hooks.doctor.verdicts import grad_total_norm, param_verdict, rows_by_module
 
         params = list(self.trace.params.values())
         rows, batch_rows = rows_by_module(self.trace)
@@ -116,7 +116,7 @@ class GradientsScreen(ViewScreen):
                  for k in ("few", "unused", "none", "stale", "zero", "frozen") if counts.get(k)]
         self.query_one("#grad-summary", Static).update(
             " · ".join(main) + ("\n" + " · ".join(other) if other else ""))
-        from hooks.runs.origin import nonfinite_weight_notes
+        from hooks.nonfinite.origin import nonfinite_weight_notes
 
         weights = nonfinite_weight_notes(self.trace)  # a sharded weight's NaN, and whose shard
         if not params:

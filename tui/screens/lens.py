@@ -79,7 +79,7 @@ class LensScreen(ViewScreen):
 
     @dataclass
     class Ready(Message):
-        """The worker computed the lens (a :class:`hooks.lens.Lens`)."""
+        """The worker computed the lens (a :class:`hooks.whatif.lens.Lens`)."""
 
         lens: Any
 
@@ -119,7 +119,7 @@ class LensScreen(ViewScreen):
         import torch
 
         from hooks.batch import Batch
-        from hooks.lens import logit_lens
+        from hooks.whatif.lens import logit_lens
 
         batch = Batch(replay.args, replay.kwargs)
         try:

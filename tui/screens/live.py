@@ -5,7 +5,7 @@ screens:
   and ``mdb overfit``'s live screen, a viewer of the trainer process it started (its keys:
   :mod:`tui.screens.live_controls`);
 * :class:`tui.screens.live_train.TrainScreen` trains an
-  :class:`hooks.runs.overfit.OverfitSession` in this process (the API, the tests, the
+  :class:`hooks.train.overfit.OverfitSession` in this process (the API, the tests, the
   benchmark).
 
 What it shows is whatever the run logs (:class:`tui.screens.live_data.RunSeries`), the same for
@@ -18,7 +18,7 @@ a run of ``mdb overfit`` (minillm or ``--model``) and one of a user's own loop (
   (``o`` moves the mark; gradient norm first where the run logs it);
 * tokens routed to each expert over steps for each MoE layer — only for runs whose steps
   record expert load;
-* steps/s (and tokens/s when known; :mod:`hooks.runs.rates`), a progress bar with ETA when
+* steps/s (and tokens/s when known; :mod:`hooks.store.rates`), a progress bar with ETA when
   the run has a step target;
 * the latest greedy continuation of the text's beginning with how many characters already
   match the text — only for runs that memorise a text;
@@ -29,7 +29,7 @@ a run of ``mdb overfit`` (minillm or ``--model``) and one of a user's own loop (
 * a step that takes far longer than the ones before (a forward that hangs): for how long.
 
 Every line is laid out for 80 columns: the status line keeps the state, the step, the loss
-(:func:`hooks.runs.numbers.loss_metric`) and ``|g|`` and drops the other losses first; hints are
+(:func:`hooks.store.numbers.loss_metric`) and ``|g|`` and drops the other losses first; hints are
 one line; the help wraps whole words.
 
 Redraws are throttled so the screen costs a trainer in the same process little (see
@@ -50,7 +50,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, ProgressBar, Static
 
-from hooks.runs.store import nonfinite_sentence
+from hooks.store.store import nonfinite_sentence
 from hooks.text import printable
 from tui import messages
 from tui.screens.base import MdbScreen, show
@@ -408,7 +408,7 @@ class LiveScreen(MdbScreen):
         total = f"/{s.total_steps}" if s.total_steps else ""
         pieces: list[tuple[int, str, str]] = [(0, f"step {s.step}{total}", "")]  # (rank, ...)
         if s.last is not None:
-            # the run's loss first (hooks.runs.numbers.loss_metric, as mdb runs and mdb compare
+            # the run's loss first (hooks.store.numbers.loss_metric, as mdb runs and mdb compare
             # show it), then the other losses charted with it
             main = s.loss_name if s.loss_name in s.stats else None
             losses = ([main] if main else []) + [n for n in s.loss_names() if n != main]
@@ -452,7 +452,7 @@ class LiveScreen(MdbScreen):
         """The command that continues this run (``--db`` unless it is the default database)."""
         from pathlib import Path
 
-        from hooks.runs.store import default_db_path
+        from hooks.store.store import default_db_path
 
         db = Path(self._db_path())
         same = db.resolve() == default_db_path().resolve()

@@ -4,7 +4,7 @@ which is a viewer of the trainer process it started).
 * ``d`` detaches: the screen exits, training goes on; the closing line is the command that
   re-attaches.
 * ``p`` pauses or resumes the run, ``x`` stops it (after asking) with a checkpoint: both are
-  requests through the run store (:mod:`hooks.runs.control`), acted on by the process that
+  requests through the run store (:mod:`hooks.store.control`), acted on by the process that
   trains, whichever terminal started it.
 * ``q`` asks whether to detach (the default) or to stop; Ctrl-C detaches, and says so.
 * When the run's state changes while it is viewed (paused, resumed, stopped, ended), by this
@@ -25,7 +25,7 @@ DETACHED, STOPPED, CLOSED = "detached", "stopped", "closed"
 class ViewerControls:
     """Mixed into :class:`tui.screens.live_watch.WatchScreen`.
 
-    Uses the screen's ``run`` (the :class:`hooks.runs.store.RunInfo` of the latest poll),
+    Uses the screen's ``run`` (the :class:`hooks.store.store.RunInfo` of the latest poll),
     ``store``, ``state``, ``hint`` and ``app``; sets :attr:`outcome`.
     """
 
@@ -108,7 +108,7 @@ class ViewerControls:
             [("y", "stop it", STOPPED), ("n", "keep training", "")], STOPPED), answered)
 
     def _request(self, command: str, then_leave: bool = False) -> None:
-        from hooks.runs.control import request
+        from hooks.store.control import request
 
         try:
             request(self.store.path, self.run.id, command)

@@ -6,15 +6,15 @@ costs the same at step 100 as at step 100,000:
 * :class:`Downsampler` keeps at most ``capacity`` buckets of a series; when full, neighbouring
   buckets are merged pairwise and the bucket width doubles (the scheme of an "online
   decimation" buffer). Appending is amortised O(1), reading is O(capacity), memory is bounded.
-* :class:`RunSeries` feeds every :class:`hooks.runs.store.MetricRow` of a run into one downsampler
+* :class:`RunSeries` feeds every :class:`hooks.store.store.MetricRow` of a run into one downsampler
   per metric the run logs — whatever their names: ``ce``/``aux``/``total`` of ``mdb overfit``,
   ``loss`` of a user's model, ``val_loss`` or ``acc`` of a user's own loop — keeps each
   metric's last, min and max, per MoE layer per expert the tokens routed to it, and the numbers
-  the header shows (throughput, ETA, last sample). :func:`hooks.runs.numbers.is_loss_like`
+  the header shows (throughput, ETA, last sample). :func:`hooks.store.numbers.is_loss_like`
   decides which metrics are charted together as losses (a run may declare them instead).
 
 Every number shown about a run — which metric is "the loss", steps/s, the ETA — is defined in
-:mod:`hooks.runs.numbers` (with :mod:`hooks.runs.rates`) and only fed here, so ``mdb runs``,
+:mod:`hooks.store.numbers` (with :mod:`hooks.store.rates`) and only fed here, so ``mdb runs``,
 ``mdb compare`` and the live screen agree.
 """
 
@@ -25,14 +25,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hooks.runs.numbers import is_loss_like, loss_metric
-from hooks.runs.rates import StepRate, eta_seconds
+from hooks.store.numbers import is_loss_like, loss_metric
+from hooks.store.rates import StepRate, eta_seconds
 from hooks.text import printable
 
 #: Buckets kept per series: about two points per column of a full-width chart.
 DEFAULT_CAPACITY = 256
 #: A run of at least this many steps is first read as its history bucketed by the store
-#: (:meth:`hooks.runs.store.RunStore.history`: min/max/mean per bucket, so spikes stay
+#: (:meth:`hooks.store.store.RunStore.history`: min/max/mean per bucket, so spikes stay
 #: visible), not from all its rows (:func:`first_read`); shorter ones are read whole.
 HISTORY_AFTER_STEPS = 4096
 #: The fixed metric columns of a run store without ``MetricRow.values`` (and what an
@@ -145,7 +145,7 @@ class Downsampler:
     def load(self, steps: Sequence[float], counts: Sequence[int], sums: Sequence[float],
              lows: Sequence[float | None], highs: Sequence[float | None]) -> None:
         """Replace the points with buckets aggregated elsewhere (a run's history bucketed by
-        the store, :func:`hooks.runs.summary.history`): per bucket the step of its last
+        the store, :func:`hooks.store.summary.history`): per bucket the step of its last
         point, how many finite points, their sum, min and max. Buckets without a finite point
         are skipped; more than ``capacity`` are merged pairwise. Points appended later go into
         buckets as wide as the widest loaded one."""
@@ -290,10 +290,10 @@ class RunSeries:
         stats: Per metric, its :class:`MetricStats`.
         experts: Per MoE layer, per expert, a :class:`Downsampler` of the tokens routed to that
             expert at each step (fraction × N·k, N = tokens per step), shape (L_moe, E).
-        last: The latest :class:`hooks.runs.store.MetricRow` (``None`` before the first).
+        last: The latest :class:`hooks.store.store.MetricRow` (``None`` before the first).
         first_step: Step of the first row seen (a resumed run does not start at 1).
         sample: The latest :class:`Sample`.
-        spikes: The run's loss spikes (:class:`hooks.runs.spikes.Spike`, as its writer
+        spikes: The run's loss spikes (:class:`hooks.store.spikes.Spike`, as its writer
             recorded them) by first step.
     """
 
@@ -321,7 +321,7 @@ class RunSeries:
 
     # -- feeding --------------------------------------------------------------------------------
     def add(self, row: Any) -> None:
-        """Add one :class:`hooks.runs.store.MetricRow` (steps must arrive in increasing order)."""
+        """Add one :class:`hooks.store.store.MetricRow` (steps must arrive in increasing order)."""
         step = row.step
         if self.first_step is None:
             self.first_step = step
@@ -359,7 +359,7 @@ class RunSeries:
 
     def load_history(self, history: Any, recent: Sequence[Any]) -> None:
         """Start from a run's history bucketed by the store (a
-        :class:`hooks.runs.summary.History`: per metric, per bucket of steps, the step of its
+        :class:`hooks.store.summary.History`: per metric, per bucket of steps, the step of its
         last value, counts, sum, min and max) and the metric rows of its last steps
         (``recent``, which the buckets hold already: they give the latest row, the step rate
         and the expert load). Later rows are :meth:`add` ed as usual."""
@@ -453,7 +453,7 @@ class RunSeries:
 
     @property
     def loss_name(self) -> str | None:
-        """The metric that is the run's loss (:func:`hooks.runs.numbers.loss_metric`, the
+        """The metric that is the run's loss (:func:`hooks.store.numbers.loss_metric`, the
         same in every view), ``None`` when it logs none."""
         return loss_metric(self.names)
 
@@ -505,12 +505,12 @@ class RunSeries:
 
     def seconds_per_step(self) -> float | None:
         """Median wall-clock spacing of the last steps, robust to a pause
-        (:class:`hooks.runs.rates.StepRate`, the one definition every view shows)."""
+        (:class:`hooks.store.rates.StepRate`, the one definition every view shows)."""
         return self._rate.seconds_per_step(self.value("step_time"))
 
     def steps_per_s(self) -> float | None:
         """End-to-end training steps per second (steps, sampling and recording;
-        :meth:`hooks.runs.rates.StepRate.steps_per_s`)."""
+        :meth:`hooks.store.rates.StepRate.steps_per_s`)."""
         return self._rate.steps_per_s(self.value("step_time"))
 
     def tokens_per_s(self) -> float | None:
@@ -522,7 +522,7 @@ class RunSeries:
 
     def eta(self) -> float | None:
         """Seconds until ``total_steps`` at the current rate (``None`` if unknown;
-        :func:`hooks.runs.rates.eta_seconds`)."""
+        :func:`hooks.store.rates.eta_seconds`)."""
         return eta_seconds(self.total_steps, self.step, self.seconds_per_step())
 
 
@@ -530,7 +530,7 @@ def first_read(store, run_id: int, cursor: int,
                capacity: int = DEFAULT_CAPACITY) -> tuple[Any, Any]:
     """A viewer's next read of a run: ``(store.poll(run_id, cursor), None)``, or on a first
     read (``cursor`` 0) of a run of :data:`HISTORY_AFTER_STEPS` steps or more ``(update,
-    history)`` from :meth:`hooks.runs.store.RunStore.history` (its metrics bucketed into at
+    history)`` from :meth:`hooks.store.store.RunStore.history` (its metrics bucketed into at
     most ``capacity`` step ranges; ``update.metrics`` only its last steps), for
     :meth:`RunSeries.load_history`. A store-like object with ``poll`` only is polled."""
     if cursor == 0 and hasattr(store, "history"):

@@ -25,7 +25,7 @@ from tui.store_handle import StoreHandle
 
 __all__ = ["FindingsPolled", "LoopFindings", "LOOP_KINDS"]
 
-#: The kinds of finding the training-loop doctor makes (``hooks.runs.loop_checks``); the
+#: The kinds of finding the training-loop doctor makes (``hooks.doctor.loop.checks``); the
 #: other kinds (a torchrun job's ranks) are on the ranks lines.
 LOOP_KINDS = ("grad_accumulation", "scheduler_steps", "weight_decay", "train_eval",
               "zero_grad", "optimizer_params", "labels", "padding", "precision")
@@ -45,7 +45,7 @@ class LoopFindings(Static):
 
     Args:
         store_path: The run database (``None``: nothing to read, never shown).
-        run: The :class:`hooks.runs.store.RunInfo` watched.
+        run: The :class:`hooks.store.store.RunInfo` watched.
     """
 
     #: Seconds between two reads of the run store while the run runs (4x after it ended).

@@ -99,7 +99,7 @@ class RanksSummary(Static):
 
     Args:
         store_path: The run database.
-        run: The :class:`hooks.runs.store.RunInfo` watched.
+        run: The :class:`hooks.store.store.RunInfo` watched.
     """
 
     #: Seconds between two reads of the run store.

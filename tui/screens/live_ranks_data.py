@@ -1,6 +1,6 @@
 """What ``mdb watch`` shows about the ranks of a distributed run, kept small (no Textual).
 
-:class:`RankSeries` is fed the rows of every rank (:class:`hooks.runs.store.RankRow`, read by
+:class:`RankSeries` is fed the rows of every rank (:class:`hooks.store.store.RankRow`, read by
 ``RunStore.rank_steps``) and the ranks, findings and checks of the run. A step counts once every
 rank that is still reporting has sent it (ranks reach the store in batches, every
 ``gather_every`` steps): then, for each metric, the minimum, median and maximum over the ranks
@@ -10,9 +10,9 @@ step's values per rank are kept as the latest. From those:
 * :meth:`RankSeries.furthest`: the rank furthest from the median of a metric, and by how much;
 * :meth:`RankSeries.times` and :meth:`RankSeries.stragglers`: each rank's median step time and
   compute time over its last :data:`TIME_WINDOW` steps, and the ranks slower than the median
-  of the ranks by more than :data:`hooks.runs.rank_stats.STRAGGLER_RATIO`, on the basis
-  :func:`hooks.runs.rank_stats.straggler_basis` picks (compute time whenever every rank has
-  it). These numbers are computed by :mod:`hooks.runs.rank_stats`, as ``mdb runs --json``
+  of the ranks by more than :data:`hooks.store.rank_stats.STRAGGLER_RATIO`, on the basis
+  :func:`hooks.store.rank_stats.straggler_basis` picks (compute time whenever every rank has
+  it). These numbers are computed by :mod:`hooks.store.rank_stats`, as ``mdb runs --json``
   computes them; this module only keeps each rank's last times;
 * :meth:`RankSeries.expert_load`: the latest expert load of each rank, (L_moe, E).
 """
@@ -23,15 +23,15 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from hooks.runs import rank_stats
-from hooks.runs.rank_stats import TIME_WINDOW
-from hooks.runs.rank_stats import finite as _finite
-from hooks.runs.store import loss_metric
+from hooks.store import rank_stats
+from hooks.store.rank_stats import TIME_WINDOW
+from hooks.store.rank_stats import finite as _finite
+from hooks.store.store import loss_metric
 from tui.screens.live_data import DEFAULT_CAPACITY, Downsampler
 
 
 class RankSeries:
-    """The ranks of one distributed run, fed one :class:`hooks.runs.store.RankRow` at a time.
+    """The ranks of one distributed run, fed one :class:`hooks.store.store.RankRow` at a time.
 
     Args:
         world_size: The run's number of ranks.
@@ -40,8 +40,8 @@ class RankSeries:
     Attributes:
         world_size: The number of ranks.
         names: Every metric the ranks logged, in first-seen order.
-        ranks: The latest :class:`hooks.runs.store.RankInfo` of each rank, by rank.
-        findings: The run's findings (:class:`hooks.runs.store.Finding`), in the order found.
+        ranks: The latest :class:`hooks.store.store.RankInfo` of each rank, by rank.
+        findings: The run's findings (:class:`hooks.store.store.Finding`), in the order found.
         checks: The cross-rank comparisons made (``RunStore.checks``).
         step: The last step every reporting rank has sent (0 before).
         last_step: Per rank, the last step it sent.
@@ -127,7 +127,7 @@ class RankSeries:
         return self._bands.get(name)
 
     def loss_name(self) -> str | None:
-        """The metric that stands for the loss (:func:`hooks.runs.store.loss_metric`)."""
+        """The metric that stands for the loss (:func:`hooks.store.store.loss_metric`)."""
         return loss_metric(self.names)
 
     def grad_name(self) -> str | None:
@@ -138,12 +138,12 @@ class RankSeries:
 
     def furthest(self, name: str) -> tuple[int, float, float, float | None] | None:
         """The rank furthest from the median of ``name`` at :attr:`step`
-        (:func:`hooks.runs.rank_stats.furthest`)."""
+        (:func:`hooks.store.rank_stats.furthest`)."""
         return rank_stats.furthest({r: v.get(name) for r, v in self.values.items()})
 
     def tied_with(self, name: str, rank: int) -> list[int]:
         """The other ranks exactly as far from the median of ``name`` as ``rank``
-        (:func:`hooks.runs.rank_stats.tied_with`)."""
+        (:func:`hooks.store.rank_stats.tied_with`)."""
         return rank_stats.tied_with({r: v.get(name) for r, v in self.values.items()}, rank)
 
     def nonfinite_ranks(self, name: str) -> list[int]:
@@ -152,7 +152,7 @@ class RankSeries:
 
     def times(self) -> dict[int, tuple[float | None, float | None]]:
         """Per rank, the median (step time, compute time) of its last :data:`TIME_WINDOW`
-        steps, in seconds (``None``: not measured; :func:`hooks.runs.rank_stats.median_times`)."""
+        steps, in seconds (``None``: not measured; :func:`hooks.store.rank_stats.median_times`)."""
         return rank_stats.median_times(self._times, self._compute)
 
     def awaited(self) -> list[int]:
@@ -161,13 +161,13 @@ class RankSeries:
 
     def straggler_basis(self) -> str | None:
         """``"compute"`` when every awaited rank has a compute time, else ``"step"`` when they
-        have step times, else ``None`` (:func:`hooks.runs.rank_stats.straggler_basis`)."""
+        have step times, else ``None`` (:func:`hooks.store.rank_stats.straggler_basis`)."""
         return rank_stats.straggler_basis(self.times(), self._awaited())
 
     def stragglers(self) -> list[tuple[int, float, float]]:
         """``(rank, its time, the median of the ranks)`` of each rank slower than the median
-        by more than :data:`hooks.runs.rank_stats.STRAGGLER_RATIO`, slowest first, on the
-        :meth:`straggler_basis` (:func:`hooks.runs.rank_stats.slow_ranks`)."""
+        by more than :data:`hooks.store.rank_stats.STRAGGLER_RATIO`, slowest first, on the
+        :meth:`straggler_basis` (:func:`hooks.store.rank_stats.slow_ranks`)."""
         return rank_stats.slow_ranks(self.times(), self._awaited())
 
     def expert_load(self) -> dict[int, list[list[float]]]:
@@ -218,7 +218,7 @@ def hot_expert(shares: Sequence[float]) -> tuple[int, float] | None:
 
 
 def rank_label(info: Any) -> str:
-    """``rank 1 (pid 4242 on vm)`` of a :class:`hooks.runs.store.RankInfo` (or ``rank N``)."""
+    """``rank 1 (pid 4242 on vm)`` of a :class:`hooks.store.store.RankInfo` (or ``rank N``)."""
     describe = getattr(info, "describe", None)
     return describe() if callable(describe) else f"rank {info}"
 

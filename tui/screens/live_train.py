@@ -1,4 +1,4 @@
-"""``TrainScreen``: the live screen of an :class:`hooks.runs.overfit.OverfitSession` trained in
+"""``TrainScreen``: the live screen of an :class:`hooks.train.overfit.OverfitSession` trained in
 this process (:func:`tui.live_app.make_overfit_app`: the API, the tests, the benchmark; ``mdb
 overfit`` itself trains in a process of its own and shows :mod:`tui.screens.live_watch`).
 
@@ -6,7 +6,7 @@ The session runs in a daemon thread (not a Textual worker, which the app would w
 it closes: a user's forward that never returns must not keep the process alive after ``q q``).
 Its step callback appends each step to a buffer and posts :class:`tui.messages.StepsPending`
 (replaceable, so a fast trainer cannot flood the queue); the keys drive the session's
-:class:`hooks.runs.trainer.TrainControl`: ``p`` pause, ``s`` one step while paused, ``c``
+:class:`hooks.train.trainer.TrainControl`: ``p`` pause, ``s`` one step while paused, ``c``
 capture the next step and open it, ``x`` stop with a checkpoint, ``q`` stop and quit (again:
 quit at once).
 """
@@ -30,7 +30,7 @@ class TrainScreen(LiveScreen):
     """Trains ``session`` and shows it.
 
     Args:
-        session: The :class:`hooks.runs.overfit.OverfitSession` to train.
+        session: The :class:`hooks.train.overfit.OverfitSession` to train.
         heartbeat: Seconds between the writer's heartbeats.
         text_interval: Minimum seconds between redraws of the numbers.
         chart_interval: Minimum seconds between redraws of the charts (1 s: the trainer
@@ -206,7 +206,7 @@ class TrainScreen(LiveScreen):
     def exit_code(self) -> int:
         """Exit status of ``mdb overfit`` (live): 0 finished or stopped from the screen, 1
         failed (non-finite value) or crashed, 128 + n when stopped by signal n."""
-        from hooks.runs.trainer import signal_exit_code
+        from hooks.train.trainer import signal_exit_code
 
         if self.error is not None:
             return 1

@@ -41,8 +41,8 @@ class WatchScreen(ViewerControls, LiveScreen):
     """Follows ``run`` in ``store``.
 
     Args:
-        store: A :class:`hooks.runs.store.RunStore` to read.
-        run: The :class:`hooks.runs.store.RunInfo` to follow.
+        store: A :class:`hooks.store.store.RunStore` to read.
+        run: The :class:`hooks.store.store.RunInfo` to follow.
         poll_interval: Seconds between database polls.
         text_interval: Minimum seconds between redraws of the numbers.
         chart_interval: Minimum seconds between redraws of the charts (0.25 s: no trainer
@@ -191,7 +191,7 @@ class WatchScreen(ViewerControls, LiveScreen):
         :class:`messages.HistoryDetail`."""
         import json
 
-        from hooks.runs.store import RunStore
+        from hooks.store.store import RunStore
 
         series = self.series
         slots = series.expert_slots
@@ -229,8 +229,8 @@ class WatchScreen(ViewerControls, LiveScreen):
     def _open_stored_capture(self) -> None:
         """Watch mode's ``c``: the run's latest captured step, rebuilt from the store on a
         connection of this thread, posted as :class:`messages.StepCaptured`."""
-        from hooks.runs.store import RunStore
-        from hooks.runs.trainer import load_trace
+        from hooks.store.store import RunStore
+        from hooks.train.trainer import load_trace
 
         with RunStore(self.store.path) as store:
             last = store.summary(self.run.id).last_capture  # kept by the writer: no scan
@@ -253,7 +253,7 @@ class WatchScreen(ViewerControls, LiveScreen):
         if worker.group == "stored-capture":
             self.hint(f"cannot open the stored capture: {line}")
         elif worker.group == "poll":
-            from hooks.runs.store import DamagedRunError
+            from hooks.store.store import DamagedRunError
 
             if isinstance(exc, DamagedRunError):  # retrying cannot help: say it and leave
                 self.fatal = str(exc)

@@ -34,7 +34,7 @@ class OpsScreen(ViewScreen):
         module: qualified module name.
         call_index: the call.
         select: ``(file, line, op)`` of an op to put the cursor on first (the forward op of the
-            backward's first non-finite gradient, :class:`hooks.ops.BackwardOrigin`).
+            backward's first non-finite gradient, :class:`hooks.trace.ops.BackwardOrigin`).
     """
 
     VIEW = "ops"

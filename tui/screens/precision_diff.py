@@ -32,7 +32,7 @@ class PrecisionDiffScreen(DiffScreen):
     """The diff of a step under a low dtype against fp32.
 
     Args:
-        pd: the :class:`hooks.precision.PrecisionDiff` to show.
+        pd: the :class:`hooks.whatif.precision.PrecisionDiff` to show.
     """
 
     CSS_PATH = "precision_diff.tcss"

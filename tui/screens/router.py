@@ -5,7 +5,7 @@ For the chosen layer (one :class:`hooks.RoutingRecord`, N = B·T tokens, E exper
 * per token: its position ``b:t``, its text, its k experts and their routing weights;
 * per expert: the tokens that chose it (of N), its share of the N·k top-k *picks* (token, slot
   assignments) against the uniform share 1/E, and a flag: hot or no tokens, by the rule the
-  doctor's routing check uses (:func:`hooks.verdicts.expert_loads`);
+  doctor's routing check uses (:func:`hooks.doctor.verdicts.expert_loads`);
 * the rule that produced them, as verified against the ids and weights the experts received
   (softmax over E or sigmoid; bias, group-limited top-k, renormalisation, scale), and where the
   ids and weights were read;
@@ -41,8 +41,8 @@ from tui.widgets.footer import MdbFooter
 
 def expert_rows(record) -> list:
     """Each expert's load in ``record``, as the doctor counts it
-    (:func:`hooks.verdicts.routing_record_loads`)."""
-    from hooks.verdicts import routing_record_loads
+    (:func:`hooks.doctor.verdicts.routing_record_loads`)."""
+    from hooks.doctor.verdicts import routing_record_loads
 
     return routing_record_loads(record)
 
@@ -257,15 +257,15 @@ class RouterScreen(LayerViewScreen):
 
     def _model_layer_aux(self) -> float | None:
         """This layer's aux loss as the model returned it
-        (:func:`hooks.verdicts.model_layer_aux`)."""
-        from hooks.verdicts import model_layer_aux
+        (:func:`hooks.doctor.verdicts.model_layer_aux`)."""
+        from hooks.doctor.verdicts import model_layer_aux
 
         return model_layer_aux(self.trace.meta, len(self.records), self.position)
 
     def _total_lines(self, meta, padded: bool) -> list[str]:
         """The model's total ``aux_loss``; ``= coef × Σ`` of the layers only when it is
-        (:func:`hooks.verdicts.aux_total`)."""
-        from hooks.verdicts import aux_total
+        (:func:`hooks.doctor.verdicts.aux_total`)."""
+        from hooks.doctor.verdicts import aux_total
 
         aux = aux_total(self.records, meta)
         if aux is None:

@@ -196,7 +196,7 @@ class StepScreen(MdbScreen):
         values, in rank 1's shard`` for a forward hit in a module whose own (sharded) weight
         the capture saw non-finite; else ``""``."""
         if hit is not None and hit.direction == "forward":
-            from hooks.runs.origin import nonfinite_weight_notes
+            from hooks.nonfinite.origin import nonfinite_weight_notes
 
             return "".join(f" · {n}" for n in nonfinite_weight_notes(self.trace, hit.module))
         origin = getattr(self.trace, "backward_origin", None)

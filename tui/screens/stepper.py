@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from hooks.text import printable
 
 if TYPE_CHECKING:  # hooks imports torch: keep it out of the app's import time
-    from hooks.records import CallRecord, GradRecord
+    from hooks.trace.records import CallRecord, GradRecord
 
 FORWARD = "forward"
 BACKWARD = "backward"
@@ -35,7 +35,7 @@ class Stepper:
     _layers: dict[str, list[int | None]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        from hooks.records import layer_of
+        from hooks.trace.records import layer_of
 
         self._layers = {
             FORWARD: [layer_of(r.module) for r in self.trace.forward],
@@ -176,10 +176,10 @@ class Stepper:
         return list(by_module.get(module or "", ()))
 
     def rows_by_module(self) -> tuple[dict[str, int], int | None]:
-        """:func:`hooks.verdicts.rows_by_module` of the trace, computed once per stepper."""
+        """:func:`hooks.doctor.verdicts.rows_by_module` of the trace, computed once per stepper."""
         rows = self.__dict__.get("_rows_by_module")
         if rows is None:
-            from hooks.verdicts import rows_by_module
+            from hooks.doctor.verdicts import rows_by_module
 
             rows = self.__dict__["_rows_by_module"] = rows_by_module(self.trace)
         return rows

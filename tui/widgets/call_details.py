@@ -51,7 +51,8 @@ def _stat_values(stats) -> list[tuple[str, str]]:
     if stats is None:
         return [("—", "")] * (len(STAT_ROWS) + 2)
     cells = [(fmt.sci(getattr(stats, attr)), "") for _, attr in STAT_ROWS]
-    # a large tensor whose sample held no zero was not counted (hooks.stats.ZERO_EXACT_NUMEL)
+    # a large tensor whose sample held no zero was not counted
+    # (hooks.tensors.stats.ZERO_EXACT_NUMEL)
     cells.append((fmt.pct(stats.zero_frac) if stats.zero_exact else "≈0%", ""))
     bad = stats.nan_count + stats.inf_count
     cells.append((f"✗ {stats.nan_count}/{stats.inf_count}", "bold red") if bad
@@ -118,9 +119,9 @@ def histogram_block(title: str, stats) -> Text:
 
 def params_table(params, rows: int | None = None, batch_rows: int | None = None) -> Text:
     """The module's own parameters: name, shape, gradient norm, ‖g‖/‖w‖, verdict
-    (:func:`hooks.verdicts.param_verdict`, knowing the ``rows`` of ``batch_rows`` that reached
-    the module)."""
-    from hooks.verdicts import param_verdict
+    (:func:`hooks.doctor.verdicts.param_verdict`, knowing the ``rows`` of ``batch_rows`` that
+    reached the module)."""
+    from hooks.doctor.verdicts import param_verdict
 
     out = Text()
     out.append(_pad("param", 10) + _pad("shape", 12) + _pad("‖g‖", 9, True)
@@ -159,7 +160,7 @@ def io_table(call, width: int | None = None) -> Text:
 
 
 def _rows_by_module(trace):
-    from hooks.verdicts import rows_by_module
+    from hooks.doctor.verdicts import rows_by_module
 
     return rows_by_module(trace)
 

@@ -1,4 +1,4 @@
-"""The rows of ``mdb diff``: each changed tensor of a :class:`hooks.diff.TraceDiff` as the
+"""The rows of ``mdb diff``: each changed tensor of a :class:`hooks.trace.diff.TraceDiff` as the
 strings the printed table and the diff screen show."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def _rel(x: float) -> str:
 
 def rows(diff) -> list[dict]:
     """The changed tensors as table rows, largest change first (see
-    :meth:`hooks.diff.TraceDiff.ranked`); the call and tensor names
+    :meth:`hooks.trace.diff.TraceDiff.ranked`); the call and tensor names
     :func:`hooks.text.printable`."""
     out = []
     for d in diff.ranked():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hooks.runs.store import RunStore
+from hooks.store.store import RunStore
 from tests.loop_models import TinyLM, batches, no_decay_groups
 
 pl = pytest.importorskip("lightning.pytorch")
@@ -61,7 +61,7 @@ def _fit(tmp_path, name, module):
 
 
 def test_a_lightning_run_is_one_mdb_run_with_no_finding(tmp_path, monkeypatch):
-    from hooks.runs import loop_checks
+    from hooks.doctor.loop import checks as loop_checks
 
     compared = []
     original = loop_checks.accumulation_findings

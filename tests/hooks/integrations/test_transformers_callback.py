@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hooks.runs.store import RunStore
+from hooks.store.store import RunStore
 from tests.families import hf_llama, ids
 
 transformers = pytest.importorskip("transformers")
@@ -46,7 +46,7 @@ def _train(tmp_path, name, model=None, optimizers=(None, None), **extra):
 
 
 def test_a_trainer_run_is_one_mdb_run_with_no_finding(tmp_path, monkeypatch):
-    from hooks.runs import loop_checks
+    from hooks.doctor.loop import checks as loop_checks
 
     compared = []
     original = loop_checks.accumulation_findings

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from hooks.runs.control import pending, request
-from hooks.runs.store import RunStore
+from hooks.store.control import pending, request
+from hooks.store.store import RunStore
 from tests.conftest import REPO, TINY_TOML, terminal_signals, wait_until
 from tests.conftest import wait_for as _wait
 from tests.processes import spawn_mdb
@@ -387,8 +387,8 @@ def test_detach_of_a_run_that_ends_at_once_says_how_it_ended(tmp_path, tiny):
 def test_a_stop_left_from_an_earlier_attempt_is_not_obeyed(tmp_path):
     """A request written before the trainer started (for the attempt before a resume) is
     marked done unread."""
-    from hooks.runs.control import ControlPoller, pending
-    from hooks.runs.store import RunStore
+    from hooks.store.control import ControlPoller, pending
+    from hooks.store.store import RunStore
 
     db = tmp_path / "r.sqlite"
     with RunStore(db, create=True) as store:

@@ -1,6 +1,6 @@
 """``mdb diff --dtype`` (:func:`tui.commands.diff_dtype.run_dtype`) on a model of the test's own
-whose RMSNorm squares in fp16 (tests/hooks/test_precision.py's ``NormNet``): printed, as JSON,
-and in the diff screen (Pilot) with the first divergent call on top."""
+whose RMSNorm squares in fp16 (tests/hooks/whatif/test_precision.py's ``NormNet``): printed, as
+JSON, and in the diff screen (Pilot) with the first divergent call on top."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 import pytest
 from textual.widgets import DataTable, Static
 
-from tests.hooks.test_precision import NormNet, _batch
+from tests.hooks.whatif.test_precision import NormNet, _batch
 from tui.commands.diff_dtype import run_dtype
 from tui.commands.options import add_model_arguments
 
@@ -63,7 +63,7 @@ def test_json_with_the_norm_in_fp32_says_nothing_diverged(capsys):
 
 
 async def test_the_screen_shows_the_first_divergent_call_on_top_and_its_row():
-    from hooks.precision import precision_diff
+    from hooks.whatif.precision import precision_diff
     from tui.commands.diff_dtype import make_precision_app
     from tui.screens.diff import CallPairScreen
     from tui.screens.precision_diff import PrecisionDiffScreen

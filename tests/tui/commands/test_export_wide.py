@@ -16,7 +16,7 @@ import math
 import sqlite3
 
 import hooks
-from hooks.runs.store import RunStore
+from hooks.store.store import RunStore
 from tui.cli import main
 
 METRICS = 2_500

@@ -11,7 +11,7 @@ import signal
 
 import pytest
 
-from hooks.runs.store import RunStore
+from hooks.store.store import RunStore
 from tests.conftest import wait_for
 from tests.processes import mdb_argv
 from tests.terminal import spawn_in_pty

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /
 def db(tmp_path_factory) -> Path:
     """Runs ``a`` … ``c`` of 3 steps and ``long``, of 6,000 steps (a CSV of ~150 kB: more than
     a pipe holds)."""
-    from hooks.runs.store import RunStore
+    from hooks.store.store import RunStore
 
     path = tmp_path_factory.mktemp("out") / "mdb.sqlite"
     with RunStore(path, create=True) as store:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hooks.runs.store import RunStore
+from hooks.store.store import RunStore
 from tests.conftest import TINY_TOML
 from tests.conftest import wait_for as _wait_for
 from tests.processes import error_line as _the_error_line
@@ -297,7 +297,7 @@ def test_checkpoint_that_cannot_be_written_is_one_error_line_and_exit_1(tmp_path
     and where a resume would start, exit 1, and no half-written directory is left."""
     from safetensors import SafetensorError
 
-    import hooks.runs.checkpoint as checkpoint
+    import hooks.train.checkpoint as checkpoint
 
     real = checkpoint._write_checkpoint_files
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from hooks.runs.overfit import OverfitOptions, default_overfit_text
-from hooks.runs.store import RunStore
+from hooks.store.store import RunStore
+from hooks.train.overfit import OverfitOptions, default_overfit_text
 from tests.conftest import REPO, terminal_signals, wait_for
 from tui.cli import main
 

@@ -12,8 +12,8 @@ import signal
 
 import pytest
 
-from hooks.runs.control import pending
-from hooks.runs.store import RunStore
+from hooks.store.control import pending
+from hooks.store.store import RunStore
 from tests.conftest import TINY_TOML
 from tests.conftest import wait_for as _wait
 from tests.processes import mdb_argv

@@ -275,7 +275,7 @@ def test_a_trace_file_that_never_ends_is_refused_at_once(command, what, kind, tr
 
 
 def test_a_trace_json_beyond_the_cap_is_refused_unread(trace_dir, tmp_path, capsys):
-    from hooks.trace import MAX_JSON_BYTES
+    from hooks.trace.trace import MAX_JSON_BYTES
 
     bad = _broken_trace(trace_dir, tmp_path, "trace.json", "sparse")
     assert _main(["summary", "--trace", str(bad)]) == 2

@@ -7,7 +7,7 @@ import time
 
 from rich.console import Console
 
-from hooks.runs.store import RunStore
+from hooks.store.store import RunStore
 from tui.commands.runs import run_record, table_lines
 
 LONG = ("RuntimeError: view size is not compatible with input tensor's size and stride (at "

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hooks.runs.control import pending
+from hooks.store.control import pending
 from tests.conftest import wait_for as _wait
 from tests.processes import mdb_env, run_mdb, run_row, spawn_mdb
 

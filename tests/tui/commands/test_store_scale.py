@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from hooks.runs.store import RunStore
+from hooks.store.store import RunStore
 from tui.cli import main
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from hooks.runs.store import RunStore
+from hooks.store.store import RunStore
 from tests.conftest import REPO, terminal_signals, wait_until
 from tests.conftest import wait_for as _wait
 from tui.cli import main

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hooks.runs.store import RunStore
+from hooks.store.store import RunStore
 from tests.conftest import REPO, TINY_TOML, drawn, wait_for, wait_until
 from tests.processes import one_error_line as _one_error_line
 from tui.cli import main
@@ -128,7 +128,7 @@ async def test_watch_reports_the_writer_gone_after_kill_9(tmp_path):
 
 
 async def test_watch_replays_a_finished_run(tmp_path):
-    from hooks.runs.overfit import OverfitOptions, OverfitSession
+    from hooks.train.overfit import OverfitOptions, OverfitSession
     from minillm import MiniLLMConfig
     from tui.commands.watch import open_run
     from tui.live_app import make_watch_app
@@ -154,8 +154,8 @@ async def test_watch_replays_a_finished_run(tmp_path):
 
 
 async def test_watch_c_opens_the_latest_stored_capture_in_the_step_view(tmp_path):
-    from hooks.runs.overfit import OverfitOptions, OverfitSession
-    from hooks.runs.trainer import load_trace
+    from hooks.train.overfit import OverfitOptions, OverfitSession
+    from hooks.train.trainer import load_trace
     from minillm import MiniLLMConfig
     from tui.commands.watch import open_run
     from tui.live_app import make_watch_app

@@ -1,3 +1,0 @@
-"""Imports every check module so that each registers itself in ``CHECKS``."""
-
-from hooks.checks import attention, basic, moe, numerics, training  # noqa: F401

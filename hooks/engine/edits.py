@@ -1,0 +1,457 @@
+"""Edits: one module call changed while the step runs ("what if this head, expert or layer were
+off; what if this activation came from another input").
+
+One grammar serves the API (``hooks.capture(model, edits=[...])``), the CLI (``mdb capture
+--edit``, ``mdb diff --edit``) and the step view's ``e``::
+
+    zero MODULE                  the module's output is replaced by zeros
+    zero MODULE head=H           attention head H's output is zeroed before the output
+                                 projection (its slice of o_proj's / c_proj's input; with GQA
+                                 H is a query head)
+    zero MODULE expert=E         expert E's contribution is zeroed: the router still picks it,
+                                 the other weights are not renormalised
+    drop MODULE expert=E         the router never picks E: its logit is -inf before top-k
+    scale MODULE by=F            the output times F
+    mean MODULE                  the output replaced by its mean over batch and positions
+                                 (every dimension but the last)
+    patch MODULE from=SOURCE     the output taken from the same model run on the batch SOURCE
+          [pos=P]                (activation patching); only at positions P (``3``, ``0,5``,
+                                 ``2:6``, ``-1``) of dimension 1 when given
+
+MODULE is a qualified module name (``model.layers.1.self_attn``) or an ``fnmatch`` pattern
+(``model.layers.*.mlp``: every match is edited). A module returning a tuple or a dict has its
+first floating-point tensor edited (a decoder layer's hidden states). Dimension legend: B
+batch, T positions, D hidden size, H query heads, Dh head dim, N tokens (B·T), E experts, k
+experts per token.
+
+:func:`resolve_edits` checks every edit against the model before anything runs (one-line
+``ValueError``: no module matches, a head or expert out of range, a module whose output cannot
+be edited); :class:`hooks.engine.edit_apply.Editor` applies them with forward hooks and forward
+pre-hooks and records what was applied (:class:`AppliedEdit`), with a note for an edit that
+changed nothing. References: activation patching as in Meng et al. 2022 (ROME, "causal
+tracing") and Heimersheim & Nanda 2024 ("How to use and interpret activation patching"); head
+ablation as in Michel et al. 2019 ("Are sixteen heads really better than one?").
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+# noqa: F401  (hooks.engine.edits' name too)
+from hooks.probes.attention import looks_like_attention
+from hooks.trace.applied_edit import AppliedEdit
+
+#: The edit operations, in the order the form offers them.
+OPS = ("zero", "drop", "scale", "mean", "patch")
+_KEYS = {"zero": {"head", "expert"}, "drop": {"expert"}, "scale": {"by"}, "mean": set(),
+         "patch": {"from", "pos"}}
+_REQUIRED = {"drop": ("expert",), "scale": ("by",), "patch": ("from",)}
+#: Child names of an attention module's output projection, tried in order.
+OUT_PROJ_NAMES = ("o_proj", "out_proj", "c_proj", "dense", "o", "wo", "proj")
+#: Attributes that hold an attention module's number of query heads (on it, then its config).
+HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+#: Child names of an MoE block's router, tried first.
+ROUTER_NAMES = ("gate", "router", "wg", "switch")
+
+
+@dataclass(frozen=True)
+class Edit:
+    """One parsed edit spec (see the module docstring for the grammar).
+
+    Attributes:
+        op: ``zero``, ``drop``, ``scale``, ``mean`` or ``patch``.
+        module: the module name or ``fnmatch`` pattern.
+        head: query head H (``zero ... head=H``).
+        expert: expert E (``zero``/``drop ... expert=E``).
+        by: the factor F of ``scale``.
+        source: the name of the batch a ``patch`` takes its output from.
+        pos: positions of a ``patch`` (the text after ``pos=``), None for all.
+    """
+
+    op: str
+    module: str
+    head: int | None = None
+    expert: int | None = None
+    by: float | None = None
+    source: str | None = None
+    pos: str | None = None
+
+    @classmethod
+    def parse(cls, spec: str) -> Edit:
+        """The :class:`Edit` that ``spec`` writes; see :func:`parse_edit`."""
+        return parse_edit(spec)
+
+    @property
+    def spec(self) -> str:
+        """The canonical spec text (``parse_edit(e.spec) == e``)."""
+        parts = [self.op, self.module]
+        if self.head is not None:
+            parts.append(f"head={self.head}")
+        if self.expert is not None:
+            parts.append(f"expert={self.expert}")
+        if self.by is not None:
+            short = f"{self.by:g}"
+            parts.append(f"by={short if float(short) == self.by else repr(self.by)}")
+        if self.source is not None:
+            parts.append(f"from={self.source}")
+        if self.pos is not None:
+            parts.append(f"pos={self.pos}")
+        return " ".join(parts)
+
+    def __str__(self) -> str:
+        return self.spec
+
+
+def _int(spec: str, key: str, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"edit {spec!r}: {key}={text!r} is not an integer") from None
+    if value < 0:
+        raise ValueError(f"edit {spec!r}: {key} must be >= 0, got {value}")
+    return value
+
+
+def parse_positions(text: str) -> list[int] | slice:
+    """Positions of ``pos=``: ``3``, ``0,5,7``, ``-1`` (a list) or ``2:6`` (a slice).
+
+    Raises:
+        ValueError: anything else (the caller adds the spec).
+    """
+    if ":" in text:
+        a, _, b = text.partition(":")
+        try:
+            return slice(int(a) if a else None, int(b) if b else None)
+        except ValueError:
+            raise ValueError(f"pos={text!r} is not START:STOP") from None
+    try:
+        out = [int(p) for p in text.split(",")]
+    except ValueError:
+        raise ValueError(f"pos={text!r}: give positions like 3, 0,5 or 2:6") from None
+    return out
+
+
+def parse_edit(spec: str | Edit) -> Edit:
+    """Parse one edit spec (an :class:`Edit` is checked as its spec string is).
+
+    Args:
+        spec: ``"OP MODULE [key=value ...]"``, e.g. ``"zero model.layers.1.self_attn head=3"``.
+
+    Returns:
+        Edit: the parsed edit (not yet checked against a model: :func:`resolve_edits`).
+
+    Raises:
+        ValueError: one line naming the spec and what is wrong (unknown op, missing module,
+            unknown or repeated key, a value that is not a number, ``head`` with ``expert``).
+    """
+    if isinstance(spec, Edit):  # checked like a spec string (an Edit can be built by hand)
+        return parse_edit(spec.spec)
+    if not isinstance(spec, str):
+        raise ValueError(f"an edit is a spec string or a hooks.engine.edits.Edit, got "
+                         f"{type(spec).__name__}")
+    words = spec.split()
+    if not words:
+        raise ValueError("empty edit spec: write OP MODULE [key=value], e.g. 'zero "
+                         "model.layers.1.mlp'")
+    op = words[0].lower()
+    if op not in OPS:
+        raise ValueError(f"edit {spec!r}: unknown operation {words[0]!r}; one of "
+                         f"{', '.join(OPS)}")
+    if len(words) < 2 or "=" in words[1]:
+        raise ValueError(f"edit {spec!r}: name the module after {op!r}, e.g. '{op} "
+                         "model.layers.1.mlp'")
+    kv: dict[str, str] = {}
+    for w in words[2:]:
+        key, eq, value = w.partition("=")
+        if not eq or not key or not value:
+            raise ValueError(f"edit {spec!r}: {w!r} is not key=value")
+        if key not in _KEYS[op]:
+            allowed = ", ".join(sorted(_KEYS[op])) or "none"
+            raise ValueError(f"edit {spec!r}: {op} takes no {key}= (its keys: {allowed})")
+        if key in kv:
+            raise ValueError(f"edit {spec!r}: {key}= given twice")
+        kv[key] = value
+    for key in _REQUIRED.get(op, ()):
+        if key not in kv:
+            raise ValueError(f"edit {spec!r}: {op} needs {key}=")
+    if "head" in kv and "expert" in kv:
+        raise ValueError(f"edit {spec!r}: give head= or expert=, not both")
+    by = None
+    if "by" in kv:
+        try:
+            by = float(kv["by"])
+        except ValueError:
+            raise ValueError(f"edit {spec!r}: by={kv['by']!r} is not a number") from None
+        if not math.isfinite(by):
+            raise ValueError(f"edit {spec!r}: by must be a finite number, got {kv['by']}")
+    if "pos" in kv:
+        try:
+            parse_positions(kv["pos"])
+        except ValueError as exc:
+            raise ValueError(f"edit {spec!r}: {exc}") from None
+    return Edit(op, words[1],
+                head=_int(spec, "head", kv["head"]) if "head" in kv else None,
+                expert=_int(spec, "expert", kv["expert"]) if "expert" in kv else None,
+                by=by, source=kv.get("from"), pos=kv.get("pos"))
+
+
+# -- what the model has -----------------------------------------------------------------------
+def _is_container(m: nn.Module) -> bool:
+    return type(m).forward is nn.Module.forward
+
+
+def in_features(proj: nn.Module) -> int | None:
+    """Input width of a projection: ``nn.Linear.in_features``, or a transformers ``Conv1D``'s
+    weight rows (its weight is (in, out)); None for anything else."""
+    if isinstance(proj, nn.Linear):
+        return proj.in_features
+    w = getattr(proj, "weight", None)
+    if type(proj).__name__ == "Conv1D" and w is not None and w.dim() == 2:
+        return int(w.shape[0])
+    return None
+
+
+def num_heads(m: nn.Module) -> int | None:
+    """H, the query heads of attention module ``m`` (its attribute or its config's)."""
+    for owner in (m, getattr(m, "config", None)):
+        for attr in HEAD_ATTRS:
+            v = getattr(owner, attr, None)
+            if isinstance(v, int) and v > 0:
+                return v
+    return None
+
+
+def out_projection(m: nn.Module) -> tuple[str, nn.Module, int, int] | str:
+    """``(child name, projection, H, Dh)`` of attention module ``m``'s output projection, whose
+    input is the heads' outputs concatenated, (..., H·Dh); else why not (one phrase)."""
+    if isinstance(m, nn.MultiheadAttention):
+        return ("nn.MultiheadAttention applies out_proj inside one function "
+                "(F.multi_head_attention_forward): no per-head input to edit")
+    if not looks_like_attention(m):
+        return f"a {type(m).__name__} is not an attention module mdb recognises"
+    h = num_heads(m)
+    if h is None:
+        return f"its number of heads is not known (none of {', '.join(HEAD_ATTRS)})"
+    for name in OUT_PROJ_NAMES:
+        proj = getattr(m, name, None)
+        if isinstance(proj, nn.Module) and proj in m.children():
+            n = in_features(proj)
+            if n is None:
+                continue
+            if n % h:
+                return f"{name}'s input width {n} is not a multiple of its {h} heads"
+            return name, proj, h, n // h
+    return (f"no output projection found (a Linear or Conv1D child named "
+            f"{', '.join(OUT_PROJ_NAMES[:3])}…)")
+
+
+def num_experts(block: nn.Module, experts: nn.Module) -> int | None:
+    """E of an MoE block: its experts list's length, ``num_experts``, or a fused weight's first
+    dimension."""
+    if isinstance(experts, (nn.ModuleList, nn.Sequential)):
+        return len(experts)
+    for owner in (experts, block, getattr(block, "gate", None), getattr(block, "config", None)):
+        for attr in ("num_experts", "num_local_experts", "n_routed_experts"):
+            v = getattr(owner, attr, None)
+            if isinstance(v, int) and v > 0:
+                return v
+    for p in experts.parameters(recurse=False):
+        if p.dim() == 3:
+            return int(p.shape[0])
+    return None
+
+
+def moe_of(name: str, m: nn.Module, by_name: dict[str, nn.Module]
+           ) -> tuple[str, nn.Module, nn.Module] | None:
+    """``(block name, block, experts)`` when ``m`` is an MoE block (a module with an
+    ``experts`` child, as :mod:`hooks.probes.routing` finds them) or that block's experts."""
+    experts = getattr(m, "experts", None)
+    if isinstance(experts, nn.Module) and experts in m.children():
+        return name, m, experts
+    parent_name = name.rpartition(".")[0]
+    parent = by_name.get(parent_name)
+    if parent is not None and getattr(parent, "experts", None) is m:
+        return parent_name, parent, m
+    return None
+
+
+def router_of(block: nn.Module, experts: nn.Module, e: int) -> tuple[str, nn.Module] | None:
+    """The block's router: a child other than the experts named like one
+    (:data:`ROUTER_NAMES`) or whose weight has E rows (``nn.Linear(D, E)``, HF's TopKRouter)."""
+    kids = [(n, c) for n, c in block.named_children() if c is not experts]
+    kids.sort(key=lambda nc: (nc[0] not in ROUTER_NAMES,))
+    for n, c in kids:
+        w = getattr(c, "weight", None)
+        if getattr(w, "dim", None) and w.dim() == 2 and int(w.shape[0]) == e:
+            return n, c
+    return None
+
+
+# -- resolving edits against a model ----------------------------------------------------------
+@dataclass
+class Target:
+    """One edit bound to one module of the model (a pattern gives one per match).
+
+    Attributes:
+        edit: the edit.
+        name: the qualified name of the module the edit names.
+        kind: how it is applied: ``output`` (the module's output), ``head`` (a pre-hook on
+            the output projection), ``expert_list`` (a forward hook on expert E of an
+            ``nn.ModuleList``), ``expert_fused`` (a pre-hook on fused experts called with
+            (hidden, ids, weights)), ``router`` (a forward hook on the router).
+        module: the module the hook goes on.
+        hooked: its qualified name.
+        size: H (heads) or E (experts), where it applies.
+        head_dim: Dh for ``head``.
+        router_owner: the MoE block, for ``router``.
+    """
+
+    edit: Edit
+    name: str
+    kind: str
+    module: nn.Module
+    hooked: str
+    size: int | None = None
+    head_dim: int | None = None
+    router_owner: nn.Module | None = None
+
+
+def _match(edit: Edit, modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    pat = edit.module
+    exact = [(n, m) for n, m in modules if n == pat]
+    if exact:
+        return exact
+    if any(c in pat for c in "*?["):
+        found = [(n, m) for n, m in modules if n and fnmatch.fnmatchcase(n, pat)]
+        if found:
+            return found
+    names = [n for n, _ in modules if n]
+    close = difflib.get_close_matches(pat, names, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    raise ValueError(f"edit {edit.spec!r}: no module matches {pat!r}{hint}")
+
+
+def _target(edit: Edit, name: str, m: nn.Module, by_name: dict[str, nn.Module]) -> Target:
+    where = f"edit {edit.spec!r}: {name}"
+    if name == "":
+        raise ValueError(f"edit {edit.spec!r}: the model itself cannot be edited (its output is "
+                         "what the loss reads); name a submodule")
+    if edit.expert is not None:  # an MoE block, or its experts (a list of modules too)
+        return _expert_target(edit, name, m, by_name, where)
+    if _is_container(m):
+        raise ValueError(f"{where} is a {type(m).__name__}, a container that is never called; "
+                         "name one of its modules")
+    if edit.head is not None:
+        got = out_projection(m)
+        if isinstance(got, str):
+            raise ValueError(f"{where}: head= needs an attention module: {got}")
+        pname, proj, h, dh = got
+        if edit.head >= h:
+            raise ValueError(f"{where} has {h} heads (0…{h - 1}); head={edit.head} is out of "
+                             "range")
+        return Target(edit, name, "head", proj, f"{name}.{pname}", size=h, head_dim=dh)
+    return Target(edit, name, "output", m, name)
+
+
+def _expert_target(edit: Edit, name: str, m: nn.Module, by_name: dict[str, nn.Module],
+                   where: str) -> Target:
+    moe = moe_of(name, m, by_name)
+    if moe is None:
+        raise ValueError(f"{where}: expert= needs an MoE block (a module with an experts "
+                         f"child) or its experts; a {type(m).__name__} has none")
+    bname, block, experts = moe
+    e = num_experts(block, experts)
+    if e is None:
+        raise ValueError(f"{where}: the number of experts of {bname} is not known")
+    if edit.expert >= e:
+        raise ValueError(f"{where} has {e} experts (0…{e - 1}); expert={edit.expert} is out of "
+                         "range")
+    ename = f"{bname}.experts"
+    if edit.op == "drop":
+        r = router_of(block, experts, e)
+        if r is None:
+            raise ValueError(f"{where}: no router found in {bname} (a child named gate/router "
+                             f"with a weight of {e} rows)")
+        return Target(edit, name, "router", r[1], f"{bname}.{r[0]}", size=e, router_owner=block)
+    if isinstance(experts, (nn.ModuleList, nn.Sequential)):
+        exp = experts[edit.expert]
+        return Target(edit, name, "expert_list", exp, f"{ename}.{edit.expert}", size=e)
+    if _is_container(experts):
+        raise ValueError(f"{where}: its experts are a {type(experts).__name__} that is never "
+                         "called, with no expert list to edit")
+    return Target(edit, name, "expert_fused", experts, ename, size=e)
+
+
+def resolve_edits(model: nn.Module, edits: list[str | Edit],
+                  sources: dict[str, Any] | None = None) -> list[Target]:
+    """Parse ``edits`` and bind each to the modules of ``model`` it names, checking everything
+    that can be checked before the model runs.
+
+    Args:
+        model: the model (a torch.compile wrapper is looked through).
+        edits: spec strings or :class:`Edit` objects.
+        sources: batches by name for ``patch ... from=NAME``.
+
+    Returns:
+        list[Target]: one per (edit, matched module), in the order given.
+
+    Raises:
+        ValueError: one line: a bad spec, no module matches, the model itself or a container
+            named, ``head=`` on a module that is not a recognised attention module or out of
+            range, ``expert=`` on a module without experts or out of range, ``drop`` where no
+            router is found, ``patch`` from a source that was not given.
+    """
+    from hooks.engine.compile import unwrap_compiled
+    from hooks.tensors.walk import named_modules
+
+    parsed = [parse_edit(e) for e in edits]
+    modules = named_modules(unwrap_compiled(model))
+    by_name = dict(modules)
+    out: list[Target] = []
+    for edit in parsed:
+        if edit.op == "patch" and edit.source not in (sources or {}):
+            given = ", ".join(sorted(sources or {})) or "none"
+            raise ValueError(f"edit {edit.spec!r}: no source batch named {edit.source!r} "
+                             f"(sources given: {given})")
+        for name, m in _match(edit, modules):
+            out.append(_target(edit, name, m, by_name))
+    return out
+
+
+def edit_options(model: nn.Module, module: str) -> list[str]:
+    """The edit specs that fit ``module`` of ``model`` (templates for the step view's form):
+    ``zero``, ``zero … head=0`` on an attention module, ``zero``/``drop … expert=0`` on an MoE
+    block or its experts, ``scale … by=0.5``, ``mean``, ``patch … from=rolled`` (the batch's
+    rows rolled by one).
+
+    Returns:
+        list[str]: specs, empty when the module cannot be edited (the model itself, a
+        container, a name not in the model).
+    """
+    from hooks.engine.compile import unwrap_compiled
+    from hooks.tensors.walk import named_modules
+
+    modules = named_modules(unwrap_compiled(model))
+    by_name = dict(modules)
+    m = by_name.get(module)
+    if not module or m is None:
+        return []
+    moe = [f"zero {module} expert=0", f"drop {module} expert=0"] \
+        if moe_of(module, m, by_name) is not None else []
+    if _is_container(m):  # never called: only an MoE block's expert list has edits
+        return moe
+    out = [f"zero {module}"]
+    if not isinstance(out_projection(m), str):
+        out.append(f"zero {module} head=0")
+    out += moe + [f"scale {module} by=0.5", f"mean {module}", f"patch {module} from=rolled"]
+    return out
+
+
+__all__ = ["OPS", "AppliedEdit", "Edit", "Target", "edit_options", "parse_edit", "parse_positions",
+           "resolve_edits"]
