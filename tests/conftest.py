@@ -24,6 +24,13 @@ def _seed_and_threads():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _model_key_file(tmp_path_factory, monkeypatch):
+    """This test's own key for signing ``--model`` runs (``MDB_KEY_FILE``, inherited by the
+    ``mdb`` processes it starts), never the user's ``~/.config/mdb/key``."""
+    monkeypatch.setenv("MDB_KEY_FILE", str(tmp_path_factory.mktemp("mdbkey") / "key"))
+
+
 @pytest.fixture
 def one_thread():
     """Run the test with one torch thread (restored after). Small models are overhead-bound and

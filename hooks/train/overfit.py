@@ -58,9 +58,9 @@ from hooks.train.overfit_options import (
     ModelOverfitOptions,
     OverfitOptions,
     default_overfit_text,
-    model_file_sha256,
     nproc_resume_error,
     resume_model_refusal,
+    sign_model,
 )
 from hooks.train.overfit_options import resolve_model_spec as resolve_model_spec
 from hooks.train.trainer import (
@@ -825,7 +825,7 @@ class ModelOverfitSession(RunSession):
             hooks.store.store.RunStoreError: Bad name or the name exists.
         """
         options.validate()
-        options.model_sha256 = model_file_sha256(options.model_path)  # before it is imported
+        sign_model(options)  # before it is imported
         session = cls(options, None, None, build)  # type: ignore[arg-type]
         session._register(store, name)
         return session
@@ -837,17 +837,19 @@ class ModelOverfitSession(RunSession):
         the checkpoint, load it (model, optimizer, RNG); a run without a checkpoint starts
         again from step 0 (:attr:`restarted`).
 
-        The factory imported is ``model`` when given (the user named it again), else the
-        stored ``model_path``, only if that file still has the sha256 stored when the run was
-        made (:func:`hooks.train.overfit_options.resume_model_refusal`): importing a file runs
-        its code, and the database may come from elsewhere.
+        The factory imported is ``model`` when given (the user named it again: it is signed
+        anew), else the stored ``model_path``, only if its stored reference carries this
+        user's signature and every file importing it runs still has its stored sha256
+        (:func:`hooks.train.overfit_options.resume_model_refusal`): importing a file runs its
+        code, and the database may come from elsewhere.
 
         Raises:
             hooks.store.store.RunStoreError: No such run, its writer is alive, no checkpoint,
                 it already reached its step target, or it was a job of ``mdb overfit --nproc``
                 (:func:`hooks.train.overfit_options.nproc_resume_error`).
-            ValueError: The stored model file is not to be imported (no sha256 stored, changed
-                or gone: one line saying to pass ``--model``), the checkpoint is missing, or
+            ValueError: The stored model file is not to be imported (not signed by this user,
+                changed or gone: one line saying to pass ``--model``), this user's key cannot
+                be kept, the checkpoint is missing, or
                 the factory's model no longer matches it (one line naming the first tensor
                 that differs).
         """
@@ -858,7 +860,7 @@ class ModelOverfitSession(RunSession):
                 refused = resume_model_refusal(name, options)
                 if refused is not None:
                     raise ValueError(refused)
-            options.model_sha256 = model_file_sha256(options.model_path)
+            sign_model(options)
 
         return _resume(store, name, ModelOverfitOptions, steps, lambda options, step, ckpt: cls(
             options, store, None, build, start_step=step, checkpoint=ckpt), prepare)

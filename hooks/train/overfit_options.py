@@ -196,9 +196,16 @@ class ModelOverfitOptions(_StoredOptions):
         model_path: The same with a file's path made absolute — what a resume imports, from
             any directory, when the file is unchanged (:attr:`model_sha256`).
         model_sha256: The sha256 of the file ``model_path`` imports, taken when the run was
-            made (:func:`model_file_sha256`); ``""`` when it could not be read. A resume
-            imports the file again only when it still has this hash, or when the user names it
-            on the command line (:func:`resume_model_refusal`).
+            made (:func:`model_file_sha256`); ``""`` when it could not be read.
+        model_files: ``[[path, sha256], ...]`` of every file importing ``model_path`` runs
+            (for a module name, its packages' ``__init__.py`` first, then its file), taken when
+            the run was made or its model named again
+            (:func:`hooks.train.model_trust.model_files_sha256`).
+        model_mac: This user's HMAC of ``model_path`` and ``model_files``
+            (:func:`hooks.train.model_trust.model_mac`). A resume imports the stored model
+            only when it verifies with this user's key and the files still have these
+            hashes, or when the user names it on the command line
+            (:func:`resume_model_refusal`).
         steps: Total steps.
         lr: AdamW learning rate (constant).
         weight_decay: AdamW weight decay.
@@ -211,6 +218,8 @@ class ModelOverfitOptions(_StoredOptions):
     model: str
     model_path: str = ""
     model_sha256: str = ""
+    model_files: list[Any] = field(default_factory=list)
+    model_mac: str = ""
     steps: int = 300
     lr: float = 3e-3
     weight_decay: float = 0.01
@@ -279,25 +288,51 @@ def model_file_sha256(spec: str) -> str:
     return digest.hexdigest()
 
 
+def sign_model(options: ModelOverfitOptions) -> None:
+    """Record in ``options`` what importing ``options.model_path`` runs, as it is now, signed
+    with this user's key (``model_sha256``, ``model_files``, ``model_mac``): done before the
+    file is imported, when a run is made or its model named again.
+
+    Raises:
+        hooks.train.model_trust.ModelKeyError: This user's key cannot be created or read.
+    """
+    from hooks.train.model_trust import model_files_sha256, model_key, model_mac
+
+    key = model_key()
+    options.model_files = model_files_sha256(options.model_path)
+    options.model_sha256 = options.model_files[-1][1] if options.model_files else ""
+    options.model_mac = model_mac(options.model_path, options.model_files, key)
+
+
 def resume_model_refusal(name: str, options: ModelOverfitOptions) -> str | None:
-    """Why a resume of run ``name`` must not import the model file its stored config names,
-    or ``None`` when it may: the file's sha256 is the one stored when the run was made.
-    Importing a file runs its code, and a database may come from elsewhere: a run made before
-    mdb stored the hash, a file changed since, or one that is gone needs the user to name the
-    file again (``--model FILE:function``)."""
+    """Why a resume of run ``name`` must not import the model its stored config names, or
+    ``None`` when it may: the stored reference and file hashes carry this user's signature
+    (:mod:`hooks.train.model_trust`: proof that mdb stored them here, not that a database
+    from elsewhere names a file it knows the hash of), and every file importing it runs still
+    has its stored hash. Nothing is imported to decide.
+
+    Raises:
+        hooks.train.model_trust.ModelKeyError: This user's key cannot be created or read.
+    """
+    from hooks.train.model_trust import mac_verifies, model_files_sha256, model_key
+
     spec = options.model_path or options.model
     again = f"to import it as it is now, name it again: --resume {name} --model {spec}"
-    if not options.model_sha256:
+    if not options.model_mac:
         return (f"run {name!r} imports its model from {spec}, and the database holds no "
-                f"sha256 of that file (a run made by an older mdb, or a database from "
-                f"elsewhere); importing a file runs its code: {again}")
-    now = model_file_sha256(spec)
+                "signature of it by this user (a run made by an older mdb, or a database "
+                f"from elsewhere); importing a file runs its code: {again}")
+    if not mac_verifies(spec, options.model_files, options.model_mac, model_key()):
+        return (f"run {name!r} imports its model from {spec}, and its signature is not this "
+                "user's (a database from elsewhere, or a changed one): mdb imports only a "
+                f"model named here; importing a file runs its code: {again}")
+    now = model_files_sha256(spec)
     if not now:
-        return (f"run {name!r} imports its model from {spec}, which is no longer there; name "
-                "the file to import: --model FILE:function")
-    if now != options.model_sha256:
-        return (f"the model file of run {name!r}, {spec}, changed since the run was made (its "
-                f"sha256 is not the one stored with the run); {again}")
+        return (f"run {name!r} imports its model from {spec}, which is no longer there (or "
+                "cannot be read); name the file to import: --model FILE:function")
+    if now != options.model_files:
+        return (f"the model file of run {name!r}, {spec}, changed since the run was made (the "
+                f"sha256 of a file importing it runs is not the one stored); {again}")
     return None
 
 

@@ -35,7 +35,8 @@ RUN_STYLES: tuple[tuple[str, str], ...] = (
 MAX_RUNS = len(RUN_STYLES)
 #: Config keys that are not settings to compare (the run's own bookkeeping, long text).
 _SKIP_KEYS = {"text", "metrics", "loss_metrics", "moe", "top_k", "workload", "model_config",
-              "resolved_model_config", "model_state", "batch", "loss_source", "model_path"}
+              "resolved_model_config", "model_state", "batch", "loss_source", "model_path",
+              "model_sha256", "model_files", "model_mac"}
 
 
 def minillm_config_of(run: Any) -> tuple[Any, str]:
