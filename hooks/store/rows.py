@@ -56,7 +56,7 @@ FIXED_METRICS = (
     "steps_per_s",
 )
 
-_RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,99}$")
+_RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=+-]{0,99}")
 
 
 class RunNotFoundError(RunStoreError):
@@ -84,7 +84,7 @@ def validate_run_name(name: str) -> str:
     digit (it names a checkpoint directory, so no slashes or spaces; ``=`` and ``+`` let
     ``mdb ablate`` name a run after its variant, ``abl-attention=mha+ffn=dense``).
     """
-    if not isinstance(name, str) or not _RUN_NAME_RE.match(name):
+    if not isinstance(name, str) or not _RUN_NAME_RE.fullmatch(name):
         shown = repr(name)
         if len(shown) > 120:  # a name of 10,000 characters is not repeated in full
             n = len(name) if isinstance(name, str) else len(shown)
