@@ -403,3 +403,43 @@ def load_checkpoint(
     if rng is not None:
         torch.set_rng_state(rng)
     return meta
+
+
+def checkpoint_shapes(path: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` of a checkpoint's model tensors, read from the safetensors header only
+    (no tensor is loaded).
+
+    Raises:
+        FileNotFoundError, ValueError: No readable checkpoint at ``path``.
+    """
+    from safetensors import safe_open
+
+    meta = read_checkpoint_meta(path)
+    file = Path(meta["_dir"]) / "model.safetensors"
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as exc:  # SafetensorError, OSError: a truncated or missing file
+        raise ValueError(f"checkpoint {file.parent} is unreadable: {exc}") from exc
+
+
+def shapes_mismatch(stored: Mapping[str, tuple[int, ...]], model: nn.Module) -> str | None:
+    """The first name or shape in which ``model`` (which may be on the ``meta`` device: only
+    names and shapes are read) differs from a checkpoint's ``stored`` shapes
+    (:func:`checkpoint_shapes`), with how many differ; ``None`` when none does. A name the file
+    lacks is fine when it is a tied weight stored under another of its names."""
+    state = model.state_dict(keep_vars=True)  # a tied weight: one object, several names
+    names: dict[int, list[str]] = {}
+    for n, t in state.items():
+        names.setdefault(id(t), []).append(n)
+    problems = [f"the model has {n} {tuple(t.shape)}, the checkpoint does not"
+                for n, t in state.items()
+                if not any(twin in stored for twin in names[id(t)])]
+    problems += [f"{n} is {tuple(t.shape)} in the model, {stored[n]} in the checkpoint"
+                 for n, t in state.items() if n in stored and tuple(t.shape) != stored[n]]
+    problems += [f"the checkpoint has {n}, the model does not" for n in stored
+                 if n not in state]
+    if not problems:
+        return None
+    more = f" ({len(problems)} tensors differ)" if len(problems) > 1 else ""
+    return problems[0] + more

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -49,8 +50,10 @@ from hooks.store.store import (
 from hooks.train.checkpoint import (
     checkpoint_mismatch,
     load_checkpoint,
+    checkpoint_shapes,
     read_checkpoint_meta,
     save_checkpoint,
+    shapes_mismatch,
 )
 from hooks.train.overfit_options import (
     DEFAULT_TEXT_PATH,
@@ -477,6 +480,8 @@ class OverfitSession(RunSession):
                     f"evaluation window of {length}; use a longer text or a larger --held-out")
         #: ``{"ce@N": value}`` logged after the last step (empty until then)
         self.eval_results: dict[str, float] = {}
+        if checkpoint is not None:  # a stored config is data: it fits the file, or no model
+            _config_fits_checkpoint(self.config, checkpoint)
         self.model = minillm.MiniLLM(self.config)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=options.lr, weight_decay=options.weight_decay
@@ -692,6 +697,28 @@ def _resume(store: RunStore, name: str, options_cls: Any, steps: int | None,
     session.writer, session.name, session.restarted = writer, name, ckpt is None
     writer.update_config(session.run_config())
     return session
+
+
+def _config_fits_checkpoint(config: Any, checkpoint: str | os.PathLike[str]) -> None:
+    """Refuse a stored minillm ``config`` whose model would not be the checkpoint's, before
+    that model is built (a database could ask for 100,000 layers): its layer count against the
+    checkpoint's ``layers.N`` names, then every tensor's name and shape against the file's
+    header, on a model built on the ``meta`` device (no memory).
+
+    Raises:
+        ValueError: One line naming the first difference.
+    """
+    import minillm
+
+    stored = checkpoint_shapes(checkpoint)
+    layers = {m.group(1) for k in stored if (m := re.search(r"(?:^|\.)layers\.(\d+)\.", k))}
+    if config.num_hidden_layers != len(layers):
+        raise ValueError(f"its stored config has num_hidden_layers = "
+                         f"{config.num_hidden_layers}, its checkpoint {len(layers)} layers")
+    with torch.device("meta"):
+        mismatch = shapes_mismatch(stored, minillm.MiniLLM(config))
+    if mismatch is not None:
+        raise ValueError(f"its stored config does not build its checkpoint's model: {mismatch}")
 
 
 def _resumable_checkpoint(store: RunStore, run: Any) -> tuple[Path | None, int]:
