@@ -49,8 +49,8 @@ from hooks.store.store import (
 )
 from hooks.train.checkpoint import (
     checkpoint_mismatch,
-    load_checkpoint,
     checkpoint_shapes,
+    load_checkpoint,
     read_checkpoint_meta,
     save_checkpoint,
     shapes_mismatch,
