@@ -115,8 +115,7 @@ def save_checkpoint(
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    _remove(tmp)
     tmp.mkdir(parents=True)
     try:
         _write_checkpoint_files(tmp, model, optimizer, step, extra)
@@ -125,14 +124,23 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # a disk-full write leaves nothing behind
         raise
     old = path.with_name(path.name + ".old")
-    if old.exists():
-        shutil.rmtree(old)
+    _remove(old)
+    if path.is_symlink():  # a link planted in the run's folder: removed, never followed
+        path.unlink()
     if path.exists():
         os.replace(path, old)
     os.replace(tmp, path)
-    if old.exists():
-        shutil.rmtree(old, ignore_errors=True)
+    _remove(old, ignore_errors=True)
     return path
+
+
+def _remove(path: Path, ignore_errors: bool = False) -> None:
+    """Remove the checkpoint folder (or a leftover) at ``path``: a symbolic link is unlinked,
+    never followed (a link planted in the store must not make mdb delete what it points to)."""
+    if path.is_symlink():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path, ignore_errors=ignore_errors)
 
 
 def _write_checkpoint_files(
