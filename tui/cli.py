@@ -148,7 +148,10 @@ def main(argv: list[str] | None = None) -> int:
                     raise
                 return 0  # rich's console ended the command on the closed pipe (exit 1)
     except MdbError as exc:
-        print_error(exc)
+        try:
+            print_error(exc)
+        except OSError:  # stderr cannot be written either (2>/dev/full): the code still says it
+            pass
         return exc.exit_code
     except KeyboardInterrupt:
         print("mdb: interrupted", file=sys.stderr)

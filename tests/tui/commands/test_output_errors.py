@@ -132,3 +132,13 @@ def test_an_error_of_another_file_is_not_called_an_output_error(tmp_path, capsys
     assert main(["runs", "--db", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot write output" not in err
+
+
+def test_bad_input_with_stderr_on_a_full_disk_still_exits_2(tmp_path):
+    """The one line cannot be written either (``2>/dev/full``): the exit code still says bad
+    input (it was 1, from the traceback of the failed print)."""
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "tui.cli", "runs", "--db",
+                               str(tmp_path / "none.sqlite")], env=mdb_env(),
+                              stdin=subprocess.DEVNULL, stdout=full, stderr=full, timeout=120)
+    assert proc.returncode == 2
