@@ -80,12 +80,35 @@ def _checker(hint: Any) -> typing.Callable[[Any], bool]:
     return lambda v: True
 
 
+def digits(value: int) -> int:
+    """How many decimal digits ``abs(value)`` has, without ``str`` (refused past 4,300 digits)
+    or ``float`` (which overflows past 308)."""
+    n = max(int(abs(value).bit_length() * 0.30102999566398120), 1)  # log10(2): n or n - 1
+    return n + 1 if abs(value) >= 10**n else n
+
+
+@functools.cache
+def dtype_names() -> frozenset[str]:
+    """The names a capture writes for a tensor's dtype: ``str(dtype)`` less ``torch.``
+    (``float32``, ``bfloat16``, ``int64``, ``bool``), for every dtype this torch has."""
+    import torch
+
+    return frozenset(str(d).removeprefix("torch.") for d in vars(torch).values()
+                     if isinstance(d, torch.dtype))
+
+
 def _check_number(name: str, value: Any, where: str) -> None:
     if isinstance(value, bool):
         return
+    if isinstance(value, str):
+        if name == "dtype" and value not in dtype_names():
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:39] + "…"
+            raise _error(where, f"is {shown}, not the name of a torch dtype (float32, int64…)")
+        return
     if isinstance(value, int):
         if abs(value) > MAX_INT:
-            raise _error(where, f"is {value:.3e}, larger than a trace holds")
+            raise _error(where, f"is an integer of {digits(value)} digits, larger than a "
+                                "trace holds")
         if name in _NON_NEGATIVE and value < 0:
             raise _error(where, f"is {value}, where a count or an index is never negative")
         if name == "depth" and value > MAX_DEPTH:
