@@ -95,3 +95,15 @@ async def test_watch_replays_a_run_whose_reason_is_not_utf8(recorded, tmp_path):
         assert app.live.state == "failed"
         await pilot.press("q")
     store.close()
+
+
+def test_doctor_run_shows_a_finding_kind_as_written(recorded, tmp_path, capsys):
+    """A kind of Rich markup and an ESC (review item 4): shown escaped, as it is, not read as
+    markup (``[bold]`` was dropped) nor written raw."""
+    db = _bad_db(recorded, tmp_path, (
+        "INSERT INTO findings (run_id, id, kind, step, subject, line, detail, wall) SELECT id,"
+        " 1, '[bold]acc' || char(27) || '[2J', '[red]3', 'subj', 'line', NULL, 0 FROM runs"))
+    assert main_rc(["doctor", "--run", "r1", "--db", str(db)]) == 1
+    out = capsys.readouterr().out
+    assert "\x1b" not in out
+    assert "[bold]acc\\x1b[2J" in out and "[red]3" in out, out

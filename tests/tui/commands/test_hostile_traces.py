@@ -6,7 +6,6 @@ thousands of digits, ``meta`` fields of the wrong type are one ``mdb: error:`` l
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import sqlite3
 from pathlib import Path
