@@ -119,3 +119,58 @@ def test_digits_counts_exactly():
         assert digits(10 ** (n - 1)) == n and digits(10**n - 1) == n
         assert digits(-(10 ** (n - 1))) == n
     assert digits(0) == 1
+
+
+META_EDITS = [
+    pytest.param(_setter("meta", "description", 5),
+                 "trace.meta['description'] is 5, not of the type str | None", id="description"),
+    pytest.param(_setter("meta", "tokens", {"a": 1}),
+                 "trace.meta['tokens'] is {'a': 1}, not of the type list[str] | None",
+                 id="tokens-object"),
+    pytest.param(_setter("meta", "tokens", ["a", 2]), "trace.meta['tokens'] is ['a', 2]",
+                 id="token-number"),
+    pytest.param(_setter("meta", "config", {"router_aux_loss_coef": "x"}),
+                 "trace.meta['config']['router_aux_loss_coef'] is 'x', not of the type float",
+                 id="coef-text"),
+    pytest.param(_setter("meta", "config", [1, 2]),
+                 "trace.meta['config'] is [1, 2], not of the type dict[str, Any] | None",
+                 id="config-list"),
+    pytest.param(_setter("meta", "input_shape", "1x8"), "trace.meta['input_shape'] is '1x8'",
+                 id="input-shape-text"),
+]
+
+
+@pytest.mark.parametrize("argv", [["summary", "--trace"], ["step", "--trace"],
+                                  ["diff", "--table", "{good}"]],
+                         ids=["summary", "step", "diff"])
+@pytest.mark.parametrize("edit, said", META_EDITS)
+def test_a_trace_meta_of_the_wrong_type_is_one_line(trace_dir, tmp_path, capsys, edit, said,
+                                                    argv):
+    bad = _trace_with(trace_dir, tmp_path, edit)
+    argv = [a.format(good=trace_dir) for a in argv]
+    assert main_rc([*argv, str(bad)]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith("mdb: error: ") and f"malformed trace: {said}" in line, line
+
+
+@pytest.mark.parametrize("edit, said", META_EDITS[:3])
+def test_a_stored_capture_meta_of_the_wrong_type_is_one_line(captured, tmp_path, capsys,
+                                                             edit, said):
+    db = _db_with(captured, tmp_path, edit)
+    assert main_rc(["summary", "--run", "r1@2", "--db", str(db)]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith("mdb: error: --run r1@2: ") and said in line, line
+
+
+def test_a_loss_that_is_not_a_number_is_shown_as_text():
+    """``meta["loss"]`` is the caller's to set (``hooks.capture(meta=...)``): the edit diff's
+    loss line shows a list as text (it raised TypeError in ``f"{la:.6g}"``)."""
+    from types import SimpleNamespace
+
+    from tui.screens.edit_diff import loss_change_line
+
+    a, b = SimpleNamespace(meta={"loss": [1.5]}), SimpleNamespace(meta={"loss": 2.0})
+    assert loss_change_line(a, b) == "loss [1.5] → 2.0"
+    a.meta["loss"] = "x\x1b[2J"
+    assert loss_change_line(a, b) == "loss x\\x1b[2J → 2.0"
+    assert loss_change_line(SimpleNamespace(meta={"loss": 5.5}), b) == "loss 5.5 → 2 (Δ -3.5)"
