@@ -174,3 +174,13 @@ def test_a_loss_that_is_not_a_number_is_shown_as_text():
     a.meta["loss"] = "x\x1b[2J"
     assert loss_change_line(a, b) == "loss x\\x1b[2J → 2.0"
     assert loss_change_line(SimpleNamespace(meta={"loss": 5.5}), b) == "loss 5.5 → 2 (Δ -3.5)"
+
+
+def test_a_trace_without_its_tensors_file_names_it(trace_dir, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    shutil.copytree(trace_dir, bad)
+    (bad / "tensors.safetensors").unlink()
+    assert main_rc(["summary", "--trace", str(bad)]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"mdb: error: --trace {bad}: {bad / 'tensors.safetensors'} is "
+                           "missing: ") and "KeyError" not in line, line
