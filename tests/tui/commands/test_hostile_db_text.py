@@ -107,3 +107,13 @@ def test_doctor_run_shows_a_finding_kind_as_written(recorded, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "\x1b" not in out
     assert "[bold]acc\\x1b[2J" in out and "[red]3" in out, out
+
+
+def test_runs_cuts_a_long_name_in_the_middle_json_keeps_it(recorded, tmp_path, capsys):
+    name = "head" + "x" * 4992 + "tail"
+    db = _bad_db(recorded, tmp_path, f"UPDATE runs SET name = '{name}' WHERE name = 'r1'")
+    assert main_rc(["runs", "--db", str(db)]) == 0  # piped: no width, the name still cut
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("head")]
+    assert row.split()[0] == "head" + "x" * 26 + "…" + "x" * 25 + "tail", row
+    assert main_rc(["runs", "--json", "--db", str(db)]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[0])["name"] == name
