@@ -88,6 +88,7 @@ from hooks.store.store import (
 from hooks.store.values import (
     checked_counts,
     checked_every,
+    checked_metric_name,
     checked_step,
     config_checked,
     expert_load_table,
@@ -433,7 +434,9 @@ class Run(RunControls, RunProcess):
 
         Raises:
             TypeError: A value that is not a number, or a ``step`` that is not an integer.
-            ValueError: A tensor with more than one element, or a step before the last one.
+            ValueError: A tensor with more than one element or on the meta device, a step
+                before the last one, or a metric name that is empty or holds a lone surrogate
+                (UTF-8 cannot encode it).
             RuntimeError: The run is finished.
         """
         load = None
@@ -447,7 +450,7 @@ class Run(RunControls, RunProcess):
         values: dict[str, float] = {}
         bad = None
         for key, value in scalars.items():
-            x = to_float(key, value)
+            x = to_float(checked_metric_name(key), value)
             values[key] = x
             if bad is None and not math.isfinite(x):
                 bad = key

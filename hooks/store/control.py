@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from hooks.store.sqlite_open import decode_text
 from hooks.text import printable
 
 __all__ = ["COMMANDS", "POLL_INTERVAL", "ControlPoller", "RunControls", "pending", "progress",
@@ -55,6 +56,7 @@ def _ensure_table(conn: sqlite3.Connection) -> None:
 def _connect(path: str | Path) -> sqlite3.Connection:
     conn = sqlite3.connect(str(path), timeout=_BUSY_MS / 1000, isolation_level=None,
                            check_same_thread=False)
+    conn.text_factory = decode_text  # a command written elsewhere may hold any bytes
     conn.execute(f"PRAGMA busy_timeout = {_BUSY_MS}")
     return conn
 

@@ -35,6 +35,7 @@ __all__ = [
     "RunStoreError",
     "Transaction",
     "damaged_error",
+    "decode_text",
     "find_damage",
     "is_malformed",
     "not_a_store",
@@ -329,6 +330,17 @@ def damaged_error(path: Path, problem: str) -> DamagedDatabaseError:
 # ---------------------------------------------------------------------------------------------
 
 
+def decode_text(data: bytes) -> str:
+    """A TEXT value as ``str``: UTF-8, each byte that is not valid UTF-8 read as U+FFFD.
+
+    A database written elsewhere may hold any bytes in a TEXT column (``CAST(X'FF' AS
+    TEXT)``); SQLite's default decoding raises ``OperationalError`` for them in every read of
+    the row. Replaced rather than kept as surrogates, the text can always be encoded again
+    (printed, written as JSON, bound to a query), and a run name so read fails the name check.
+    """
+    return data.decode("utf-8", errors="replace")
+
+
 def _uri_path(path: Path) -> str:
     # Percent-encode the characters that are special in an SQLite URI.
     s = str(path.resolve())
@@ -347,6 +359,7 @@ def _sqlite_connect(uri: str, path: Path, wait: float) -> sqlite3.Connection:
     except sqlite3.Error as exc:
         raise RunStoreError(f"cannot open the run database {path}: {exc}") from exc
     conn.row_factory = sqlite3.Row
+    conn.text_factory = decode_text
     return conn
 
 

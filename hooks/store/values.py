@@ -14,11 +14,33 @@ import operator
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["checked_bytes", "checked_counts", "checked_every", "checked_step", "config_checked",
-           "expert_load_table", "to_float"]
+__all__ = ["checked_bytes", "checked_counts", "checked_every", "checked_metric_name",
+           "checked_step", "config_checked", "expert_load_table", "to_float"]
 
 #: Steps are SQLite INTEGERs: the largest step (and ``every``) the store can hold.
 MAX_STEP = 2**63 - 1
+
+
+def checked_metric_name(name: str) -> str:
+    """A metric name ``run.log`` may store: any non-empty text that UTF-8 can encode.
+
+    A control character is kept (every view shows it escaped, ``\\x1b``); a lone surrogate
+    (``"bad\\ud800"``) cannot be written to the database, and the background writer would
+    fail on it after the call returned, losing the steps not yet written: it is refused here.
+
+    Raises:
+        ValueError: An empty name, or one holding a lone surrogate; the message shows it
+            escaped.
+    """
+    if not name:
+        raise ValueError("run.log(...): a metric name is empty (run.log(**{'': x})); name it")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"run.log({name!r}=...): the metric name holds a lone surrogate "
+                         f"({name[exc.start]!r} at {exc.start}), which UTF-8 cannot encode"
+                         ) from None
+    return name
 
 
 def to_float(name: str, value: Any) -> float:
@@ -27,7 +49,8 @@ def to_float(name: str, value: Any) -> float:
     Raises:
         TypeError: Text, a complex number (a complex tensor), or another object that is not a
             number; the message names the metric.
-        ValueError: A tensor of more than one element, an integer beyond float64's range.
+        ValueError: A tensor of more than one element or on the meta device, an integer beyond
+            float64's range.
     """
     if type(value) is float:
         return value
@@ -45,6 +68,9 @@ def to_float(name: str, value: Any) -> float:
     if isinstance(value, (str, bytes)):
         raise TypeError(f"run.log({name}=...): expected a number or a one-element tensor, "
                         f"got {type(value).__name__}")
+    if getattr(value, "is_meta", False) is True:  # a torch tensor on the meta device
+        raise ValueError(f"run.log({name}=...): the tensor is on the meta device, which holds "
+                         "shapes but no values: log a tensor computed on a real device")
     item = getattr(value, "item", None)
     if callable(item):
         try:

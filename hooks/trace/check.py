@@ -80,12 +80,35 @@ def _checker(hint: Any) -> typing.Callable[[Any], bool]:
     return lambda v: True
 
 
+def digits(value: int) -> int:
+    """How many decimal digits ``abs(value)`` has, without ``str`` (refused past 4,300 digits)
+    or ``float`` (which overflows past 308)."""
+    n = max(int(abs(value).bit_length() * 0.30102999566398120), 1)  # log10(2): n or n - 1
+    return n + 1 if abs(value) >= 10**n else n
+
+
+@functools.cache
+def dtype_names() -> frozenset[str]:
+    """The names a capture writes for a tensor's dtype: ``str(dtype)`` less ``torch.``
+    (``float32``, ``bfloat16``, ``int64``, ``bool``), for every dtype this torch has."""
+    import torch
+
+    return frozenset(str(d).removeprefix("torch.") for d in vars(torch).values()
+                     if isinstance(d, torch.dtype))
+
+
 def _check_number(name: str, value: Any, where: str) -> None:
     if isinstance(value, bool):
         return
+    if isinstance(value, str):
+        if name == "dtype" and value not in dtype_names():
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:39] + "…"
+            raise _error(where, f"is {shown}, not the name of a torch dtype (float32, int64…)")
+        return
     if isinstance(value, int):
         if abs(value) > MAX_INT:
-            raise _error(where, f"is {value:.3e}, larger than a trace holds")
+            raise _error(where, f"is an integer of {digits(value)} digits, larger than a "
+                                "trace holds")
         if name in _NON_NEGATIVE and value < 0:
             raise _error(where, f"is {value}, where a count or an index is never negative")
         if name == "depth" and value > MAX_DEPTH:
@@ -168,12 +191,45 @@ def _check_attention(i: int, a: Any) -> None:
                             f"shape {list(p.shape)}")
 
 
+#: The ``meta`` fields whose type the views rely on, and the type a capture (``mdb capture``,
+#: ``hooks.run``, a what-if rerun) writes each as. The others (a loss, the values logged, a
+#: caller's own keys) may hold any JSON: the views show what is not a number as text.
+META_TYPES: dict[str, Any] = {
+    "description": str | None,
+    "tokens": list[str] | None,
+    "input_shape": list[int] | None,
+    "config": dict[str, Any] | None,
+}
+#: The ``meta["config"]`` fields the views read (HF config names), and their types.
+META_CONFIG_TYPES: dict[str, Any] = {
+    "router_aux_loss_coef": float | None,
+    "num_experts_per_tok": int | None,
+    "num_local_experts": int | None,
+}
+
+
+def _check_meta(meta: dict[str, Any]) -> None:
+    """Each field of :data:`META_TYPES` that ``meta`` holds of its type, and the config's
+    fields of :data:`META_CONFIG_TYPES` (other fields: any JSON)."""
+    fields = [(f"trace.meta[{k!r}]", meta[k], hint) for k, hint in META_TYPES.items()
+              if k in meta]
+    config = meta.get("config") or {}
+    fields += [(f"trace.meta['config'][{k!r}]", config[k], hint)
+               for k, hint in META_CONFIG_TYPES.items() if k in config]
+    for where, value, hint in fields:
+        if not _checker(hint)(value):
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:39] + "…"
+            raise _error(where, f"is {shown}, not of the type {_words(hint)}")
+
+
 def check_trace(trace: Any) -> None:
     """Check a :class:`hooks.Trace` rebuilt from untrusted data: every field of every record
     of its declared type (a module name is text, a shape a list of sizes, a statistic a
     number), integers within int64, counts and indices not negative, a module depth of at
     most :data:`MAX_DEPTH`, timings finite, routing and attention tensors of consistent
-    shapes, and each parent or forward index naming a recorded call.
+    shapes, each parent or forward index naming a recorded call, and the ``meta`` fields the
+    views read of the types a capture writes (:data:`META_TYPES`: a description is text,
+    tokens a list of text, the config an object whose ``router_aux_loss_coef`` is a number).
 
     Raises:
         hooks.trace.trace.TraceFormatError: one line naming the first field that is wrong.
@@ -193,3 +249,4 @@ def check_trace(trace: Any) -> None:
         _check_attention(i, a)
     if not isinstance(trace.meta, dict):
         raise _error("trace.meta", "is not an object")
+    _check_meta(trace.meta)

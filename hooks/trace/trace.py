@@ -307,7 +307,8 @@ class Trace:
             FileNotFoundError: nothing at ``path``.
             TraceFormatError: not a trace, or a schema version this code cannot read; a
                 trace.json or tensors file that is not a regular file (a FIFO, a device such
-                as ``/dev/zero``), or a trace.json larger than :data:`MAX_JSON_BYTES`.
+                as ``/dev/zero``), or a trace.json larger than :data:`MAX_JSON_BYTES`; a
+                missing tensors file that the trace.json names tensors of.
             OSError: a file cannot be read.
         """
         from safetensors.torch import load_file
@@ -330,6 +331,10 @@ class Trace:
         tpath = d / TENSORS_NAME
         if tpath.exists():
             _read_capped(tpath, 0)  # a regular file, not a FIFO that would block the read
+        elif any(data.get(k) for k in ("tensor_keys", "routing", "attention")):
+            raise TraceFormatError(f"{tpath} is missing: {jpath} names tensors it holds (kept "
+                                   "tensors, routing or attention); copy the trace's whole "
+                                   "folder")
         try:
             tensors = load_file(str(tpath)) if tpath.exists() else {}
         except Exception as exc:  # safetensors raises its own error types for corrupt files

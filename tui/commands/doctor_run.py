@@ -56,11 +56,14 @@ def build_table(run, findings, width: int | None):
     table.add_column("finding · evidence", ratio=1 if wrap else None, no_wrap=not wrap)
     for f in findings:
         sev = severity(f)
-        cell = Text(printable(f.line))
+        cell = Text(printable(str(f.line)))
         evidence = (f.detail or {}).get("evidence")
         if evidence:
             cell.append(("\n" if wrap else " · ") + printable(str(evidence)), style="dim")
-        table.add_row("—" if f.step is None else str(f.step), f.kind,
+        # every cell a Text: a kind or step written elsewhere is shown as is, never read as
+        # Rich markup (``[bold]``) nor written raw (an ESC)
+        table.add_row(Text("—" if f.step is None else printable(str(f.step))),
+                      Text(printable(str(f.kind))),
                       Text(sev.upper(), style="bold red" if sev == "error" else "yellow"),
                       Text(printable(str(f.subject))), cell)
     return table

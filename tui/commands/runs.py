@@ -260,6 +260,11 @@ def _cut(text: str, width: int | None) -> str:
     return text[: max(1, width - 1)] + "…"
 
 
+#: The widest a run name is shown in the table, also piped: a longer one is cut in the middle
+#: (``--json`` keeps it whole). Names mdb makes are at most 100 characters; this one may come
+#: from a database written elsewhere.
+NAME_CELL = 60
+
 #: Status words and their colours.
 _COLORS = {"running": "green", "paused": "yellow", "finished": "cyan", "interrupted": "yellow",
            "failed": "red", "gone": "red", "damaged": "red"}
@@ -269,10 +274,13 @@ def table_lines(runs, records: list[dict], now: float, width: int | None,
                 db: str | None = None) -> list:
     """The table as Rich ``Text`` lines, laid out for ``width`` columns (``None``: nothing cut).
 
-    Columns: name, status (one word), steps, last loss, age, updated, and the metrics when
-    they fit; under a run, indented, its :func:`detail_lines`, each cut to the width.
+    Columns: name (cut in the middle past :data:`NAME_CELL` cells), status (one word), steps,
+    last loss, age, updated, and the metrics when they fit; under a run, indented, its
+    :func:`detail_lines`, each cut to the width.
     """
     from rich.text import Text
+
+    from tui.widgets.fmt import middle
 
     rows = []
     for r, d in zip(runs, records, strict=True):
@@ -289,7 +297,7 @@ def table_lines(runs, records: list[dict], now: float, width: int | None,
             age = ago = "?"
         else:
             age, ago = format_age(now - r.started), format_age(now - updated) + " ago"
-        rows.append([display_name(r.name), status, steps, loss, age, ago])
+        rows.append([middle(display_name(r.name), NAME_CELL), status, steps, loss, age, ago])
     heads = ["name", "status", "steps", "last loss", "age", "updated"]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(heads)]
     if width is not None:  # a very long name gives way first

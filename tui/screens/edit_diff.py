@@ -23,8 +23,8 @@ def loss_change_line(a, b) -> str:
     la, lb = (a.meta or {}).get("loss"), (b.meta or {}).get("loss")
     if la is None or lb is None:
         return "loss: not recorded on both sides"
-    if isinstance(la, str) or isinstance(lb, str):
-        return f"loss {la} → {lb}"
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (la, lb)):
+        return printable(f"loss {la} → {lb}")  # "nan", or a caller's own meta["loss"]
     return f"loss {la:.6g} → {lb:.6g} (Δ {lb - la:+.3g})"
 
 

@@ -146,16 +146,18 @@ def io_table(call, width: int | None = None) -> Text:
     paths = [printable(t.path.removeprefix("kwargs.")) for _, t in rows]
     shapes = [fmt.dims(t.shape) for _, t in rows]
     shape_w = max(max(cell_len(x) for x in shapes), 5)
-    dtype_w = max(cell_len(t.dtype) for _, t in rows)
+    dtypes = [printable(t.dtype) for _, t in rows]
+    dtype_w = max(cell_len(d) for d in dtypes)
     path_w = min(max(cell_len(p) for p in paths), 26)
     if width is not None:
         path_w = max(min(path_w, width - 4 - 1 - shape_w - 1 - dtype_w), 8)
-    for i, ((kind, t), path, shape) in enumerate(zip(rows, paths, shapes, strict=True)):
+    for i, ((kind, _), path, shape, dtype) in enumerate(zip(rows, paths, shapes, dtypes,
+                                                             strict=True)):
         if i:
             out.append("\n")
         out.append(_pad(kind, 4), style="dim")
         out.append(_pad(fmt.middle(path, path_w), path_w) + " " + _pad(shape, shape_w) + " ")
-        out.append(t.dtype, style="dim")
+        out.append(dtype, style="dim")
     return out
 
 
