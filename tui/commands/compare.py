@@ -124,7 +124,8 @@ def print_table(views: Sequence, db, file=None) -> None:
                   show_edge=False, pad_edge=False)
     table.add_column("", no_wrap=True)
     for v, label in zip(views, labels, strict=True):
-        table.add_column(f"{v.marker} {label}", justify="right", style=v.style if tty else "")
+        table.add_column(Text(f"{v.marker} {label}"), justify="right",  # never markup
+                         style=v.style if tty else "")
     for r in compare_rows(views):
         table.add_row(*(Text(c) for c in (r.label, *r.cells)))  # never markup
     console.print(table)

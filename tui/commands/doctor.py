@@ -94,11 +94,11 @@ def build_table(results, title: str = "", width: int | None = NARROW):
 
     narrow = width is not None and width < NARROW
     if narrow:
-        table = Table(title=title or None, title_justify="left", header_style="bold",
-                      box=box.SIMPLE_HEAD, show_lines=True, show_edge=False, pad_edge=False)
+        table = Table(title=Text(printable(title)) if title else None, title_justify="left",
+                      header_style="bold", box=box.SIMPLE_HEAD, show_lines=True, show_edge=False, pad_edge=False)
     else:
-        table = Table(title=title or None, title_justify="left", header_style="bold",
-                      show_lines=width is not None, expand=False)
+        table = Table(title=Text(printable(title)) if title else None, title_justify="left",
+                      header_style="bold", show_lines=width is not None, expand=False)
     wrap = width is not None
     table.add_column("#", justify="right", no_wrap=True)
     table.add_column("check", no_wrap=True)
@@ -117,9 +117,9 @@ def build_table(results, title: str = "", width: int | None = NARROW):
             if r.hint:
                 ev.append("\nhint: ", style="dim bold")
                 ev.append_text(hint)
-            table.add_row(str(r.id), r.key, status_text(r.status), ev)
+            table.add_row(str(r.id), Text(r.key), status_text(r.status), ev)
         else:
-            table.add_row(str(r.id), r.name, status_text(r.status), ev, hint)
+            table.add_row(str(r.id), Text(r.name), status_text(r.status), ev, hint)
     return table
 
 

@@ -113,9 +113,9 @@ def fitted_tables(lead: list[tuple[str, str]], heads: list[str], rows: list[tupl
     for group in groups:
         table = Table(show_edge=False, pad_edge=False)
         for head, justify in lead:
-            table.add_column(head, justify=justify, no_wrap=True)
+            table.add_column(Text(head), justify=justify, no_wrap=True)
         for j in group:
-            table.add_column(heads[j], no_wrap=True)
+            table.add_column(Text(heads[j]), no_wrap=True)  # a token's text: never markup
         for a, b in rows:
             table.add_row(*(Text(c) for c in [*a, *(b[j] for j in group)]))
         tables.append(table)

@@ -31,6 +31,7 @@ import sys
 import time
 from typing import Any
 
+from hooks.text import printable
 from tui.commands.options import nonneg_int, positive_float, positive_int, seed_int
 from tui.commands.overfit_detach import default_run_name
 from tui.commands.overfit_detach import open_store as open_run_store
@@ -426,6 +427,7 @@ class _Reporter:
                 MofNCompleteColumn(table_column=Column(no_wrap=True, min_width=9)),
                 TextColumn(
                     "{task.fields[stats]}",
+                    markup=False,  # the sample is the model's text: never markup
                     table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis"),
                 ),
                 expand=True,
@@ -476,7 +478,7 @@ class _Reporter:
         self.say_spikes(m.step)
         values = metric_values(m, self.session.metric_names)
         if report.sample is not None:
-            self.sample = report.sample[0] + "|" + report.sample[1]
+            self.sample = printable(report.sample[0] + "|" + report.sample[1])
         losses = "  ".join(f"{name} {_fmt(values.get(name))}"
                            for name in self.session.headline_metrics)
         stats = (

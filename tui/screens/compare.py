@@ -367,7 +367,7 @@ class CompareScreen(MdbScreen):
                                    if metric else ([], [], [], []))
             series.append(Series(label, xs, ys, style=view.style, marker=view.marker,
                                  lows=lows, highs=highs))  # each bucket's min-max range
-        what = names.pop() if len(names) == 1 else "loss"
+        what = printable(names.pop()) if len(names) == 1 else "loss"  # a metric's name
         chart.plot(series, title=f"{what} ({'log' if self.log_scale else 'linear'})",
                    log=self.log_scale)
 

@@ -331,7 +331,7 @@ def why_lines(views: Sequence[RunView], labels: Sequence[str]) -> list[str]:
     out = []
     for v, label in zip(views, labels, strict=True):
         if v.arch is None and v.info is not None:
-            out.append(f"{v.marker} {label}: — {v.arch_why}")
+            out.append(printable(f"{v.marker} {label}: — {v.arch_why}"))
     return out
 
 

@@ -172,7 +172,7 @@ class DoctorScreen(MdbScreen):
         evidence = printable(str(r.get("evidence", "")))
         short = evidence if len(evidence) <= 90 else evidence[:89] + "…"
         name = printable(str(r.get("name", r.get("key", ""))))
-        table.add_row(str(r.get("id", i + 1)), Text(name),
+        table.add_row(Text(printable(str(r.get("id", i + 1)))), Text(name),
                       Text(printable(str(status)), style=STATUS_STYLE.get(status, "")),
                       Text(short), key=str(i))
 

@@ -56,8 +56,9 @@ def result_head(row: dict[str, Any], styles: dict[str, str], sep: str = "\n") ->
     """A check's title and status, evidence, hint and module, parts joined by ``sep`` (the
     doctor view's detail line uses one newline, the evidence screen a blank line)."""
     text = Text()
-    text.append(f"{row.get('id', '')} {row.get('name', row.get('key', ''))} · ", style="bold")
-    text.append(row["status"], style=styles.get(row["status"], ""))
+    text.append(printable(f"{row.get('id', '')} {row.get('name', row.get('key', ''))}") + " · ",
+                style="bold")
+    text.append(printable(str(row["status"])), style=styles.get(row["status"], ""))
     text.append(sep + printable(str(row.get('evidence', ''))))  # may name a module: escaped
     if row.get("hint"):
         text.append(f"{sep}hint: ", style="bold")
