@@ -93,12 +93,13 @@ def build_table(results, title: str = "", width: int | None = NARROW):
     from rich.text import Text
 
     narrow = width is not None and width < NARROW
+    heading = Text(printable(title)) if title else None
     if narrow:
-        table = Table(title=Text(printable(title)) if title else None, title_justify="left",
-                      header_style="bold", box=box.SIMPLE_HEAD, show_lines=True, show_edge=False, pad_edge=False)
+        table = Table(title=heading, title_justify="left", header_style="bold",
+                      box=box.SIMPLE_HEAD, show_lines=True, show_edge=False, pad_edge=False)
     else:
-        table = Table(title=Text(printable(title)) if title else None, title_justify="left",
-                      header_style="bold", show_lines=width is not None, expand=False)
+        table = Table(title=heading, title_justify="left", header_style="bold",
+                      show_lines=width is not None, expand=False)
     wrap = width is not None
     table.add_column("#", justify="right", no_wrap=True)
     table.add_column("check", no_wrap=True)
