@@ -56,10 +56,36 @@ def _writer_child(db: Path, name: str) -> subprocess.Popen:
     return proc
 
 
-def _age_heartbeat(db: Path, name: str, seconds: float = 100.0) -> None:
+def _age_heartbeat(db: Path, name: str, seconds: float = 100.0, timeout: float = 5.0) -> None:
     """What a writer silent for ``seconds`` looks like (no need to wait 15 s)."""
-    with sqlite3.connect(db) as conn:
-        conn.execute("UPDATE runs SET heartbeat = ? WHERE name = ?", (time.time() - seconds, name))
+    conn = sqlite3.connect(db, timeout=timeout)
+    try:
+        with conn:
+            conn.execute("UPDATE runs SET heartbeat = ? WHERE name = ?",
+                         (time.time() - seconds, name))
+    finally:
+        conn.close()
+
+
+def _stop_outside_a_write(pid: int, db: Path, name: str) -> None:
+    """SIGSTOP the trainer ``pid`` at a moment it holds no write lock on ``db`` (a process
+    stopped inside its write transaction would keep every other writer out), then age its
+    heartbeat (:func:`_age_heartbeat`). Stopped inside one: let it go on, and stop it again."""
+
+    def stopped_and_aged() -> bool:
+        os.kill(pid, signal.SIGSTOP)
+        _wait(lambda: _proc_state(pid) == "T", 10, "the trainer to be stopped")
+        try:
+            _age_heartbeat(db, name, timeout=0.0)
+            return True
+        except sqlite3.OperationalError as exc:  # "database is locked": inside its write
+            if "locked" not in str(exc):
+                raise
+            os.kill(pid, signal.SIGCONT)
+            _wait(lambda: _proc_state(pid) != "T", 10, "the trainer to go on")
+            return False
+
+    _wait(stopped_and_aged, 120, "the trainer stopped outside a write")
 
 
 @pytest.mark.skipif(not LINUX, reason="process start times are read from /proc")
@@ -206,9 +232,7 @@ def test_a_sigstopped_trainer_is_not_resumed_beside_and_finishes_alone(tmp_path)
     try:
         _wait(lambda: (r := run_row(db, "s")) and r.checkpoint_step not in (None, 0), 180,
               "a periodic checkpoint")
-        os.kill(pid, signal.SIGSTOP)
-        _wait(lambda: _proc_state(pid) == "T", 10, "the trainer to be stopped")
-        _age_heartbeat(db, "s")  # stalled past the 15 s of the heartbeat rule
+        _stop_outside_a_write(pid, db, "s")  # stalled past the 15 s of the heartbeat rule
         with RunStore(db) as store:
             assert store.run("s").writer_state() == "running"
         again = run_mdb(["overfit", "--resume", "s", "--db", str(db), "--detach"], cwd=tmp_path,
