@@ -22,18 +22,16 @@ MAX_STEP = 2**63 - 1
 
 
 def checked_metric_name(name: str) -> str:
-    """A metric name ``run.log`` may store: any non-empty text that UTF-8 can encode.
+    """A metric name ``run.log`` may store: any text that UTF-8 can encode.
 
-    A control character is kept (every view shows it escaped, ``\\x1b``); a lone surrogate
+    An empty name is kept (it reads back everywhere, shown as an empty header); a control
+    character is kept (every view shows it escaped, ``\\x1b``); a lone surrogate
     (``"bad\\ud800"``) cannot be written to the database, and the background writer would
     fail on it after the call returned, losing the steps not yet written: it is refused here.
 
     Raises:
-        ValueError: An empty name, or one holding a lone surrogate; the message shows it
-            escaped.
+        ValueError: A name holding a lone surrogate; the message shows it escaped.
     """
-    if not name:
-        raise ValueError("run.log(...): a metric name is empty (run.log(**{'': x})); name it")
     try:
         name.encode("utf-8")
     except UnicodeEncodeError as exc:
