@@ -406,6 +406,12 @@ class RankLink:
                     self._root_drain_local()
         finally:
             self.stats["thread_cpu_s"] = time.thread_time() - c0
+            # the link's own gloo group, released by the thread that used it, while the
+            # interpreter is whole: left to the interpreter's exit (destroy_process_group
+            # does not know it), gloo's threads can abort the process (SIGABRT, "terminate
+            # called without an active exception"; pytorch PR 179291 describes the same)
+            pg, self._pg = self._pg, None
+            del pg
             self._done.set()
 
     def _broken(self, why: str) -> None:
