@@ -40,7 +40,7 @@ from typing import Any
 
 from hooks.text import printable
 from tui.commands.options import nonneg_int, positive_float, positive_int, seed_int
-from tui.commands.process import is_terminal
+from tui.commands.process import has_screen
 from tui.errors import MdbError
 
 HELP = ("a controlled-variable experiment in one command: one run per --vary variant "
@@ -565,7 +565,7 @@ def run(args: argparse.Namespace) -> int:
         RunStore(plan.db, create=True).close()
     except RunStoreError as exc:
         raise MdbError(str(exc)) from None
-    headless = args.headless or not (is_terminal(sys.stdin) and is_terminal(sys.stdout))
+    headless = args.headless or not has_screen()
     out = sys.stdout
 
     def say(line: str) -> None:

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from hooks.text import printable
-from tui.commands.process import is_terminal
+from tui.commands.process import has_screen
 from tui.errors import MdbError
 
 #: Reads the run store only: ``mdb`` does not import torch for it (a capture opened from
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         for n in names:
             if n not in known:
                 store.run(n)  # raises with the names the store has
-        if args.json or args.table or not (is_terminal(sys.stdin) and is_terminal(sys.stdout)):
+        if args.json or args.table or not has_screen():
             views = read_views(store, names)
             if args.json:
                 print(json.dumps(table_document(views), allow_nan=False, default=str))

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from tui.commands.diff_table import print_table
 from tui.commands.options import check_path, nonneg_int
-from tui.commands.process import is_terminal
+from tui.commands.process import has_screen
 from tui.errors import MdbError
 
 HELP = ("compare two captured steps (trace directories or RUN@STEP), call by call; --edit: "
@@ -143,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         doc = {"a": args.a, "b": args.b, "no_differences": diff.is_zero(), **diff.to_dict()}
         print(json.dumps(_strict(doc), allow_nan=False, default=str))
         return 0
-    if args.table or not (is_terminal(sys.stdin) and is_terminal(sys.stdout)):
+    if args.table or not has_screen():
         print_table(diff, args.a, args.b, args.limit)
         return 0
     from tui.app import make_diff_app

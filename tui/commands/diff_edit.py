@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from hooks.text import printable
-from tui.commands.process import is_terminal
+from tui.commands.process import has_screen
 
 
 def edited_pair(workload, edits: list[str], sources: dict):
@@ -68,7 +67,7 @@ def run_edit(args: argparse.Namespace) -> int:
                "no_differences": diff.is_zero(), **diff.to_dict()}
         print(json.dumps(doc, allow_nan=False, default=str))
         return 0
-    if args.table or not (is_terminal(sys.stdin) and is_terminal(sys.stdout)):
+    if args.table or not has_screen():
         print(printable(loss_change_line(a, b)))
         for line in edit_lines(b):
             print(printable(line))  # it names the module

@@ -35,7 +35,7 @@ from hooks.text import printable
 from tui.commands.options import nonneg_int, positive_float, positive_int, seed_int
 from tui.commands.overfit_detach import default_run_name
 from tui.commands.overfit_detach import open_store as open_run_store
-from tui.commands.process import is_terminal
+from tui.commands.process import has_screen, is_terminal
 from tui.errors import MdbError, ModelError, error_line, print_error
 from tui.run_end import EXIT_FAILED, end_of_run
 
@@ -706,7 +706,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.detach:
         return overfit_detach.run_detached(args)
-    if not args.headless and is_terminal(sys.stdin) and is_terminal(sys.stdout):
+    if not args.headless and has_screen():
         return overfit_detach.run_viewer(args)  # the trainer in a process of its own
 
     control = TrainControl()

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from hooks.text import printable
-from tui.commands.process import is_terminal
+from tui.commands.process import has_screen
 from tui.errors import MdbError, print_error
 
 #: Seconds the launcher waits for rank 0 to create the run.
@@ -210,7 +210,7 @@ def run_ddp(args, options, store_path: Path, name: str) -> int:
         store = RunStore(store_path)
         try:
             info = _wait_for_run(store, name, job, what)
-            live = not args.headless and is_terminal(sys.stdin) and is_terminal(sys.stdout)
+            live = not args.headless and has_screen()
             if live:
                 from tui.live_app import make_watch_app
 

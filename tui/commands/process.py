@@ -23,6 +23,19 @@ def is_terminal(stream) -> bool:
         return False
 
 
+#: Set (to ``1``) in the environment of a command that ``mdb serve`` runs for a browser tab
+#: (:mod:`tui.serve.server`): it draws through Textual's web driver, on no terminal.
+SERVED_ENV = "MDB_SERVED"
+
+
+def has_screen() -> bool:
+    """Whether a command can open its Textual screen: stdin and stdout are a terminal, or the
+    command runs for a browser tab of ``mdb serve`` (:data:`SERVED_ENV`)."""
+    if os.environ.get(SERVED_ENV) == "1":
+        return True
+    return is_terminal(sys.stdin) and is_terminal(sys.stdout)
+
+
 def require_terminal(command: str, instead: str) -> None:
     """Raise :class:`MdbError` unless stdin and stdout are a terminal (a Textual app needs one;
     without it the app would draw into a pipe and wait for keys that never come). stderr may
@@ -32,7 +45,7 @@ def require_terminal(command: str, instead: str) -> None:
         command: the command, e.g. ``"mdb step"``.
         instead: what to run without a terminal, e.g. ``"mdb summary"``.
     """
-    if not (is_terminal(sys.stdin) and is_terminal(sys.stdout)):
+    if not has_screen():
         raise MdbError(f"{command} needs a terminal (without one, use {instead})")
 
 
