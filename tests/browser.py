@@ -116,14 +116,15 @@ class Tab:
         self.page.wait_for_timeout(0)  # lets Playwright deliver the frames received so far
         return "" if self.screen is None else "\n".join(self.screen.display)
 
-    def wait_text(self, pattern: str, timeout: float = 180.0) -> re.Match:
-        """Wait until the screen matches the regular expression ``pattern``; its match."""
+    def wait_text(self, pattern: str, timeout: float = 180.0, poll_ms: int = 50) -> re.Match:
+        """Wait until the screen matches the regular expression ``pattern``; its match
+        (the screen is read every ``poll_ms`` milliseconds)."""
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
             m = re.search(pattern, self.text())
             if m:
                 return m
-            self.page.wait_for_timeout(50)
+            self.page.wait_for_timeout(poll_ms)
         raise AssertionError(f"the page never showed {pattern!r}; it shows:\n{self.text()}")
 
     def press(self, key: str) -> None:

@@ -26,7 +26,7 @@ _REPO_PATH = re.compile(r"(?<![\w./-])((?:samples|tests|docs|benchmarks|hooks|tu
 
 #: The guides in docs/ the README links to (issue 21: the README ≤ 400 lines, the rest there).
 GUIDES = ["own-loop", "loop-doctor", "torchrun", "doctor", "compare", "models", "runs",
-          "step-view", "measured", "gaps", "what-if"]
+          "step-view", "measured", "gaps", "what-if", "serve"]
 
 #: The README and its guides.
 MARKDOWN = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -162,10 +162,24 @@ def test_the_command_lines_of_the_examples_are_mdb_s_own(doc):
             except SystemExit:
                 pytest.fail(f"{doc.name}: {line}: {err.getvalue().strip()}")
         assert args.command == argv[1]
+        argv = _unserved(argv)
         known = _subcommands()[argv[1]]._option_string_actions  # whole names, no abbreviation
         for word in argv[2:]:
             if word.startswith("--"):
                 assert word.split("=", 1)[0] in known, f"{doc.name}: {line}: no {word}"
+
+
+def _unserved(words: list[str]) -> list[str]:
+    """``mdb serve [--port P] [--host H] [--public-url U] COMMAND ARGS…`` read as the command
+    it serves (``mdb COMMAND ARGS…``), whose options are then checked; other lines as they are."""
+    if len(words) < 3 or words[1] != "serve":
+        return words
+    rest = words[2:]
+    while rest and rest[0] in ("--port", "--host", "--public-url"):
+        rest = rest[2:]
+    if not rest or rest[0].startswith("-") or rest[0] == "COMMAND":  # the placeholder
+        return words
+    return ["mdb", *rest]
 
 
 @pytest.mark.parametrize("doc", MARKDOWN, ids=lambda p: str(p.relative_to(REPO)))
@@ -181,6 +195,10 @@ def test_the_mdb_commands_named_in_the_text_exist(doc):
             assert words[1] in {"--help", "--version"}, span
             continue
         assert words[1] in subcommands, f"{doc.name}: `{span}`: no subcommand {words[1]}"
+        words = _unserved(words)
+        assert words[1] in subcommands, f"{doc.name}: `{span}`: no subcommand {words[1]}"
+        if words[1] == "serve":
+            continue
         known = subcommands[words[1]]._option_string_actions
         for word in words[2:]:
             option = word.strip("[]").split("=", 1)[0]

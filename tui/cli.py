@@ -12,7 +12,7 @@ import importlib
 import sys
 
 from tui import __version__
-from tui.errors import MdbError, clip, print_error
+from tui.errors import MdbError, OneLineParser, print_error
 
 #: Subcommand name -> module under ``tui.commands``, in the order ``mdb --help`` lists them.
 COMMANDS: dict[str, str] = {
@@ -33,18 +33,10 @@ COMMANDS: dict[str, str] = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose bad-argument report is one line on stderr (exit code 2), not the usage
-    block: ``mdb step: error: argument --seq-len: 'abc' is not an integer (see mdb step -h)``."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {clip(message)} (see {self.prog} -h)\n")
-
-
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """Return the full ``mdb`` parser with every available subcommand registered (``only``: that
     subcommand alone, so that running one imports no other command's module)."""
-    parser = _Parser(
+    parser = OneLineParser(
         prog="mdb",
         description="mdb: a terminal debugger for the internals of a small "
         "Llama/Mixtral-style LLM.",

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 
@@ -94,3 +95,12 @@ class ModelError(MdbError):
     code 1."""
 
     exit_code = 1
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose bad-argument report is one line on stderr (exit code 2), not the usage
+    block: ``mdb step: error: argument --seq-len: 'abc' is not an integer (see mdb step -h)``.
+    The ``mdb`` parser and its subcommands' parsers are of this class."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {clip(message)} (see {self.prog} -h)\n")

@@ -74,7 +74,7 @@ def test_the_page_shows_the_step_view_and_keys_drive_it(served_step, browser, tm
     tab.press("b")
     tab.wait_text(r"backward · grad \d+/\d+")
     tab.press("r")
-    tab.wait_text(r"router")
+    tab.wait_text(r"router · layer \d+ \(\d+/\d+\) · \S+ · E=\d+ top-\d+")
     shot = Path(os.environ.get("MDB_SERVE_SHOT", tmp_path / "serve.png"))
     tab.page.screenshot(path=str(shot))
     assert shot.stat().st_size > 0

@@ -75,9 +75,13 @@ def check_served(words: list[str]) -> None:
     if words[0] not in SERVABLE:
         raise MdbError(f"`mdb {printable(words[0])}` has no screen to serve (mdb serve serves "
                        f"{', '.join(SERVABLE)})")
-    from tui.cli import build_parser
+    import importlib
 
-    build_parser(words[0]).parse_args(words)
+    from tui.errors import OneLineParser
+
+    parser = OneLineParser(prog=f"mdb {words[0]}")
+    importlib.import_module(f"tui.commands.{words[0]}").add_arguments(parser)
+    parser.parse_args(words[1:])
 
 
 def is_loopback(host: str) -> bool:
