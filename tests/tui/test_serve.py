@@ -4,7 +4,8 @@ loop, two tabs run side by side, and a request without the token is refused.
 
 What the page shows is read from the bytes its xterm.js terminal is fed (see
 :mod:`tests.browser`); the expected text is what the same screen shows in a terminal (its
-header ``forward · call 1/N``, ``backward``, the router view's title)."""
+header ``forward · call 1/N``, ``backward``, the router view's title); Ctrl-C quits the step
+view as it does in a terminal, ending that tab's session only."""
 
 from __future__ import annotations
 
@@ -89,9 +90,11 @@ def test_two_tabs_run_side_by_side_each_with_its_own_view(served_step, browser):
     two.press("b")
     two.wait_text(r"backward · grad")
     assert f"forward · call 2/{n}" in one.text()  # each tab its own process
-    one.page.close()  # closing one tab leaves the other working
-    two.press("b")
-    two.wait_text(r"forward · call")
+    two.press("Control+c")  # quits mdb step, as in a terminal: that tab's session ends
+    two.page.wait_for_function("document.body.classList.contains('-closed')", timeout=120_000)
+    one.press("n")  # the other tab goes on
+    one.wait_text(rf"forward · call 3/{n}")
+    one.page.close()
 
 
 LOOP = textwrap.dedent("""
