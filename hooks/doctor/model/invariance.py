@@ -76,6 +76,9 @@ def _positions(mask_BT: torch.Tensor) -> torch.Tensor:
 def _verdict(cmp: Comparison, what: str, hint: str, causes: Callable[[str, str], str],
              **data: Any) -> Outcome:
     """The outcome of a comparison: pass, or fail with where the runs part and its cause."""
+    if not cmp.finite:
+        return Outcome.skip(f"{what}: the row's own logits are not finite, so no difference "
+                            "can be judged (see the nonfinite check)")
     w = cmp.worst
     data.update(tolerance=cmp.tolerance.text(), gaps={
         g.label: dict(max_abs=g.max_abs, threshold=g.threshold, position=g.position)

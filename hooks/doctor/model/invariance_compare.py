@@ -190,12 +190,14 @@ class Comparison:
         parting: the first module where the runs part, None when they do not (or nothing lined
             up).
         notes: what could not be compared, in words.
+        finite: whether the reference's logits are all finite (else nothing can be judged).
     """
 
     gaps: list[Gap]
     tolerance: Tolerance
     parting: Parting | None = None
     notes: list[str] = field(default_factory=list)
+    finite: bool = True
 
     @property
     def worst(self) -> Gap:
@@ -347,7 +349,8 @@ def compare(model: torch.nn.Module, reference: Callable[[], torch.Tensor],
     ref_lg = reference()
     var_lg = variant()
     cmp = Comparison(logit_gaps(ref_lg, var_lg, segments, tol), tol)
-    if not (cmp.over and locate):
+    cmp.finite = bool(torch.isfinite(ref_lg).all())
+    if not (cmp.over and locate and cmp.finite):
         return cmp
     opts = dict(keep_bytes=KEEP_BYTES, inputs=False, grads=False, params=False, probes=False)
     with capture(model, **opts) as tr_ref:
