@@ -58,7 +58,8 @@ class Rotary(nn.Module):
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, -1)
-    return x * cos[:, None] + torch.cat([-x2, x1], -1) * sin[:, None]
+    cos, sin = cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
 class Norm(nn.Module):

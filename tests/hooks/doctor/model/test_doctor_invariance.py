@@ -203,3 +203,19 @@ def test_minillm_passes_and_packing_does_not_apply():
     assert {k: r.status for k, r in res.items()} == {
         "padding": "pass", "batch": "pass", "cache": "pass", "attn-impl": "pass",
         "packing": "n/a"}, {k: r.evidence for k, r in res.items()}
+
+
+def test_a_bf16_model_is_judged_with_bf16_tolerance():
+    """In bf16 the tolerance is 16 × 2⁻⁷ of the reference's largest |logit| (torch.finfo): the
+    fixed model's rounding stays within it, the ignored padding mask does not."""
+    bad = PaddedLM({"mask_ignored"}).eval().to(torch.bfloat16)
+    good = PaddedLM(set()).eval().to(torch.bfloat16)
+    gap, _ = padded_gap(bad)
+    res = one(bad, "padding")
+    row_ref = bad(batch()[-1:]).logits.detach().float()
+    limit = FACTOR * torch.finfo(torch.bfloat16).eps * float(row_ref.abs().max())
+    assert gap > limit and res.status == "fail" and "eps(bfloat16)" in res.evidence
+    assert res.module == "layers.0.attn"
+    ok_gap, _ = padded_gap(good)
+    assert ok_gap <= limit
+    assert one(good, "padding").status == "pass"
