@@ -245,16 +245,22 @@ def logit_gaps(ref_TV: torch.Tensor, var_calls: list[torch.Tensor], segments: li
 
 def _cut(x: torch.Tensor, row: int, pos: torch.Tensor, b: int, t: int) -> torch.Tensor | None:
     """``x`` at batch row ``row`` and positions ``pos`` along every sequence axis, for a tensor
-    of a call on a (b, t) batch: (b, ..., t, ...) or token-flattened (b·t, ...); None when it
-    has no batch axis of size b first."""
+    of a call on a (b, t) batch: (b, ..., t, ...), token-flattened (b·t, ...) or shared by
+    every row (1, ..., t, ...); None when it has no batch axis of size b (or 1) first, or no
+    axis of size t after it."""
     if x.dim() >= 1 and x.shape[0] == b * t != b:
         x = x.reshape(b, t, *x.shape[1:])  # router logits: tokens flattened
-    if x.dim() < 1 or x.shape[0] != b:
+    if x.dim() >= 1 and x.shape[0] == 1 < b:
+        x = x[0]  # one tensor shared by every row (a position table broadcast over B)
+    elif x.dim() < 1 or x.shape[0] != b:
         return None
-    x = x[row]
-    for d in range(x.dim()):
-        if x.shape[d] == t:
-            x = x.index_select(d, pos.to(x.device))
+    else:
+        x = x[row]
+    seq = [d for d in range(x.dim()) if x.shape[d] == t]
+    if not seq:  # no sequence axis: not a per-token tensor (an expert's share of the tokens)
+        return None
+    for d in seq:
+        x = x.index_select(d, pos.to(x.device))
     return x
 
 

@@ -219,3 +219,37 @@ def test_a_bf16_model_is_judged_with_bf16_tolerance():
     ok_gap, _ = padded_gap(good)
     assert ok_gap <= limit
     assert one(good, "padding").status == "pass"
+
+
+class NoPositionIds(torch.nn.Module):
+    """HF GPT-2 behind a forward that takes no ``position_ids``: GPT-2 then uses one position
+    vector ``arange(T)`` for every row (nnsight #672), so a left-padded row's real tokens get
+    positions shifted by its pads in the learned table ``wpe``."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, attention_mask=None, use_cache=False):
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask,
+                          use_cache=use_cache)
+
+
+def test_hf_gpt2_without_position_ids_fails_padding_at_its_position_table():
+    if not HAS_HF:
+        pytest.skip("needs transformers")
+    model, b = families.hf_gpt2()
+    ids = b["input_ids"]
+    row, n, p = ids[-1:], ids.shape[1], ids.shape[1] // 4
+    with torch.no_grad():  # by hand: the left-padded row, GPT-2 given no position_ids
+        ref = model(input_ids=row, use_cache=False).logits[0]
+        left = torch.cat([torch.zeros(1, p, dtype=row.dtype), row], 1)
+        mask = torch.cat([torch.zeros(1, p), torch.ones(1, n)], 1).long()
+        out = model(input_ids=left, attention_mask=mask, use_cache=False).logits[0, p:]
+    gap = float((out - ref).abs().max())
+    assert gap > 100 * tol(ref)
+    res = run_checks(NoPositionIds(model), {"input_ids": ids}, only="padding")[0]
+    assert res.status == "fail" and res.module == "inner.transformer.wpe", res.evidence
+    assert res.data["gaps"]["left-padded row"]["max_abs"] == pytest.approx(gap, rel=1e-4)
+    assert "nnsight #672" in res.hint
+    assert run_checks(model, b, only="padding")[0].status == "pass"  # given position_ids
