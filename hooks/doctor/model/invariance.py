@@ -280,7 +280,7 @@ def cache(t: Target, o: DoctorOptions) -> Outcome:
 def _attn_impl(t: Target, impl: str) -> Iterator[None]:
     """Run the block with attention implementation ``impl`` and restore the previous one: HF's
     ``set_attn_implementation`` (``config._attn_implementation``), else every module's own
-    ``attn_implementation`` attribute (minillm)."""
+    ``attn_implementation`` attribute (minillm) and nanoGPT's ``flash`` flag."""
     setter = getattr(t.model, "set_attn_implementation", None)
     config = t.config
     if callable(setter) and config is not None and hasattr(config, "_attn_implementation"):
@@ -293,14 +293,26 @@ def _attn_impl(t: Target, impl: str) -> Iterator[None]:
         return
     mods = [m for m in t.model.modules()
             if isinstance(getattr(m, "attn_implementation", None), str)]
-    saved = [(m, m.attn_implementation) for m in mods]
+    flash = _flash_modules(t)
+    saved = [(m, "attn_implementation", m.attn_implementation) for m in mods] + [
+        (m, "flash", m.flash) for m in flash]
     for m in mods:
         m.attn_implementation = impl
+    for m in flash:
+        m.flash = impl == "sdpa"
     try:
         yield
     finally:
-        for m, v in saved:
-            m.attn_implementation = v
+        for m, name, v in saved:
+            setattr(m, name, v)
+
+
+def _flash_modules(t: Target) -> list[torch.nn.Module]:
+    """nanoGPT's attention modules: a bool ``flash`` (SDPA, else the hand-written softmax) and
+    the (1, 1, T, T) causal mask ``bias`` its hand-written path reads (nanoGPT registers it
+    only when ``flash`` is off at construction)."""
+    return [m for m in t.model.modules() if isinstance(getattr(m, "flash", None), bool)
+            and isinstance(getattr(m, "bias", None), torch.Tensor) and m.bias.dim() == 4]
 
 
 def _has_impl_switch(t: Target) -> str | None:
@@ -309,6 +321,8 @@ def _has_impl_switch(t: Target) -> str | None:
         return "config._attn_implementation"
     if any(isinstance(getattr(m, "attn_implementation", None), str) for m in t.model.modules()):
         return "the attention modules' attn_implementation"
+    if _flash_modules(t):
+        return "nanoGPT's flash flag"
     return None
 
 
@@ -321,15 +335,16 @@ def _impl_causes(module: str, module_type: str) -> str:
 @check(24, "attn-impl", "attention implementation invariance")
 def attn_impl(t: Target, o: DoctorOptions) -> Outcome:
     """The row under the eager attention implementation against SDPA (flex attention is not
-    compared: it compiles on first use), switched through HF's ``set_attn_implementation`` or
-    the attention modules' ``attn_implementation``: the logits must agree within the dtype's
-    tolerance."""
+    compared: it compiles on first use), switched through HF's ``set_attn_implementation``,
+    the attention modules' ``attn_implementation`` (minillm) or nanoGPT's ``flash`` flag: the
+    logits must agree within the dtype's tolerance."""
     t.need_ids()
     how = _has_impl_switch(t)
     if how is None:
         raise NotApplicable("no switch between attention implementations (HF's "
-                            "set_attn_implementation / config._attn_implementation, or an "
-                            "attn_implementation attribute on the attention modules)")
+                            "set_attn_implementation / config._attn_implementation, an "
+                            "attn_implementation attribute on the attention modules, or "
+                            "nanoGPT's flash flag beside its causal-mask buffer bias)")
     row = _row(t)
     alone = t.batch_with(ids=row, targets="logits")
 

@@ -161,9 +161,11 @@ def test_a_check_that_does_not_apply_says_why():
     res = {r.key: r for r in run_checks(model, b, only=KEYS)}
     assert res["padding"].status == "n/a" and "attention_mask" in res["padding"].evidence
     assert res["cache"].status == "n/a" and "cache" in res["cache"].evidence
-    assert res["attn-impl"].status == "n/a" and "attn_implementation" in res["attn-impl"].evidence
     assert res["packing"].status == "n/a" and "position_ids" in res["packing"].evidence
     assert res["batch"].status == "pass"
+    model, b = families.lstm()
+    res = run_checks(model, b, only="attn-impl")[0]
+    assert res.status == "n/a" and "attn_implementation" in res.evidence
 
 
 def _qwen2():
@@ -253,3 +255,40 @@ def test_hf_gpt2_without_position_ids_fails_padding_at_its_position_table():
     assert res.data["gaps"]["left-padded row"]["max_abs"] == pytest.approx(gap, rel=1e-4)
     assert "nnsight #672" in res.hint
     assert run_checks(model, b, only="padding")[0].status == "pass"  # given position_ids
+
+
+def test_nanogpt_flash_flag_switches_eager_and_sdpa():
+    """nanoGPT's ``flash`` flag picks SDPA or its hand-written softmax: correct, they agree;
+    with the hand-written path's 1/√Dh scale dropped, the check fails in the attention."""
+    model, b = families.nanogpt()
+    res = run_checks(model, b, only="attn-impl")[0]
+    assert res.status == "pass" and "flash" in res.evidence, res.evidence
+    assert all(blk.attn.flash for blk in model.transformer.h)  # restored
+    base = type(model.transformer.h[0].attn)
+
+    class NoScale(base):
+        def forward(self, x):
+            if self.flash:
+                return super().forward(x)
+            bsz, t, d = x.shape
+            q, k, v = self.c_attn(x).split(d, dim=2)
+            q, k, v = (z.view(bsz, t, self.n_head, -1).transpose(1, 2) for z in (q, k, v))
+            att = (q @ k.transpose(-2, -1)).masked_fill(self.bias[:, :, :t, :t] == 0,
+                                                         float("-inf"))  # the bug: no scale
+            y = att.softmax(-1) @ v
+            return self.c_proj(y.transpose(1, 2).reshape(bsz, t, d))
+
+    for blk in model.transformer.h:
+        blk.attn.__class__ = NoScale
+    idx = b[0][-1:]
+    with torch.no_grad():
+        sdpa = model(idx)[0]
+        for blk in model.transformer.h:
+            blk.attn.flash = False
+        eager = model(idx)[0]
+        for blk in model.transformer.h:
+            blk.attn.flash = True
+    gap = float((sdpa - eager).abs().max())
+    assert gap > 100 * tol(eager)
+    res = run_checks(model, b, only="attn-impl")[0]
+    assert res.status == "fail" and res.module == "transformer.h.0.attn", res.evidence
