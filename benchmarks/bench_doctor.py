@@ -6,8 +6,12 @@ the ratio, plus the per-check seconds of the last 1-thread run. ``--zoo`` times 
 checks on each correct model of ``tests/families.py`` (1 thread, median of the repeats), the
 per-model cost of ``tests/hooks/doctor/model/test_doctor_families.py``.
 
+``--invariances`` times instead, interleaved with 1 thread, the checks before the invariances
+(1-9, today's default run) against the whole default run with the invariance checks 21-25.
+
     python benchmarks/bench_doctor.py [--preset default] [--repeats 5]
     python benchmarks/bench_doctor.py --zoo [--repeats 3]
+    python benchmarks/bench_doctor.py --invariances [--repeats 5]
 """
 
 from __future__ import annotations
@@ -30,12 +34,16 @@ def main() -> None:
     ap.add_argument("--preset", default="default")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--zoo", action="store_true", help="time each model of tests/families.py")
+    ap.add_argument("--invariances", action="store_true",
+                    help="checks 1-9 vs 1-9 + the invariance checks 21-25, 1 thread")
     a = ap.parse_args()
     if a.zoo:
         return zoo(a.repeats)
     ns = argparse.Namespace(preset=a.preset, config=None, model=None, text=None, seq_len=64,
                             batch_size=2, seed=0)
     work = build_workload(ns)
+    if a.invariances:
+        return invariances(work, a.repeats)
     last: dict[str, list] = {}
 
     def run(threads: int):
@@ -49,6 +57,25 @@ def main() -> None:
     report(times, "1 thread")
     print("per check (last 1-thread run):",
           ", ".join(f"{r.key} {r.seconds:.2f}s" for r in last[1]))
+
+
+def invariances(work, repeats: int) -> None:
+    torch.set_num_threads(1)
+    last: dict[str, list] = {}
+    before = ",".join(str(i) for i in range(1, 10))
+
+    def run(only):
+        def fn():
+            last[only] = run_checks(work, only=only)
+        return fn
+
+    after = before + ",21,22,23,24,25"
+    times = interleaved({"checks 1-9": run(before), "checks 1-9 + 21-25": run(after)},
+                        repeats, warmup=1)
+    print(f"mdb doctor on {work.description}, 1 thread")
+    report(times, "checks 1-9")
+    print("invariance checks (last run):",
+          ", ".join(f"{r.key} {r.seconds:.2f}s" for r in last[after] if r.id > 20))
 
 
 def zoo(repeats: int) -> None:

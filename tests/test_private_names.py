@@ -62,6 +62,9 @@ LIBRARY_PRIVATE = {
     "_repaint_required": "Textual Widget: a repaint is pending",
     "_layout_required": "Textual Widget: a layout is pending",
     "_check_refresh": "Textual Widget: deliver the pending refresh now (one frame)",
+    "_attn_implementation": "HF PretrainedConfig._attn_implementation: the attention "
+                            "implementation in use, HF's own reader (set_attn_implementation "
+                            "has no getter); the doctor's attn-impl check restores it",
 }
 
 #: Entries of mdb's own argparse namespace (``set_defaults(_run=...)`` and the argv), named
@@ -252,10 +255,20 @@ def test_the_library_private_names_read_exist_on_the_installed_versions() -> Non
         **{a: hasattr(widget, a) for a in ("_vertical_scrollbar", "_horizontal_scrollbar",
                                           "_repaint_required", "_layout_required")},
         "_check_refresh": callable(getattr(widget, "_check_refresh", None)),
+        "_attn_implementation": _hf_attn_implementation(),
     }
     assert set(present) == set(LIBRARY_PRIVATE)
     missing = sorted(k for k, ok in present.items() if not ok)
     assert missing == [], f"torch {torch.__version__}, textual {textual.__version__}: {missing}"
+
+
+def _hf_attn_implementation() -> bool:
+    """HF configs have ``_attn_implementation`` (True without transformers, a test extra)."""
+    try:
+        import transformers.configuration_utils as cu
+    except ImportError:
+        return True
+    return isinstance(getattr(cu.PretrainedConfig, "_attn_implementation", None), property)
 
 
 @pytest.mark.parametrize("pattern", ["_active", "_inside", "_transaction", "_parent"])

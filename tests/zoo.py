@@ -339,12 +339,14 @@ def _tiled_llama_attention():
         ``k.repeat(1, n_rep, 1, 1)``: query head h reads KV head h % Hkv."""
 
         def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
-                    **kwargs):
+                    cache=None, **kwargs):
             shape = (*hidden_states.shape[:-1], -1, self.head_dim)
             q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
             k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
             v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+            if cache is not None:  # keeps the KV cache as HF's does: only the GQA bug remains
+                k, v = cache.update(k, v, self.layer_idx)
             n = self.num_key_value_groups
             k, v = k.repeat(1, n, 1, 1), v.repeat(1, n, 1, 1)  # the bug: tiles the KV heads
             mask = attention_mask[..., : k.shape[-2]] if attention_mask is not None else None

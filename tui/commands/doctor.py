@@ -28,7 +28,8 @@ from tui.errors import MdbError, print_error
 HELP = "check a model for common build mistakes (init, mask, RoPE, GQA, gradients, routing...)"
 
 _CHECK_LIST = ("checks: 1 init-loss, 2 causality, 3 rope, 4 gqa, 5 grad-flow, 6 routing, "
-               "7 nonfinite, 8 tied, 9 numerics, 10 overfit (only with --overfit). "
+               "7 nonfinite, 8 tied, 9 numerics, 10 overfit (only with --overfit); invariances: "
+               "21 padding, 22 batch, 23 cache, 24 attn-impl, 25 packing. "
                "Exit code 1 when a check fails.")
 
 

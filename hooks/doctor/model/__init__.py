@@ -30,6 +30,11 @@ UI-free: never imports textual, rich or tui.
  8    tied        embedding and LM head share one Parameter as configured; no storage twice
  9    numerics    norm statistics in fp32 for bf16 activations; attention softmax under autocast
  10   overfit     (slow) CE on one batch falls by 90 % within N AdamW steps
+ 21   padding     a row alone vs left/right-padded with its attention_mask (invariance.py)
+ 22   batch       a row alone vs in a batch with other rows
+ 23   cache       use_cache=False vs True vs incremental decoding
+ 24   attn-impl   eager vs SDPA attention
+ 25   packing     a document alone vs packed after another (position_ids restarting)
 ====  ==========  =============================================================================
 
 Example::

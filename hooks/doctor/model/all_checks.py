@@ -1,3 +1,3 @@
 """Imports every check module so that each registers itself in ``CHECKS``."""
 
-from hooks.doctor.model import attention, basic, moe, numerics, training  # noqa: F401
+from hooks.doctor.model import attention, basic, invariance, moe, numerics, training  # noqa: F401
