@@ -73,8 +73,7 @@ def test_a_correct_model_draws_no_failure_error_or_warning(name):
     res = results(name)
     assert [r.id for r in res.values()] == list(range(1, 11)) + list(range(21, 26))
     bad = {k: r.evidence for k, r in res.items() if r.status in ("fail", "error", "warn")}
-    known = {k for (fam, k) in KNOWN_FINDINGS if fam == name}
-    assert {k: res[k].status for k in known} == dict.fromkeys(known, "fail"), _why(res)
+    known = {k for (fam, k) in KNOWN_FINDINGS if fam == name}  # judged by hand below
     bad = {k: v for k, v in bad.items() if k not in known}
     assert bad == {}, _why(res)
     for r in res.values():
@@ -360,21 +359,24 @@ def test_user_cnn_is_not_a_sequence_model():
     assert res["causality"].status == "n/a" and res["grad-flow"].status == "pass"
 
 
-def test_gpt_oss_packing_finding_is_real():
-    """By hand: a document packed after another with position_ids restarting gives other logits
-    than the document alone in HF's GptOss (eager), and not in HF's Llama."""
+@pytest.mark.parametrize("name", ["gpt_oss", "llama"])
+def test_the_packing_verdict_agrees_with_a_packed_document_run_by_hand(name):
+    """By hand: a document packed after another with position_ids restarting, against the
+    document alone. Whether the installed transformers isolates packed documents is its own
+    business (GptOss's masks ignored position_ids in 2026's releases; Llama's detect the
+    packing); the doctor must fail exactly when the logits differ, at the attention."""
     if not HAS_HF:
         pytest.skip("needs transformers")
-    for name, leaks in (("gpt_oss", True), ("llama", False)):
-        model, batch, _ = built(name)
-        row = batch.kwargs["input_ids"][-1:]
-        n, m = row.shape[1], 8
-        with torch.no_grad():
-            a = model(input_ids=row, position_ids=torch.arange(n)[None], use_cache=False).logits
-            b = model(input_ids=torch.cat([families.ids(1, m, seed=3), row], 1),
-                      position_ids=torch.cat([torch.arange(m), torch.arange(n)])[None],
-                      use_cache=False).logits[:, m:]
-        gap = float((a - b).abs().max())
-        assert (gap > 1e-3) == leaks, (name, gap)
-    r = results("gpt_oss")["packing"]
-    assert r.module is not None and r.module.startswith("model.layers.0.self_attn"), r.evidence
+    model, batch, _ = built(name)
+    row = batch.kwargs["input_ids"][-1:]
+    n, m = row.shape[1], 8
+    with torch.no_grad():
+        a = model(input_ids=row, position_ids=torch.arange(n)[None], use_cache=False).logits
+        b = model(input_ids=torch.cat([families.ids(1, m, seed=3), row], 1),
+                  position_ids=torch.cat([torch.arange(m), torch.arange(n)])[None],
+                  use_cache=False).logits[:, m:]
+    leaks = float((a - b).abs().max()) > 1e-3
+    r = results(name)["packing"]
+    assert r.status == ("fail" if leaks else "pass"), r.evidence
+    if leaks:
+        assert r.module is not None and ".self_attn" in r.module, r.evidence
