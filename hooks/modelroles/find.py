@@ -18,6 +18,7 @@ Dimension legend: B batch, T positions, V vocabulary.
 from __future__ import annotations
 
 import weakref
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -135,6 +136,8 @@ def _merge_attention(d: Roles, t: Roles, n: Roles, notes: list[str]) -> list[Att
             if why:
                 notes.append(f"{a.name}: the trace and the names disagree ({why}); the traced "
                              f"role is used: declare the right one to settle it")
+            else:
+                out[a.name] = replace(out[a.name], detail=out[a.name].detail + "; names agree")
             continue
         out[a.name] = a
     for a in d.attention:
@@ -166,9 +169,12 @@ def _merge_moe(d: Roles, t: Roles, n: Roles) -> list[MoERole]:
 
 def _single(d: Found | None, t: Found | None, n: Found | None, what: str,
             notes: list[str]) -> Found | None:
-    if t is not None and n is not None and t.module != n.module:
-        notes.append(f"{what}: the trace found {t.module}, the names {n.module}; the traced one "
-                     "is used: declare the right one to settle it")
+    if t is not None and n is not None:
+        if t.module != n.module:
+            notes.append(f"{what}: the trace found {t.module}, the names {n.module}; the traced "
+                         "one is used: declare the right one to settle it")
+        else:
+            t = replace(t, detail=f"{t.detail}; {n.detail} agrees")
     return d or t or n
 
 

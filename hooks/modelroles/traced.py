@@ -219,6 +219,8 @@ def _heads(r: _Reader, q: int, k: int, srcs) -> tuple[int, int | None, int]:
         hkv = h
     else:
         hkv = ks[-3] if len(ks) >= 4 and ks[-3] != dh else None
+    if not hkv or h % hkv:  # keys of another width than Dh (MLA): not a head grouping
+        hkv = None
     return h, hkv, dh
 
 
