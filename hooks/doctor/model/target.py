@@ -182,7 +182,7 @@ def _info_from_role(name: str, m: nn.Module, role: AttentionRole,
     cls = type(m).__name__
     if not hkv or hkv == h:
         return AttentionInfo(name, m, h, h, dh, "mha",
-                             why=f"{cls}: H = Hkv = {h} ({role.how}: {role.detail})")
+                             why=f"{cls}: H = Hkv = {h} ({role.how})")
     modules = dict(model.named_modules())
     if role.k is None or role.v is None or role.o is None or role.o not in modules:
         return None
@@ -708,7 +708,8 @@ class Target:
         return None
 
     def moe_blocks(self) -> list[MoEInfo]:
-        """Modules with an ``experts`` child and a ``gate`` or ``router`` child."""
+        """Modules with an ``experts`` child and a ``gate`` or ``router`` child; where there is
+        none, the declared or traced MoE blocks (:mod:`hooks.modelroles`)."""
         out = []
         for name, m in self.model.named_modules():
             experts = getattr(m, "experts", None)
@@ -727,7 +728,14 @@ class Target:
                 e = getattr(experts, "num_experts", None) or self.cfg("num_local_experts")
             full = f"{name}.{rname}" if name else rname
             out.append(MoEInfo(name, full, r, int(e) if isinstance(e, int) else 0))
-        return out
+        return out or self._moe_by_role()
+
+    def _moe_by_role(self) -> list[MoEInfo]:
+        """Where no block is named like one: the declared or traced MoE blocks
+        (:meth:`roles`) with a router."""
+        modules = dict(self.model.named_modules())
+        return [MoEInfo(b.name, b.router, modules[b.router], b.num_experts or 0)
+                for b in self.roles().moe if b.router in modules]
 
     def norm_modules(self) -> list[tuple[str, nn.Module]]:
         """Normalisation modules: class name ending in ``RMSNorm``/``LayerNorm`` or

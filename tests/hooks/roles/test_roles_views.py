@@ -1,0 +1,45 @@
+"""Every view reads the same roles: the doctor's GQA check on grouped KV heads under names of
+their own (``to_query``/``to_key``/``to_value``/``mix``), its MoE checks on an MoE of one's own
+(``scorer`` + ``ffns``), the edit form's offers, and ``mdb diff --edit`` on the newcomer's
+model whose head edit failed before (issue 35)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hooks.doctor.model import run_checks
+from hooks.engine.edits import edit_options
+from tests.hooks.roles import own_models as om
+from tui.cli import main
+
+OWN = Path(om.__file__)
+
+
+def _by_key(results):
+    return {r.key: r for r in results}
+
+
+def test_the_doctor_checks_gqa_on_kv_heads_it_found_by_tracing():
+    model, ids = om.separate_qkv()
+    res = _by_key(run_checks(model, ids, only=["gqa"]))["gqa"]
+    assert res.status == "pass", res.evidence
+    assert "to_key" in res.evidence and "H=4, Hkv=2" in res.evidence
+
+
+def test_the_doctor_finds_an_moe_of_ones_own_and_says_why_routing_is_not_recorded():
+    model, ids = om.own_moe()
+    res = _by_key(run_checks(model, ids, only=["routing"]))["routing"]
+    assert res.status == "skip" and "2 MoE block(s) found (blocks.0.mlp)" in res.evidence
+
+
+def test_the_edit_form_offers_head_and_expert_edits_on_traced_roles():
+    model, _ = om.own_moe()
+    assert "zero blocks.0.attn head=0" in edit_options(model, "blocks.0.attn")
+    assert "drop blocks.1.mlp expert=0" in edit_options(model, "blocks.1.mlp")
+    assert not any("head=" in o for o in edit_options(model, "blocks.0.ln1"))
+
+
+def test_mdb_diff_zeroes_a_head_of_the_newcomers_attn(capsys):
+    assert main(["diff", "--model", f"{OWN}:newcomer", "--edit", "zero blocks.1.attn head=2",
+                 "--json"]) == 0
+    assert "blocks.1.attn" in capsys.readouterr().out
