@@ -69,8 +69,13 @@ def _batches(model: nn.Module, batch: Any) -> list[Any]:
     from hooks.batch import Batch
 
     out = []
+    b = None
     if batch is not None:
-        b = Batch.of(batch)
+        try:
+            b = Batch.of(batch)
+        except ValueError:  # a batch of a kind Batch does not take: the synthetic one is tried
+            b = None
+    if b is not None:
         ids = b.ids(model)
         if ids is None or ids.numel() <= MAX_TRACE_TOKENS:
             out.append(b)

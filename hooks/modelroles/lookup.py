@@ -67,9 +67,12 @@ def attention_role(model: nn.Module, name: str, batch: Any = None) -> AttentionR
     why = "".join(f" ({n})" for n in roles.notes)
     heads = int_attr(m, ("h", "n_heads", "heads", "num_heads", "n_head"))
     if found is not None:
+        line = attention_hint(name, found.num_heads)
+        if found.o is None:
+            line = line[:-1] + ", o='CHILD')"
         return (f"{name} ({kind}) is attention ({found.detail}), but its "
                 f"{'o projection' if found.o is None else 'heads'} could not be read; declare "
-                f"it: {attention_hint(name, found.num_heads)}")
+                f"it: {line}")
     return (f"{name} ({kind}) is not an attention module mdb found: looked for a softmax over "
             f"q·kᵀ scores of two projections' outputs, or an F.scaled_dot_product_attention "
             f"call, in one forward{why}, and for HF's names ({named}); if it is attention, "

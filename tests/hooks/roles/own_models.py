@@ -301,3 +301,39 @@ def untraceable_declared():
     model, batch = untraceable()
     hooks.roles(model, attention=["blocks.*.attn"], heads=4, o="proj")
     return model, batch
+
+
+# -- an MoE whose fused experts take (hidden, ids, weights), under names of its own -------------
+class Bank(nn.Module):
+    """E experts as one (E, D, D) weight, called as ``bank(hidden (N, D), ids (N, k), weights
+    (N, k))`` like transformers 5's experts."""
+
+    def __init__(self, d: int, e: int = 4) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(e, d, d) * 0.1)
+
+    def forward(self, hidden, ids, weights):
+        per = torch.einsum("nd,edf->nef", hidden, self.w)  # (N, E, D)
+        picked = per.gather(1, ids[..., None].expand(-1, -1, per.shape[-1]))  # (N, k, D)
+        return (picked * weights[..., None]).sum(1)
+
+
+class BankMoE(nn.Module):
+    def __init__(self, d: int, k: int = 2) -> None:
+        super().__init__()
+        self.k = k
+        self.scorer = nn.Linear(d, 4, bias=False)
+        self.bank = Bank(d)
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        w, pick = torch.softmax(self.scorer(flat), dim=-1).topk(self.k, dim=-1)
+        return self.bank(flat, pick, w / w.sum(-1, keepdim=True)).view_as(x)
+
+
+def bank_moe():
+    torch.manual_seed(0)
+    model = MyGPT(n=2)
+    for b in model.blocks:
+        b.mlp = BankMoE(32)
+    return model, ids()

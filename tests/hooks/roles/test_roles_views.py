@@ -43,3 +43,27 @@ def test_mdb_diff_zeroes_a_head_of_the_newcomers_attn(capsys):
     assert main(["diff", "--model", f"{OWN}:newcomer", "--edit", "zero blocks.1.attn head=2",
                  "--json"]) == 0
     assert "blocks.1.attn" in capsys.readouterr().out
+
+
+def test_routing_is_recorded_from_declared_experts_of_another_name():
+    import torch
+
+    import hooks
+
+    model, ids = om.bank_moe()
+    with torch.no_grad(), hooks.capture(model) as plain:
+        model(ids)
+    assert plain.routing == []  # no child named experts: nothing says where the routing is
+    hooks.roles(model, router="blocks.*.mlp.scorer", experts="blocks.*.mlp.bank")
+    scores = []
+    h = model.blocks[1].mlp.scorer.register_forward_hook(lambda m, a, out: scores.append(out))
+    with torch.no_grad(), hooks.capture(model) as trace:
+        model(ids)
+    h.remove()
+    assert [r.module for r in trace.routing] == ["blocks.0.mlp", "blocks.1.mlp"]
+    rec = trace.routing[1]
+    p = torch.softmax(scores[0], dim=-1)  # the reference: the scorer's own logits, by hand
+    w, pick = p.topk(2, dim=-1)
+    assert torch.equal(rec.top_k_ids.sort(-1).values, pick.sort(-1).values)
+    assert rec.router == "blocks.1.mlp.scorer"
+    assert torch.allclose(rec.router_probs, p, rtol=1e-5, atol=1e-6)
