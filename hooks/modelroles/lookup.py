@@ -5,7 +5,7 @@ or one line that names the module, says what was looked for and gives the line t
 it.
 
 A module that cannot play the role by its structure (attention without a projection inside
-it, an MoE block without a list of experts or a 3-D weight) is refused without a forward.
+it: a Linear itself, a norm; an MoE block without a list of experts or a 3-D weight) is refused without a forward.
 
 Dimension legend: H query heads, Dh head dim, E experts.
 """
@@ -56,7 +56,7 @@ def attention_role(model: nn.Module, name: str, batch: Any = None) -> AttentionR
     if declared is None and not isinstance(named, str):
         return named
     kind = type(m).__name__
-    if not any(is_projection(c) for c in m.modules()):
+    if not any(is_projection(c) for c in m.modules() if c is not m):
         return (f"{name} ({kind}) is not attention: it holds no projection (looked for a "
                 f"softmax over q·kᵀ of two projections' outputs, or F.scaled_dot_product_"
                 f"attention, inside it); if it is, declare it: {attention_hint(name)}")

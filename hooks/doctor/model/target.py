@@ -177,10 +177,10 @@ def _info_from_role(name: str, m: nn.Module, role: AttentionRole,
     """The :class:`AttentionInfo` of a declared or traced attention role (its heads from the
     shapes of q and k, its k/v columns, its o projection); None when its heads are unknown."""
     h, hkv, dh = role.num_heads, role.num_kv_heads, role.head_dim
-    if not (h and dh and role.o) or (hkv and h % hkv):
-        return None  # heads unknown, or no o projection reads H·Dh (MLA's v is another width)
+    if not (h and dh and hkv and role.o) or h % hkv:
+        return None  # heads unknown, or keys/values of another width (MLA), or no o projection
     cls = type(m).__name__
-    if not hkv or hkv == h:
+    if hkv == h:
         return AttentionInfo(name, m, h, h, dh, "mha",
                              why=f"{cls}: H = Hkv = {h} ({role.how})")
     modules = dict(model.named_modules())
