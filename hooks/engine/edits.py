@@ -7,7 +7,8 @@ One grammar serves the API (``hooks.capture(model, edits=[...])``), the CLI (``m
     zero MODULE                  the module's output is replaced by zeros
     zero MODULE head=H           attention head H's output is zeroed before the output
                                  projection (its slice of o_proj's / c_proj's input; with GQA
-                                 H is a query head)
+                                 H is a query head); the attention module, its heads and its
+                                 o projection are hooks.modelroles' (declared, named, traced)
     zero MODULE expert=E         expert E's contribution is zeroed: the router still picks it,
                                  the other weights are not renormalised
     drop MODULE expert=E         the router never picks E: its logit is -inf before top-k

@@ -84,24 +84,22 @@ def _tensors(x: Any) -> Iterator[torch.Tensor]:
                 yield y
 
 
-_ARG_POS = {"split": ("sizes", 1), "chunk": ("chunks", 1), "topk": ("k", 1),
-            "softmax": ("dim", 1), "tensor_split": ("sizes", 1), "unbind": ("dim", 1)}
+#: Op → (what its second argument is, its keyword name): ``split(x, sizes, dim)``,
+#: ``chunk(x, chunks, dim)``, ``topk(x, k)``, ``softmax(x, dim)``.
+_SECOND_ARG = {"split": ("sizes", "split_size_or_sections"), "tensor_split": ("sizes", "sections"),
+               "chunk": ("chunks", "chunks"), "topk": ("k", "k"), "softmax": ("dim", "dim")}
 
 
 def _read_args(op: str, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The non-tensor arguments of ``op`` the analysis reads (see :attr:`OpNode.args`)."""
     out: dict[str, Any] = {}
-    if op in _ARG_POS:
-        key, pos = _ARG_POS[op]
-        v = args[pos] if len(args) > pos else kwargs.get(
-            {"sizes": "split_size_or_sections", "chunks": "chunks", "k": "k",
-             "dim": "dim"}[key], kwargs.get(key))
+    if op in _SECOND_ARG:
+        key, kw = _SECOND_ARG[op]
+        v = args[1] if len(args) > 1 else kwargs.get(kw)
         if isinstance(v, (int, list, tuple)) and not isinstance(v, bool):
             out[key] = v
     if op in ("split", "chunk", "tensor_split"):
-        d = args[2] if len(args) > 2 else kwargs.get("dim", 0)
-        out["dim"] = d
-    if op == "softmax" and "dim" not in out:
-        out["dim"] = args[1] if len(args) > 1 else kwargs.get("dim")
+        out["dim"] = args[2] if len(args) > 2 else kwargs.get("dim", 0)
     if op == "__getitem__" and len(args) > 1:
         out["index"] = args[1]
     return out

@@ -5,7 +5,8 @@ or one line that names the module, says what was looked for and gives the line t
 it.
 
 A module that cannot play the role by its structure (attention without a projection inside
-it: a Linear itself, a norm; an MoE block without a list of experts or a 3-D weight) is refused without a forward.
+it: a Linear itself, a norm; an MoE block without a list of experts or a 3-D weight) is
+refused without a forward.
 
 Dimension legend: H query heads, Dh head dim, E experts.
 """
