@@ -94,7 +94,7 @@ def trace_roles(model: nn.Module, batch: Any = None) -> Roles:
         return Roles(notes=["no batch to trace one forward on (no batch given and no "
                             "nn.Embedding to draw token ids for)"])
     flags = [(m, m.training) for m in model.modules()]
-    why = ""
+    why, error = "", None
     for b in tries:
         g = OpGraph(model)
         try:
@@ -104,13 +104,13 @@ def trace_roles(model: nn.Module, batch: Any = None) -> Roles:
             logits = logits_of(out)
             return read_roles(g, model, id(logits) if logits is not None else None)
         except Exception as exc:  # the user's forward may raise anything
-            why = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            why, error = f"{type(exc).__name__}: {exc}".splitlines()[0], exc
         finally:
             g.remove()
             for m, f in flags:
                 m.training = f
     return Roles(notes=[f"one forward could not be traced ({why}): roles come from names and "
-                        "the declaration only"])
+                        "the declaration only"], trace_error=error)
 
 
 def traced_roles(model: nn.Module, batch: Any = None) -> Roles:
@@ -205,7 +205,7 @@ def find_roles(model: nn.Module, batch: Any = None, *, trace: bool = True) -> Ro
     roles = Roles(_merge_attention(d, t, n, notes),
                   _single(d.lm_head, t.lm_head, n.lm_head, "LM head", notes),
                   _single(d.final_norm, t.final_norm, n.final_norm, "final norm", notes),
-                  _merge_moe(d, t, n), notes, traced=t.traced)
+                  _merge_moe(d, t, n), notes, traced=t.traced, trace_error=t.trace_error)
     return roles
 
 

@@ -159,6 +159,8 @@ class Roles:
         notes: what the reader should know: where the trace and the names disagree, why the
             forward could not be traced, what the trace could not tell.
         traced: whether one forward was traced (False: declared and named roles only).
+        trace_error: the exception the traced forward raised, or None (its message is in
+            ``notes``; kept so a command can locate it in the model's code).
     """
 
     attention: list[AttentionRole] = field(default_factory=list)
@@ -167,6 +169,7 @@ class Roles:
     moe: list[MoERole] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     traced: bool = False
+    trace_error: BaseException | None = field(default=None, repr=False, compare=False)
 
     def attention_of(self, name: str) -> AttentionRole | None:
         """The attention role of module ``name``, or None."""

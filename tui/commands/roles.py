@@ -35,17 +35,20 @@ def compute_roles(workload):
 
     Raises:
         MdbError: the model's declaration does not fit it.
-        ModelError: the model raised while the roles were read.
+        ModelError: the model raised while the roles were read, or in the traced forward.
     """
     from hooks.errors import describe_error
     from hooks.modelroles import find_roles
 
     try:
-        return find_roles(workload.model, workload.batch)
+        roles = find_roles(workload.model, workload.batch)
     except ValueError as exc:
         raise MdbError(f"roles: {exc}") from None
     except Exception as exc:  # the user's model may raise anything
         raise ModelError(describe_error(exc, workload.model, "reading its roles")) from None
+    if roles.trace_error is not None:  # the forward raised: said where, as every command does
+        raise ModelError(describe_error(roles.trace_error, workload.model, "the forward pass"))
+    return roles
 
 
 def _attention_line(a) -> str:
@@ -82,7 +85,7 @@ def lines(roles) -> list[str]:
                           if v is not None)
         out.append(f"  {m.name}: {m.how}; {facts}")
     out += [f"note: {n}" for n in roles.notes]
-    if not roles.traced:
+    if not roles.traced and not roles.notes:
         out.append("note: not traced: the roles above come from names and the declaration")
     return out
 

@@ -136,3 +136,24 @@ def test_tracing_leaves_the_rng_and_train_flags_as_they_were():
     find_roles(model, ids)
     assert torch.equal(torch.rand(3), want)
     assert all(m.training for m in model.modules())
+
+
+def test_mdb_roles_on_a_forward_that_raises_is_one_line_naming_the_line(tmp_path, capsys):
+    f = tmp_path / "raises.py"
+    f.write_text("import torch\nfrom torch import nn\n\n\nclass Net(nn.Module):\n"
+                 "    def __init__(self):\n        super().__init__()\n"
+                 "        self.emb = nn.Embedding(5, 4)\n\n"
+                 "    def forward(self, x):\n        raise RuntimeError('boom')\n\n\n"
+                 "def build():\n    return Net(), torch.zeros(1, 3, dtype=torch.long)\n")
+    assert main(["roles", "--model", f"{f}:build"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("mdb: error: ") and "RuntimeError: boom" in err
+    assert "raises.py:11" in err and err.count("\n") == 1
+
+
+def test_a_model_with_nothing_to_trace_on_says_so_and_keeps_its_names():
+    model = nn.Sequential(nn.Linear(4, 4))
+    model.lm_head = nn.Linear(4, 3)
+    roles = find_roles(model)
+    assert not roles.traced and "no batch to trace" in roles.notes[0]
+    assert (roles.lm_head.module, roles.lm_head.how) == ("lm_head", "named")
