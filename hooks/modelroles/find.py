@@ -1,10 +1,12 @@
 """Every role of a model, found once: traced from one forward, declared, or named.
 
 :func:`find_roles` merges three sources, strongest first: the declaration
-(:mod:`hooks.modelroles.declare`) wins; then the trace (:mod:`hooks.modelroles.traced`); then
-the names (:mod:`hooks.modelroles.named`). Where the trace and the names both find a role and
-disagree (another o projection, another H), the traced one is kept and :attr:`Roles.notes`
-says so, with the line that declares the right one.
+(:mod:`hooks.modelroles.declare`) wins; then the trace (:mod:`hooks.modelroles.traced`) and
+the names (:mod:`hooks.modelroles.named`), which must agree on each role they both find.
+
+Where the trace and the names both find a role and disagree, the named one is kept (the views
+take names first, without a forward, so what :func:`find_roles` reports is what they use) and
+:attr:`Roles.notes` says so: declare the right one to settle it.
 
 The trace is one forward without gradients in eval mode, with the RNG forked (the caller's
 random stream and every module's train flag are left as they were), on the batch given when
@@ -28,7 +30,7 @@ from hooks.modelroles.declare import ATTRIBUTE, declaration, declared_roles
 from hooks.modelroles.found import AttentionRole, Found, MoERole, Roles
 from hooks.modelroles.graph import OpGraph
 from hooks.modelroles.named import named_roles
-from hooks.modelroles.traced import read_roles
+from hooks.modelroles.traced import in_width, read_roles
 
 #: The largest batch (B·T ids) traced as given; a larger one is replaced by a synthetic one.
 MAX_TRACE_TOKENS = 4096
@@ -131,7 +133,8 @@ def _disagree(t: AttentionRole, n: AttentionRole) -> str:
     return "; ".join(diffs)
 
 
-def _merge_attention(d: Roles, t: Roles, n: Roles, notes: list[str]) -> list[AttentionRole]:
+def _merge_attention(d: Roles, t: Roles, n: Roles, notes: list[str],
+                     modules: dict[str, nn.Module]) -> list[AttentionRole]:
     out: dict[str, AttentionRole] = {}
     for a in t.attention:
         out[a.name] = a
@@ -139,8 +142,10 @@ def _merge_attention(d: Roles, t: Roles, n: Roles, notes: list[str]) -> list[Att
         if a.name in out:
             why = _disagree(out[a.name], a)
             if why:
-                notes.append(f"{a.name}: the trace and the names disagree ({why}); the traced "
-                             f"role is used: declare the right one to settle it")
+                notes.append(f"{a.name}: the trace and the names disagree ({why}); the named "
+                             f"role is used, as the views read it without a forward: declare "
+                             f"the right one to settle it")
+                out[a.name] = a
             else:
                 out[a.name] = replace(out[a.name], detail=out[a.name].detail + "; names agree")
             continue
@@ -154,6 +159,9 @@ def _merge_attention(d: Roles, t: Roles, n: Roles, notes: list[str]) -> list[Att
             a.q, a.k, a.v, a.kernel = base.q, base.k, base.v, base.kernel
             if a.head_dim is None and a.num_heads == base.num_heads:
                 a.head_dim = base.head_dim
+        width = in_width(modules[a.o]) if a.o in modules else None
+        if a.head_dim is None and a.num_heads and width and width % a.num_heads == 0:
+            a.head_dim = width // a.num_heads  # the declared H over the o projection's input
         out[a.name] = a
     return list(out.values())
 
@@ -176,15 +184,18 @@ def _single(d: Found | None, t: Found | None, n: Found | None, what: str,
             notes: list[str]) -> Found | None:
     if t is not None and n is not None:
         if t.module != n.module:
-            notes.append(f"{what}: the trace found {t.module}, the names {n.module}; the traced "
-                         "one is used: declare the right one to settle it")
+            notes.append(f"{what}: the trace found {t.module}, the names {n.module}; the named "
+                         "one is used, as the views read it without a forward: declare the "
+                         "right one to settle it")
+            t = None
         else:
             t = replace(t, detail=f"{t.detail}; {n.detail} agrees")
     return d or t or n
 
 
 def find_roles(model: nn.Module, batch: Any = None, *, trace: bool = True) -> Roles:
-    """Every role of ``model``: declared, else traced, else named (see the module docstring).
+    """Every role of ``model``: declared, else traced or named, which must agree (see the
+    module docstring).
 
     Args:
         model: any ``nn.Module``.
@@ -202,7 +213,7 @@ def find_roles(model: nn.Module, batch: Any = None, *, trace: bool = True) -> Ro
     t = traced_roles(model, batch) if trace else Roles()
     n = named_roles(model)
     notes = list(t.notes)
-    roles = Roles(_merge_attention(d, t, n, notes),
+    roles = Roles(_merge_attention(d, t, n, notes, dict(model.named_modules())),
                   _single(d.lm_head, t.lm_head, n.lm_head, "LM head", notes),
                   _single(d.final_norm, t.final_norm, n.final_norm, "final norm", notes),
                   _merge_moe(d, t, n), notes, traced=t.traced, trace_error=t.trace_error)

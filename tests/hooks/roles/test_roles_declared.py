@@ -157,3 +157,40 @@ def test_a_model_with_nothing_to_trace_on_says_so_and_keeps_its_names():
     roles = find_roles(model)
     assert not roles.traced and "no batch to trace" in roles.notes[0]
     assert (roles.lm_head.module, roles.lm_head.how) == ("lm_head", "named")
+
+
+class LiarAttention(nn.Module):
+    """Says 2 heads (``num_heads``) but computes 4: the names and the trace disagree."""
+
+    num_heads = 2
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        B, T_, D = x.shape
+        q, k, v = (p(x).view(B, T_, 4, D // 4).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T_, D))
+
+
+def test_the_trace_and_the_names_must_agree_or_the_note_says_so_and_a_declaration_settles_it():
+    torch.manual_seed(0)
+    model = om.MyGPT(n=2, mixer=lambda d, h: LiarAttention(d))
+    ids = om.ids()
+    roles = find_roles(model, ids)
+    a = roles.attention_of("blocks.0.attn")
+    assert (a.how, a.num_heads, a.head_dim) == ("named", 2, 16)  # what the views use
+    assert any("blocks.0.attn: the trace and the names disagree (heads: traced 4, named 2; "
+               "head dim: traced 8, named 16)" in n for n in roles.notes)
+    hooks.roles(model, attention="blocks.*.attn", heads=4)
+    a = find_roles(model, ids).attention_of("blocks.0.attn")
+    assert (a.how, a.num_heads, a.head_dim, a.o) == ("declared", 4, 8, "blocks.0.attn.o_proj")
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        ref.blocks[0].attn.o_proj.weight[:, 24:32] = 0
+    with torch.no_grad(), hooks.capture(model, edits=["zero blocks.0.attn head=3"]):
+        got = _logits(model, ids)
+    assert torch.allclose(got, _logits(ref, ids), **TOL)
