@@ -15,6 +15,12 @@ Everything the TUI shows comes from a :class:`Trace` recorded by :func:`capture`
     trace.save("step0.mdbtrace"); hooks.Trace.load("step0.mdbtrace")
     trace.diff(other_trace)
 
+Which module is attention (its heads, q/k/v/o), the LM head, the final norm, the router and
+the experts, found from one traced forward; declare what tracing cannot tell::
+
+    hooks.roles(model)                                   # what was found, and how
+    hooks.roles(model, attention="blocks.*.attn", heads=4, lm_head="head", final_norm="ln_f")
+
 Record your own training loop in the run store (``mdb watch``, ``mdb runs``, ``mdb export``)::
 
     with hooks.run("exp1") as run:
@@ -56,6 +62,7 @@ _LAZY: dict[str, str] = {
         ),
         "probes.base",
     ),
+    **dict.fromkeys(("Roles", "find_roles", "roles"), "modelroles.find"),
     **dict.fromkeys(("Run", "run"), "recorder.run"),
     **dict.fromkeys(
         (
@@ -111,6 +118,7 @@ __all__ = [
     "Probe",
     "ProbeContext",
     "ProbeRecord",
+    "Roles",
     "RoutingRecord",
     "Run",
     "Selector",
@@ -123,12 +131,14 @@ __all__ = [
     "TraceDiff",
     "TraceFormatError",
     "capture",
+    "find_roles",
     "from_factory",
     "logit_lens",
     "module_infos",
     "precision_diff",
     "probes_for",
     "register_probe",
+    "roles",
     "run",
     "select_loss",
     "summarize_tensor",
@@ -144,6 +154,8 @@ def _load(module: str) -> types.ModuleType:
         import hooks.engine.capture  # noqa: F401 (read from sys.modules)
     elif module == "probes.base":
         import hooks.probes.base  # noqa: F401 (read from sys.modules)
+    elif module == "modelroles.find":
+        import hooks.modelroles.find  # noqa: F401 (read from sys.modules)
     elif module == "recorder.run":
         import hooks.recorder.run  # noqa: F401 (read from sys.modules)
     elif module == "tensors.stats":

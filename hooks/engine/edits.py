@@ -7,7 +7,8 @@ One grammar serves the API (``hooks.capture(model, edits=[...])``), the CLI (``m
     zero MODULE                  the module's output is replaced by zeros
     zero MODULE head=H           attention head H's output is zeroed before the output
                                  projection (its slice of o_proj's / c_proj's input; with GQA
-                                 H is a query head)
+                                 H is a query head); the attention module, its heads and its
+                                 o projection are hooks.modelroles' (declared, named, traced)
     zero MODULE expert=E         expert E's contribution is zeroed: the router still picks it,
                                  the other weights are not renormalised
     drop MODULE expert=E         the router never picks E: its logit is -inf before top-k
@@ -43,8 +44,14 @@ from typing import Any
 
 from torch import nn
 
-# noqa: F401  (hooks.engine.edits' name too)
-from hooks.probes.attention import looks_like_attention
+from hooks.modelroles import attention_role, moe_role
+from hooks.modelroles.named import (  # noqa: F401 (edits' public names, as before)
+    HEAD_ATTRS,
+    OUT_PROJ_NAMES,
+    ROUTER_NAMES,
+    looks_like_attention,
+    named_attention,
+)
 from hooks.trace.applied_edit import AppliedEdit
 
 #: The edit operations, in the order the form offers them.
@@ -52,12 +59,8 @@ OPS = ("zero", "drop", "scale", "mean", "patch")
 _KEYS = {"zero": {"head", "expert"}, "drop": {"expert"}, "scale": {"by"}, "mean": set(),
          "patch": {"from", "pos"}}
 _REQUIRED = {"drop": ("expert",), "scale": ("by",), "patch": ("from",)}
-#: Child names of an attention module's output projection, tried in order.
-OUT_PROJ_NAMES = ("o_proj", "out_proj", "c_proj", "dense", "o", "wo", "proj")
-#: Attributes that hold an attention module's number of query heads (on it, then its config).
-HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
-#: Child names of an MoE block's router, tried first.
-ROUTER_NAMES = ("gate", "router", "wg", "switch")
+# OUT_PROJ_NAMES, HEAD_ATTRS and ROUTER_NAMES (the names tried by the fast path) are
+# hooks.modelroles.named's: edits read the roles every view reads (hooks.modelroles).
 
 
 @dataclass(frozen=True)
@@ -229,26 +232,14 @@ def num_heads(m: nn.Module) -> int | None:
 
 def out_projection(m: nn.Module) -> tuple[str, nn.Module, int, int] | str:
     """``(child name, projection, H, Dh)`` of attention module ``m``'s output projection, whose
-    input is the heads' outputs concatenated, (..., H·Dh); else why not (one phrase)."""
-    if isinstance(m, nn.MultiheadAttention):
-        return ("nn.MultiheadAttention applies out_proj inside one function "
-                "(F.multi_head_attention_forward): no per-head input to edit")
-    if not looks_like_attention(m):
-        return f"a {type(m).__name__} is not an attention module mdb recognises"
-    h = num_heads(m)
-    if h is None:
-        return f"its number of heads is not known (none of {', '.join(HEAD_ATTRS)})"
-    for name in OUT_PROJ_NAMES:
-        proj = getattr(m, name, None)
-        if isinstance(proj, nn.Module) and proj in m.children():
-            n = in_features(proj)
-            if n is None:
-                continue
-            if n % h:
-                return f"{name}'s input width {n} is not a multiple of its {h} heads"
-            return name, proj, h, n // h
-    return (f"no output projection found (a Linear or Conv1D child named "
-            f"{', '.join(OUT_PROJ_NAMES[:3])}…)")
+    input is the heads' outputs concatenated, (..., H·Dh), by names alone
+    (:func:`hooks.modelroles.named.named_attention`); else why not (one phrase). Edits read
+    :func:`hooks.modelroles.attention_role`, which also traces and reads the declaration."""
+    got = named_attention("", m)
+    if isinstance(got, str):
+        return got
+    assert got.o is not None and got.num_heads and got.head_dim
+    return got.o, getattr(m, got.o), got.num_heads, got.head_dim
 
 
 def num_experts(block: nn.Module, experts: nn.Module) -> int | None:
@@ -337,48 +328,62 @@ def _match(edit: Edit, modules: list[tuple[str, nn.Module]]) -> list[tuple[str, 
     raise ValueError(f"edit {edit.spec!r}: no module matches {pat!r}{hint}")
 
 
-def _target(edit: Edit, name: str, m: nn.Module, by_name: dict[str, nn.Module]) -> Target:
+def _target(edit: Edit, name: str, m: nn.Module, by_name: dict[str, nn.Module],
+            model: nn.Module) -> Target:
     where = f"edit {edit.spec!r}: {name}"
     if name == "":
         raise ValueError(f"edit {edit.spec!r}: the model itself cannot be edited (its output is "
                          "what the loss reads); name a submodule")
     if edit.expert is not None:  # an MoE block, or its experts (a list of modules too)
-        return _expert_target(edit, name, m, by_name, where)
+        return _expert_target(edit, name, m, by_name, where, model)
     if _is_container(m):
         raise ValueError(f"{where} is a {type(m).__name__}, a container that is never called; "
                          "name one of its modules")
     if edit.head is not None:
-        got = out_projection(m)
+        got = attention_role(model, name)
         if isinstance(got, str):
-            raise ValueError(f"{where}: head= needs an attention module: {got}")
-        pname, proj, h, dh = got
+            raise ValueError(f"edit {edit.spec!r}: head= needs an attention module: {got}")
+        h, dh = got.num_heads, got.head_dim
+        assert h and dh and got.o
         if edit.head >= h:
             raise ValueError(f"{where} has {h} heads (0…{h - 1}); head={edit.head} is out of "
                              "range")
-        return Target(edit, name, "head", proj, f"{name}.{pname}", size=h, head_dim=dh)
+        return Target(edit, name, "head", by_name[got.o], got.o, size=h, head_dim=dh)
     return Target(edit, name, "output", m, name)
 
 
-def _expert_target(edit: Edit, name: str, m: nn.Module, by_name: dict[str, nn.Module],
-                   where: str) -> Target:
+def _moe_parts(name: str, m: nn.Module, by_name: dict[str, nn.Module], model: nn.Module,
+               where: str) -> tuple[str, nn.Module, nn.Module, str | None]:
+    """``(block name, block, experts, router name or None)``: by the block's ``experts``
+    child, else from :func:`hooks.modelroles.moe_role` (declared or traced)."""
     moe = moe_of(name, m, by_name)
-    if moe is None:
-        raise ValueError(f"{where}: expert= needs an MoE block (a module with an experts "
-                         f"child) or its experts; a {type(m).__name__} has none")
-    bname, block, experts = moe
+    if moe is not None:
+        return (*moe, None)
+    role = moe_role(model, name)
+    if isinstance(role, str) or role.experts is None:
+        why = role if isinstance(role, str) else f"{role.name} has no experts found"
+        raise ValueError(f"{where}: expert= needs an MoE block or its experts: {why}")
+    return role.name, by_name[role.name], by_name[role.experts], role.router
+
+
+def _expert_target(edit: Edit, name: str, m: nn.Module, by_name: dict[str, nn.Module],
+                   where: str, model: nn.Module) -> Target:
+    bname, block, experts, router = _moe_parts(name, m, by_name, model, where)
     e = num_experts(block, experts)
     if e is None:
         raise ValueError(f"{where}: the number of experts of {bname} is not known")
     if edit.expert >= e:
         raise ValueError(f"{where} has {e} experts (0…{e - 1}); expert={edit.expert} is out of "
                          "range")
-    ename = f"{bname}.experts"
+    ename = next(n for n, x in by_name.items() if x is experts)
     if edit.op == "drop":
-        r = router_of(block, experts, e)
+        r = (router.rpartition(".")[2], by_name[router]) if router else \
+            router_of(block, experts, e)
         if r is None:
             raise ValueError(f"{where}: no router found in {bname} (a child named gate/router "
                              f"with a weight of {e} rows)")
-        return Target(edit, name, "router", r[1], f"{bname}.{r[0]}", size=e, router_owner=block)
+        return Target(edit, name, "router", r[1], f"{bname}.{r[0]}" if bname else r[0], size=e,
+                      router_owner=block)
     if isinstance(experts, (nn.ModuleList, nn.Sequential)):
         exp = experts[edit.expert]
         return Target(edit, name, "expert_list", exp, f"{ename}.{edit.expert}", size=e)
@@ -411,7 +416,8 @@ def resolve_edits(model: nn.Module, edits: list[str | Edit],
     from hooks.tensors.walk import named_modules
 
     parsed = [parse_edit(e) for e in edits]
-    modules = named_modules(unwrap_compiled(model))
+    root = unwrap_compiled(model)
+    modules = named_modules(root)
     by_name = dict(modules)
     out: list[Target] = []
     for edit in parsed:
@@ -420,7 +426,7 @@ def resolve_edits(model: nn.Module, edits: list[str | Edit],
             raise ValueError(f"edit {edit.spec!r}: no source batch named {edit.source!r} "
                              f"(sources given: {given})")
         for name, m in _match(edit, modules):
-            out.append(_target(edit, name, m, by_name))
+            out.append(_target(edit, name, m, by_name, root))
     return out
 
 
@@ -437,17 +443,19 @@ def edit_options(model: nn.Module, module: str) -> list[str]:
     from hooks.engine.compile import unwrap_compiled
     from hooks.tensors.walk import named_modules
 
-    modules = named_modules(unwrap_compiled(model))
+    root = unwrap_compiled(model)
+    modules = named_modules(root)
     by_name = dict(modules)
     m = by_name.get(module)
     if not module or m is None:
         return []
     moe = [f"zero {module} expert=0", f"drop {module} expert=0"] \
-        if moe_of(module, m, by_name) is not None else []
+        if moe_of(module, m, by_name) is not None or not isinstance(
+            moe_role(root, module), str) else []
     if _is_container(m):  # never called: only an MoE block's expert list has edits
         return moe
     out = [f"zero {module}"]
-    if not isinstance(out_projection(m), str):
+    if not isinstance(attention_role(root, module), str):
         out.append(f"zero {module} head=0")
     out += moe + [f"scale {module} by=0.5", f"mean {module}", f"patch {module} from=rolled"]
     return out

@@ -46,6 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# the name rule is hooks.modelroles's, which every view reads (kept here under its old name)
+from hooks.modelroles.named import looks_like_attention  # noqa: F401
 from hooks.trace.records import AttentionRecord, Note, layer_of
 
 #: Default byte budget for attention probabilities (and masks) kept by one capture.
@@ -323,15 +325,6 @@ def no_softmax_kind(name: str, m: nn.Module) -> str | None:
     words = (type(m).__name__ + " " + name.rpartition(".")[2]).lower()
     return next((kind for kind, keys in NO_SOFTMAX_KINDS if any(k in words for k in keys)),
                 None)
-
-
-def looks_like_attention(m: nn.Module) -> bool:
-    """Whether ``m`` is taken for an attention module: its class name says Attention, it is an
-    ``nn.MultiheadAttention``, or it has q/qkv projections (``q_proj``, ``qkv_proj``,
-    ``c_attn``, ``Wqkv``, ``query_key_value``)."""
-    if "Attention" in type(m).__name__ or isinstance(m, nn.MultiheadAttention):
-        return True
-    return any(hasattr(m, a) for a in ("q_proj", "qkv_proj", "c_attn", "Wqkv", "query_key_value"))
 
 
 class AttentionCapture:

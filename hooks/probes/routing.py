@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from hooks.modelroles.declare import declared_roles
 from hooks.trace.records import Note, RoutingRecord, layer_of
 
 #: Attribute names under which routers keep a bias added to the scores for the choice only.
@@ -288,12 +289,26 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
 def moe_blocks(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module, nn.Module]]:
-    """``(name, block, experts)`` for every module with an ``experts`` child module."""
+    """``(name, block, experts)`` for every module with an ``experts`` child module, and every
+    MoE block the model (``modules``' root, ``""``) declares with experts under another name
+    (``hooks.roles(model, router=..., experts=...)``, :mod:`hooks.modelroles`)."""
     out = []
     for name, m in modules:
         experts = getattr(m, "experts", None)
         if isinstance(experts, nn.Module) and experts in m.children():
             out.append((name, m, experts))
+    by_name = dict(modules)
+    root = by_name.get("")
+    if root is None:
+        return out
+    try:
+        declared = declared_roles(root).moe
+    except ValueError:  # a declaration that does not fit is said where roles are read
+        declared = []
+    known = {n for n, _, _ in out}
+    for b in declared:
+        if b.name not in known and b.experts in by_name and b.name in by_name:
+            out.append((b.name, by_name[b.name], by_name[b.experts]))
     return out
 
 

@@ -217,20 +217,14 @@ def _post_of(model: nn.Module) -> tuple[Callable[[torch.Tensor], torch.Tensor] |
     return None, "none"
 
 
-def _head_of(model: nn.Module, names: dict[int, str]) -> str:
-    get = getattr(model, "get_output_embeddings", None)
-    head = None
-    if callable(get):
-        try:
-            head = get()
-        except Exception:  # a model whose method is not implemented
-            head = None
-    if not isinstance(head, nn.Module):
-        head = getattr(model, "lm_head", None)
-    if not isinstance(head, nn.Module) or id(head) not in names:
-        raise ValueError(f"{type(model).__name__} declares no LM head (get_output_embeddings() "
-                         "is None and there is no lm_head): the logit lens needs one")
-    return names[id(head)]
+def _head_of(model: nn.Module) -> str:
+    """The LM head's name: :func:`hooks.modelroles.lm_head_role` (declared, named, traced)."""
+    from hooks.modelroles import lm_head_role
+
+    got = lm_head_role(model)
+    if isinstance(got, str):
+        raise ValueError(f"the logit lens needs an LM head: {got}")
+    return got.module
 
 
 def _blocks(module: nn.Module) -> bool:
@@ -242,40 +236,73 @@ def _blocks(module: nn.Module) -> bool:
 def find_parts(model: nn.Module) -> LensParts:
     """Find a decoder-only model's decoder layers, final norm and LM head.
 
-    The layers are the first ``nn.ModuleList`` of blocks of one class named like
+    The roles are every view's (:mod:`hooks.modelroles`): a declared head and final norm win;
+    then the layers are the first ``nn.ModuleList`` of blocks of one class named like
     :data:`LAYER_LIST_NAMES` (``model.layers``, ``transformer.h``, ``model.model.layers``)
     whose parent also holds a final norm named like :data:`FINAL_NORM_NAMES`; the head is
-    ``get_output_embeddings()``, else ``lm_head``.
+    ``get_output_embeddings()``, else ``lm_head``. Where names fail, the roles traced from one
+    forward: the projection whose output is the logits, the norm it reads, and the list of
+    blocks (of one class) that holds the final norm's input.
 
     Raises:
         ValueError: one line saying why not: an encoder-decoder, no list of blocks, no final
-            norm beside it, no LM head.
+            norm, no LM head (with the line that declares the one missing).
     """
     from hooks.batch import is_encoder_decoder
+    from hooks.modelroles import declared_roles
 
     kind = type(model).__name__
     if is_encoder_decoder(model):
         raise ValueError(f"{kind} is an encoder-decoder model: the logit lens reads the "
                          "residual stream of a decoder-only model")
     modules = dict(model.named_modules())
-    names = {id(m): n for n, m in reversed(list(modules.items()))}
-    head = _head_of(model, names)
+    head = _head_of(model)
+    declared = declared_roles(model).final_norm
     lists = [n for n, m in modules.items()
              if n.rpartition(".")[2] in LAYER_LIST_NAMES and _blocks(m)]
-    if not lists:
-        raise ValueError(f"{kind} has no list of decoder blocks (an nn.ModuleList named "
-                         f"{', '.join(LAYER_LIST_NAMES)}): the logit lens has no layers to read")
-    for name in lists:
-        parent = name.rpartition(".")[0]
-        prefix = f"{parent}." if parent else ""
-        for norm in FINAL_NORM_NAMES:
-            if prefix + norm in modules:
-                layers = [f"{name}.{c}" for c, _ in modules[name].named_children()]
-                post, text = _post_of(model)
-                return LensParts(layers, prefix + norm, head, post, text)
-    raise ValueError(f"{kind} has no final norm beside {lists[0]} (looked for "
-                     f"{', '.join(FINAL_NORM_NAMES)}): the logit lens would read the residual "
-                     "stream without the norm the head expects")
+    if declared is None:
+        for name in lists:
+            parent = name.rpartition(".")[0]
+            prefix = f"{parent}." if parent else ""
+            for norm in FINAL_NORM_NAMES:
+                if prefix + norm in modules:
+                    return _parts(model, modules, name, prefix + norm, head)
+    return _parts_by_role(model, modules, lists, head)
+
+
+def _parts(model: nn.Module, modules: dict[str, nn.Module], layers: str, norm: str,
+           head: str) -> LensParts:
+    post, text = _post_of(model)
+    return LensParts([f"{layers}.{c}" for c, _ in modules[layers].named_children()], norm, head,
+                     post, text)
+
+
+def _parts_by_role(model: nn.Module, modules: dict[str, nn.Module], lists: list[str],
+                   head: str) -> LensParts:
+    """The lens's parts when names give no final norm beside the blocks: the declared or
+    traced final norm (:func:`hooks.modelroles.final_norm_role`) and the list of blocks beside
+    it (any name), else the first list named like one."""
+    from hooks.modelroles import final_norm_role
+
+    kind = type(model).__name__
+    got = final_norm_role(model)
+    if isinstance(got, str):
+        raise ValueError(f"the logit lens would read the residual stream without the norm the "
+                         f"head expects: {got}")
+    parent = got.module.rpartition(".")[0]
+    beside = [n for n, m in modules.items() if n.rpartition(".")[0] == parent and _blocks(m)]
+    found = beside[:1] or (lists[:1] if got.how == "declared" else [])
+    if found:
+        return _parts(model, modules, found[0], got.module, head)
+    if lists:  # a norm elsewhere (BERT's head transform) is not the blocks' final norm
+        raise ValueError(f"{kind} has no final norm beside {lists[0]} (looked for "
+                         f"{', '.join(FINAL_NORM_NAMES)}, and the head reads {got.module}, "
+                         "which is not beside the blocks): the logit lens would read the "
+                         "residual stream without the norm the head expects; if one is, "
+                         f"declare it: hooks.roles(model, final_norm='NAME')")
+    raise ValueError(f"{kind} has no list of decoder blocks (an nn.ModuleList of blocks of "
+                     f"one class beside {got.module}, or named {', '.join(LAYER_LIST_NAMES)}): "
+                     "the logit lens has no layers to read")
 
 
 def _output_logits(output: Any) -> torch.Tensor | None:

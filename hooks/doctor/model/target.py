@@ -26,6 +26,7 @@ from torch import nn
 
 from hooks.batch import ROLE_NAMES, Batch, BatchError, LossChoice, LossFn, select_loss
 from hooks.doctor.model.kind import ModelKind, detect_kind
+from hooks.modelroles.found import AttentionRole, Roles
 
 
 class SkipCheck(Exception):
@@ -171,6 +172,26 @@ def _int_attr(objs: tuple[Any, ...], names: tuple[str, ...]) -> int | None:
     return None
 
 
+def _info_from_role(name: str, m: nn.Module, role: AttentionRole,
+                    model: nn.Module) -> AttentionInfo | None:
+    """The :class:`AttentionInfo` of a declared or traced attention role (its heads from the
+    shapes of q and k, its k/v columns, its o projection); None when its heads are unknown."""
+    h, hkv, dh = role.num_heads, role.num_kv_heads, role.head_dim
+    if not (h and dh and hkv and role.o) or h % hkv:
+        return None  # heads unknown, or keys/values of another width (MLA), or no o projection
+    cls = type(m).__name__
+    if hkv == h:
+        return AttentionInfo(name, m, h, h, dh, "mha",
+                             why=f"{cls}: H = Hkv = {h} ({role.how})")
+    modules = dict(model.named_modules())
+    if role.k is None or role.v is None or role.o is None or role.o not in modules:
+        return None
+    layout = "fused" if role.k.module == role.v.module == getattr(role.q, "module", None) \
+        else "separate"
+    return AttentionInfo(name, m, h, hkv, dh, layout, (modules[role.k.module], role.k.start),
+                         (modules[role.v.module], role.v.start), modules[role.o])
+
+
 class Target:
     """A model, the batch it runs on and its loss convention, with helpers to run it on other
     batches of the same kind.
@@ -206,6 +227,7 @@ class Target:
         #: (H, Hkv) of the attention calls recorded in a module (:meth:`_recorded_attention`)
         self._recorded_heads: dict[str, tuple[int | None, int | None]] = {}
         self._positions: tuple[bool, str] | None = None
+        self._roles: Roles | None = None
 
     @classmethod
     def from_any(cls, model: Any, batch: Any = None) -> Target:
@@ -515,7 +537,8 @@ class Target:
         ``BertSelfAttention`` is left out), with its head layout (:class:`AttentionInfo`): the
         modules named like attention or with q/k/v children, else those in which
         :func:`hooks.capture` records attention probabilities on the batch
-        (:meth:`_recorded_attention`)."""
+        (:meth:`_recorded_attention`), else the traced ones (:meth:`roles`); declared
+        attention modules (``hooks.roles(model, attention=...)``) always."""
         if self._attn is not None:
             return self._attn
         found: list[tuple[str, nn.Module]] = []
@@ -526,6 +549,19 @@ class Target:
                 found.append((name, m))
         if not found:
             found = self._recorded_attention()
+        from hooks.modelroles import declared_roles
+
+        known = {n for n, _ in found}
+        try:  # a declared module is attention; where names found none, the traced ones are
+            extra = declared_roles(self.model).attention
+        except ValueError:
+            extra = []
+        extra = extra + (self.roles().attention if not known else [])
+        modules = dict(self.model.named_modules())
+        for a in extra:
+            if a.name not in known and a.name in modules:
+                known.add(a.name)
+                found.append((a.name, modules[a.name]))
         names = [n for n, _ in found]
         out = []
         for name, m in found:
@@ -556,7 +592,42 @@ class Target:
             self._recorded_heads.setdefault(a.module, (a.num_heads, a.num_kv_heads))
         return [(n, modules[n]) for n in self._recorded_heads if n in modules]
 
+    def roles(self) -> Roles:
+        """Every role of the model (:func:`hooks.modelroles.find_roles` on the batch: declared,
+        traced, named), found once; only names and the declaration when the declaration does
+        not fit the model or the forward cannot be traced (the notes say why)."""
+        if self._roles is None:
+            from hooks.modelroles import find_roles
+
+            try:
+                self._roles = find_roles(self.model, self.batch)
+            except ValueError as exc:  # a declaration that does not fit: said, not raised
+                self._roles = Roles(notes=[str(exc)])
+        return self._roles
+
     def _attention_info(self, name: str, m: nn.Module) -> AttentionInfo:
+        """The layout of attention module ``m``: a declared role first; then by names; where
+        names cannot tell its heads or layout, the traced role (:meth:`roles`)."""
+        from hooks.modelroles import declared_roles
+
+        try:
+            declared = declared_roles(self.model).attention_of(name)
+        except ValueError:
+            declared = None
+        if declared is not None:
+            role = self.roles().attention_of(name)
+            got = _info_from_role(name, m, role, self.model) if role is not None else None
+            if got is not None:
+                return got
+        info = self._named_info(name, m)
+        if info.layout == "unsupported" or not info.num_heads:
+            role = self.roles().attention_of(name)
+            got = _info_from_role(name, m, role, self.model) if role is not None else None
+            if got is not None:
+                return got
+        return info
+
+    def _named_info(self, name: str, m: nn.Module) -> AttentionInfo:
         cls = type(m).__name__
         rec_heads, rec_kv = self._recorded_heads.get(name, (None, None))
         heads = _int_attr((m, self.config), ("num_heads", "num_attention_heads", "n_head",
@@ -637,7 +708,8 @@ class Target:
         return None
 
     def moe_blocks(self) -> list[MoEInfo]:
-        """Modules with an ``experts`` child and a ``gate`` or ``router`` child."""
+        """Modules with an ``experts`` child and a ``gate`` or ``router`` child; where there is
+        none, the declared or traced MoE blocks (:mod:`hooks.modelroles`)."""
         out = []
         for name, m in self.model.named_modules():
             experts = getattr(m, "experts", None)
@@ -656,7 +728,14 @@ class Target:
                 e = getattr(experts, "num_experts", None) or self.cfg("num_local_experts")
             full = f"{name}.{rname}" if name else rname
             out.append(MoEInfo(name, full, r, int(e) if isinstance(e, int) else 0))
-        return out
+        return out or self._moe_by_role()
+
+    def _moe_by_role(self) -> list[MoEInfo]:
+        """Where no block is named like one: the declared or traced MoE blocks
+        (:meth:`roles`) with a router."""
+        modules = dict(self.model.named_modules())
+        return [MoEInfo(b.name, b.router, modules[b.router], b.num_experts or 0)
+                for b in self.roles().moe if b.router in modules]
 
     def norm_modules(self) -> list[tuple[str, nn.Module]]:
         """Normalisation modules: class name ending in ``RMSNorm``/``LayerNorm`` or
@@ -681,6 +760,17 @@ class Target:
             h = self.model.get_output_embeddings()
             if isinstance(h, nn.Module) and id(h) in names:
                 head = (names[id(h)], h)
+        with contextlib.suppress(ValueError):  # a declared head wins (hooks.modelroles)
+            from hooks.modelroles import declared_roles
+
+            d = declared_roles(self.model).lm_head
+            if d is not None:
+                head = (d.module, dict(self.model.named_modules())[d.module])
+        if head is None:  # the projection whose output is the logits, traced
+            r = self.roles().lm_head if not any(
+                n.endswith("lm_head") for n, _ in self.model.named_modules()) else None
+            if r is not None:
+                head = (r.module, dict(self.model.named_modules())[r.module])
         v = self.cfg("vocab_size")
         if emb is None:
             for n, m in self.model.named_modules():

@@ -1,0 +1,25 @@
+"""Which module of a model plays which role — attention (with its heads and q/k/v/o
+projections), the final norm, the LM head, the router and the experts — read from what the
+model computes in one traced forward, from a declaration, or from HF's names.
+
+* :func:`find_roles` (``mdb roles``): every role, each with ``how`` it was found
+  (``declared``, ``traced``, ``named``); a declaration wins, and where the trace and the
+  names disagree the named role is kept (what the views use) and a note says so.
+* :func:`roles` (``hooks.roles``): declare roles (kept on the model as ``__mdb_roles__``) and
+  return every role.
+* :func:`attention_role`, :func:`lm_head_role`, :func:`final_norm_role`, :func:`moe_role`:
+  one role for a view (edits, the logit lens, the doctor), or the one line that says why not
+  and how to declare it.
+
+Reference: TorchLens (Taylor et al., 2023) reads a model's structure from the ops it runs
+rather than from names. Never imports textual, rich or tui.
+"""
+
+from hooks.modelroles.declare import ATTRIBUTE, KEYS, declaration, declared_roles
+from hooks.modelroles.find import find_roles, roles, trace_roles, traced_roles
+from hooks.modelroles.found import HOW, AttentionRole, Columns, Found, MoERole, Roles
+from hooks.modelroles.lookup import attention_role, final_norm_role, lm_head_role, moe_role
+
+__all__ = ["ATTRIBUTE", "HOW", "KEYS", "AttentionRole", "Columns", "Found", "MoERole", "Roles",
+           "attention_role", "declaration", "declared_roles", "final_norm_role", "find_roles",
+           "lm_head_role", "moe_role", "roles", "trace_roles", "traced_roles"]
