@@ -1,3 +1,13 @@
 """Imports every check module so that each registers itself in ``CHECKS``."""
 
-from hooks.doctor.model import attention, basic, moe, numerics, training  # noqa: F401
+from hooks.doctor.model import (  # noqa: F401
+    attention,
+    basic,
+    loss_terms,
+    magnitudes,
+    moe,
+    numerics,
+    shapes,
+    training,
+    user_hooks,
+)
