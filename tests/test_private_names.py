@@ -280,6 +280,8 @@ def test_the_named_reaches_of_issue_33_are_gone(pattern) -> None:
 def _hook_dict_holds_a_registered_hook() -> bool:
     """``Tensor._backward_hooks`` holds what ``register_hook`` registered (the doctor's user
     hooks check reads it)."""
+    import torch
+
     p = torch.nn.Parameter(torch.zeros(2))
 
     def fn(g):
