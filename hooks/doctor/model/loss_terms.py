@@ -117,8 +117,13 @@ def _per_role(roles: list[str], norms: list[float | None]) -> dict[str, dict[str
 
 
 def _router_finding(t: Target, names: list[str], params: list[torch.Tensor],
-                    lm: list[float | None], data: dict[str, Any]) -> Outcome | None:
-    """A router that the LM term reaches with ~0 (relative to the rest), or None."""
+                    norms: dict[str, list[float | None]],
+                    data: dict[str, Any]) -> Outcome | None:
+    """A router that the LM term reaches with ~0 (relative to the rest) while another term
+    reaches it, or None (a router no term reaches is a cut graph: the gradient-flow check's)."""
+    lm = norms["lm"]
+    others = {n for k, v in norms.items() if k != "lm"
+              for n, g in zip(names, v, strict=True) if g}
     rel = {n: g / w for n, p, g in zip(names, params, lm, strict=True)
            if g and (w := float(p.detach().float().norm())) > 0}
     if not rel:
@@ -127,7 +132,7 @@ def _router_finding(t: Target, names: list[str], params: list[torch.Tensor],
     for b in t.moe_blocks():
         for pn, p in b.router.named_parameters():
             name = f"{b.router_name}.{pn}"
-            if name not in names or not p.requires_grad:
+            if name not in names or not p.requires_grad or name not in others:
                 continue
             r = rel.get(name, 0.0)
             if r < ROUTER_FLOOR * median:
@@ -170,7 +175,7 @@ def loss_terms(t: Target, o: DoctorOptions) -> Outcome:
     per = {k: _per_role([r.role for r in keep], v) for k, v in norms.items()}
     data: dict[str, Any] = dict(terms={k: float(v.detach()) for k, v in comps.items()},
                                 split=how, per_role=per)
-    found = _router_finding(t, names, params, norms["lm"], data)
+    found = _router_finding(t, names, params, norms, data)
     if found is not None:
         return found
     parts = []
