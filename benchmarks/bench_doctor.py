@@ -6,8 +6,12 @@ the ratio, plus the per-check seconds of the last 1-thread run. ``--zoo`` times 
 checks on each correct model of ``tests/families.py`` (1 thread, median of the repeats), the
 per-model cost of ``tests/hooks/doctor/model/test_doctor_families.py``.
 
+``--battery`` times instead the whole default run against checks 1-10 alone (1 thread, both
+interleaved): what the later checks (21-24: magnitudes and gradient paths) add.
+
     python benchmarks/bench_doctor.py [--preset default] [--repeats 5]
     python benchmarks/bench_doctor.py --zoo [--repeats 3]
+    python benchmarks/bench_doctor.py --battery [--repeats 5]
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ def main() -> None:
     ap.add_argument("--preset", default="default")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--zoo", action="store_true", help="time each model of tests/families.py")
+    ap.add_argument("--battery", action="store_true",
+                    help="time every check against checks 1-10 alone, interleaved")
     a = ap.parse_args()
     if a.zoo:
         return zoo(a.repeats)
@@ -44,6 +50,16 @@ def main() -> None:
             last[threads] = run_checks(work)
         return fn
 
+    if a.battery:
+        torch.set_num_threads(1)
+        first = ",".join(str(i) for i in range(1, 11))
+        times = interleaved({"checks 1-10": lambda: run_checks(work, only=first),
+                             "every check": lambda: last.update({1: run_checks(work)})},
+                            a.repeats, warmup=1)
+        print(f"mdb doctor on preset {a.preset} ({work.description}), 1 thread")
+        report(times, "checks 1-10")
+        print("per check (last run):", ", ".join(f"{r.key} {r.seconds:.2f}s" for r in last[1]))
+        return None
     times = interleaved({"1 thread": run(1), "2 threads": run(2)}, a.repeats, warmup=1)
     print(f"mdb doctor checks 1-9 on preset {a.preset} ({work.description})")
     report(times, "1 thread")
