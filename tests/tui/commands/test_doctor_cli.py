@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from hooks.doctor.model import CHECKS
 from tui.cli import main
 
 REPO = Path(__file__).resolve().parents[3]
@@ -31,10 +32,11 @@ def test_json_for_tiny_minillm(capsys):
     doc = json.loads(out)
     assert rc == 0
     assert doc["model"].startswith("minillm tiny")
-    assert [r["id"] for r in doc["results"]] == list(range(1, 11))
+    assert [r["id"] for r in doc["results"]] == [c.id for c in CHECKS]
     assert {r["key"]: r["status"] for r in doc["results"]}["overfit"] == "skip"
     assert all(r["status"] == "pass" for r in doc["results"] if r["key"] != "overfit")
-    assert doc["summary"]["failed"] == [] and doc["summary"]["counts"] == {"pass": 9, "skip": 1}
+    assert doc["summary"]["failed"] == [] and doc["summary"]["counts"] == {
+        "pass": len(CHECKS) - 1, "skip": 1}
     assert set(doc["results"][0]) == {"id", "key", "name", "status", "evidence", "hint",
                                       "module", "data", "seconds"}
 
