@@ -89,7 +89,8 @@ def _module_roles(t: Target) -> dict[str, str]:
     return roles
 
 
-def _by_shape(name: str, p: torch.Tensor, mname: str, t: Target, d: int | None) -> str:
+def _by_shape(name: str, p: torch.Tensor, mname: str, module: nn.Module | None,
+              d: int | None) -> str:
     """The role of a parameter outside the recognised modules: by its module's name, else by
     its shape against D."""
     leaf = name.rsplit(".", 1)[-1]
@@ -105,7 +106,7 @@ def _by_shape(name: str, p: torch.Tensor, mname: str, t: Target, d: int | None) 
     if p.dim() != 2 or not d:
         return "other"
     out_f, in_f = p.shape  # nn.Linear stores (out, in)
-    if type(dict(t.model.named_modules()).get(mname)).__name__ == "Conv1D":
+    if type(module).__name__ == "Conv1D":
         in_f, out_f = p.shape
     if in_f == d and out_f != d:
         return "mlp_in"
@@ -127,12 +128,13 @@ def param_roles(t: Target) -> list[ParamRole]:
     mod_roles = _module_roles(t)
     d = _hidden_width(t)
     owners = t.param_owners()
+    modules = dict(t.model.named_modules())
     out = []
     for name, p in t.model.named_parameters():
         mname = owners.get(id(p), [name.rpartition(".")[0]])[0]
         role = next((mod_roles[m] for m in owners.get(id(p), [mname]) if m in mod_roles), None)
         if role is None:
-            role = _by_shape(name, p, mname, t, d)
+            role = _by_shape(name, p, mname, modules.get(mname), d)
         leaf = name.rsplit(".", 1)[-1]
         kind = ("bias" if leaf.endswith("bias") else
                 "scale" if role == "norm" or p.dim() == 1 else "weight")

@@ -93,7 +93,7 @@ def head_rms(t: Target) -> tuple[list[str], Outcome | None]:
     if worst[0] > HEAD_RMS_TOL:
         _, name, lo, hi = worst
         return lines, Outcome.fail(
-            f"{name} has a weight of Dh = {t_head_dim(norms, name)} entries (a per-head norm) "
+            f"{name} has a weight of Dh = {_head_dim_of(norms, name)} entries (a per-head norm) "
             f"but its output's per-head RMS (over Dh, weight divided out) ranges "
             f"{fmt(lo)}..{fmt(hi)}, not 1",
             "the norm is computed across heads (over H·Dh) instead of per head: normalise "
@@ -101,7 +101,7 @@ def head_rms(t: Target) -> tuple[list[str], Outcome | None]:
     return lines, None
 
 
-def t_head_dim(norms: list, name: str) -> int:
+def _head_dim_of(norms: list, name: str) -> int:
     """Dh of the attention that owns the norm ``name``."""
     return next(a.head_dim for n, _, a in norms if n == name)
 

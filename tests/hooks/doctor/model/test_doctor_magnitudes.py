@@ -251,3 +251,16 @@ def test_the_fixed_models_pass_every_new_check(factory):
     res = {r.key: r for r in run_checks(model, batch, only="init,shapes,loss-terms,hooks")}
     assert [k for k, r in res.items() if r.status in ("warn", "fail", "error")] == [], {
         k: r.evidence for k, r in res.items()}
+
+
+@pytest.mark.parametrize("key", ["init", "shapes", "loss-terms", "hooks"])
+def test_each_new_check_runs_alone_from_the_command_line(key, capsys, monkeypatch):
+    import json
+
+    from tui.cli import main
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    rc = main(["doctor", "--preset", "tiny", "--only", key, "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0 and [r["key"] for r in doc["results"]] == [key]
+    assert doc["results"][0]["status"] == "pass", doc["results"][0]["evidence"]
