@@ -288,3 +288,36 @@ def negative_aux(negative: bool):
 def aux_coef_zero():
     """minillm MoE with ``router_aux_loss_coef = 0``: the aux loss is off, not detached."""
     return moe(router_aux_loss_coef=0.0)
+
+
+def _hooked(model):
+    model.tok_embeddings.weight.register_hook(lambda g: g.clamp(-1, 1))  # a per-tensor clip
+    return model
+
+
+def _hooked_llama2c(mode: str):
+    model, b = llama2c(checkpoint_head=mode)
+    return _hooked(model), b
+
+
+#: bug -> (buggy builder, fixed builder, the checks the bug fails, the module named)
+PAIRS = {
+    "llama2c_579_w3_scaled": (lambda: llama2c(scaled=("w3", "wo")), llama2c, {"init"},
+                              "layers.0.feed_forward.w3"),
+    "qk_norm_across_heads": (lambda: llama2c(qk_norm="across"),
+                             lambda: llama2c(qk_norm="head"), {"shapes"},
+                             "layers.0.attention.k_norm"),  # k is normalised first
+    "partial_rotary_ignored": (
+        lambda: llama2c(a=ModelArgs(partial_rotary_factor=0.5), rope_all=True),
+        lambda: llama2c(a=ModelArgs(partial_rotary_factor=0.5)), {"shapes"}, "rotary_emb"),
+    "kv_sharing_undeclared": (lambda: llama2c(kv_shared=True, declare=False),
+                              lambda: llama2c(kv_shared=True), {"grad-flow"},
+                              "layers.3.attention.wk"),
+    "top1_renormalised": (top1_renormalised, top1_switch, {"loss-terms"},
+                          "model.layers.0.mlp.gate"),
+    "negative_aux_loss": (lambda: negative_aux(True), lambda: negative_aux(False), {"shapes"},
+                          None),
+    "hook_under_reentrant_checkpoint": (lambda: _hooked_llama2c("reentrant"),
+                                        lambda: _hooked_llama2c("non-reentrant"), {"hooks"},
+                                        "tok_embeddings"),
+}

@@ -78,11 +78,13 @@ def head_rms(t: Target) -> tuple[list[str], Outcome | None]:
     finally:
         for h in handles:
             h.remove()
-    lines, worst = [], (0.0, "", 0.0, 0.0)
-    for name, rms in seen.items():
+    lines, worst, first_bad = [], (0.0, "", 0.0, 0.0), None
+    for name, rms in seen.items():  # in the order they ran
         dev = float((rms - 1).abs().max())
         if dev > worst[0]:
             worst = (dev, name, float(rms.min()), float(rms.max()))
+        if dev > HEAD_RMS_TOL and first_bad is None:
+            first_bad = (dev, name, float(rms.min()), float(rms.max()))
     joint = [n for n, m, a in norms if a.head_dim and m.weight.numel() != a.head_dim]
     if seen:
         lines.append(f"{len(seen)} per-head q/k norm(s): per-head RMS within "
@@ -90,8 +92,8 @@ def head_rms(t: Target) -> tuple[list[str], Outcome | None]:
     if joint:
         lines.append(f"{len(joint)} q/k norm(s) span all heads by declaration ({joint[0]}: "
                      "weight of H·Dh)")
-    if worst[0] > HEAD_RMS_TOL:
-        _, name, lo, hi = worst
+    if first_bad is not None:
+        _, name, lo, hi = first_bad
         return lines, Outcome.fail(
             f"{name} has a weight of Dh = {_head_dim_of(norms, name)} entries (a per-head norm) "
             f"but its output's per-head RMS (over Dh, weight divided out) ranges "

@@ -117,8 +117,7 @@ def test_init_report_of_a_trained_model_gives_no_verdict():
 # -- what the shapes promise -------------------------------------------------------------------
 def test_shapes_names_a_qk_norm_taken_across_heads():
     bug = one(*mm.llama2c(qk_norm="across"), "shapes")
-    assert bug.status == "fail" and bug.module.endswith("attention.q_norm") or \
-        bug.module.endswith("attention.k_norm")
+    assert bug.status == "fail" and bug.module == "layers.0.attention.k_norm"  # the first
     assert "per-head RMS" in bug.evidence
     # plain torch: per-head RMS of an across-heads RMSNorm of random (2, 3, H=4, Dh=16) values
     x = torch.randn(2, 3, 4, 16, generator=torch.Generator().manual_seed(0)) * torch.tensor(
@@ -264,3 +263,19 @@ def test_each_new_check_runs_alone_from_the_command_line(key, capsys, monkeypatc
     doc = json.loads(capsys.readouterr().out)
     assert rc == 0 and [r["key"] for r in doc["results"]] == [key]
     assert doc["results"][0]["status"] == "pass", doc["results"][0]["evidence"]
+
+
+@pytest.mark.parametrize("bug", sorted(mm.PAIRS))
+def test_each_bug_is_named_by_its_own_check_and_its_fix_draws_nothing(bug):
+    buggy, fixed, must_fail, module = mm.PAIRS[bug]
+    res = {r.key: r for r in run_checks(*buggy())}
+    assert {k for k, r in res.items() if r.failed} == must_fail, {
+        k: r.evidence for k, r in res.items() if r.status != "pass"}
+    for key in must_fail:
+        assert res[key].module == module and res[key].hint
+    ok = {r.key: r for r in run_checks(*fixed())}
+    bad = {k: r.evidence for k, r in ok.items() if r.status in ("fail", "error")
+           or (r.status == "warn" and bug != "kv_sharing_undeclared")}
+    assert bad == {}
+    if bug == "kv_sharing_undeclared":  # the declared twin: a warning quoting the declaration
+        assert ok["grad-flow"].status == "warn" and "is_kv_shared_layer" in ok["grad-flow"].evidence
