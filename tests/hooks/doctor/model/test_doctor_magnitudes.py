@@ -279,3 +279,42 @@ def test_each_bug_is_named_by_its_own_check_and_its_fix_draws_nothing(bug):
     assert bad == {}
     if bug == "kv_sharing_undeclared":  # the declared twin: a warning quoting the declaration
         assert ok["grad-flow"].status == "warn" and "is_kv_shared_layer" in ok["grad-flow"].evidence
+
+
+def test_split_loss_scales_each_term_by_its_declared_coefficient():
+    from types import SimpleNamespace
+
+    from hooks.doctor.model.loss_terms import split_loss
+
+    class Cfg:
+        router_aux_loss_coef = 0.02
+        router_z_loss_coef = 0.001
+
+    model = torch.nn.Linear(2, 2)
+    model.config = Cfg()
+    lm, aux, z = torch.tensor(3.0), torch.tensor(1.5), torch.tensor(4.0)
+    total = lm + 0.02 * aux + 0.001 * z  # how an HF MoE model sums them
+    out = SimpleNamespace(loss=total, aux_loss=aux, z_loss=z)
+    comps, how = split_loss(Target(model), out, total)
+    assert float(comps["lm"]) == pytest.approx(3.0)
+    assert float(comps["aux_loss"]) == pytest.approx(0.03)
+    assert float(comps["z_loss"]) == pytest.approx(0.004)
+    assert "router_aux_loss_coef" in how and "router_z_loss_coef" in how
+
+
+def test_component_fit_reads_each_terms_factor_from_synthetic_gradients():
+    from hooks.doctor.loop.components import component_accumulation_findings
+
+    g = torch.Generator().manual_seed(0)
+    k, p = 4, 50
+    lm = [torch.randn(p, generator=g) for _ in range(k)]
+    aux = [0.01 * torch.randn(p, generator=g) for _ in range(k)]
+    tokens = [10, 10, 10, 10]
+    per = [a + b for a, b in zip(lm, aux, strict=True)]  # replayed: LM mean + aux, scale 1
+    parts = [(b, 1.0) for b in aux]
+    summed_aux = sum(x / k for x in lm) + sum(aux)  # aux added whole on each micro-batch
+    (f,) = component_accumulation_findings(1, summed_aux, per, parts, tokens)
+    assert f["detail"]["lm_factor"] == pytest.approx(1.0, rel=1e-6)
+    assert f["detail"]["aux_factor"] == pytest.approx(4.0, rel=1e-6)
+    fine = sum(x / k for x in lm) + sum(x / k for x in aux)
+    assert component_accumulation_findings(1, fine, per, parts, tokens) == []
