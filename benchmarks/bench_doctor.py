@@ -9,9 +9,13 @@ per-model cost of ``tests/hooks/doctor/model/test_doctor_families.py``.
 ``--invariances`` times instead, interleaved with 1 thread, the checks before the invariances
 (1-9, today's default run) against the whole default run with the invariance checks 21-25.
 
+``--battery`` times instead the whole default run against checks 1-10 alone (1 thread, both
+interleaved): what the later checks (11-14: magnitudes and gradient paths; 21-25: invariances) add.
+
     python benchmarks/bench_doctor.py [--preset default] [--repeats 5]
     python benchmarks/bench_doctor.py --zoo [--repeats 3]
     python benchmarks/bench_doctor.py --invariances [--repeats 5]
+    python benchmarks/bench_doctor.py --battery [--repeats 5]
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ def main() -> None:
     ap.add_argument("--zoo", action="store_true", help="time each model of tests/families.py")
     ap.add_argument("--invariances", action="store_true",
                     help="checks 1-9 vs 1-9 + the invariance checks 21-25, 1 thread")
+    ap.add_argument("--battery", action="store_true",
+                    help="time every check against checks 1-10 alone, interleaved")
     a = ap.parse_args()
     if a.zoo:
         return zoo(a.repeats)
@@ -52,6 +58,16 @@ def main() -> None:
             last[threads] = run_checks(work)
         return fn
 
+    if a.battery:
+        torch.set_num_threads(1)
+        first = ",".join(str(i) for i in range(1, 11))
+        times = interleaved({"checks 1-10": lambda: run_checks(work, only=first),
+                             "every check": lambda: last.update({1: run_checks(work)})},
+                            a.repeats, warmup=1)
+        print(f"mdb doctor on preset {a.preset} ({work.description}), 1 thread")
+        report(times, "checks 1-10")
+        print("per check (last run):", ", ".join(f"{r.key} {r.seconds:.2f}s" for r in last[1]))
+        return None
     times = interleaved({"1 thread": run(1), "2 threads": run(2)}, a.repeats, warmup=1)
     print(f"mdb doctor checks 1-9 on preset {a.preset} ({work.description})")
     report(times, "1 thread")

@@ -44,6 +44,8 @@ LIBRARY_PRIVATE = {
     "_modules": "Module._modules: a module's direct children, in order",
     "_forward_hooks": "Module._forward_hooks: whether a module already has forward hooks",
     "_forward_pre_hooks": "Module._forward_pre_hooks: the same, for pre-hooks",
+    "_backward_hooks": "Tensor._backward_hooks: the gradient hooks a user registered on a "
+                       "parameter (the doctor names them; no public reader)",
     "_qkv_same_embed_dim": "MultiheadAttention's own test for the fused fast path",
     "_privateuse1_backend_name": "the name of a PrivateUse1 device backend",
     "_DropoutNd": "nn.modules.dropout._DropoutNd: the base class of every dropout module",
@@ -235,6 +237,7 @@ def test_the_library_private_names_read_exist_on_the_installed_versions() -> Non
         "_modules": list(getattr(nn.Sequential(m), "_modules", {})) == ["0"],
         "_forward_hooks": isinstance(getattr(m, "_forward_hooks", None), dict),
         "_forward_pre_hooks": isinstance(getattr(m, "_forward_pre_hooks", None), dict),
+        "_backward_hooks": _hook_dict_holds_a_registered_hook(),
         "_qkv_same_embed_dim": getattr(nn.MultiheadAttention(4, 1), "_qkv_same_embed_dim",
                                        None) is True,
         "_privateuse1_backend_name": isinstance(
@@ -285,3 +288,17 @@ def test_the_named_reaches_of_issue_33_are_gone(pattern) -> None:
                                         and obj.id in ("self", "cls")):
                 hits.append(f"{path.relative_to(ROOT)}:{n.lineno}")
     assert hits == []
+
+
+def _hook_dict_holds_a_registered_hook() -> bool:
+    """``Tensor._backward_hooks`` holds what ``register_hook`` registered (the doctor's user
+    hooks check reads it)."""
+    import torch
+
+    p = torch.nn.Parameter(torch.zeros(2))
+
+    def fn(g):
+        return g
+
+    p.register_hook(fn)
+    return list(getattr(p, "_backward_hooks", {}).values()) == [fn]

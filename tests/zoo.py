@@ -284,7 +284,8 @@ EXPECTED: dict[str, tuple[set[str], dict[str, str], str | None]] = {
     "gqa_repeat": ({"gqa"}, {}, "model.layers.0.self_attn"),
     "no_causal_mask": ({"causality"}, {}, "model.layers.0.self_attn"),
     "inverted_mask": ({"causality"}, {}, "model.layers.0.self_attn"),
-    "std1_tied_init": ({"init-loss"}, {}, "lm_head"),
+    "std1_tied_init": ({"init-loss"}, {"init": "the init report names the same N(0, 1) "
+                                               "embedding against initializer_range"}, "lm_head"),
     "aux_detached": ({"grad-flow"}, {}, "model.layers.0.mlp.gate"),
     "short_rope_table": ({"rope"}, {}, "model.rotary_emb"),
     "wrapped_rope_table": ({"rope"}, {}, "model.rotary_emb"),

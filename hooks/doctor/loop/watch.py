@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from hooks.doctor.loop import checks as lc
+from hooks.doctor.loop.components import component_accumulation_findings
 from hooks.engine.recompute import in_backward
 from hooks.engine.replay import held_state
 from hooks.trace.ops import Replay
@@ -498,9 +499,9 @@ class LoopWatch:
         acc = torch.cat([(snap[i].detach().reshape(-1).float() if snap[i] is not None
                           else params[i].new_zeros(params[i].numel(), dtype=torch.float32))
                          for i in trainable])
-        per, tokens = [], []
+        per, tokens, aux = [], [], []
         for mb in mbs:
-            g = self._replay_grad(mb, [params[i] for i in trainable])
+            g = self._replay_grad(mb, [params[i] for i in trainable], aux)
             if g is None:
                 return
             per.append(g)
@@ -509,6 +510,7 @@ class LoopWatch:
         usual = self._usual
         self._usual = k if usual is None else max(usual, k)
         self._add(lc.accumulation_findings(self._step, acc, per, tokens, usual))
+        self._add(component_accumulation_findings(self._step, acc, per, aux, tokens))
         low = [snap[i].dtype for i in trainable if snap[i] is not None]
         if low:
             self._add(lc.low_precision_accumulation(self._step, acc, per, low[0]))
@@ -522,10 +524,13 @@ class LoopWatch:
         ids = mb.ids
         return int(ids.numel()) if ids is not None else 1
 
-    def _replay_grad(self, mb: _MicroBatch, params: list[torch.Tensor]) -> torch.Tensor | None:
+    def _replay_grad(self, mb: _MicroBatch, params: list[torch.Tensor],
+                     aux_out: list | None = None) -> torch.Tensor | None:
         """The gradient (flat, fp32) of micro-batch ``mb``'s own loss, replayed with its RNG
         state and train flag, the run's capture paused; ``None`` when the forward returns no
-        scalar loss."""
+        scalar loss. When the output carries an ``aux_loss`` in the graph, ``(its gradient,
+        flat, fp32; the factor the returned gradient was divided by)`` is appended to
+        ``aux_out`` (:func:`hooks.doctor.loop.components.component_accumulation_findings`)."""
         r = mb.replay
         cap = self._capture()
         self._inside = True
@@ -541,9 +546,11 @@ class LoopWatch:
                     return None
                 logits = _logits_of(out, mb.ids)
                 wrt = params + ([logits] if logits is not None else [])
+                aux = _flat_aux_grad(self.model, out, params) if aux_out is not None else None
                 grads = torch.autograd.grad(loss.reshape(()), wrt, allow_unused=True)
         finally:
             self._inside = False
+        scale = 1.0
         flat = torch.cat([(g.reshape(-1).float() if g is not None else
                            p.new_zeros(p.numel(), dtype=torch.float32))
                           for g, p in zip(grads[: len(params)], params, strict=True)])
@@ -552,8 +559,33 @@ class LoopWatch:
             # num_items_in_batch divides by the window's count): rescale it to one
             per_token = token_weight(logits.detach(), grads[-1])
             if per_token is not None:
-                flat = flat / (per_token[0] * per_token[1])
+                scale = per_token[0] * per_token[1]
+                flat = flat / scale
+        if aux is not None:
+            aux_out.append((aux, scale))
         return flat
+
+
+def _flat_aux_grad(model: nn.Module, output: Any,
+                   params: list[torch.Tensor]) -> torch.Tensor | None:
+    """The gradient (flat, fp32) of the aux term as the output's loss holds it, with respect to
+    ``params``, the graph kept for the loss's own backward; None without an ``aux_loss`` in the
+    graph. An HF model's ``aux_loss`` is unscaled and its loss adds
+    ``router_aux_loss_coef · aux_loss``; minillm's ``aux_loss`` holds its coefficient."""
+    aux = getattr(output, "aux_loss", None)
+    if aux is None and isinstance(output, dict):
+        aux = output.get("aux_loss")
+    if not (isinstance(aux, torch.Tensor) and aux.numel() == 1 and aux.requires_grad):
+        return None
+    coef = 1.0
+    if type(output).__module__.startswith("transformers."):
+        c = getattr(getattr(model, "config", None), "router_aux_loss_coef", None)
+        coef = float(c) if isinstance(c, (int, float)) else 1.0
+    grads = torch.autograd.grad(aux.reshape(()) * coef, params, retain_graph=True,
+                                allow_unused=True)
+    return torch.cat([(g.reshape(-1).float() if g is not None else
+                       p.new_zeros(p.numel(), dtype=torch.float32))
+                      for g, p in zip(grads, params, strict=True)])
 
 
 def aux_padding_findings(step: int | None, output: Any,

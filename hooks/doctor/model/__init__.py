@@ -30,6 +30,13 @@ UI-free: never imports textual, rich or tui.
  8    tied        embedding and LM head share one Parameter as configured; no storage twice
  9    numerics    norm statistics in fp32 for bf16 activations; attention softmax under autocast
  10   overfit     (slow) CE on one batch falls by 90 % within N AdamW steps
+ 11   init        std per parameter role vs initializer_range and the 1/√(2L) residual
+                  convention (fresh models); residual stream std by depth
+ 12   shapes      per-head RMS after a per-head q/k norm; router rows sum to 1; aux ≥ 0;
+                  channels RoPE rotates vs partial_rotary_factor
+ 13   loss-terms  parameters each loss term (LM, aux, z) reaches; a router ~0 from LM
+ 14   hooks       user gradient hooks fired more than once per backward; forward hooks a
+                  compiled model ignores
  21   padding     a row alone vs left/right-padded with its attention_mask (invariance.py)
  22   batch       a row alone vs in a batch with other rows
  23   cache       use_cache=False vs True vs incremental decoding

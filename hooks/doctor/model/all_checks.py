@@ -1,3 +1,14 @@
 """Imports every check module so that each registers itself in ``CHECKS``."""
 
-from hooks.doctor.model import attention, basic, invariance, moe, numerics, training  # noqa: F401
+from hooks.doctor.model import (  # noqa: F401
+    attention,
+    basic,
+    invariance,
+    loss_terms,
+    magnitudes,
+    moe,
+    numerics,
+    shapes,
+    training,
+    user_hooks,
+)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hooks.doctor.model.freshness import training_state
 from hooks.doctor.model.kind import ModelKind
 from hooks.doctor.model.labels import measure_label_alignment
 from hooks.doctor.model.registry import DoctorOptions, check
@@ -92,7 +93,10 @@ def init_loss(t: Target, o: DoctorOptions) -> Outcome:
     compared with the tokens they predict for the model's kind (next token for a decoder, the
     same position for a masked LM, the labels for an encoder-decoder); a model that returns no
     logits is judged by its own loss on targets rewritten for the random tokens. Fails above
-    1.5·ln V; warns more than :data:`EXCESS_WARN` nats above ln V or below 0.9·ln V.
+    1.5·ln V; warns more than :data:`EXCESS_WARN` nats above ln V or below 0.9·ln V. Only a
+    freshly initialised model is judged so: on a trained one
+    (:func:`hooks.doctor.model.freshness.training_state`: norms moved from their constant init,
+    or a loss on its own batch far below ln V) it is ``n/a`` with the signs found.
 
     Also fails when the batch's targets train the model on another task than the next token,
     whatever the loss's value (:func:`hooks.doctor.model.labels.measure_label_alignment`): targets
@@ -124,6 +128,13 @@ def init_loss(t: Target, o: DoctorOptions) -> Outcome:
         data["labels"] = labels.to_dict()
         if (found := labels.finding()) is not None:
             return Outcome.fail(f"{found[0]}; {ev}", found[1], None, **data)
+    if ratio > 1.5 or ce - ln_v > EXCESS_WARN or ratio < 0.9:
+        state = training_state(t)
+        data["training"] = state.to_dict()
+        if state.trained:
+            raise NotApplicable(f"the model is trained, not freshly initialised ("
+                                f"{'; '.join(state.reasons)}): its loss on random tokens "
+                                f"({ev}) says nothing about its init")
     if ratio > 1.5:
         return Outcome.fail(ev, hint, module, **data)
     if ce - ln_v > EXCESS_WARN:

@@ -39,7 +39,7 @@ class CheckResult:
     """The outcome of one doctor check.
 
     Attributes:
-        id: the check's number (1-10, the order of the issue's list).
+        id: the check's number (:attr:`hooks.doctor.model.registry.Check.id`).
         key: the check's short name (``init-loss``, ``causality``, ...); ``--only`` takes it.
         name: human-readable title.
         status: one of :data:`STATUSES`.

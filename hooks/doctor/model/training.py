@@ -9,9 +9,11 @@ from typing import Any
 
 import torch
 
+from hooks.doctor.model.loss_terms import coefficient
 from hooks.doctor.model.registry import DoctorOptions, check
 from hooks.doctor.model.result import Outcome
 from hooks.doctor.model.target import MoEInfo, SkipCheck, Target, fmt
+from hooks.doctor.model.unused import declared_unused
 from hooks.doctor.verdicts import (
     EXPLODING_NORM,
     EXPLODING_RATIO,
@@ -94,11 +96,14 @@ def _forward_recording(t: Target) -> tuple[Any, set[str], dict[str, int], int]:
     return out, called, rows, most[0]
 
 
-def _router_aux_check(moe: list[MoEInfo], out: Any, data: dict[str, Any]
+def _router_aux_check(moe: list[MoEInfo], out: Any, data: dict[str, Any],
+                      coef: tuple[float | None, str] = (None, "")
                       ) -> tuple[list[str], tuple[str, str] | None]:
     """The routers' gradient from the aux loss alone. Returns the messages to report and the
     first failure as ``(message, module)`` or None; stores the per-router grad norms in
-    ``data["router_aux_grad_norms"]`` when it computed them."""
+    ``data["router_aux_grad_norms"]`` when it computed them. ``coef`` is the config's aux
+    coefficient and its field (:func:`hooks.doctor.model.loss_terms.coefficient`): at 0 the
+    aux loss is switched off, not detached."""
     router_msgs: list[str] = []
     router_fail = None
     if not moe:
@@ -107,7 +112,10 @@ def _router_aux_check(moe: list[MoEInfo], out: Any, data: dict[str, Any]
     rparams = [(f"{b.router_name}.{n}", p) for b in moe
                for n, p in b.router.named_parameters() if p.requires_grad]
     free = _aux_free(moe)
-    if not rparams:
+    if coef[0] == 0 and rparams:
+        router_msgs.append(f"aux loss switched off ({coef[1]} = 0): routers are trained by the "
+                           "LM term alone, by configuration")
+    elif not rparams:
         router_msgs.append("routers are frozen: aux-loss gradient not checked")
     elif aux is None and free:
         router_msgs.append(f"no aux loss, by design: {free} balances the load without one "
@@ -147,6 +155,8 @@ class _ParamGrads:
         self.n_frozen = 0
         self.ok_norms: list[float] = []
         self.flagged: dict[str, list[str]] = {"vanishing": [], "exploding": [], "few": []}
+        #: (parameter, why) of those never used by the model's own declaration
+        self.by_design: list[tuple[str, str]] = []
 
 
 def _tally_param_grads(t: Target, moe: list[MoEInfo], called: set[str],
@@ -167,6 +177,10 @@ def _tally_param_grads(t: Target, moe: list[MoEInfo], called: set[str],
         if g is None or not bool(g.any()):
             if not was_called and name.startswith(expert_prefixes):
                 r.idle.append(name)  # an expert that got no tokens: routing's business
+                continue
+            why = declared_unused(t, mods[0]) if g is None and not was_called else None
+            if why is not None:
+                r.by_design.append((name, why))
                 continue
             if g is None:
                 what = ("no gradient: its module never ran in the forward" if not was_called
@@ -201,7 +215,8 @@ def _grad_flow_head(src: str, data: dict[str, Any], r: _ParamGrads) -> str:
     data.update(trainable=total + len(r.idle), ok=r.n_ok, frozen=r.n_frozen,
                 grad_norm=global_norm,
                 broken=[{"param": n, "problem": w} for n, w, _ in r.broken],
-                idle_experts=r.idle, vanishing=r.flagged["vanishing"],
+                idle_experts=r.idle, unused_by_design=[list(x) for x in r.by_design],
+                vanishing=r.flagged["vanishing"],
                 exploding=r.flagged["exploding"], few_tokens=r.flagged["few"])
     head = f"{src} ({fmt(data['loss'])}): {r.n_ok}/{total} trainable tensors got finite " \
            f"non-zero gradients (global norm {fmt(global_norm)})"
@@ -253,6 +268,13 @@ def _extremes_outcome(t: Target, moe: list[MoEInfo], head: str, router_msgs: lis
                           [name.rpartition(".")[0]])
         return Outcome.warn(ev, "exploding gradients: an init or logit scale too large, a "
                             "missing norm or residual scaling", mods[0] or None, **data)
+    if r.by_design:
+        name, why = r.by_design[0]
+        more = f" (+{len(r.by_design) - 1} more)" if len(r.by_design) > 1 else ""
+        return Outcome.warn(f"{ev}; {name} never ran and got no gradient{more}: {why}",
+                            "unused by design (a layer borrowing another's K/V): fine if meant; "
+                            "freeze or drop these weights so the optimizer does not hold them",
+                            name.rpartition(".")[0] or None, **data)
     if router_msgs and router_msgs[0].startswith("no aux_loss"):
         return Outcome.warn(ev, "return the load-balancing loss (aux_loss) and add it to the "
                             "training loss", moe[0].name or None, **data)
@@ -282,7 +304,7 @@ def grad_flow(t: Target, o: DoctorOptions) -> Outcome:
 
     # the router's gradient from the aux loss alone
     moe = t.moe_blocks()
-    router_msgs, router_fail = _router_aux_check(moe, out, data)
+    router_msgs, router_fail = _router_aux_check(moe, out, data, coefficient(t, "aux_loss"))
 
     loss.backward()
     owners = t.param_owners()

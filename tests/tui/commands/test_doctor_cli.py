@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from hooks.doctor.model import CHECKS
 from tui.cli import main
 
 REPO = Path(__file__).resolve().parents[3]
@@ -31,13 +32,13 @@ def test_json_for_tiny_minillm(capsys):
     doc = json.loads(out)
     assert rc == 0
     assert doc["model"].startswith("minillm tiny")
-    assert [r["id"] for r in doc["results"]] == list(range(1, 11)) + list(range(21, 26))
+    assert [r["id"] for r in doc["results"]] == [c.id for c in CHECKS]
     status = {r["key"]: r["status"] for r in doc["results"]}
     assert status["overfit"] == "skip" and status["packing"] == "n/a"  # no position_ids
     assert all(r["status"] == "pass" for r in doc["results"]
                if r["key"] not in ("overfit", "packing"))
     assert doc["summary"]["failed"] == [] and doc["summary"]["counts"] == {
-        "pass": 13, "skip": 1, "n/a": 1}
+        "pass": len(CHECKS) - 2, "skip": 1, "n/a": 1}
     assert set(doc["results"][0]) == {"id", "key", "name", "status", "evidence", "hint",
                                       "module", "data", "seconds"}
 

@@ -183,3 +183,44 @@ def test_the_replays_are_not_in_the_watched_step_s_capture(db):
         forward = store.internals(store.run("cap").id, 1)["forward"]
     roots = [r for r in forward if r["module"] == ""]
     assert len(roots) == 4 and len(forward) == 4 * len(list(TinyLM().modules()))
+
+
+# -- accumulation per loss component (issue 34) ----------------------------------------------------
+def _moe_accumulating(aux_like_lm: bool, ga: int = 4):
+    """minillm's tiny MoE (loss = ce_loss + aux_loss) accumulated over ``ga`` micro-batches, the
+    LM term divided over the window; the aux term divided the same way (fixed) or added whole
+    on each micro-batch (the bug: HF's num_items_in_batch normalises the LM loss only)."""
+    from tests.models import batch_for, tiny
+
+    def loop(run):
+        torch.manual_seed(0)
+        model = tiny()
+        opt = torch.optim.AdamW(no_decay_groups(model), lr=1e-3)
+        run.watch(model, every=1, optimizer=opt)
+        data = [batch_for(model) for _ in range(ga)]
+        for i, b in enumerate(data):
+            b["input_ids"] = torch.randint(0, model.config.vocab_size, b["input_ids"].shape,
+                                           generator=torch.Generator().manual_seed(i))
+            b["labels"] = b["input_ids"].clone()
+        out = None
+        for b in data:
+            out = model(**b)
+            aux = out.aux_loss / ga if aux_like_lm else out.aux_loss
+            (out.ce_loss / ga + aux).backward()
+        opt.step()
+        opt.zero_grad()
+        run.log(loss=out.loss)
+
+    return loop
+
+
+def test_accumulation_fits_the_aux_term_apart_from_the_lm_term(db):
+    found = _only(run_loop(db, _moe_accumulating(aux_like_lm=False)), "grad_accumulation")
+    aux = [f for f in found if f.subject == "aux loss normalisation"]
+    assert len(aux) == 1, [(f.subject, f.line) for f in found]
+    d = aux[0].detail
+    assert d["lm_factor"] == pytest.approx(1.0, rel=1e-3)
+    assert d["aux_factor"] == pytest.approx(4.0, rel=1e-3)  # added whole on 4 micro-batches
+    assert "4 micro-batches" in aux[0].line
+    assert [f.subject for f in found] == ["aux loss normalisation"]  # one factor hides it
+    assert run_loop(db, _moe_accumulating(aux_like_lm=True), name="ok") == []

@@ -24,7 +24,8 @@ from hooks.doctor.model.registry import Check
 from tests import zoo
 
 ALL_KEYS = ["init-loss", "causality", "rope", "gqa", "grad-flow", "routing", "nonfinite",
-            "tied", "numerics", "overfit", "padding", "batch", "cache", "attn-impl", "packing"]
+            "tied", "numerics", "overfit", "init", "shapes", "loss-terms", "hooks", "padding", "batch", "cache",
+            "attn-impl", "packing"]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -36,7 +37,7 @@ def by_key(results):
 
 def test_registry_has_the_ten_checks_in_order():
     assert [c.key for c in CHECKS] == ALL_KEYS
-    assert [c.id for c in CHECKS] == list(range(1, 11)) + list(range(21, 26))
+    assert [c.id for c in CHECKS] == [*range(1, 15), *range(21, 26)]
     assert [c.key for c in CHECKS if c.slow] == ["overfit"]
 
 
@@ -48,6 +49,7 @@ def test_resolve_only_accepts_numbers_keys_and_commas():
         resolve_only("1,bogus")
     with pytest.raises(ValueError, match="unknown check '11'"):
         resolve_only("11")
+    assert resolve_only("init,shapes,loss-terms,hooks") == {21, 22, 23, 24}
 
 
 # -- the zoo -----------------------------------------------------------------------------------

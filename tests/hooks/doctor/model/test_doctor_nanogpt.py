@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hooks.doctor.model import run_checks
+from hooks.doctor.model import CHECKS, run_checks
 from tests import nanogpt_shaped as ng
 from tui.cli import main
 
@@ -185,9 +185,9 @@ def test_cli_table_for_next_token_targets_has_no_error_and_exits_0(capsys, monke
     assert rc == 0, "\n".join(lines)
     assert lines[0].startswith("mdb doctor · GPT from ") and lines[1].startswith("kind: decoder")
     rows = [ln for ln in lines if ln.startswith("│")]
-    assert len(rows) == 15  # one table, one row per check
+    assert len(rows) == len(CHECKS)  # one table, one row per check
     assert not any("ERROR" in ln or "FAIL" in ln for ln in rows)
-    assert lines[-1].startswith("15 checks · ") and "error" not in lines[-1]
+    assert lines[-1].startswith(f"{len(CHECKS)} checks · ") and "error" not in lines[-1]
     assert err == ""
 
 
@@ -195,7 +195,7 @@ def test_cli_table_for_targets_equal_to_inputs_fails_check_1_and_exits_1(capsys,
     rc, lines, err = _table(capsys, "targets_equal_inputs", monkeypatch)
     assert rc == 1
     rows = [ln for ln in lines if ln.startswith("│")]
-    assert len(rows) == 15 and not any("ERROR" in ln for ln in rows)
+    assert len(rows) == len(CHECKS) and not any("ERROR" in ln for ln in rows)
     assert "FAIL" in rows[0] and "copy its input" in rows[0]
     assert all("FAIL" not in ln for ln in rows[1:])
     assert err == ""
