@@ -47,9 +47,10 @@ def test_resolve_only_accepts_numbers_keys_and_commas():
     assert resolve_only([2, "ROPE"]) == {2, 3}
     with pytest.raises(ValueError, match="unknown check 'bogus'.*1=init-loss"):
         resolve_only("1,bogus")
-    with pytest.raises(ValueError, match="unknown check '11'"):
-        resolve_only("11")
-    assert resolve_only("init,shapes,loss-terms,hooks") == {21, 22, 23, 24}
+    with pytest.raises(ValueError, match="unknown check '15'"):
+        resolve_only("15")
+    assert resolve_only("init,shapes,loss-terms,hooks") == {11, 12, 13, 14}
+    assert resolve_only("padding,packing") == {21, 25}
 
 
 # -- the zoo -----------------------------------------------------------------------------------
