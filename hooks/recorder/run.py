@@ -462,8 +462,8 @@ class Run(RunControls, RunProcess):
             if self._capture is not None:
                 trace = self._end_capture(step, values)
                 self._step_trace = trace
-            if self._doctor is not None and self._doctor.armed:
-                self._doctor_findings(close=False)
+            if self._doctor is not None and (self._doctor.armed or self._doctor.findings):
+                self._doctor_findings(close=False)  # also what it saw after the last window
         self._logged = True
         self.step = step
         wall = time.time()
@@ -695,8 +695,10 @@ class Run(RunControls, RunProcess):
         """Close the loop doctor's window (``close``: detach it for good) and hand its
         findings to the writer."""
         doctor = self._doctor
-        if doctor.armed or close:
+        if close:
             doctor.close()
+        elif doctor.armed:
+            doctor.disarm()  # an evaluation right after this log() is still seen
         found = doctor.take()
         if found:
             self._enqueue(("findings", found))

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import math
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +41,7 @@ import torch
 from torch import nn
 
 from hooks.doctor.loop import checks as lc
+from hooks.doctor.loop.tape import KeptOutputs, LossTape, foreign_graph_finding, user_site
 from hooks.engine.recompute import in_backward
 from hooks.engine.replay import held_state
 from hooks.trace.ops import Replay
@@ -109,6 +111,12 @@ def _inner(obj: Any, attr: str) -> Any:
     return obj
 
 
+def _output_tensors(obj: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    _first_tensor(obj, lambda t: out.append(t) and False)
+    return out
+
+
 def _first_tensor(obj: Any, pred: Callable[[torch.Tensor], bool]) -> torch.Tensor | None:
     if isinstance(obj, torch.Tensor):
         return obj if pred(obj) else None
@@ -149,7 +157,8 @@ def _ids_of(args: tuple, kwargs: dict) -> torch.Tensor | None:
 
 
 class _MicroBatch:
-    __slots__ = ("replay", "lr", "training", "tokens", "backward", "ids", "mask", "hooked")
+    __slots__ = ("replay", "lr", "training", "tokens", "backward", "ids", "mask", "hooked",
+                 "tape", "site")
 
     def __init__(self, replay: Replay, lr: tuple, training: bool) -> None:
         self.replay, self.lr, self.training = replay, lr, training
@@ -157,6 +166,8 @@ class _MicroBatch:
         self.backward = False
         self.ids = self.mask = None
         self.hooked = False
+        self.tape: int | None = None  # its index in the window's LossTape
+        self.site: tuple[str, int, str] = ("", 0, "")  # the loop's line that called the model
 
 
 class LoopWatch:
@@ -199,6 +210,10 @@ class LoopWatch:
         self._no_grad: set[int] | None = None
         self._no_grad_windows = 0
         self.external_step = False
+        self._tape: LossTape | None = None
+        self._kept = KeptOutputs()
+        self._tail: Any = None
+        self._tail_step: int | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -209,6 +224,7 @@ class LoopWatch:
         self._before: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._label_done = False
         self._stale = False
+        self._refs: list[tuple[Any, tuple[int, ...], tuple[str, int, str]]] = []
 
     # -- findings ----------------------------------------------------------------------------------
     def _add(self, found: list[dict[str, Any]]) -> None:
@@ -244,12 +260,18 @@ class LoopWatch:
     def arm(self, step: int) -> None:
         """Open the window of watched step ``step``: attach the hooks."""
         if self._step is not None:
-            self.disarm()
+            self.disarm(tail=False)
+        self._close_tail()
         self._reset()
         self._step = step
         m = self.model
+        tape = LossTape()
         self._handles = [m.register_forward_pre_hook(self._pre, with_kwargs=True),
-                         m.register_forward_hook(self._post, with_kwargs=True)]
+                         m.register_forward_hook(self._post, with_kwargs=True),
+                         m.register_forward_pre_hook(self._depth_in, prepend=True),
+                         m.register_forward_hook(self._depth_out, always_call=True)]
+        tape.__enter__()  # left in disarm: the loop's calls of this window only
+        self._tape = tape
         opt = self.optimizer
         if opt is not None:
             self._handles += [opt.register_step_pre_hook(self._before_step),
@@ -271,8 +293,10 @@ class LoopWatch:
         setattr(obj, name, types.MethodType(wrapped, obj))
         self._patched.append((obj, name, own))
 
-    def disarm(self) -> None:
-        """Close the window: the end-of-step checks, then detach everything."""
+    def disarm(self, *, tail: bool = True) -> None:
+        """Close the window: the end-of-step checks, then detach everything; with ``tail``,
+        a forward pre-hook stays until the next training forward, so that an evaluation
+        right after the step's ``log()`` is seen (:meth:`_tail_pre`)."""
         step = self._step
         try:
             if step is not None and self.scheduler is not None:
@@ -281,11 +305,75 @@ class LoopWatch:
         except Exception:
             pass
         finally:
+            self._leave_tape(step)
             self._detach()
             self._mbs = []
             self._snapshot = None
             self._before = []
+            self._refs = []
             self._step = None
+        if tail and step is not None and self._dropout:
+            with contextlib.suppress(Exception):
+                self._tail_step = step
+                self._tail = self.model.register_forward_pre_hook(self._tail_pre)
+
+    def _leave_tape(self, step: int | None) -> None:
+        """Leave the window's :class:`LossTape`; the memory it saw grow."""
+        tape, self._tape = self._tape, None
+        if tape is None:
+            return
+        try:
+            n = torch._C._len_torch_function_stack()
+            if n and torch._C._get_function_stack_at(n - 1) is tape:
+                tape.__exit__(None, None, None)
+            else:  # a mode the loop entered since is above it: leave it passing through
+                tape.paused = True
+            if step is not None:
+                if tape.foreign is not None:
+                    self._add([foreign_graph_finding(step, tape.foreign)])
+                kept = self._kept.end_window(step, self._refs + tape.losses)
+                if kept is not None:
+                    self._add([kept])
+        except Exception:
+            pass
+        finally:
+            tape.reset()
+
+    def _depth_in(self, module: nn.Module, args: tuple) -> None:
+        if self._tape is not None:
+            self._tape.depth += 1
+
+    def _depth_out(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._tape is not None:
+            self._tape.depth = max(0, self._tape.depth - 1)
+
+    def _tail_pre(self, module: nn.Module, args: tuple) -> None:
+        """After a watched step's ``log()``, until the next training forward: an evaluation
+        (a forward under ``torch.no_grad``) in train mode with dropout on."""
+        if self._others() or in_backward():
+            return
+        if torch.is_grad_enabled():
+            if module.training:
+                self._close_tail()
+            return
+        if module.training:
+            self._eval_in_train(self._tail_step)
+            self._close_tail()
+
+    def _close_tail(self) -> None:
+        tail, self._tail = self._tail, None
+        if tail is not None:
+            with contextlib.suppress(Exception):
+                tail.remove()
+
+    def _eval_in_train(self, step: int | None) -> None:
+        self._add([lc.finding(
+            "train_eval", step, "model.train()",
+            f"a forward under torch.no_grad at step {step} ran in train mode with dropout "
+            f"active in {len(self._dropout)} module(s) ({', '.join(self._dropout[:3])}): call "
+            "model.eval() before evaluating (and model.train() after)",
+            f"torch.is_grad_enabled()=False, model.training=True; dropout in "
+            f"{', '.join(self._dropout)}", modules=self._dropout)])
 
     def _detach(self) -> None:
         for h in self._handles:
@@ -302,7 +390,8 @@ class LoopWatch:
 
     def close(self) -> None:
         """Detach everything (the run finished)."""
-        self.disarm()
+        self.disarm(tail=False)
+        self._close_tail()
 
     def _on_zero_grad(self) -> None:
         self._zero_grads += 1
@@ -322,18 +411,13 @@ class LoopWatch:
         try:
             if not torch.is_grad_enabled():
                 if module.training and self._dropout:
-                    self._add([lc.finding(
-                        "train_eval", self._step, "model.train()",
-                        f"a forward under torch.no_grad at step {self._step} ran in train "
-                        f"mode with dropout active in {len(self._dropout)} module(s) "
-                        f"({', '.join(self._dropout[:3])}): call model.eval() before "
-                        "evaluating (and model.train() after)",
-                        f"torch.is_grad_enabled()=False, model.training=True; dropout in "
-                        f"{', '.join(self._dropout)}", modules=self._dropout)])
+                    self._eval_in_train(self._step)
                 return
             opt = self.optimizer
             lr = tuple(float(g["lr"]) for g in opt.param_groups) if opt is not None else ()
-            self._mbs.append(_MicroBatch(Replay.at(module, args, kwargs), lr, module.training))
+            mb = _MicroBatch(Replay.at(module, args, kwargs), lr, module.training)
+            mb.site = user_site()
+            self._mbs.append(mb)
         except Exception:
             pass
 
@@ -345,6 +429,10 @@ class LoopWatch:
         try:
             mb = self._mbs[-1]
             mb.hooked = True
+            if self._tape is not None:
+                mb.tape = self._tape.outputs(output)
+            self._refs += [(weakref.ref(t), tuple(t.shape), mb.site)
+                           for t in _output_tensors(output) if t.requires_grad]
             mb.ids = _ids_of(args, kwargs)
             mask = kwargs.get("attention_mask")
             mb.mask = mask if isinstance(mask, torch.Tensor) else None
@@ -536,7 +624,11 @@ class LoopWatch:
                     held_state(self.model, r.rng_cpu, r.rng_cuda), torch.enable_grad():
                 self.model.train(r.training)
                 out = self.model(*r.args, **r.kwargs)
-                loss = loss_of(out)
+                tape = self._tape
+                loss = tape.replay(mb.tape, out) if tape is not None and mb.tape is not None \
+                    else None  # the loss function the loop called on the outputs, if seen
+                if loss is None:
+                    loss = loss_of(out)
                 if loss is None or not loss.requires_grad:
                     return None
                 logits = _logits_of(out, mb.ids)
