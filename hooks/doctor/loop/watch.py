@@ -46,7 +46,7 @@ from hooks.engine.recompute import in_backward
 from hooks.engine.replay import held_state
 from hooks.trace.ops import Replay
 
-__all__ = ["LoopWatch", "check_watch_arguments"]
+__all__ = ["LoopWatch", "check_watch_arguments", "ddp_reduce"]
 
 #: No instance attribute of that name before :meth:`LoopWatch._wrap`.
 _ABSENT = object()
@@ -191,10 +191,11 @@ class LoopWatch:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  scheduler: Any, *, capture: Callable[[], Any] = lambda: None,
-                 busy: Callable[[], bool] = lambda: False) -> None:
+                 busy: Callable[[], bool] = lambda: False,
+                 reduce: Callable[..., Any] | None = None) -> None:
         self.model, self.optimizer = model, optimizer
         self.scheduler = _inner(scheduler, "scheduler") if scheduler is not None else None
-        self._capture, self._busy = capture, busy
+        self._capture, self._busy, self._reduce = capture, busy, reduce
         self.findings: list[dict[str, Any]] = []
         self._said: set[tuple[str, str]] = set()
         self._handles: list[Any] = []
@@ -460,7 +461,7 @@ class LoopWatch:
                 self._label_done = True
                 self._add(lc.label_findings(self._step, grad, mb.ids, mb.mask))
             if self._plan_accum():
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+                torch.autograd.Variable._execution_engine.queue_callback(self._queue_snapshot)
         except Exception:
             pass
 
@@ -493,6 +494,12 @@ class LoopWatch:
                 f"non-zero .grad before the first backward after an optimizer step "
                 f"({self._zero_grads} zero_grad call(s) in the step): {', '.join(stale[:8])}",
                 params=stale)])
+
+    def _queue_snapshot(self) -> None:
+        """Queued when backward reaches the outputs; queues :meth:`_end_backward` behind the
+        callbacks queued since (DDP's ``finalize_backward``, which writes the all-reduced
+        gradients into ``.grad`` once the last bucket is ready)."""
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
         opt = self.optimizer
@@ -586,13 +593,25 @@ class LoopWatch:
         acc = torch.cat([(snap[i].detach().reshape(-1).float() if snap[i] is not None
                           else params[i].new_zeros(params[i].numel(), dtype=torch.float32))
                          for i in trainable])
-        per, tokens = [], []
+        per: list[torch.Tensor] | None = []
+        tokens: list[int] = []
         for mb in mbs:
-            g = self._replay_grad(mb, [params[i] for i in trainable])
+            try:
+                g = self._replay_grad(mb, [params[i] for i in trainable])
+            except Exception:
+                g = None
             if g is None:
-                return
+                per = None
+                break
             per.append(g)
             tokens.append(mb.tokens if mb.tokens else self._count(mb))
+        if self._reduce is not None:  # every rank's micro-batches (DDP), every rank calls it
+            got = self._reduce(per, tokens, acc.device)
+            if got is None:
+                return
+            per, tokens = got
+        if per is None:
+            return
         self._accum_checks += 1
         usual = self._usual
         self._usual = k if usual is None else max(usual, k)
@@ -646,6 +665,38 @@ class LoopWatch:
             if per_token is not None:
                 flat = flat / (per_token[0] * per_token[1])
         return flat
+
+
+def ddp_reduce(per: list[torch.Tensor] | None, tokens: list[int],
+               device: torch.device) -> tuple[list[torch.Tensor], list[int]] | None:
+    """Under DDP, every rank's micro-batch gradients, for the accumulation check: DDP's
+    ``.grad`` is the mean over the W ranks of each rank's accumulated gradient,
+    ``(1/W) Σ_r Σ_i a_i · g_i^r``, so it is fitted against ``G_i = (1/W) Σ_r g_i^r`` (the same
+    weight ``a_i`` for micro-batch ``i`` of every rank, as the same loop runs on each) with
+    ``n_i = Σ_r n_i^r`` tokens. Collectives of the default process group: every rank calls
+    it at the same optimizer step, ``per=None`` where its replay found no loss.
+
+    Args:
+        per: k tensors (P,) fp32, this rank's ``g_i``; ``None`` when not replayed.
+        tokens: k token counts of this rank.
+        device: Where the collectives' tensors live (the gradients' device: CUDA for NCCL).
+
+    Returns:
+        ``(G, n)``: k tensors (P,) and k counts; ``None`` when a rank has no gradients or the
+        ranks' micro-batch counts differ.
+    """
+    import torch.distributed as dist
+
+    k = len(per) if per is not None else 0
+    flag = torch.tensor([1 if per else 0, k, -k], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if int(flag[0]) != 1 or int(flag[1]) != -int(flag[2]) or not per:
+        return None
+    stack = torch.stack(per)  # (k, P)
+    dist.all_reduce(stack)
+    n = torch.tensor(tokens, dtype=torch.int64, device=device)
+    dist.all_reduce(n)
+    return list(stack / dist.get_world_size()), [int(x) for x in n.tolist()]
 
 
 def aux_padding_findings(step: int | None, output: Any,
