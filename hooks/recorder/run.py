@@ -668,7 +668,8 @@ class Run(RunControls, RunProcess):
         if optimizer is not None and self._sharded(self._model):
             if self.rank == 0:
                 self._say(f"{self._title}: the loop doctor is off for a sharded (FSDP2/tensor-"
-                          "parallel) model: its checks would run collectives on rank 0 alone")
+                          "parallel) model: its replays and gradient norms would run the "
+                          "shards' collectives out of the loop's order")
         elif optimizer is not None:  # the loop doctor, on every rank (each rank's loop)
             sentinel = self._sentinel
             self._doctor = LoopWatch(self._model, optimizer, scheduler,

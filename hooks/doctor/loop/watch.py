@@ -12,10 +12,16 @@ window a capture covers — through:
   when backward reaches it;
 * ``Optimizer.register_step_pre_hook``/``register_step_post_hook``, and ``zero_grad``
   wrapped on the instance;
-* ``scheduler.step`` wrapped on the instance.
+* ``scheduler.step`` wrapped on the instance;
+* a :class:`hooks.doctor.loop.tape.LossTape` (a ``TorchFunctionMode``): the loop's calls on
+  the outputs up to its loss function (replayed by the accumulation check when the model
+  returns no loss), and memory kept across steps (a graph summed across steps, outputs kept).
 
 Everything is removed (and the instance methods restored) at the window's end and by
-:meth:`LoopWatch.close`; unwatched steps run none of it.
+:meth:`LoopWatch.close`, but for one forward pre-hook that stays until the next training
+forward (an evaluation right after the step's ``log()`` is seen); unwatched steps run none of
+it. In a DDP job it runs on every rank; the accumulation check all-reduces the micro-batch
+gradients (:func:`ddp_reduce`).
 
 At the window's first optimizer step (before the weights change) the accumulated gradient
 is compared with the gradient of the same micro-batches as one batch
@@ -42,6 +48,7 @@ from torch import nn
 
 from hooks.doctor.loop import checks as lc
 from hooks.doctor.loop.tape import KeptOutputs, LossTape, foreign_graph_finding, user_site
+from hooks.engine.compile import compiled_parts
 from hooks.engine.recompute import in_backward
 from hooks.engine.replay import held_state
 from hooks.trace.ops import Replay
@@ -266,13 +273,14 @@ class LoopWatch:
         self._reset()
         self._step = step
         m = self.model
-        tape = LossTape()
         self._handles = [m.register_forward_pre_hook(self._pre, with_kwargs=True),
-                         m.register_forward_hook(self._post, with_kwargs=True),
-                         m.register_forward_pre_hook(self._depth_in, prepend=True),
-                         m.register_forward_hook(self._depth_out, always_call=True)]
-        tape.__enter__()  # left in disarm: the loop's calls of this window only
-        self._tape = tape
+                         m.register_forward_hook(self._post, with_kwargs=True)]
+        if not compiled_parts(list(m.named_modules())):  # a mode would change dynamo's code
+            tape = LossTape()
+            self._handles += [m.register_forward_pre_hook(self._depth_in, prepend=True),
+                              m.register_forward_hook(self._depth_out, always_call=True)]
+            tape.__enter__()  # left in disarm: the loop's calls of this window only
+            self._tape = tape
         opt = self.optimizer
         if opt is not None:
             self._handles += [opt.register_step_pre_hook(self._before_step),
