@@ -189,10 +189,10 @@ class LossTape(TorchFunctionMode):
                 if t.grad_fn is not None:
                     self._made[id(t)] = weakref.ref(t)
             return
-        if self.foreign is None:
-            self._foreign(hits)
         if _from_mdb():
             return  # the capture's statistics of the outputs, not the loop's calls
+        if self.foreign is None:
+            self._foreign(hits)
         mb = derived[0][0]
         tape = self._tapes[mb]
         if tape.loss is not None or any(h[0] != mb or h[1] is None for h in derived):

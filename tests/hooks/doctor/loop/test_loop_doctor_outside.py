@@ -29,11 +29,28 @@ def _only(found, kind):
     return [f for f in found if f.kind == kind]
 
 
-def _outside_loop(mode: str, ga: int = 4, steps: int = 3, every: int = 1, masked=None):
+def _outside_loop(mode: str, ga: int = 4, steps: int = 3, every: int = 1, masked=None,
+                  form: str = "view"):
     """The common loop of one's own: the model returns logits, the loop computes the loss;
     ``ga`` micro-batches per optimizer step; ``mode``: ``"mean"`` (loss / ga, right for
     equal token counts), ``"sum"`` (loss.backward() of the sum: the bug), ``"tokens"``
-    (each micro-batch's summed loss over the window's token count: right for any counts)."""
+    (each micro-batch's summed loss over the window's token count: right for any counts).
+    ``form``: the model is called on ``ids[:, :-1]`` and the loss is
+    ``F.cross_entropy(logits.view(-1, V), …)`` (``"view"``), or it is called on the whole
+    row and the loss slices the logits (``"slice"``: ``logits[:, :-1]``), or an
+    ``nn.CrossEntropyLoss`` module computes it (``"module"``)."""
+    criterion = torch.nn.CrossEntropyLoss(ignore_index=-100)
+
+    def mean_loss(model, b):
+        if form == "slice":
+            logits = model(b["input_ids"])
+            return F.cross_entropy(logits[:, :-1].reshape(-1, V),
+                                   b["labels"][:, 1:].reshape(-1), ignore_index=-100)
+        logits = model(b["input_ids"][:, :-1])
+        if form == "module":
+            return criterion(logits.reshape(-1, V), b["labels"][:, 1:].reshape(-1))
+        return F.cross_entropy(logits.view(-1, V), b["labels"][:, 1:].reshape(-1),
+                               ignore_index=-100)
 
     def train(run, model):
         torch.manual_seed(0)
@@ -45,13 +62,12 @@ def _outside_loop(mode: str, ga: int = 4, steps: int = 3, every: int = 1, masked
             window = data[step * ga:(step + 1) * ga]
             total = sum(int((b["labels"][:, 1:] != -100).sum()) for b in window)
             for b in window:
-                x, y = b["input_ids"][:, :-1], b["labels"][:, 1:]
-                logits = model(x)
                 if mode == "tokens":
-                    loss = F.cross_entropy(logits.reshape(-1, V), y.reshape(-1),
+                    x, y = b["input_ids"][:, :-1], b["labels"][:, 1:]
+                    loss = F.cross_entropy(model(x).reshape(-1, V), y.reshape(-1),
                                            ignore_index=-100, reduction="sum") / total
                 else:
-                    loss = F.cross_entropy(logits.view(-1, V), y.reshape(-1), ignore_index=-100)
+                    loss = mean_loss(model, b)
                     loss = loss if mode == "sum" else loss / ga
                 loss.backward()
             opt.step()
@@ -64,9 +80,10 @@ def _outside_loop(mode: str, ga: int = 4, steps: int = 3, every: int = 1, masked
 
 
 # -- accumulation with the loss computed outside the model ------------------------------------
-def test_summed_accumulation_of_a_loss_computed_outside_the_model(db):
+@pytest.mark.parametrize("form", ["view", "slice", "module"])
+def test_summed_accumulation_of_a_loss_computed_outside_the_model(db, form):
     torch.manual_seed(0)
-    found = run_loop(db, lambda run: _outside_loop("sum")(run, LogitsLM(p=0.1)))
+    found = run_loop(db, lambda run: _outside_loop("sum", form=form)(run, LogitsLM(p=0.1)))
     (f,) = _only(found, "grad_accumulation")
     assert (f.step, f.subject) == (1, "gradient scale")
     assert f.detail["factor"] == pytest.approx(4.0, rel=1e-3)  # 4 micro-batches, summed
@@ -75,13 +92,15 @@ def test_summed_accumulation_of_a_loss_computed_outside_the_model(db):
     assert found == [f]
 
 
-@pytest.mark.parametrize("mode,masked", [("mean", None), ("tokens", [0, 6, 3, 9])])
-def test_a_loss_outside_the_model_averaged_right_has_no_finding(db, mode, masked):
+@pytest.mark.parametrize("mode,masked,form", [("mean", None, "view"), ("mean", None, "slice"),
+                                              ("mean", None, "module"),
+                                              ("tokens", [0, 6, 3, 9], "view")])
+def test_a_loss_outside_the_model_averaged_right_has_no_finding(db, mode, masked, form):
     torch.manual_seed(0)
     seen = []
 
     def loop(run):
-        _outside_loop(mode, masked=masked)(run, LogitsLM(p=0.1))
+        _outside_loop(mode, masked=masked, form=form)(run, LogitsLM(p=0.1))
         seen.append(run.loop_doctor)
 
     assert run_loop(db, loop) == []
