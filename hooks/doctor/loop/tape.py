@@ -301,6 +301,10 @@ def foreign_graph_finding(step: int, foreign: dict[str, Any]) -> dict[str, Any]:
         site=f"{path}:{line}", nodes=foreign["nodes"])
 
 
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
 class KeptOutputs:
     """Weak references to the tensors the loop got from the model (and from its loss
     function) in the last watched windows: a tensor of an earlier window still alive when a
@@ -318,14 +322,15 @@ class KeptOutputs:
         """Close watched step ``step``'s window, whose tensors are ``refs`` (weak reference,
         shape, the user's line that made it); the finding when tensors of each of the
         :data:`WINDOWS` windows before it are still alive, else ``None``."""
-        alive = [(s, [(shape, site) for ref, shape, site in rs if ref() is not None])
-                 for s, rs in self._windows]
+        alive = [(s, [(shape, site, _nbytes(ref())) for ref, shape, site in rs
+                      if ref() is not None]) for s, rs in self._windows]
         self._windows = (self._windows + [(step, refs)])[-self.WINDOWS:]
         if len(alive) < self.WINDOWS or not all(kept for _, kept in alive):
             return None
         steps = [s for s, _ in alive]
-        shape, (path, line, text) = alive[0][1][0]
+        shape, (path, line, text), _ = alive[0][1][0]
         count = sum(len(kept) for _, kept in alive)
+        held = sum(n for _, kept in alive for _, _, n in kept)
         where = f"{os.path.basename(path)}:{line}" if path else "?"
         return lc.finding(
             "memory_growth", step, f"outputs kept from {where}",
@@ -335,5 +340,6 @@ class KeptOutputs:
             "grows every step: keep .detach() (or .item()) of what you store across steps",
             f"weak references to the outputs (and losses) of the watched steps "
             f"{', '.join(map(str, steps))} still resolve when step {step} ends; "
-            f"{count} tensor(s) kept", shape=list(shape), site=f"{path}:{line}",
-            steps=steps, kept=count)
+            f"{count} tensor(s) kept, {held} bytes of their own (their graphs' saved tensors "
+            "besides)", shape=list(shape), site=f"{path}:{line}", steps=steps, kept=count,
+            bytes=held)

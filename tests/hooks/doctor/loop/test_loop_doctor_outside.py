@@ -195,10 +195,12 @@ def _growing(bug: str, fixed: bool, steps: int = 4, every: int = 1):
     return loop, lines
 
 
-def test_a_loss_summed_with_its_graph_is_named_where_it_is_made(db):
-    loop, lines = _growing("sum", fixed=False)
+@pytest.mark.parametrize("every", [1, 3])
+def test_a_loss_summed_with_its_graph_is_named_where_it_is_made(db, every):
+    loop, lines = _growing("sum", fixed=False, every=every)
     (f,) = run_loop(db, loop)
-    assert (f.kind, f.step) == ("memory_growth", 2)  # step 1 made it, step 2 joined it
+    # the step before made it (watched or not), the watched step joined it
+    assert (f.kind, f.step) == ("memory_growth", 2 if every == 1 else 3)
     here = f"test_loop_doctor_outside.py:{lines['sum']}"
     assert f.subject == f"graph kept at {here}" and f.detail["shape"] == []
     assert f.detail["site"].endswith(here) and ".item()" in f.line
@@ -213,6 +215,7 @@ def test_outputs_kept_across_steps_are_named_with_their_shape(db, every):
     (f,) = run_loop(db, loop)
     assert (f.kind, f.step) == ("memory_growth", 3 * every)
     assert f.detail["shape"] == [2, 11, V] and f.detail["steps"] == [every, 2 * every]
+    assert f.detail["kept"] == 2 and f.detail["bytes"] == 2 * (2 * 11 * V * 4)  # fp32 logits
     assert f.detail["site"].endswith(f"test_loop_doctor_outside.py:{lines['call']}")
     assert ".detach()" in f.line
     loop, _ = _growing("keep", fixed=True, steps=3 * every, every=every)
