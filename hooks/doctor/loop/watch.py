@@ -589,44 +589,58 @@ class LoopWatch:
 
     def _check_accumulation(self, mbs: list[_MicroBatch]) -> None:
         """Compare the real accumulated ``.grad`` with the one-batch gradient (see
-        :func:`hooks.doctor.loop.checks.accumulation_findings`)."""
-        if self._stale or not mbs:
-            return
+        :func:`hooks.doctor.loop.checks.accumulation_findings`). In a DDP job every rank
+        calls the collectives of :func:`ddp_reduce` once here, whatever it found (a rank
+        with nothing to check passes ``None``, and no rank checks)."""
         k = len(mbs)
-        if self._accum_checks >= ACCUM_CHECKS and self._usual is not None and k == self._usual:
+        want = not self._stale and k > 0 and not (
+            self._accum_checks >= ACCUM_CHECKS and self._usual is not None and k == self._usual)
+        local = None
+        if want:
+            try:
+                local = self._local_accumulation(mbs)
+            except Exception:
+                local = None
+        per, tokens = (local[2], local[3]) if local is not None else (None, [])
+        if self._reduce is not None:  # every rank's micro-batches (DDP)
+            device = local[0].device if local is not None else self._device()
+            got = self._reduce(per, tokens, device)
+            if got is None:
+                return
+            per, tokens = got
+        if local is None or per is None:
             return
+        acc, low = local[0], local[1]
+        self._accum_checks += 1
+        usual = self._usual
+        self._usual = k if usual is None else max(usual, k)
+        self._add(lc.accumulation_findings(self._step, acc, per, tokens, usual))
+        if low is not None:
+            self._add(lc.low_precision_accumulation(self._step, acc, per, low))
+
+    def _device(self) -> torch.device:
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return params[0].device if params else torch.device("cpu")
+
+    def _local_accumulation(self, mbs: list[_MicroBatch]) -> tuple | None:
+        """``(acc, grad dtype, per, tokens)``: the accumulated ``.grad`` (P,) fp32, its
+        dtype, each micro-batch's replayed gradient (P,) and token count; ``None`` when a
+        micro-batch's loss could not be replayed."""
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         trainable = [i for i, p in enumerate(params) if p.requires_grad]
         snap = self._snapshot or [p.grad for p in params]
         acc = torch.cat([(snap[i].detach().reshape(-1).float() if snap[i] is not None
                           else params[i].new_zeros(params[i].numel(), dtype=torch.float32))
                          for i in trainable])
-        per: list[torch.Tensor] | None = []
-        tokens: list[int] = []
+        per, tokens = [], []
         for mb in mbs:
-            try:
-                g = self._replay_grad(mb, [params[i] for i in trainable])
-            except Exception:
-                g = None
+            g = self._replay_grad(mb, [params[i] for i in trainable])
             if g is None:
-                per = None
-                break
+                return None
             per.append(g)
             tokens.append(mb.tokens if mb.tokens else self._count(mb))
-        if self._reduce is not None:  # every rank's micro-batches (DDP), every rank calls it
-            got = self._reduce(per, tokens, acc.device)
-            if got is None:
-                return
-            per, tokens = got
-        if per is None:
-            return
-        self._accum_checks += 1
-        usual = self._usual
-        self._usual = k if usual is None else max(usual, k)
-        self._add(lc.accumulation_findings(self._step, acc, per, tokens, usual))
         low = [snap[i].dtype for i in trainable if snap[i] is not None]
-        if low:
-            self._add(lc.low_precision_accumulation(self._step, acc, per, low[0]))
+        return acc, (low[0] if low else None), per, tokens
 
     @staticmethod
     def _count(mb: _MicroBatch) -> int:

@@ -21,9 +21,10 @@ WORKER = REPO / "tests" / "ddp_loop_doctor_worker.py"
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
-def _job(tmp_path: Path, *args: str) -> list:
-    """The job's findings as stored; every rank ran the accumulation check at both watched
-    steps (its own line on stdout), so no finding is not a silent check."""
+def _job(tmp_path: Path, *args: str, checks: int = 2) -> list:
+    """The job's findings as stored; every rank ran the accumulation check ``checks`` times
+    (its own line on stdout; 2: at both watched steps), so no finding is not a silent
+    check."""
     db = tmp_path / "m.sqlite"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("MDB_DB", None)
@@ -34,7 +35,7 @@ def _job(tmp_path: Path, *args: str) -> list:
         start_new_session=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for rank in (0, 1):
-        assert f"rank {rank}: accumulation checks 2" in proc.stdout, proc.stdout[-3000:]
+        assert f"rank {rank}: accumulation checks {checks}" in proc.stdout, proc.stdout[-3000:]
     with RunStore(db) as store:
         (run,) = store.runs()
         assert (run.status, run.world_size) == ("finished", 2)
@@ -55,3 +56,11 @@ def test_ddp_summed_accumulation_and_a_rank_s_own_eval_bug_reach_the_run(tmp_pat
 
 def test_ddp_averaged_accumulation_has_no_finding(tmp_path):
     assert _job(tmp_path, "--bug", "none") == []
+
+
+def test_ddp_ranks_with_different_micro_batch_counts_skip_the_check_together(tmp_path):
+    """Rank 1 accumulates 3 micro-batches at step 8, rank 0 four: after 3 checks (steps 2, 4,
+    6) rank 0 would skip its usual count and rank 1 check its new one; neither checks step 8,
+    and the job's DDP all-reduces after it pair up as they should (no rank ran a collective
+    the other skipped)."""
+    assert _job(tmp_path, "--bug", "none", "--uneven", checks=3) == []
