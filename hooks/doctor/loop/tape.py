@@ -220,10 +220,6 @@ class LossTape(TorchFunctionMode):
                                 "nodes": graph_nodes(t)}
                 return
 
-    def has_loss(self, mb: int) -> bool:
-        """Whether micro-batch ``mb``'s loss function was seen."""
-        return 0 <= mb < len(self._tapes) and self._tapes[mb].loss is not None
-
     def replay(self, mb: int, output: Any) -> torch.Tensor | None:
         """Micro-batch ``mb``'s loss, recomputed from ``output`` (a replay of its forward) by
         the calls the loop made (with the targets it passed); ``None`` when none was seen."""
@@ -233,10 +229,11 @@ class LossTape(TorchFunctionMode):
         values: dict[int, torch.Tensor] = dict(enumerate(_tensors(output)))
         needed = {tape.loss}
         calls = []
-        for call in reversed(tape.calls):  # only the calls the loss depends on
-            if needed.intersection(call[3]):
+        for call in reversed(tape.calls):  # only the calls the loss depends on, and the
+            refs = _refs((call[1], call[2]))  # in-place writes into them (no result)
+            if needed.intersection(call[3]) or (not call[3] and needed.intersection(refs)):
                 calls.append(call)
-                needed.update(_refs((call[1], call[2])))
+                needed.update(refs)
         self.paused = True
         try:
             for func, args, kwargs, results in reversed(calls):

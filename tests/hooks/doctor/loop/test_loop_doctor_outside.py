@@ -38,7 +38,8 @@ def _outside_loop(mode: str, ga: int = 4, steps: int = 3, every: int = 1, masked
     ``form``: the model is called on ``ids[:, :-1]`` and the loss is
     ``F.cross_entropy(logits.view(-1, V), …)`` (``"view"``), or it is called on the whole
     row and the loss slices the logits (``"slice"``: ``logits[:, :-1]``), or an
-    ``nn.CrossEntropyLoss`` module computes it (``"module"``)."""
+    ``nn.CrossEntropyLoss`` module computes it (``"module"``), or the loop writes into the
+    logits first (``"inplace"``: token 0 masked out, ``logits[..., 0] = -1e4``)."""
     criterion = torch.nn.CrossEntropyLoss(ignore_index=-100)
 
     def mean_loss(model, b):
@@ -47,6 +48,8 @@ def _outside_loop(mode: str, ga: int = 4, steps: int = 3, every: int = 1, masked
             return F.cross_entropy(logits[:, :-1].reshape(-1, V),
                                    b["labels"][:, 1:].reshape(-1), ignore_index=-100)
         logits = model(b["input_ids"][:, :-1])
+        if form == "inplace":
+            logits[..., 0] = -1e4
         if form == "module":
             return criterion(logits.reshape(-1, V), b["labels"][:, 1:].reshape(-1))
         return F.cross_entropy(logits.view(-1, V), b["labels"][:, 1:].reshape(-1),
@@ -80,7 +83,7 @@ def _outside_loop(mode: str, ga: int = 4, steps: int = 3, every: int = 1, masked
 
 
 # -- accumulation with the loss computed outside the model ------------------------------------
-@pytest.mark.parametrize("form", ["view", "slice", "module"])
+@pytest.mark.parametrize("form", ["view", "slice", "module", "inplace"])
 def test_summed_accumulation_of_a_loss_computed_outside_the_model(db, form):
     torch.manual_seed(0)
     found = run_loop(db, lambda run: _outside_loop("sum", form=form)(run, LogitsLM(p=0.1)))
@@ -94,6 +97,7 @@ def test_summed_accumulation_of_a_loss_computed_outside_the_model(db, form):
 
 @pytest.mark.parametrize("mode,masked,form", [("mean", None, "view"), ("mean", None, "slice"),
                                               ("mean", None, "module"),
+                                              ("mean", None, "inplace"),
                                               ("tokens", [0, 6, 3, 9], "view")])
 def test_a_loss_outside_the_model_averaged_right_has_no_finding(db, mode, masked, form):
     torch.manual_seed(0)
