@@ -78,3 +78,11 @@ def run_loop(db: Path, loop: Callable[[Any], None], name: str = "loop") -> list[
         loop(run)
     with RunStore(db) as store:
         return store.findings(store.run(run.name).id)
+
+
+class LogitsLM(TinyLM):
+    """:class:`TinyLM` that returns only its (B, T, V) logits: the loop computes the loss
+    (``F.cross_entropy(model(x).view(-1, V), y.view(-1))``), as most loops of one's own do."""
+
+    def forward(self, input_ids):
+        return super().forward(input_ids)[0]

@@ -171,6 +171,7 @@ class RankLink:
         self._ignored: set[str] = set()
         self._handles: list[Any] = []
         self._ended: dict[str, Any] | None = None
+        self._loop_found: collections.deque = collections.deque()  # for the next gather
         # the link thread
         self._wake = threading.Event()
         self._done = threading.Event()
@@ -187,6 +188,8 @@ class RankLink:
         self._reported: set[tuple[str, str]] = set()
         self._best_nf: tuple[tuple[int, int, int, int], dict[str, Any]] | None = None
         self._delivered: set[int] = set()
+        self._loop_said: set[tuple[str, str]] = set()  # the loop doctor's, of every rank
+        self._loop_lock = threading.Lock()
         self._break: dict[str, Any] | None = None  # gathering broke: when, why, said yet
         self._thread = threading.Thread(target=self._main, name=f"mdb-rank-link-{self.rank}",
                                         daemon=True)
@@ -300,6 +303,22 @@ class RankLink:
             self._armed = step + 1 if self._checks_at(step + 1) else None
             if step % self.every == 0:
                 self.gather_point(step)
+
+    def loop_findings(self, found: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """This rank's loop-doctor findings, tagged with the rank. Rank 0: those no rank said
+        before (kind and subject), to be written; other ranks: kept for the next gather (so
+        ``[]``), where rank 0 writes those no rank said before."""
+        found = [{**f, "rank": self.rank} for f in found]
+        if self.rank != 0:
+            self._loop_found.extend(found)
+            return []
+        return self._fresh(found)
+
+    def _fresh(self, found: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        with self._loop_lock:
+            out = [f for f in found if (f["kind"], f["subject"]) not in self._loop_said]
+            self._loop_said.update((f["kind"], f["subject"]) for f in out)
+        return out
 
     def arm_first(self, next_step: int) -> None:
         """Arm the optimizer checks for ``next_step`` when it is a gathered or a captured one
@@ -612,7 +631,8 @@ class RankLink:
         header = {"v": 1, "rank": self.rank, "kind": kind, "rows": rows, "captures": caps,
                   "checks": {str(k): v for k, v in checks.items()},
                   "nonfinite": list(nf) if nf is not None else None,
-                  "ended": self._ended if kind == "final" else None}
+                  "ended": self._ended if kind == "final" else None,
+                  "findings": [self._loop_found.popleft() for _ in range(len(self._loop_found))]}
         return encode_payload(header, blobs)
 
     def _sizes(self, size: int) -> list[int]:
@@ -743,6 +763,10 @@ class RankLink:
         if nf:
             self._consider_nonfinite(rank, nf[0], tuple(nf[1]))
         self._add_checks(rank, {int(k): v for k, v in (head.get("checks") or {}).items()})
+        found = self._fresh([{**f, "rank": rank} for f in head.get("findings") or ()
+                             if isinstance(f, dict) and "kind" in f and "subject" in f])
+        if found:  # the loop doctor's on that rank
+            self._emit("findings", found)
         if head.get("kind") == "final":
             self._delivered.add(rank)
             ended = head.get("ended") or {}

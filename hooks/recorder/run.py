@@ -462,8 +462,8 @@ class Run(RunControls, RunProcess):
             if self._capture is not None:
                 trace = self._end_capture(step, values)
                 self._step_trace = trace
-            if self._doctor is not None and self._doctor.armed:
-                self._doctor_findings(close=False)
+            if self._doctor is not None and (self._doctor.armed or self._doctor.findings):
+                self._doctor_findings(close=False)  # also what it saw after the last window
         self._logged = True
         self.step = step
         wall = time.time()
@@ -640,7 +640,7 @@ class Run(RunControls, RunProcess):
         """
         from torch import nn
 
-        from hooks.doctor.loop.watch import LoopWatch, check_watch_arguments
+        from hooks.doctor.loop.watch import LoopWatch, check_watch_arguments, ddp_reduce
         from hooks.nonfinite.origin import NonFiniteSentinel
 
         if not isinstance(model, nn.Module):
@@ -655,22 +655,27 @@ class Run(RunControls, RunProcess):
                          f"{os.path.basename(caller.filename)}:{caller.lineno}")
         self._model, self._every, self._capture_options = model, every, dict(capture_options)
         nxt = self.step + 1 if self._logged else 1
+        ddp = False
         if self._link is not None:
             self._link.watch(model, every=every)  # cross-rank checks at captured steps too
             self._link.arm_first(nxt)
             inner = getattr(model, "module", None)
             if isinstance(inner, nn.Module) and type(model).__name__ == "DistributedDataParallel":
                 self._model = inner  # captured under the user's own module names
+                ddp = self.world_size > 1
         self._sentinel = NonFiniteSentinel(self._model, lambda: self._capture is not None,
                                            optimizer)  # the first and only watch: none before
-        if optimizer is not None and self.rank == 0 and self._sharded(self._model):
-            self._say(f"{self._title}: the loop doctor is off for a sharded (FSDP2/tensor-"
-                      "parallel) model: its checks would run collectives on rank 0 alone")
-        elif optimizer is not None and self.rank == 0:  # the loop doctor (rank 0 writes)
+        if optimizer is not None and self._sharded(self._model):
+            if self.rank == 0:
+                self._say(f"{self._title}: the loop doctor is off for a sharded (FSDP2/tensor-"
+                          "parallel) model: its replays and gradient norms would run the "
+                          "shards' collectives out of the loop's order")
+        elif optimizer is not None:  # the loop doctor, on every rank (each rank's loop)
             sentinel = self._sentinel
             self._doctor = LoopWatch(self._model, optimizer, scheduler,
                                      capture=lambda: self._capture,
-                                     busy=lambda: sentinel.replaying)
+                                     busy=lambda: sentinel.replaying,
+                                     reduce=ddp_reduce if ddp else None)
             self._doctor.once(nxt)
             self._doctor_findings(close=False)
         if not self._closed and nxt % every == 0:
@@ -679,8 +684,9 @@ class Run(RunControls, RunProcess):
     @property
     def loop_doctor(self) -> Any:
         """The loop doctor (:class:`hooks.doctor.loop.watch.LoopWatch`) that ``watch(...,
-        optimizer=)`` attached on rank 0, or ``None``: an integration that drives the step
-        itself (Lightning's ``optimizer.step(closure)``) tells it when the step comes."""
+        optimizer=)`` attached (on every rank of a torchrun job), or ``None``: an integration
+        that drives the step itself (Lightning's ``optimizer.step(closure)``) tells it when the
+        step comes."""
         return self._doctor
 
     @staticmethod
@@ -695,9 +701,13 @@ class Run(RunControls, RunProcess):
         """Close the loop doctor's window (``close``: detach it for good) and hand its
         findings to the writer."""
         doctor = self._doctor
-        if doctor.armed or close:
+        if close:
             doctor.close()
+        elif doctor.armed:
+            doctor.disarm()  # an evaluation right after this log() is still seen
         found = doctor.take()
+        if found and self._link is not None:  # tagged with this rank; rank 0 writes them
+            found = self._link.loop_findings(found)
         if found:
             self._enqueue(("findings", found))
 

@@ -424,6 +424,7 @@ FINDING_KINDS = (
     "labels",  # the loss's target alignment is not next-token
     "padding",  # pad positions count in the loss
     "precision",  # lost low-precision updates; an Adam eps that rounds to 0
+    "memory_growth",  # a graph or outputs kept alive from step to step
 )
 
 

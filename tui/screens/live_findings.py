@@ -28,7 +28,8 @@ __all__ = ["FindingsPolled", "LoopFindings", "LOOP_KINDS"]
 #: The kinds of finding the training-loop doctor makes (``hooks.doctor.loop.checks``); the
 #: other kinds (a torchrun job's ranks) are on the ranks lines.
 LOOP_KINDS = ("grad_accumulation", "scheduler_steps", "weight_decay", "train_eval",
-              "zero_grad", "optimizer_params", "labels", "padding", "precision")
+              "zero_grad", "optimizer_params", "labels", "padding", "precision",
+              "memory_growth")
 
 
 class FindingsPolled(Message):

@@ -12,10 +12,16 @@ window a capture covers — through:
   when backward reaches it;
 * ``Optimizer.register_step_pre_hook``/``register_step_post_hook``, and ``zero_grad``
   wrapped on the instance;
-* ``scheduler.step`` wrapped on the instance.
+* ``scheduler.step`` wrapped on the instance;
+* a :class:`hooks.doctor.loop.tape.LossTape` (a ``TorchFunctionMode``): the loop's calls on
+  the outputs up to its loss function (replayed by the accumulation check when the model
+  returns no loss), and memory kept across steps (a graph summed across steps, outputs kept).
 
 Everything is removed (and the instance methods restored) at the window's end and by
-:meth:`LoopWatch.close`; unwatched steps run none of it.
+:meth:`LoopWatch.close`, but for one forward pre-hook that stays until the next training
+forward (an evaluation right after the step's ``log()`` is seen); unwatched steps run none of
+it. In a DDP job it runs on every rank; the accumulation check all-reduces the micro-batch
+gradients (:func:`ddp_reduce`).
 
 At the window's first optimizer step (before the weights change) the accumulated gradient
 is compared with the gradient of the same micro-batches as one batch
@@ -33,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import math
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -41,11 +48,13 @@ from torch import nn
 
 from hooks.doctor.loop import checks as lc
 from hooks.doctor.loop.components import component_accumulation_findings
+from hooks.doctor.loop.tape import KeptOutputs, LossTape, foreign_graph_finding, user_site
+from hooks.engine.compile import compiled_parts
 from hooks.engine.recompute import in_backward
 from hooks.engine.replay import held_state
 from hooks.trace.ops import Replay
 
-__all__ = ["LoopWatch", "check_watch_arguments"]
+__all__ = ["LoopWatch", "check_watch_arguments", "ddp_reduce"]
 
 #: No instance attribute of that name before :meth:`LoopWatch._wrap`.
 _ABSENT = object()
@@ -110,6 +119,12 @@ def _inner(obj: Any, attr: str) -> Any:
     return obj
 
 
+def _output_tensors(obj: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    _first_tensor(obj, lambda t: out.append(t) and False)
+    return out
+
+
 def _first_tensor(obj: Any, pred: Callable[[torch.Tensor], bool]) -> torch.Tensor | None:
     if isinstance(obj, torch.Tensor):
         return obj if pred(obj) else None
@@ -150,7 +165,8 @@ def _ids_of(args: tuple, kwargs: dict) -> torch.Tensor | None:
 
 
 class _MicroBatch:
-    __slots__ = ("replay", "lr", "training", "tokens", "backward", "ids", "mask", "hooked")
+    __slots__ = ("replay", "lr", "training", "tokens", "backward", "ids", "mask", "hooked",
+                 "tape", "site")
 
     def __init__(self, replay: Replay, lr: tuple, training: bool) -> None:
         self.replay, self.lr, self.training = replay, lr, training
@@ -158,6 +174,8 @@ class _MicroBatch:
         self.backward = False
         self.ids = self.mask = None
         self.hooked = False
+        self.tape: int | None = None  # its index in the window's LossTape
+        self.site: tuple[str, int, str] = ("", 0, "")  # the loop's line that called the model
 
 
 class LoopWatch:
@@ -181,10 +199,11 @@ class LoopWatch:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  scheduler: Any, *, capture: Callable[[], Any] = lambda: None,
-                 busy: Callable[[], bool] = lambda: False) -> None:
+                 busy: Callable[[], bool] = lambda: False,
+                 reduce: Callable[..., Any] | None = None) -> None:
         self.model, self.optimizer = model, optimizer
         self.scheduler = _inner(scheduler, "scheduler") if scheduler is not None else None
-        self._capture, self._busy = capture, busy
+        self._capture, self._busy, self._reduce = capture, busy, reduce
         self.findings: list[dict[str, Any]] = []
         self._said: set[tuple[str, str]] = set()
         self._handles: list[Any] = []
@@ -200,6 +219,10 @@ class LoopWatch:
         self._no_grad: set[int] | None = None
         self._no_grad_windows = 0
         self.external_step = False
+        self._tape: LossTape | None = None
+        self._kept = KeptOutputs()
+        self._tail: Any = None
+        self._tail_step: int | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -210,6 +233,7 @@ class LoopWatch:
         self._before: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._label_done = False
         self._stale = False
+        self._refs: list[tuple[Any, tuple[int, ...], tuple[str, int, str]]] = []
 
     # -- findings ----------------------------------------------------------------------------------
     def _add(self, found: list[dict[str, Any]]) -> None:
@@ -245,12 +269,19 @@ class LoopWatch:
     def arm(self, step: int) -> None:
         """Open the window of watched step ``step``: attach the hooks."""
         if self._step is not None:
-            self.disarm()
+            self.disarm(tail=False)
+        self._close_tail()
         self._reset()
         self._step = step
         m = self.model
         self._handles = [m.register_forward_pre_hook(self._pre, with_kwargs=True),
                          m.register_forward_hook(self._post, with_kwargs=True)]
+        if not compiled_parts(list(m.named_modules())):  # a mode would change dynamo's code
+            tape = LossTape()
+            self._handles += [m.register_forward_pre_hook(self._depth_in, prepend=True),
+                              m.register_forward_hook(self._depth_out, always_call=True)]
+            tape.__enter__()  # left in disarm: the loop's calls of this window only
+            self._tape = tape
         opt = self.optimizer
         if opt is not None:
             self._handles += [opt.register_step_pre_hook(self._before_step),
@@ -272,8 +303,10 @@ class LoopWatch:
         setattr(obj, name, types.MethodType(wrapped, obj))
         self._patched.append((obj, name, own))
 
-    def disarm(self) -> None:
-        """Close the window: the end-of-step checks, then detach everything."""
+    def disarm(self, *, tail: bool = True) -> None:
+        """Close the window: the end-of-step checks, then detach everything; with ``tail``,
+        a forward pre-hook stays until the next training forward, so that an evaluation
+        right after the step's ``log()`` is seen (:meth:`_tail_pre`)."""
         step = self._step
         try:
             if step is not None and self.scheduler is not None:
@@ -282,11 +315,75 @@ class LoopWatch:
         except Exception:
             pass
         finally:
+            self._leave_tape(step)
             self._detach()
             self._mbs = []
             self._snapshot = None
             self._before = []
+            self._refs = []
             self._step = None
+        if tail and step is not None and self._dropout:
+            with contextlib.suppress(Exception):
+                self._tail_step = step
+                self._tail = self.model.register_forward_pre_hook(self._tail_pre)
+
+    def _leave_tape(self, step: int | None) -> None:
+        """Leave the window's :class:`LossTape`; the memory it saw grow."""
+        tape, self._tape = self._tape, None
+        if tape is None:
+            return
+        try:
+            n = torch._C._len_torch_function_stack()
+            if n and torch._C._get_function_stack_at(n - 1) is tape:
+                tape.__exit__(None, None, None)
+            else:  # a mode the loop entered since is above it: leave it passing through
+                tape.paused = True
+            if step is not None:
+                if tape.foreign is not None:
+                    self._add([foreign_graph_finding(step, tape.foreign)])
+                kept = self._kept.end_window(step, self._refs + tape.losses)
+                if kept is not None:
+                    self._add([kept])
+        except Exception:
+            pass
+        finally:
+            tape.reset()
+
+    def _depth_in(self, module: nn.Module, args: tuple) -> None:
+        if self._tape is not None:
+            self._tape.depth += 1
+
+    def _depth_out(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._tape is not None:
+            self._tape.depth = max(0, self._tape.depth - 1)
+
+    def _tail_pre(self, module: nn.Module, args: tuple) -> None:
+        """After a watched step's ``log()``, until the next training forward: an evaluation
+        (a forward under ``torch.no_grad``) in train mode with dropout on."""
+        if self._others() or in_backward():
+            return
+        if torch.is_grad_enabled():
+            if module.training:
+                self._close_tail()
+            return
+        if module.training:
+            self._eval_in_train(self._tail_step)
+            self._close_tail()
+
+    def _close_tail(self) -> None:
+        tail, self._tail = self._tail, None
+        if tail is not None:
+            with contextlib.suppress(Exception):
+                tail.remove()
+
+    def _eval_in_train(self, step: int | None) -> None:
+        self._add([lc.finding(
+            "train_eval", step, "model.train()",
+            f"a forward under torch.no_grad at step {step} ran in train mode with dropout "
+            f"active in {len(self._dropout)} module(s) ({', '.join(self._dropout[:3])}): call "
+            "model.eval() before evaluating (and model.train() after)",
+            f"torch.is_grad_enabled()=False, model.training=True; dropout in "
+            f"{', '.join(self._dropout)}", modules=self._dropout)])
 
     def _detach(self) -> None:
         for h in self._handles:
@@ -303,7 +400,8 @@ class LoopWatch:
 
     def close(self) -> None:
         """Detach everything (the run finished)."""
-        self.disarm()
+        self.disarm(tail=False)
+        self._close_tail()
 
     def _on_zero_grad(self) -> None:
         self._zero_grads += 1
@@ -323,18 +421,13 @@ class LoopWatch:
         try:
             if not torch.is_grad_enabled():
                 if module.training and self._dropout:
-                    self._add([lc.finding(
-                        "train_eval", self._step, "model.train()",
-                        f"a forward under torch.no_grad at step {self._step} ran in train "
-                        f"mode with dropout active in {len(self._dropout)} module(s) "
-                        f"({', '.join(self._dropout[:3])}): call model.eval() before "
-                        "evaluating (and model.train() after)",
-                        f"torch.is_grad_enabled()=False, model.training=True; dropout in "
-                        f"{', '.join(self._dropout)}", modules=self._dropout)])
+                    self._eval_in_train(self._step)
                 return
             opt = self.optimizer
             lr = tuple(float(g["lr"]) for g in opt.param_groups) if opt is not None else ()
-            self._mbs.append(_MicroBatch(Replay.at(module, args, kwargs), lr, module.training))
+            mb = _MicroBatch(Replay.at(module, args, kwargs), lr, module.training)
+            mb.site = user_site()
+            self._mbs.append(mb)
         except Exception:
             pass
 
@@ -346,6 +439,10 @@ class LoopWatch:
         try:
             mb = self._mbs[-1]
             mb.hooked = True
+            if self._tape is not None:
+                mb.tape = self._tape.outputs(output)
+            self._refs += [(weakref.ref(t), tuple(t.shape), mb.site)
+                           for t in _output_tensors(output) if t.requires_grad]
             mb.ids = _ids_of(args, kwargs)
             mask = kwargs.get("attention_mask")
             mb.mask = mask if isinstance(mask, torch.Tensor) else None
@@ -373,7 +470,7 @@ class LoopWatch:
                 self._label_done = True
                 self._add(lc.label_findings(self._step, grad, mb.ids, mb.mask))
             if self._plan_accum():
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+                torch.autograd.Variable._execution_engine.queue_callback(self._queue_snapshot)
         except Exception:
             pass
 
@@ -406,6 +503,12 @@ class LoopWatch:
                 f"non-zero .grad before the first backward after an optimizer step "
                 f"({self._zero_grads} zero_grad call(s) in the step): {', '.join(stale[:8])}",
                 params=stale)])
+
+    def _queue_snapshot(self) -> None:
+        """Queued when backward reaches the outputs; queues :meth:`_end_backward` behind the
+        callbacks queued since (DDP's ``finalize_backward``, which writes the all-reduced
+        gradients into ``.grad`` once the last bucket is ready)."""
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
         opt = self.optimizer
@@ -487,12 +590,46 @@ class LoopWatch:
 
     def _check_accumulation(self, mbs: list[_MicroBatch]) -> None:
         """Compare the real accumulated ``.grad`` with the one-batch gradient (see
-        :func:`hooks.doctor.loop.checks.accumulation_findings`)."""
-        if self._stale or not mbs:
-            return
+        :func:`hooks.doctor.loop.checks.accumulation_findings`). In a DDP job every rank
+        calls the collectives of :func:`ddp_reduce` once here, whatever it found (a rank
+        with nothing to check passes ``None``, and no rank checks)."""
         k = len(mbs)
-        if self._accum_checks >= ACCUM_CHECKS and self._usual is not None and k == self._usual:
+        want = not self._stale and k > 0 and not (
+            self._accum_checks >= ACCUM_CHECKS and self._usual is not None and k == self._usual)
+        local = None
+        if want:
+            try:
+                local = self._local_accumulation(mbs)
+            except Exception:
+                local = None
+        per, tokens = (local[2], local[3]) if local is not None else (None, [])
+        if self._reduce is not None:  # every rank's micro-batches (DDP)
+            device = local[0].device if local is not None else self._device()
+            got = self._reduce(per, tokens, device)
+            if got is None:
+                return
+            per, tokens = got
+        if local is None or per is None:
             return
+        acc, low = local[0], local[1]
+        self._accum_checks += 1
+        usual = self._usual
+        self._usual = k if usual is None else max(usual, k)
+        self._add(lc.accumulation_findings(self._step, acc, per, tokens, usual))
+        if self._reduce is None:  # per component: this process's aux gradients (not DDP's)
+            self._add(component_accumulation_findings(self._step, acc, per, local[4], tokens))
+        if low is not None:
+            self._add(lc.low_precision_accumulation(self._step, acc, per, low))
+
+    def _device(self) -> torch.device:
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return params[0].device if params else torch.device("cpu")
+
+    def _local_accumulation(self, mbs: list[_MicroBatch]) -> tuple | None:
+        """``(acc, grad dtype, per, tokens, aux)``: the accumulated ``.grad`` (P,) fp32, its
+        dtype, each micro-batch's replayed gradient (P,) and token count, and the aux term's
+        gradients the replay found (:meth:`_replay_grad`); ``None`` when a micro-batch's loss
+        could not be replayed."""
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         trainable = [i for i, p in enumerate(params) if p.requires_grad]
         snap = self._snapshot or [p.grad for p in params]
@@ -503,17 +640,11 @@ class LoopWatch:
         for mb in mbs:
             g = self._replay_grad(mb, [params[i] for i in trainable], aux)
             if g is None:
-                return
+                return None
             per.append(g)
             tokens.append(mb.tokens if mb.tokens else self._count(mb))
-        self._accum_checks += 1
-        usual = self._usual
-        self._usual = k if usual is None else max(usual, k)
-        self._add(lc.accumulation_findings(self._step, acc, per, tokens, usual))
-        self._add(component_accumulation_findings(self._step, acc, per, aux, tokens))
         low = [snap[i].dtype for i in trainable if snap[i] is not None]
-        if low:
-            self._add(lc.low_precision_accumulation(self._step, acc, per, low[0]))
+        return acc, (low[0] if low else None), per, tokens, aux
 
     @staticmethod
     def _count(mb: _MicroBatch) -> int:
@@ -541,7 +672,11 @@ class LoopWatch:
                     held_state(self.model, r.rng_cpu, r.rng_cuda), torch.enable_grad():
                 self.model.train(r.training)
                 out = self.model(*r.args, **r.kwargs)
-                loss = loss_of(out)
+                tape = self._tape
+                loss = tape.replay(mb.tape, out) if tape is not None and mb.tape is not None \
+                    else None  # the loss function the loop called on the outputs, if seen
+                if loss is None:
+                    loss = loss_of(out)
                 if loss is None or not loss.requires_grad:
                     return None
                 logits = _logits_of(out, mb.ids)
@@ -586,6 +721,38 @@ def _flat_aux_grad(model: nn.Module, output: Any,
     return torch.cat([(g.reshape(-1).float() if g is not None else
                        p.new_zeros(p.numel(), dtype=torch.float32))
                       for g, p in zip(grads, params, strict=True)])
+
+
+def ddp_reduce(per: list[torch.Tensor] | None, tokens: list[int],
+               device: torch.device) -> tuple[list[torch.Tensor], list[int]] | None:
+    """Under DDP, every rank's micro-batch gradients, for the accumulation check: DDP's
+    ``.grad`` is the mean over the W ranks of each rank's accumulated gradient,
+    ``(1/W) Σ_r Σ_i a_i · g_i^r``, so it is fitted against ``G_i = (1/W) Σ_r g_i^r`` (the same
+    weight ``a_i`` for micro-batch ``i`` of every rank, as the same loop runs on each) with
+    ``n_i = Σ_r n_i^r`` tokens. Collectives of the default process group: every rank calls
+    it at the same optimizer step, ``per=None`` where its replay found no loss.
+
+    Args:
+        per: k tensors (P,) fp32, this rank's ``g_i``; ``None`` when not replayed.
+        tokens: k token counts of this rank.
+        device: Where the collectives' tensors live (the gradients' device: CUDA for NCCL).
+
+    Returns:
+        ``(G, n)``: k tensors (P,) and k counts; ``None`` when a rank has no gradients or the
+        ranks' micro-batch counts differ.
+    """
+    import torch.distributed as dist
+
+    k = len(per) if per is not None else 0
+    flag = torch.tensor([1 if per else 0, k, -k], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if int(flag[0]) != 1 or int(flag[1]) != -int(flag[2]) or not per:
+        return None
+    stack = torch.stack(per)  # (k, P)
+    dist.all_reduce(stack)
+    n = torch.tensor(tokens, dtype=torch.int64, device=device)
+    dist.all_reduce(n)
+    return list(stack / dist.get_world_size()), [int(x) for x in n.tolist()]
 
 
 def aux_padding_findings(step: int | None, output: Any,
