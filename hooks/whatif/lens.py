@@ -30,12 +30,16 @@ from typing import Any
 import torch
 from torch import nn
 
-#: Names a decoder-only model gives the list of its blocks (Llama ``layers``, GPT-2 ``h``).
-LAYER_LIST_NAMES = ("layers", "h", "blocks", "layer", "decoder_layers")
-#: Names the final norm has beside that list (Llama ``norm``, GPT-2 ``ln_f``, NeoX
-#: ``final_layer_norm``, Falcon ``ln_f``, Phi ``final_layernorm``, Mamba ``norm_f``).
-FINAL_NORM_NAMES = ("norm", "ln_f", "final_layer_norm", "final_layernorm", "norm_f",
-                    "final_norm", "ln_out")
+# The parts the lens reads, found in one place for every what-if experiment (re-exported here:
+# ``hooks.whatif.lens.find_parts`` is what the lens command calls).
+from hooks.whatif.stream import (  # noqa: F401
+    FINAL_NORM_NAMES,
+    LAYER_LIST_NAMES,
+    LensParts,
+    find_parts,
+    output_logits,
+)
+
 #: The last layer's lens may differ from the model's logits by this much (relative to their
 #: largest magnitude) before :attr:`Lens.notes` says so: the same ops in the same order agree
 #: exactly; a different kernel for the same matmul within a few ulps.
@@ -55,18 +59,6 @@ class LensToken:
     id: int
     text: str
     prob: float
-
-
-@dataclass(frozen=True, slots=True)
-class LensParts:
-    """Where the lens reads a model: its decoder layers, final norm and head (qualified names),
-    and what the model does to the head's output (``post``, None when nothing)."""
-
-    layers: list[str]
-    norm: str
-    head: str
-    post: Callable[[torch.Tensor], torch.Tensor] | None
-    post_text: str
 
 
 @dataclass
@@ -198,101 +190,6 @@ def token_text(tokenizer: Any, token_id: int) -> str:
     return f"#{token_id}"
 
 
-def _config_value(model: nn.Module, name: str) -> Any:
-    return getattr(getattr(model, "config", None), name, None)
-
-
-def _post_of(model: nn.Module) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, str]:
-    """What the model applies to its head's output, read from what it declares (Gemma's
-    ``final_logit_softcapping``, Cohere's ``logit_scale``, Granite's ``logits_scaling``)."""
-    cap = _config_value(model, "final_logit_softcapping")
-    if isinstance(cap, (int, float)) and cap:
-        return (lambda x: torch.tanh(x / cap) * cap), f"soft-cap {cap:g} · tanh(x / {cap:g})"
-    scale = getattr(model, "logit_scale", None)
-    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
-        return (lambda x: x * scale), f"× logit_scale {scale:g}"
-    div = _config_value(model, "logits_scaling")
-    if isinstance(div, (int, float)) and div and div != 1:
-        return (lambda x: x / div), f"÷ logits_scaling {div:g}"
-    return None, "none"
-
-
-def _head_of(model: nn.Module, names: dict[int, str]) -> str:
-    get = getattr(model, "get_output_embeddings", None)
-    head = None
-    if callable(get):
-        try:
-            head = get()
-        except Exception:  # a model whose method is not implemented
-            head = None
-    if not isinstance(head, nn.Module):
-        head = getattr(model, "lm_head", None)
-    if not isinstance(head, nn.Module) or id(head) not in names:
-        raise ValueError(f"{type(model).__name__} declares no LM head (get_output_embeddings() "
-                         "is None and there is no lm_head): the logit lens needs one")
-    return names[id(head)]
-
-
-def _blocks(module: nn.Module) -> bool:
-    kids = list(module.children())
-    return isinstance(module, nn.ModuleList) and bool(kids) and all(
-        type(c) is type(kids[0]) for c in kids)
-
-
-def find_parts(model: nn.Module) -> LensParts:
-    """Find a decoder-only model's decoder layers, final norm and LM head.
-
-    The layers are the first ``nn.ModuleList`` of blocks of one class named like
-    :data:`LAYER_LIST_NAMES` (``model.layers``, ``transformer.h``, ``model.model.layers``)
-    whose parent also holds a final norm named like :data:`FINAL_NORM_NAMES`; the head is
-    ``get_output_embeddings()``, else ``lm_head``.
-
-    Raises:
-        ValueError: one line saying why not: an encoder-decoder, no list of blocks, no final
-            norm beside it, no LM head.
-    """
-    from hooks.batch import is_encoder_decoder
-
-    kind = type(model).__name__
-    if is_encoder_decoder(model):
-        raise ValueError(f"{kind} is an encoder-decoder model: the logit lens reads the "
-                         "residual stream of a decoder-only model")
-    modules = dict(model.named_modules())
-    names = {id(m): n for n, m in reversed(list(modules.items()))}
-    head = _head_of(model, names)
-    lists = [n for n, m in modules.items()
-             if n.rpartition(".")[2] in LAYER_LIST_NAMES and _blocks(m)]
-    if not lists:
-        raise ValueError(f"{kind} has no list of decoder blocks (an nn.ModuleList named "
-                         f"{', '.join(LAYER_LIST_NAMES)}): the logit lens has no layers to read")
-    for name in lists:
-        parent = name.rpartition(".")[0]
-        prefix = f"{parent}." if parent else ""
-        for norm in FINAL_NORM_NAMES:
-            if prefix + norm in modules:
-                layers = [f"{name}.{c}" for c, _ in modules[name].named_children()]
-                post, text = _post_of(model)
-                return LensParts(layers, prefix + norm, head, post, text)
-    raise ValueError(f"{kind} has no final norm beside {lists[0]} (looked for "
-                     f"{', '.join(FINAL_NORM_NAMES)}): the logit lens would read the residual "
-                     "stream without the norm the head expects")
-
-
-def _output_logits(output: Any) -> torch.Tensor | None:
-    """The model's (B, T, V) logits: ``output.logits``, ``output["logits"]``, the first 3-D
-    float tensor of a tuple, or the output itself."""
-    cand = getattr(output, "logits", None)
-    if cand is None and isinstance(output, dict):
-        cand = output.get("logits")
-    if cand is None and isinstance(output, (tuple, list)):
-        cand = next((x for x in output if isinstance(x, torch.Tensor) and x.dim() == 3), None)
-    if cand is None and isinstance(output, torch.Tensor):
-        cand = output
-    if isinstance(cand, torch.Tensor) and cand.dim() == 3 and cand.is_floating_point():
-        return cand
-    return None
-
-
 def _run(model: nn.Module, batch: Any, parts: LensParts) -> tuple[list[torch.Tensor], Any]:
     """One forward (no grad) with hooks that keep each decoder layer's first output."""
     from hooks.batch import Batch
@@ -375,7 +272,7 @@ def logit_lens(model: nn.Module, batch: Any, k: int = 5, *, tokenizer: Any = Non
     lens = Lens(parts.layers, parts.norm, parts.head, parts.post_text, b.ids(model),
                 torch.stack(tops), torch.stack(probs), _hidden=torch.stack(hidden),
                 _apply=apply, _tokenizer=tokenizer if tokenizer is not None else b.tokenizer)
-    _check_last(lens, last, _output_logits(output))
+    _check_last(lens, last, output_logits(output))
     return lens
 
 
