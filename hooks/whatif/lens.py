@@ -89,6 +89,8 @@ class Lens:
     last_layer_error: float | None = None
     notes: list[str] = field(default_factory=list)
     _hidden: torch.Tensor | None = field(default=None, repr=False)
+    _mid: torch.Tensor | None = field(default=None, repr=False)
+    _mid_why: str = field(default="", repr=False)
     _apply: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)
     _tokenizer: Any = field(default=None, repr=False)
 
@@ -109,18 +111,26 @@ class Lens:
                              f"(0..{n - 1}, or -1 for the last)")
         return layer % n
 
-    def logits(self, layer: int) -> torch.Tensor:
+    def logits(self, layer: int, where: str = "out") -> torch.Tensor:
         """(B, T, V) float32 lens logits of decoder layer ``layer`` (negative counts from the
-        end): ``post(head(final_norm(h_layer)))``, computed again from the kept (B, T, D)
-        hidden state.
+        end): ``post(head(final_norm(h)))``, computed again from the kept (B, T, D) residual
+        stream ``h``: the layer's output (``where="out"``), or the residual in the middle of the
+        block, after attention and before the MLP (``where="mid"``: the block's input plus its
+        attention's output, TransformerLens's ``resid_mid``).
 
         Raises:
-            ValueError: ``layer`` out of range.
+            ValueError: ``layer`` out of range, ``where`` not ``out``/``mid``, or ``mid`` on a
+                model whose blocks have no attention the lens recognises (the reason said).
         """
         i = self._layer(layer)
         assert self._hidden is not None and self._apply is not None
+        if where not in ("out", "mid"):
+            raise ValueError(f"where={where!r}: give 'out' (the block's output) or 'mid' (after "
+                             "attention, before the MLP)")
+        if where == "mid" and self._mid is None:
+            raise ValueError(f"the lens at mid-block is not available: {self._mid_why}")
         with torch.no_grad():
-            return self._apply(self._hidden[i]).float()
+            return self._apply((self._mid if where == "mid" else self._hidden)[i]).float()
 
     def top(self, layer: int, position: int, k: int | None = None,
             row: int = 0) -> list[LensToken]:
@@ -190,12 +200,45 @@ def token_text(tokenizer: Any, token_id: int) -> str:
     return f"#{token_id}"
 
 
-def _run(model: nn.Module, batch: Any, parts: LensParts) -> tuple[list[torch.Tensor], Any]:
-    """One forward (no grad) with hooks that keep each decoder layer's first output."""
+def _mid_hooks(modules: dict[str, nn.Module], parts: LensParts, mid: dict[int, Any]) -> list:
+    """Hooks that keep each block's input (``mid[i] = [input]``) and add its attention's output
+    to it (the residual after the attention add); ``mid["why"]`` when a block has none."""
+    from hooks.whatif.stream import block_parts
+
+    blocks = [block_parts(n, modules[n]) for n in parts.layers]
+    bad = next((b for b in blocks if b.attention is None), None)
+    if bad is not None:
+        mid["why"] = f"{bad.name}: {bad.why}"
+        return []
+
+    def pre(i: int):
+        def hook(_module, args, kwargs):
+            h = args[0] if args else kwargs.get("hidden_states")
+            if i not in mid and isinstance(h, torch.Tensor):
+                mid[i] = [h.detach()]
+        return hook
+
+    def attn(i: int):
+        def hook(_module, _args, out):
+            a = out[0] if isinstance(out, (tuple, list)) else out
+            if i in mid and len(mid[i]) == 1 and isinstance(a, torch.Tensor):
+                mid[i].append(a.detach())
+        return hook
+
+    return [h for i, b in enumerate(blocks) for h in (
+        modules[b.name].register_forward_pre_hook(pre(i), with_kwargs=True),
+        modules[b.attention].register_forward_hook(attn(i)))]
+
+
+def _run(model: nn.Module, batch: Any, parts: LensParts
+         ) -> tuple[list[torch.Tensor], Any, dict[int, Any]]:
+    """One forward (no grad) with hooks that keep each decoder layer's first output, and its
+    input and attention output (:func:`_mid_hooks`)."""
     from hooks.batch import Batch
 
     modules = dict(model.named_modules())
     kept: dict[int, torch.Tensor] = {}
+    mid: dict[int, Any] = {}
 
     def keep(i: int):
         def hook(_module, _args, out):
@@ -205,6 +248,7 @@ def _run(model: nn.Module, batch: Any, parts: LensParts) -> tuple[list[torch.Ten
         return hook
 
     handles = [modules[n].register_forward_hook(keep(i)) for i, n in enumerate(parts.layers)]
+    handles += _mid_hooks(modules, parts, mid)
     try:
         with torch.no_grad():
             output = Batch.of(batch).call(model)
@@ -215,7 +259,17 @@ def _run(model: nn.Module, batch: Any, parts: LensParts) -> tuple[list[torch.Ten
     if missing:
         raise ValueError(f"decoder layer {missing[0]} did not run in the forward pass (or "
                          "returned no tensor): the logit lens has nothing to read there")
-    return [kept[i] for i in range(len(parts.layers))], output
+    return [kept[i] for i in range(len(parts.layers))], output, mid
+
+
+def _mid_stack(mid: dict[int, Any], n: int) -> tuple[torch.Tensor | None, str]:
+    """(L, B, T, D) block input + attention output, or (None, why not)."""
+    if "why" in mid:
+        return None, str(mid["why"])
+    pairs = [mid.get(i) for i in range(n)]
+    if any(p is None or len(p) != 2 or p[0].shape != p[1].shape for p in pairs):
+        return None, "a block's attention gave no output of the residual stream's shape"
+    return torch.stack([h + a for h, a in pairs]), ""
 
 
 def logit_lens(model: nn.Module, batch: Any, k: int = 5, *, tokenizer: Any = None) -> Lens:
@@ -250,7 +304,8 @@ def logit_lens(model: nn.Module, batch: Any, k: int = 5, *, tokenizer: Any = Non
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     parts = find_parts(model)
-    hidden, output = _run(model, batch, parts)
+    hidden, output, mid = _run(model, batch, parts)
+    mids, why = _mid_stack(mid, len(parts.layers))
     modules = dict(model.named_modules())
     norm, head = modules[parts.norm], modules[parts.head]
 
@@ -271,7 +326,8 @@ def logit_lens(model: nn.Module, batch: Any, k: int = 5, *, tokenizer: Any = Non
     b = Batch.of(batch)
     lens = Lens(parts.layers, parts.norm, parts.head, parts.post_text, b.ids(model),
                 torch.stack(tops), torch.stack(probs), _hidden=torch.stack(hidden),
-                _apply=apply, _tokenizer=tokenizer if tokenizer is not None else b.tokenizer)
+                _mid=mids, _mid_why=why, _apply=apply,
+                _tokenizer=tokenizer if tokenizer is not None else b.tokenizer)
     _check_last(lens, last, output_logits(output))
     return lens
 

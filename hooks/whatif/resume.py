@@ -17,6 +17,7 @@ Never imports textual, rich or tui.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -85,6 +86,18 @@ def repeat_rows(x: Any, rows: int, n: int) -> Any:
     return x
 
 
+@contextlib.contextmanager
+def eval_mode(model: nn.Module):
+    """The model in eval mode (no dropout: every run deterministic), its flags restored after."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, f in flags:
+            m.training = f
+
+
 @dataclass
 class Recording:
     """One recorded forward pass.
@@ -93,6 +106,7 @@ class Recording:
         h_in: (B, T, D) each block's residual input.
         h_out: (B, T, D) each block's residual output.
         z: (B, T, H·Dh) each block's attention output-projection input (None where not kept).
+        attn: (B, T, D) each block's attention module's output (None where not kept).
         calls: each block's call, ``(args, kwargs)``, the residual at ``args[0]``.
         logits: (B, T, V) the model's logits.
         rows: B.
@@ -101,6 +115,7 @@ class Recording:
     h_in: list[torch.Tensor] = field(default_factory=list)
     h_out: list[torch.Tensor] = field(default_factory=list)
     z: list[torch.Tensor | None] = field(default_factory=list)
+    attn: list[torch.Tensor | None] = field(default_factory=list)
     calls: list[tuple[tuple, dict]] = field(default_factory=list)
     logits: torch.Tensor | None = None
     rows: int = 0
@@ -108,7 +123,8 @@ class Recording:
 
 def record(model: nn.Module, batch: Any, parts, *, heads: bool = False,
            grad: bool = False) -> Recording:
-    """Run ``model`` on ``batch`` once and keep what :class:`Recording` holds.
+    """Run ``model`` on ``batch`` once and keep what :class:`Recording` holds (``z`` and
+    ``attn`` with ``heads``).
 
     With ``grad`` the run is under ``torch.enable_grad()``, the first block's residual input is
     made a tensor that requires grad (so that every later activation does, even with frozen
@@ -121,7 +137,8 @@ def record(model: nn.Module, batch: Any, parts, *, heads: bool = False,
 
     modules = dict(model.named_modules())
     n = len(parts.blocks)
-    rec = Recording(h_in=[None] * n, h_out=[None] * n, z=[None] * n, calls=[None] * n)
+    rec = Recording(h_in=[None] * n, h_out=[None] * n, z=[None] * n, attn=[None] * n,
+                    calls=[None] * n)
     keep = (lambda t: t) if grad else (lambda t: t.detach())
 
     def pre(i):
@@ -152,6 +169,12 @@ def record(model: nn.Module, batch: Any, parts, *, heads: bool = False,
                 rec.z[i] = keep(args[0])
         return hook
 
+    def apost(i):
+        def hook(_m, _args, out):
+            if rec.attn[i] is None:
+                rec.attn[i] = keep(first_tensor(out))
+        return hook
+
     handles = []
     for i, bp in enumerate(parts.blocks):
         m = modules[bp.name]
@@ -159,6 +182,7 @@ def record(model: nn.Module, batch: Any, parts, *, heads: bool = False,
         handles.append(m.register_forward_hook(post(i)))
         if heads and bp.out_proj is not None:
             handles.append(modules[bp.out_proj].register_forward_pre_hook(zpre(i)))
+            handles.append(modules[bp.attention].register_forward_hook(apost(i)))
     b = no_cache_batch(model, batch)
     try:
         with torch.enable_grad() if grad else torch.no_grad():
@@ -264,5 +288,5 @@ def full_patched(model: nn.Module, batch: Any, n: int, module: nn.Module, patch:
         handle.remove()
 
 
-__all__ = ["Patch", "Recording", "Resumer", "first_tensor", "full_patched", "no_cache_batch",
-           "record", "repeat_rows", "with_first"]
+__all__ = ["Patch", "Recording", "Resumer", "eval_mode", "first_tensor", "full_patched",
+           "no_cache_batch", "record", "repeat_rows", "with_first"]

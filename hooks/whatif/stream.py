@@ -185,7 +185,8 @@ class StreamParts:
         return [b.name for b in self.blocks]
 
 
-def _block_attention(name: str, block: nn.Module) -> BlockParts:
+def block_parts(name: str, block: nn.Module) -> BlockParts:
+    """The attention parts of block ``block`` named ``name`` (see :func:`stream_parts`)."""
     from hooks.engine.edits import out_projection
     from hooks.probes.attention import looks_like_attention
 
@@ -214,9 +215,9 @@ def stream_parts(model: nn.Module) -> StreamParts:
     """
     parts = find_parts(model)
     modules = dict(model.named_modules())
-    blocks = [_block_attention(n, modules[n]) for n in parts.layers]
+    blocks = [block_parts(n, modules[n]) for n in parts.layers]
     return StreamParts(blocks, parts.norm, parts.head, parts.post, parts.post_text)
 
 
 __all__ = ["FINAL_NORM_NAMES", "LAYER_LIST_NAMES", "BlockParts", "LensParts", "StreamParts",
-           "find_parts", "output_logits", "stream_parts"]
+           "block_parts", "find_parts", "output_logits", "stream_parts"]

@@ -42,7 +42,6 @@ Never imports textual, rich or tui.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -136,18 +135,6 @@ class Sweep:
                 "values": nested(self.values.tolist()), "notes": list(self.notes)}
 
 
-@contextlib.contextmanager
-def _eval(model: nn.Module):
-    """The model in eval mode (no dropout: every run deterministic), its flags restored after."""
-    flags = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, f in flags:
-            m.training = f
-
-
 def _setup(model: nn.Module, clean: Any, over: str, metric: Any, tokenizer: Any):
     """(parts, over, metric bound to the clean batch's targets) or one-line ValueError."""
     from hooks.batch import Batch
@@ -218,10 +205,10 @@ def patch_sweep(model: nn.Module, clean: Any, corrupt: Any, over: str = "layers√
         ValueError: one line: a model whose blocks, norm or head are not found, ``heads`` on a
             block without recognised heads, batches of different shapes, a bad metric or over.
     """
-    from hooks.whatif.resume import Resumer, record
+    from hooks.whatif.resume import Resumer, eval_mode, record
 
     parts, over, m = _setup(model, clean, over, metric, tokenizer)
-    with _eval(model), torch.no_grad():
+    with eval_mode(model), torch.no_grad():
         c = record(model, clean, parts, heads=over == "heads")
         r = record(model, corrupt, parts, heads=over == "heads")
         _check_pair(c, r)
@@ -329,11 +316,11 @@ def attribution_patch(model: nn.Module, clean: Any, corrupt: Any,
     Raises:
         ValueError: as :func:`patch_sweep`.
     """
-    from hooks.whatif.resume import record
+    from hooks.whatif.resume import eval_mode, record
 
     parts, over, m = _setup(model, clean, over, metric, tokenizer)
     heads = over == "heads"
-    with _eval(model):
+    with eval_mode(model):
         r = record(model, corrupt, parts, heads=heads, grad=True)
         with torch.no_grad():
             c = record(model, clean, parts, heads=heads)
