@@ -35,7 +35,7 @@ FAMILIES = list(ARCH)
 
 
 def _tl():
-    tl = pytest.importorskip("transformer_lens", reason="TransformerLens (the test extra) is "
+    pytest.importorskip("transformer_lens", reason="TransformerLens (the test extra) is "
                              "not installed")
     from transformer_lens import patching
     from transformer_lens.model_bridge.sources import build_bridge_from_module
