@@ -133,12 +133,14 @@ class Lens:
             return self._apply((self._mid if where == "mid" else self._hidden)[i]).float()
 
     def top(self, layer: int, position: int, k: int | None = None,
-            row: int = 0) -> list[LensToken]:
+            row: int = 0, where: str = "out") -> list[LensToken]:
         """The ``k`` most likely next tokens at ``position`` of batch row ``row`` after decoder
-        layer ``layer``, most likely first (``k`` defaults to the k of :func:`logit_lens`).
+        layer ``layer`` (``where="mid"``: in its middle, see :meth:`logits`), most likely first
+        (``k`` defaults to the k of :func:`logit_lens`).
 
         Raises:
-            ValueError: ``layer``, ``position`` or ``row`` out of range, or ``k`` < 1.
+            ValueError: ``layer``, ``position`` or ``row`` out of range, ``k`` < 1, or ``mid``
+                where it is not available.
         """
         i = self._layer(layer)
         b, t = self.shape
@@ -150,11 +152,11 @@ class Lens:
         k = kept if k is None else k
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
-        if k <= kept:
+        if k <= kept and where == "out":
             ids = self.top_ids[i, row, position, :k].tolist()
             probs = self.top_probs[i, row, position, :k].tolist()
         else:
-            p = torch.softmax(self.logits(i)[row, position], dim=-1)
+            p = torch.softmax(self.logits(i, where)[row, position], dim=-1)
             vals, idx = p.topk(min(k, p.shape[-1]))
             ids, probs = idx.tolist(), vals.tolist()
         return [LensToken(int(j), self.text_of(int(j)), float(q))
@@ -166,16 +168,27 @@ class Lens:
         tokenizer does not know the id."""
         return token_text(self._tokenizer, token_id)
 
-    def table(self, row: int = 0) -> tuple[list[list[str]], torch.Tensor]:
-        """The top-1 grid of batch row ``row``: (L rows of T token texts, (L, T) probabilities).
+    def table(self, row: int = 0, where: str = "out") -> tuple[list[list[str]], torch.Tensor]:
+        """The top-1 grid of batch row ``row``: (L rows of T token texts, (L, T) probabilities)
+        of the blocks' outputs, or (``where="mid"``) of their middles, computed then from
+        :meth:`logits`.
+
+        Raises:
+            ValueError: ``row`` out of range, or ``mid`` where it is not available.
         """
         b, _ = self.shape
         if not 0 <= row < b:
             raise ValueError(f"row {row} out of range: the batch has {b} rows")
-        ids = self.top_ids[:, row, :, 0]
+        if where == "out":
+            ids, probs = self.top_ids[:, row, :, 0], self.top_probs[:, row, :, 0].clone()
+        else:
+            tops = [torch.softmax(self.logits(i, where)[row], -1).max(-1)
+                    for i in range(self.num_layers)]
+            ids = torch.stack([t.indices for t in tops])
+            probs = torch.stack([t.values for t in tops])
         cache: dict[int, str] = {}
         texts = [[cache.setdefault(j, self.text_of(j)) for j in r] for r in ids.tolist()]
-        return texts, self.top_probs[:, row, :, 0].clone()
+        return texts, probs
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:
