@@ -130,17 +130,21 @@ def run_step(model: nn.Module, batch: Any, *, loss_fn: Any = None,
 def loss_reads(model: nn.Module, batch: Any, loss_fn: Any = None) -> list[int] | None:
     """The positions (0…T-1) whose logits the step's loss reads, where that can be told from the
     batch: with labels equal to the input ids (HF, shifted inside the model: position p predicts
-    the label at p + 1, so the last position is never read) or next-token targets (nanoGPT:
+    the label at p + 1, so the last position is never read; also labels ignored on some positions
+    of a causal LM, a ``*ForCausalLM`` / ``*LMHeadModel``) or next-token targets (nanoGPT:
     position p predicts the target at p), the positions whose target is counted (not the ignore
     value). None with a ``loss_fn`` of the user's, an encoder-decoder, or other targets.
     """
-    from hooks.batch import Batch, is_encoder_decoder
+    from hooks.batch import Batch, TargetLayout, is_encoder_decoder
 
     if loss_fn is not None or is_encoder_decoder(model):
         return None
     b = Batch.of(batch)
     layout = b.target_layout(model)
     tgt, _slot = b.targets_tensor(model)
+    causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+    if layout.kind == "masked" and causal:
+        layout = TargetLayout("aligned", layout.ignore, layout.where)  # HF shifts inside
     if layout.kind not in ("aligned", "shifted") or not isinstance(tgt, torch.Tensor):
         return None
     counted = (tgt != layout.ignore) if layout.ignore is not None else torch.ones_like(

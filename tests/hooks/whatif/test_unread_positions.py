@@ -60,3 +60,13 @@ def test_mdb_diff_edit_says_it_on_the_edit_line(capsys):
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("edit: patch"))
     assert "lies after the last position the loss reads (14)" in line
+
+
+def test_a_causal_lm_scoring_one_token_reads_the_position_before_it():
+    from tests import families
+
+    model, batch = families.hf_gpt2()
+    ids = batch["input_ids"]
+    labels = torch.full_like(ids, -100)
+    labels[:, 9] = ids[:, 9]  # only token 9 is scored: read at position 8
+    assert loss_reads(model, {"input_ids": ids, "labels": labels}) == [8]
