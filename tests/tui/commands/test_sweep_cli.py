@@ -92,3 +92,22 @@ def test_no_clean_batch_or_one_of_another_shape_is_one_line(capsys):
                     f"{HERE}:short"]) == 2
     err = capsys.readouterr().err
     assert "patching needs the same (B, T)" in err and err.count("\n") == 1
+
+
+def test_in_a_terminal_each_cell_is_coloured_by_how_much_it_restores():
+    from rich.console import Console
+
+    import hooks
+    from tui.commands.sweep import print_sweep
+
+    s = hooks.Sweep("layers×positions", "loss", "patch", torch.tensor([[4.0, 2.0, 3.0]]),
+                    ["model.layers.0"], clean=2.0, corrupt=4.0)
+    console = Console(record=True, force_terminal=True, color_system="truecolor", width=80)
+    print_sweep(console, s, ["0", "1", "2"], heat=True)
+    out = console.export_text(styles=True)
+    assert "\x1b[48;2;30;40;140m" in out  # 4.0: the corrupted end, nothing restored (blue)
+    assert "\x1b[48;2;230;40;20m" in out  # 2.0: the clean end, all of it (red)
+    assert "\x1b[48;2;130;100;80m" in out  # 3.0: half-way
+    plain = Console(record=True, force_terminal=True, color_system="truecolor", width=80)
+    print_sweep(plain, s, ["0", "1", "2"], heat=False)
+    assert "48;2" not in plain.export_text(styles=True)
