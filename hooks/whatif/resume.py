@@ -68,6 +68,18 @@ def no_cache_batch(model: nn.Module, batch: Any):
     return b
 
 
+#: Keyword arguments of a block that hold a key/value cache (HF ``past_key_values``, Granite's
+#: ``cache``): a resumed call gets None, so that it neither reads nor appends to the recorded run's.
+CACHE_NAMES = ("past_key_value", "past_key_values", "layer_past", "cache")
+
+
+def without_cache(kwargs: dict) -> dict:
+    """``kwargs`` with every key/value cache (:data:`CACHE_NAMES`, or a value whose class name
+    ends in ``Cache``) set to None."""
+    return {k: None if k in CACHE_NAMES or type(v).__name__.endswith("Cache") else v
+            for k, v in kwargs.items()}
+
+
 def repeat_rows(x: Any, rows: int, n: int) -> Any:
     """``x`` with every tensor of at least 2 dimensions and ``rows`` rows repeated ``n`` times
     along dim 0 (copy-major), in nested tuples, lists and dicts too; other values as they are."""
@@ -230,7 +242,8 @@ class Resumer:
             for i in range(start, len(self.blocks)):
                 args, kwargs = self.rec.calls[i]
                 rest = repeat_rows(args[1:], self.rec.rows, n)
-                out = self.blocks[i](h, *rest, **repeat_rows(kwargs, self.rec.rows, n))
+                kw = repeat_rows(without_cache(kwargs), self.rec.rows, n)
+                out = self.blocks[i](h, *rest, **kw)
                 h = first_tensor(out)
         finally:
             if handle is not None:
@@ -288,5 +301,6 @@ def full_patched(model: nn.Module, batch: Any, n: int, module: nn.Module, patch:
         handle.remove()
 
 
-__all__ = ["Patch", "Recording", "Resumer", "eval_mode", "first_tensor", "full_patched",
-           "no_cache_batch", "record", "repeat_rows", "with_first"]
+__all__ = ["CACHE_NAMES", "Patch", "Recording", "Resumer", "eval_mode", "first_tensor",
+           "full_patched", "no_cache_batch", "record", "repeat_rows", "with_first",
+           "without_cache"]
