@@ -59,6 +59,9 @@ class Metric:
         if targets is None or targets.dim() != 2:
             raise ValueError("metric loss: the clean batch has no (B, T) labels or input ids to "
                              "read the next-token loss against; use --metric logit_diff:A,B")
+        if not bool((targets[:, 1:] != -100).any()):
+            raise ValueError("metric loss: every label of the clean batch after the first "
+                             "position is -100: the loss counts no token")
         return Metric(self.spec, self.kind, targets=targets.long())
 
     def reads(self, t: int) -> list[int]:

@@ -203,10 +203,13 @@ def patch_sweep(model: nn.Module, clean: Any, corrupt: Any, over: str = "layers√
 
     Raises:
         ValueError: one line: a model whose blocks, norm or head are not found, ``heads`` on a
-            block without recognised heads, batches of different shapes, a bad metric or over.
+            block without recognised heads, batches of different shapes, a bad metric or over,
+            a loss that counts no token, ``chunk`` < 1.
     """
     from hooks.whatif.resume import Resumer, eval_mode, record
 
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"chunk must be >= 1 copies, got {chunk}")
     parts, over, m = _setup(model, clean, over, metric, tokenizer)
     with eval_mode(model), torch.no_grad():
         c = record(model, clean, parts, heads=over == "heads")

@@ -190,6 +190,15 @@ def test_bad_arguments_are_one_line(kwargs, says):
     assert "\n" not in str(err.value)
 
 
+def test_a_loss_that_counts_nothing_and_a_bad_chunk_are_refused():
+    model, clean, corrupt = pair("hf_gpt2")
+    none = {**clean, "labels": torch.full_like(clean["input_ids"], -100)}
+    with pytest.raises(ValueError, match="counts no token"):
+        hooks.patch_sweep(model, none, corrupt)
+    with pytest.raises(ValueError, match="chunk must be >= 1"):
+        hooks.patch_sweep(model, clean, corrupt, chunk=0)
+
+
 def test_batches_of_different_shapes_are_refused():
     model, clean, _ = pair("hf_gpt2")
     short = {"input_ids": clean["input_ids"][:, :8]}
