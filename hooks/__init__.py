@@ -68,6 +68,7 @@ _LAZY: dict[str, str] = {
         (
             "NUM_BINS",
             "StatsBatch",
+    "Sweep",
             "TensorStats",
             "summarize_tensor",
         ),
@@ -92,6 +93,8 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(("SCHEMA_VERSION", "Trace", "TraceFormatError"), "trace.trace"),
     **dict.fromkeys(("Lens", "LensToken", "logit_lens"), "whatif.lens"),
     **dict.fromkeys(("Divergence", "PrecisionDiff", "precision_diff"), "whatif.precision"),
+    **dict.fromkeys(("Sweep", "attribution_patch", "patch_sweep"), "whatif.sweep"),
+    **dict.fromkeys(("LogitAttribution", "logit_attribution"), "whatif.dla"),
 }
 
 
@@ -109,6 +112,7 @@ __all__ = [
     "GradRecord",
     "Lens",
     "LensToken",
+    "LogitAttribution",
     "LossChoice",
     "ModuleInfo",
     "NonFinite",
@@ -130,11 +134,14 @@ __all__ = [
     "Trace",
     "TraceDiff",
     "TraceFormatError",
+    "attribution_patch",
     "capture",
     "find_roles",
     "from_factory",
+    "logit_attribution",
     "logit_lens",
     "module_infos",
+    "patch_sweep",
     "precision_diff",
     "probes_for",
     "register_probe",
@@ -170,6 +177,10 @@ def _load(module: str) -> types.ModuleType:
         import hooks.whatif.lens  # noqa: F401 (read from sys.modules)
     elif module == "whatif.precision":
         import hooks.whatif.precision  # noqa: F401 (read from sys.modules)
+    elif module == "whatif.sweep":
+        import hooks.whatif.sweep  # noqa: F401 (read from sys.modules)
+    elif module == "whatif.dla":
+        import hooks.whatif.dla  # noqa: F401 (read from sys.modules)
     else:  # pragma: no cover - _LAZY names a module _load does not know
         raise AssertionError(f"hooks: no loader for {module!r}")
     return sys.modules[f"{__name__}.{module}"]

@@ -31,6 +31,7 @@ COMMANDS: dict[str, str] = {
     "lens": "lens",
     "roles": "roles",
     "serve": "serve",
+    "sweep": "sweep",
 }
 
 

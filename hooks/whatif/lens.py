@@ -30,12 +30,16 @@ from typing import Any
 import torch
 from torch import nn
 
-#: Names a decoder-only model gives the list of its blocks (Llama ``layers``, GPT-2 ``h``).
-LAYER_LIST_NAMES = ("layers", "h", "blocks", "layer", "decoder_layers")
-#: Names the final norm has beside that list (Llama ``norm``, GPT-2 ``ln_f``, NeoX
-#: ``final_layer_norm``, Falcon ``ln_f``, Phi ``final_layernorm``, Mamba ``norm_f``).
-FINAL_NORM_NAMES = ("norm", "ln_f", "final_layer_norm", "final_layernorm", "norm_f",
-                    "final_norm", "ln_out")
+# The parts the lens reads, found in one place for every what-if experiment (re-exported here:
+# ``hooks.whatif.lens.find_parts`` is what the lens command calls).
+from hooks.whatif.stream import (  # noqa: F401
+    FINAL_NORM_NAMES,
+    LAYER_LIST_NAMES,
+    LensParts,
+    find_parts,
+    output_logits,
+)
+
 #: The last layer's lens may differ from the model's logits by this much (relative to their
 #: largest magnitude) before :attr:`Lens.notes` says so: the same ops in the same order agree
 #: exactly; a different kernel for the same matmul within a few ulps.
@@ -55,18 +59,6 @@ class LensToken:
     id: int
     text: str
     prob: float
-
-
-@dataclass(frozen=True, slots=True)
-class LensParts:
-    """Where the lens reads a model: its decoder layers, final norm and head (qualified names),
-    and what the model does to the head's output (``post``, None when nothing)."""
-
-    layers: list[str]
-    norm: str
-    head: str
-    post: Callable[[torch.Tensor], torch.Tensor] | None
-    post_text: str
 
 
 @dataclass
@@ -97,6 +89,8 @@ class Lens:
     last_layer_error: float | None = None
     notes: list[str] = field(default_factory=list)
     _hidden: torch.Tensor | None = field(default=None, repr=False)
+    _mid: torch.Tensor | None = field(default=None, repr=False)
+    _mid_why: str = field(default="", repr=False)
     _apply: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)
     _tokenizer: Any = field(default=None, repr=False)
 
@@ -117,26 +111,36 @@ class Lens:
                              f"(0..{n - 1}, or -1 for the last)")
         return layer % n
 
-    def logits(self, layer: int) -> torch.Tensor:
+    def logits(self, layer: int, where: str = "out") -> torch.Tensor:
         """(B, T, V) float32 lens logits of decoder layer ``layer`` (negative counts from the
-        end): ``post(head(final_norm(h_layer)))``, computed again from the kept (B, T, D)
-        hidden state.
+        end): ``post(head(final_norm(h)))``, computed again from the kept (B, T, D) residual
+        stream ``h``: the layer's output (``where="out"``), or the residual in the middle of the
+        block, after attention and before the MLP (``where="mid"``: the block's input plus its
+        attention's output, TransformerLens's ``resid_mid``).
 
         Raises:
-            ValueError: ``layer`` out of range.
+            ValueError: ``layer`` out of range, ``where`` not ``out``/``mid``, or ``mid`` on a
+                model whose blocks have no attention the lens recognises (the reason said).
         """
         i = self._layer(layer)
         assert self._hidden is not None and self._apply is not None
+        if where not in ("out", "mid"):
+            raise ValueError(f"where={where!r}: give 'out' (the block's output) or 'mid' (after "
+                             "attention, before the MLP)")
+        if where == "mid" and self._mid is None:
+            raise ValueError(f"the lens at mid-block is not available: {self._mid_why}")
         with torch.no_grad():
-            return self._apply(self._hidden[i]).float()
+            return self._apply((self._mid if where == "mid" else self._hidden)[i]).float()
 
     def top(self, layer: int, position: int, k: int | None = None,
-            row: int = 0) -> list[LensToken]:
+            row: int = 0, where: str = "out") -> list[LensToken]:
         """The ``k`` most likely next tokens at ``position`` of batch row ``row`` after decoder
-        layer ``layer``, most likely first (``k`` defaults to the k of :func:`logit_lens`).
+        layer ``layer`` (``where="mid"``: in its middle, see :meth:`logits`), most likely first
+        (``k`` defaults to the k of :func:`logit_lens`).
 
         Raises:
-            ValueError: ``layer``, ``position`` or ``row`` out of range, or ``k`` < 1.
+            ValueError: ``layer``, ``position`` or ``row`` out of range, ``k`` < 1, or ``mid``
+                where it is not available.
         """
         i = self._layer(layer)
         b, t = self.shape
@@ -148,11 +152,11 @@ class Lens:
         k = kept if k is None else k
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
-        if k <= kept:
+        if k <= kept and where == "out":
             ids = self.top_ids[i, row, position, :k].tolist()
             probs = self.top_probs[i, row, position, :k].tolist()
         else:
-            p = torch.softmax(self.logits(i)[row, position], dim=-1)
+            p = torch.softmax(self.logits(i, where)[row, position], dim=-1)
             vals, idx = p.topk(min(k, p.shape[-1]))
             ids, probs = idx.tolist(), vals.tolist()
         return [LensToken(int(j), self.text_of(int(j)), float(q))
@@ -164,16 +168,27 @@ class Lens:
         tokenizer does not know the id."""
         return token_text(self._tokenizer, token_id)
 
-    def table(self, row: int = 0) -> tuple[list[list[str]], torch.Tensor]:
-        """The top-1 grid of batch row ``row``: (L rows of T token texts, (L, T) probabilities).
+    def table(self, row: int = 0, where: str = "out") -> tuple[list[list[str]], torch.Tensor]:
+        """The top-1 grid of batch row ``row``: (L rows of T token texts, (L, T) probabilities)
+        of the blocks' outputs, or (``where="mid"``) of their middles, computed then from
+        :meth:`logits`.
+
+        Raises:
+            ValueError: ``row`` out of range, or ``mid`` where it is not available.
         """
         b, _ = self.shape
         if not 0 <= row < b:
             raise ValueError(f"row {row} out of range: the batch has {b} rows")
-        ids = self.top_ids[:, row, :, 0]
+        if where == "out":
+            ids, probs = self.top_ids[:, row, :, 0], self.top_probs[:, row, :, 0].clone()
+        else:
+            tops = [torch.softmax(self.logits(i, where)[row], -1).max(-1)
+                    for i in range(self.num_layers)]
+            ids = torch.stack([t.indices for t in tops])
+            probs = torch.stack([t.values for t in tops])
         cache: dict[int, str] = {}
         texts = [[cache.setdefault(j, self.text_of(j)) for j in r] for r in ids.tolist()]
-        return texts, self.top_probs[:, row, :, 0].clone()
+        return texts, probs
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:
@@ -198,134 +213,46 @@ def token_text(tokenizer: Any, token_id: int) -> str:
     return f"#{token_id}"
 
 
-def _config_value(model: nn.Module, name: str) -> Any:
-    return getattr(getattr(model, "config", None), name, None)
+def _mid_hooks(model: nn.Module, modules: dict[str, nn.Module], parts: LensParts,
+               mid: dict[int, Any]) -> list:
+    """Hooks that keep each block's input (``mid[i] = [input]``) and add its attention's output
+    to it (the residual after the attention add); ``mid["why"]`` when a block has none."""
+    from hooks.whatif.stream import block_parts
+
+    blocks = [block_parts(model, n, modules[n]) for n in parts.layers]
+    bad = next((b for b in blocks if b.attention is None), None)
+    if bad is not None:
+        mid["why"] = f"{bad.name}: {bad.why}"
+        return []
+
+    def pre(i: int):
+        def hook(_module, args, kwargs):
+            h = args[0] if args else kwargs.get("hidden_states")
+            if i not in mid and isinstance(h, torch.Tensor):
+                mid[i] = [h.detach()]
+        return hook
+
+    def attn(i: int):
+        def hook(_module, _args, out):
+            a = out[0] if isinstance(out, (tuple, list)) else out
+            if i in mid and len(mid[i]) == 1 and isinstance(a, torch.Tensor):
+                mid[i].append(a.detach())
+        return hook
+
+    return [h for i, b in enumerate(blocks) for h in (
+        modules[b.name].register_forward_pre_hook(pre(i), with_kwargs=True),
+        modules[b.attention].register_forward_hook(attn(i)))]
 
 
-def _post_of(model: nn.Module) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, str]:
-    """What the model applies to its head's output, read from what it declares (Gemma's
-    ``final_logit_softcapping``, Cohere's ``logit_scale``, Granite's ``logits_scaling``)."""
-    cap = _config_value(model, "final_logit_softcapping")
-    if isinstance(cap, (int, float)) and cap:
-        return (lambda x: torch.tanh(x / cap) * cap), f"soft-cap {cap:g} · tanh(x / {cap:g})"
-    scale = getattr(model, "logit_scale", None)
-    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
-        return (lambda x: x * scale), f"× logit_scale {scale:g}"
-    div = _config_value(model, "logits_scaling")
-    if isinstance(div, (int, float)) and div and div != 1:
-        return (lambda x: x / div), f"÷ logits_scaling {div:g}"
-    return None, "none"
-
-
-def _head_of(model: nn.Module) -> str:
-    """The LM head's name: :func:`hooks.modelroles.lm_head_role` (declared, named, traced)."""
-    from hooks.modelroles import lm_head_role
-
-    got = lm_head_role(model)
-    if isinstance(got, str):
-        raise ValueError(f"the logit lens needs an LM head: {got}")
-    return got.module
-
-
-def _blocks(module: nn.Module) -> bool:
-    kids = list(module.children())
-    return isinstance(module, nn.ModuleList) and bool(kids) and all(
-        type(c) is type(kids[0]) for c in kids)
-
-
-def find_parts(model: nn.Module) -> LensParts:
-    """Find a decoder-only model's decoder layers, final norm and LM head.
-
-    The roles are every view's (:mod:`hooks.modelroles`): a declared head and final norm win;
-    then the layers are the first ``nn.ModuleList`` of blocks of one class named like
-    :data:`LAYER_LIST_NAMES` (``model.layers``, ``transformer.h``, ``model.model.layers``)
-    whose parent also holds a final norm named like :data:`FINAL_NORM_NAMES`; the head is
-    ``get_output_embeddings()``, else ``lm_head``. Where names fail, the roles traced from one
-    forward: the projection whose output is the logits, the norm it reads, and the list of
-    blocks (of one class) that holds the final norm's input.
-
-    Raises:
-        ValueError: one line saying why not: an encoder-decoder, no list of blocks, no final
-            norm, no LM head (with the line that declares the one missing).
-    """
-    from hooks.batch import is_encoder_decoder
-    from hooks.modelroles import declared_roles
-
-    kind = type(model).__name__
-    if is_encoder_decoder(model):
-        raise ValueError(f"{kind} is an encoder-decoder model: the logit lens reads the "
-                         "residual stream of a decoder-only model")
-    modules = dict(model.named_modules())
-    head = _head_of(model)
-    declared = declared_roles(model).final_norm
-    lists = [n for n, m in modules.items()
-             if n.rpartition(".")[2] in LAYER_LIST_NAMES and _blocks(m)]
-    if declared is None:
-        for name in lists:
-            parent = name.rpartition(".")[0]
-            prefix = f"{parent}." if parent else ""
-            for norm in FINAL_NORM_NAMES:
-                if prefix + norm in modules:
-                    return _parts(model, modules, name, prefix + norm, head)
-    return _parts_by_role(model, modules, lists, head)
-
-
-def _parts(model: nn.Module, modules: dict[str, nn.Module], layers: str, norm: str,
-           head: str) -> LensParts:
-    post, text = _post_of(model)
-    return LensParts([f"{layers}.{c}" for c, _ in modules[layers].named_children()], norm, head,
-                     post, text)
-
-
-def _parts_by_role(model: nn.Module, modules: dict[str, nn.Module], lists: list[str],
-                   head: str) -> LensParts:
-    """The lens's parts when names give no final norm beside the blocks: the declared or
-    traced final norm (:func:`hooks.modelroles.final_norm_role`) and the list of blocks beside
-    it (any name), else the first list named like one."""
-    from hooks.modelroles import final_norm_role
-
-    kind = type(model).__name__
-    got = final_norm_role(model)
-    if isinstance(got, str):
-        raise ValueError(f"the logit lens would read the residual stream without the norm the "
-                         f"head expects: {got}")
-    parent = got.module.rpartition(".")[0]
-    beside = [n for n, m in modules.items() if n.rpartition(".")[0] == parent and _blocks(m)]
-    found = beside[:1] or (lists[:1] if got.how == "declared" else [])
-    if found:
-        return _parts(model, modules, found[0], got.module, head)
-    if lists:  # a norm elsewhere (BERT's head transform) is not the blocks' final norm
-        raise ValueError(f"{kind} has no final norm beside {lists[0]} (looked for "
-                         f"{', '.join(FINAL_NORM_NAMES)}, and the head reads {got.module}, "
-                         "which is not beside the blocks): the logit lens would read the "
-                         "residual stream without the norm the head expects; if one is, "
-                         f"declare it: hooks.roles(model, final_norm='NAME')")
-    raise ValueError(f"{kind} has no list of decoder blocks (an nn.ModuleList of blocks of "
-                     f"one class beside {got.module}, or named {', '.join(LAYER_LIST_NAMES)}): "
-                     "the logit lens has no layers to read")
-
-
-def _output_logits(output: Any) -> torch.Tensor | None:
-    """The model's (B, T, V) logits: ``output.logits``, ``output["logits"]``, the first 3-D
-    float tensor of a tuple, or the output itself."""
-    cand = getattr(output, "logits", None)
-    if cand is None and isinstance(output, dict):
-        cand = output.get("logits")
-    if cand is None and isinstance(output, (tuple, list)):
-        cand = next((x for x in output if isinstance(x, torch.Tensor) and x.dim() == 3), None)
-    if cand is None and isinstance(output, torch.Tensor):
-        cand = output
-    if isinstance(cand, torch.Tensor) and cand.dim() == 3 and cand.is_floating_point():
-        return cand
-    return None
-
-
-def _run(model: nn.Module, batch: Any, parts: LensParts) -> tuple[list[torch.Tensor], Any]:
-    """One forward (no grad) with hooks that keep each decoder layer's first output."""
+def _run(model: nn.Module, batch: Any, parts: LensParts
+         ) -> tuple[list[torch.Tensor], Any, dict[int, Any]]:
+    """One forward (no grad) with hooks that keep each decoder layer's first output, and its
+    input and attention output (:func:`_mid_hooks`)."""
     from hooks.batch import Batch
 
     modules = dict(model.named_modules())
     kept: dict[int, torch.Tensor] = {}
+    mid: dict[int, Any] = {}
 
     def keep(i: int):
         def hook(_module, _args, out):
@@ -335,6 +262,7 @@ def _run(model: nn.Module, batch: Any, parts: LensParts) -> tuple[list[torch.Ten
         return hook
 
     handles = [modules[n].register_forward_hook(keep(i)) for i, n in enumerate(parts.layers)]
+    handles += _mid_hooks(model, modules, parts, mid)
     try:
         with torch.no_grad():
             output = Batch.of(batch).call(model)
@@ -345,7 +273,17 @@ def _run(model: nn.Module, batch: Any, parts: LensParts) -> tuple[list[torch.Ten
     if missing:
         raise ValueError(f"decoder layer {missing[0]} did not run in the forward pass (or "
                          "returned no tensor): the logit lens has nothing to read there")
-    return [kept[i] for i in range(len(parts.layers))], output
+    return [kept[i] for i in range(len(parts.layers))], output, mid
+
+
+def _mid_stack(mid: dict[int, Any], n: int) -> tuple[torch.Tensor | None, str]:
+    """(L, B, T, D) block input + attention output, or (None, why not)."""
+    if "why" in mid:
+        return None, str(mid["why"])
+    pairs = [mid.get(i) for i in range(n)]
+    if any(p is None or len(p) != 2 or p[0].shape != p[1].shape for p in pairs):
+        return None, "a block's attention gave no output of the residual stream's shape"
+    return torch.stack([h + a for h, a in pairs]), ""
 
 
 def logit_lens(model: nn.Module, batch: Any, k: int = 5, *, tokenizer: Any = None) -> Lens:
@@ -380,7 +318,8 @@ def logit_lens(model: nn.Module, batch: Any, k: int = 5, *, tokenizer: Any = Non
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     parts = find_parts(model)
-    hidden, output = _run(model, batch, parts)
+    hidden, output, mid = _run(model, batch, parts)
+    mids, why = _mid_stack(mid, len(parts.layers))
     modules = dict(model.named_modules())
     norm, head = modules[parts.norm], modules[parts.head]
 
@@ -401,8 +340,9 @@ def logit_lens(model: nn.Module, batch: Any, k: int = 5, *, tokenizer: Any = Non
     b = Batch.of(batch)
     lens = Lens(parts.layers, parts.norm, parts.head, parts.post_text, b.ids(model),
                 torch.stack(tops), torch.stack(probs), _hidden=torch.stack(hidden),
-                _apply=apply, _tokenizer=tokenizer if tokenizer is not None else b.tokenizer)
-    _check_last(lens, last, _output_logits(output))
+                _mid=mids, _mid_why=why, _apply=apply,
+                _tokenizer=tokenizer if tokenizer is not None else b.tokenizer)
+    _check_last(lens, last, output_logits(output))
     return lens
 
 

@@ -122,7 +122,66 @@ def run_step(model: nn.Module, batch: Any, *, loss_fn: Any = None,
         for m, f in flags:
             m.training = f
     trace.meta.update(_loss_meta(output, choice))
+    if edits:
+        note_unread_positions(trace, model, b, loss_fn)
     return trace
+
+
+def loss_reads(model: nn.Module, batch: Any, loss_fn: Any = None) -> list[int] | None:
+    """The positions (0…T-1) whose logits the step's loss reads, where that can be told from the
+    batch: with labels equal to the input ids (HF, shifted inside the model: position p predicts
+    the label at p + 1, so the last position is never read; also labels ignored on some positions
+    of a causal LM, a ``*ForCausalLM`` / ``*LMHeadModel``) or next-token targets (nanoGPT:
+    position p predicts the target at p), the positions whose target is counted (not the ignore
+    value). None with a ``loss_fn`` of the user's, an encoder-decoder, or other targets.
+    """
+    from hooks.batch import Batch, TargetLayout, is_encoder_decoder
+
+    if loss_fn is not None or is_encoder_decoder(model):
+        return None
+    b = Batch.of(batch)
+    layout = b.target_layout(model)
+    tgt, _slot = b.targets_tensor(model)
+    causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+    if layout.kind == "masked" and causal:
+        layout = TargetLayout("aligned", layout.ignore, layout.where)  # HF shifts inside
+    if layout.kind not in ("aligned", "shifted") or not isinstance(tgt, torch.Tensor):
+        return None
+    counted = (tgt != layout.ignore) if layout.ignore is not None else torch.ones_like(
+        tgt, dtype=torch.bool)
+    if layout.kind == "aligned":
+        return [p for p in range(tgt.shape[1] - 1) if bool(counted[:, p + 1].any())]
+    return [p for p in range(tgt.shape[1]) if bool(counted[:, p].any())]
+
+
+def note_unread_positions(trace, model: nn.Module, batch: Any, loss_fn: Any = None) -> None:
+    """Say, on each ``patch … pos=P`` of ``trace.edits`` that changed its calls, when every
+    position P lies after the last position the loss reads (:func:`loss_reads`): a causal
+    language model's later positions cannot reach earlier logits, so the edit cannot change the
+    loss (``pos=-1`` never can with HF's shifted loss). The note goes on the
+    :class:`hooks.trace.applied_edit.AppliedEdit` (its :meth:`describe` says it) and in
+    ``trace.notes``.
+    """
+    from hooks.batch import Batch
+    from hooks.engine.edits import parse_edit, parse_positions
+    from hooks.trace.records import Note
+
+    reads = loss_reads(model, batch, loss_fn)
+    ids = Batch.of(batch).ids(model)
+    if reads is None or ids is None or ids.dim() != 2:
+        return
+    t, last = int(ids.shape[1]), max(reads, default=-1)
+    for rec in trace.edits:
+        e = parse_edit(rec.spec)
+        if e.op != "patch" or e.pos is None or not rec.applied or rec.note:
+            continue
+        pos = parse_positions(e.pos)
+        idx = list(range(t))[pos] if isinstance(pos, slice) else [p % t for p in pos]
+        if idx and min(idx) > last:
+            rec.note = (f"{rec.changed} of {rec.calls} call(s) changed, but pos={e.pos} lies "
+                        f"after the last position the loss reads ({last}): a causal model's "
+                        "later positions cannot reach it, so the loss cannot change")
+            trace.notes.append(Note("edit", f"{rec.spec}: {rec.note}", module=rec.hooked))
 
 
 def rerun_edited(trace, edits: Sequence[Any], *, sources: Mapping[str, Any] | None = None,
@@ -182,4 +241,5 @@ def loss_of(trace) -> float | None:
         return None
 
 
-__all__ = ["ROLLED", "loss_of", "rerun_edited", "rolled", "run_step"]
+__all__ = ["ROLLED", "loss_of", "loss_reads", "note_unread_positions", "rerun_edited", "rolled",
+           "run_step"]

@@ -83,3 +83,47 @@ async def test_a_trace_from_disk_has_no_lens_and_says_why(step, tmp_path):
         assert isinstance(app.screen, LensScreen)
         assert "loaded from disk" in _text(app.screen.query_one("#hint", Static))
         assert "mdb lens" in _text(app.screen.query_one("#hint", Static))
+
+
+async def test_m_shows_the_mid_block_lens_and_enter_the_logit_attribution(step):
+    """The mid-block grid against the model's own second norm input (a hook of the test's own)
+    read through its final norm and head; the attribution's logit against the model's logit."""
+    trace, workload = step
+    model = workload.model
+    ids = workload.batch.ids(model)
+    mids = []
+    hs = [b.post_attention_layernorm.register_forward_pre_hook(
+        lambda m, a: mids.append(a[0].detach())) for b in model.model.layers]
+    with torch.no_grad():
+        logits = model(ids).logits
+        mid_probs = [torch.softmax(model.lm_head(model.model.norm(m)).double(), -1)
+                     for m in mids]
+    for h in hs:
+        h.remove()
+    labels = dict(zip(ids.reshape(-1).tolist(), trace.meta["tokens"], strict=True))
+    app = make_step_app(trace)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("L")
+        screen = app.screen
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        await pilot.press("m")
+        await pilot.pause()
+        assert "mid-block" in _text(screen.query_one("#status", Static))
+        grid = screen.query_one("#lens-grid", DataTable)
+        for layer in range(2):
+            cells = grid.get_row_at(layer)
+            for t in range(SEQ):
+                want = int(mid_probs[layer][0, t].argmax())
+                assert labels.get(want, f"#{want}").startswith(cells[t + 1].plain.rstrip("…"))
+        grid.move_cursor(row=1, column=4)  # layer 1 (mid), position 3
+        await pilot.press("enter")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        tok = int(mid_probs[1][0, 3].argmax())
+        dla = _text(screen.query_one("#lens-dla", Static))
+        assert dla.startswith("direct logit attribution to") and "position 3" in dla
+        assert f"logit {float(logits[0, 3, tok]):+.3f}" in dla
+        assert "layers.0 attn" in dla and "heads: " in dla
+        await pilot.press("m")
+        assert "block outputs" in _text(screen.query_one("#status", Static))

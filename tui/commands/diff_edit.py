@@ -44,6 +44,9 @@ def edited_pair(workload, edits: list[str], sources: dict):
     finally:
         for p, g in zip(params, saved, strict=True):
             p.grad = g
+    from hooks.whatif.rerun import note_unread_positions
+
+    note_unread_positions(traces[1], workload.model, workload.batch, workload.loss_fn)
     return traces[0], traces[1]
 
 

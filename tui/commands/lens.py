@@ -54,7 +54,9 @@ def compute_lens(workload, k: int = 5):
         raise ModelError(describe_error(exc, workload.model, "the forward pass")) from None
 
 
-def _console():
+def stdout_console():
+    """A Rich console on stdout: the terminal's width, or piped ``$COLUMNS`` (else 160 cells)
+    and no colour."""
     import os
 
     from rich.console import Console
@@ -80,7 +82,7 @@ def _check(lens, args) -> None:
 
 
 #: Cells between two columns of a printed table (`` │ ``: no edge, no outer padding).
-_GAP = 3
+GAP = 3
 
 
 def fitted_tables(lead: list[tuple[str, str]], heads: list[str], rows: list[tuple[list[str],
@@ -99,7 +101,7 @@ def fitted_tables(lead: list[tuple[str, str]], heads: list[str], rows: list[tupl
 
     rows = [([printable(c) for c in a], [printable(c) for c in b]) for a, b in rows]
     heads = [printable(h) for h in heads]
-    lead_w = sum(col_width(h, [r[0][i] for r in rows]) + _GAP for i, (h, _) in enumerate(lead))
+    lead_w = sum(col_width(h, [r[0][i] for r in rows]) + GAP for i, (h, _) in enumerate(lead))
     groups: list[list[int]] = [[]]
     used = lead_w
     for j, head in enumerate(heads):
@@ -108,7 +110,7 @@ def fitted_tables(lead: list[tuple[str, str]], heads: list[str], rows: list[tupl
             groups.append([])
             used = lead_w
         groups[-1].append(j)
-        used += w + _GAP
+        used += w + GAP
     tables = []
     for group in groups:
         table = Table(show_edge=False, pad_edge=False)
@@ -134,7 +136,7 @@ def print_grid(lens, row: int = 0) -> None:
     not fit the width in further tables below (:func:`fitted_tables`)."""
     texts, probs = lens.table(row)
     ids = lens.ids[row].tolist() if lens.ids is not None else None
-    console = _console()
+    console = stdout_console()
     console.print(f"top-1 per position (rows) and decoder layer (columns), sequence {row}",
                   markup=False)
     lead = [("pos", "right")] + ([("input", "left"), ("next", "left")] if ids is not None
@@ -157,7 +159,7 @@ def print_position(lens, pos: int, k: int, row: int = 0) -> None:
     squeezed to its borders."""
     ids = lens.ids[row].tolist() if lens.ids is not None else None
     at = f" (input {lens.text_of(ids[pos])!r})" if ids is not None else ""
-    console = _console()
+    console = stdout_console()
     console.print(printable(f"top {k} at position {pos}{at}, sequence {row}"), markup=False)
     rows = []
     for layer, name in enumerate(lens.layers):
@@ -176,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     workload = build_workload(args)
     lens = compute_lens(workload, k=max(args.k, 1))
     _check(lens, args)
-    console = _console()
+    console = stdout_console()
     console.print(printable(workload.description or "the model"), markup=False)
     console.print(printable(f"logit lens: each layer's output → {lens.norm} → {lens.head}"
                             + ("" if lens.post == "none" else f" → {lens.post}")), markup=False)
