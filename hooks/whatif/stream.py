@@ -1,10 +1,10 @@
 """Where a decoder-only model's residual stream is: its blocks, each block's attention and output
 projection, the final norm and the LM head.
 
-Every what-if experiment that reads or writes the residual stream (the patching sweep, attribution
-patching, direct logit attribution, the lens at mid-block) finds these parts through
-:func:`stream_parts` alone, so that the lookup can change in one place (:func:`find_parts`: by names, else the roles recognised from the computation,
-:mod:`hooks.modelroles`). The logit lens
+Every what-if experiment that reads or writes the residual stream (the patching sweep,
+attribution patching, direct logit attribution, the lens at mid-block) finds these parts through
+:func:`stream_parts` alone: by names first, else by the roles recognised from the computation
+(:mod:`hooks.modelroles`, which also reads a declaration). The logit lens
 (:mod:`hooks.whatif.lens`) reads the same parts.
 
 Dimension legend: L decoder blocks, H query heads, Dh head dim, D hidden size.

@@ -36,7 +36,8 @@ class Check:
     """One registered check.
 
     Attributes:
-        id: its number (1-10: the first battery; 11-14: magnitudes and gradient paths; 21-25: invariances).
+        id: its number (1-10: the first battery; 11-14: magnitudes and gradient paths;
+            21-25: invariances).
         key: short name accepted by ``--only``.
         name: title shown in tables.
         func: ``func(target, options) -> Outcome``.

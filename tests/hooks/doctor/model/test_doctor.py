@@ -24,8 +24,8 @@ from hooks.doctor.model.registry import Check
 from tests import zoo
 
 ALL_KEYS = ["init-loss", "causality", "rope", "gqa", "grad-flow", "routing", "nonfinite",
-            "tied", "numerics", "overfit", "init", "shapes", "loss-terms", "hooks", "padding", "batch", "cache",
-            "attn-impl", "packing"]
+            "tied", "numerics", "overfit", "init", "shapes", "loss-terms", "hooks", "padding",
+            "batch", "cache", "attn-impl", "packing"]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
