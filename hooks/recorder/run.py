@@ -73,6 +73,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hooks.recorder.job_end import job_end
 from hooks.recorder.run_process import RunProcess
 from hooks.store.control import ControlPoller, RunControls
 from hooks.store.numbers import loss_metric
@@ -163,33 +164,6 @@ def _say_world_size(job: Any) -> None:
               file=sys.stderr)
 
 
-def _job_end(status: str, reason: str | None,
-             ends: Mapping[int, Mapping[str, Any]]) -> tuple[str, str | None]:
-    """A distributed run's final status from rank 0's and the other ranks' ends: a rank that
-    died, failed or stopped reporting fails the run, named first."""
-    parts = []
-    for r, e in sorted(ends.items()):
-        if r == 0 or e.get("state") not in ("dead", "failed", "silent"):
-            continue
-        who = f"rank {r}"
-        where = " ".join(x for x in (f"pid {e['pid']}" if e.get("pid") is not None else "",
-                                      f"on {e['host']}" if e.get("host") else "") if x)
-        if where:
-            who += f" ({where})"
-        step = e.get("last_step", 0)
-        if e["state"] == "dead":
-            parts.append(f"{who} died (last step reported: {step})")
-        elif e["state"] == "failed":
-            parts.append(f"{who} failed after step {step}: {e.get('reason') or 'no reason'}")
-        else:
-            parts.append(f"{who} stopped reporting (last step reported: {step})")
-    if not parts:
-        return status, reason
-    if status != "finished":
-        parts.append(f"rank 0 {status}" + (f" ({reason[:150]})" if reason else ""))
-    return "failed", "; ".join(parts)[:500]
-
-
 def _last_line(exc: BaseException) -> str:
     """The line a traceback ends with: ``ValueError: boom`` (for a message of several lines,
     or with notes, the line that names the exception)."""
@@ -237,6 +211,9 @@ class Run(RunControls, RunProcess):
     #: The training-loop doctor while watching with an optimizer
     #: (:class:`hooks.doctor.loop.watch.LoopWatch`), else ``None``.
     _doctor: Any = None
+    #: The triggered capture of ``watch(..., optimizer=)``
+    #: (:class:`hooks.recorder.spike_watch.SpikeWatch`), else ``None``.
+    _spikes: Any = None
     #: The database was deleted (or the run resumed elsewhere): nothing more is written.
     _lost = False
 
@@ -461,7 +438,9 @@ class Run(RunControls, RunProcess):
             self._step_trace = None
             if self._capture is not None:
                 trace = self._end_capture(step, values)
-                self._step_trace = trace
+            if self._spikes is not None:
+                trace = self._spike_trace(step, values, trace)
+            self._step_trace = trace
             if self._doctor is not None and self._doctor.armed:
                 self._doctor_findings(close=False)
         self._logged = True
@@ -663,14 +642,23 @@ class Run(RunControls, RunProcess):
                 self._model = inner  # captured under the user's own module names
         self._sentinel = NonFiniteSentinel(self._model, lambda: self._capture is not None,
                                            optimizer)  # the first and only watch: none before
+        sentinel = self._sentinel
+        if optimizer is not None and self.world_size == 1 and not self._sharded(self._model):
+            from hooks.recorder.spike_watch import SpikeWatch
+
+            self._spikes = SpikeWatch(
+                self._model, optimizer, next_step=lambda: self.step + 1 if self._logged else 1,
+                busy=lambda: sentinel.replaying, active_capture=lambda: self._capture,
+                capture_options=self._capture_options, say=self._say)
         if optimizer is not None and self.rank == 0 and self._sharded(self._model):
             self._say(f"{self._title}: the loop doctor is off for a sharded (FSDP2/tensor-"
                       "parallel) model: its checks would run collectives on rank 0 alone")
         elif optimizer is not None and self.rank == 0:  # the loop doctor (rank 0 writes)
-            sentinel = self._sentinel
+            spikes = self._spikes
             self._doctor = LoopWatch(self._model, optimizer, scheduler,
                                      capture=lambda: self._capture,
-                                     busy=lambda: sentinel.replaying)
+                                     busy=lambda: sentinel.replaying or (
+                                         spikes is not None and spikes.replaying))
             self._doctor.once(nxt)
             self._doctor_findings(close=False)
         if not self._closed and nxt % every == 0:
@@ -736,6 +724,10 @@ class Run(RunControls, RunProcess):
             return None
         if not trace.forward:
             return None  # nothing ran between the two log() calls: nothing to store
+        return self._stamp(trace, step, values)
+
+    def _stamp(self, trace: Any, step: int, values: dict[str, float]) -> Any:
+        """Write the step and its logged values into a capture's ``meta``."""
         trace.step = step
         meta = trace.meta
         meta["step"] = step
@@ -746,6 +738,21 @@ class Run(RunControls, RunProcess):
             meta["loss"] = v if math.isfinite(v) else str(v)
             meta["loss_source"] = f"run.log({key}=…)"
         return trace
+
+    def _spike_trace(self, step: int, values: dict[str, float], trace: Any) -> Any:
+        """The step's capture: the triggered one (:mod:`hooks.recorder.spike_watch`) when the
+        step spiked, its story said on stderr; else ``trace``, kept for the story's medians."""
+        spiked = self._spikes.take(step)
+        if spiked is None:
+            if trace is not None:
+                self._spikes.remember(trace)
+            return trace
+        spiked.meta["run"] = self.name
+        spiked.meta["description"] = f"{self._title} · {spiked.meta.get('description', '')}"
+        db = "" if self.db == default_db_path() else f" --db {self.db}"
+        self._say(f"{self._title}: {spiked.meta['spike']['line']} (captured before its update:"
+                  f" mdb step --run {self.name}@{step}{db})")
+        return self._stamp(spiked, step, values)
 
     # -- finishing ---------------------------------------------------------------------------------
     def finish(self, status: str = "finished", *, reason: str | None = None) -> None:
@@ -778,6 +785,9 @@ class Run(RunControls, RunProcess):
         if self._sentinel is not None:
             self._sentinel.remove()
             self._sentinel = None
+        if self._spikes is not None:
+            self._spikes.remove()
+            self._spikes = None
         if self._doctor is not None:
             self._doctor_findings(close=True)
             self._doctor = None
@@ -785,7 +795,7 @@ class Run(RunControls, RunProcess):
             ends = self._link.finish(status, reason, self.step)
             self._learn_name()
             if self.rank == 0:
-                status, reason = _job_end(status, reason, ends)
+                status, reason = job_end(status, reason, ends)
         self._final = (status, reason)
         self._stop = True
         self._wake.set()
