@@ -188,6 +188,14 @@ class RunSession:
         """The text being memorised (scores the greedy samples), ``""`` when there is none."""
         return ""
 
+    def verdict(self) -> Any:
+        """The run's :class:`hooks.train.verdict.Verdict` (memorised? its spikes), read from
+        the store; call it before the store is closed."""
+        from hooks.train.verdict import overfit_verdict
+
+        metric = (self.headline_metrics or ["loss"])[0]
+        return overfit_verdict(self.store, self.store.run(self.name), metric, self.text)
+
     @property
     def top_k(self) -> int:
         """Experts per token, k, of the model's MoE layers (1 without)."""

@@ -587,6 +587,7 @@ def run_headless(session, args: argparse.Namespace | None = None) -> int:
     finally:
         poller.close()
         restore()
+        verdict = _verdict_lines(session, args.db if args is not None else None)
         session.store.close()
     line, is_error, code = end_of_run(session, result, reporter.last_metrics,
                                       args.db if args is not None else None)
@@ -594,7 +595,18 @@ def run_headless(session, args: argparse.Namespace | None = None) -> int:
         print_error(line)
     else:
         reporter.line(line)
+    for text in verdict:
+        reporter.line(text)
     return code
+
+
+def _verdict_lines(session, db: str | None) -> list[str]:
+    """The verdict's lines (:meth:`hooks.train.overfit.RunSession.verdict`), printable; none
+    when the store cannot say (a run that never started)."""
+    try:
+        return [printable(x) for x in session.verdict().lines(db)]
+    except Exception:  # the end line says what happened; a verdict is extra
+        return []
 
 
 #: When this process started (about): requests to the run written before it were for an
