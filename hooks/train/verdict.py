@@ -92,7 +92,7 @@ class Verdict:
         if self.below_from is not None:
             why = f"{m} below {thr} from step {self.below_from} to the end ({end})"
             if first is not None and first < self.below_from:
-                why = f"{m} first below {thr} at step {first}; {why}"
+                why = f"{m} first below {thr} at step {first}; {why.removeprefix(m + ' ')}"
         else:
             why = f"{m} {_num(self.last)} at step {end} is not below {thr}"
         if self.sample_ok is True:
