@@ -75,6 +75,10 @@ class TrainScreen(LiveScreen):
     def _db_path(self) -> str:
         return str(self.session.store.path)
 
+    def spike_source(self) -> tuple[str, str] | None:
+        """The trained run's database and name."""
+        return str(self.session.store.path), self.session.name
+
     def _capture_hint(self, step: int) -> str:
         self._drain()
         return f"captured step {step} · training paused · p resumes"
