@@ -72,7 +72,7 @@ class TrainerSpikes:
         return torch.stack(torch._foreach_norm([g.detach() for g in grads])).float()
 
     def check(self, step: int, loss: float, grad_norm: float, *, batch: Any,
-              run_step: Callable[[], Any], meta: dict[str, Any], captured: Any = None,
+              run_step: Callable[[], Any], meta: Callable[[], dict[str, Any]], captured: Any = None,
               output: Any = None) -> Any:
         """Observe the step before its update; replay it under the capture when it triggers.
 
@@ -82,7 +82,8 @@ class TrainerSpikes:
             grad_norm: Its global gradient norm (before clipping).
             batch: Its :class:`hooks.Batch`.
             run_step: Runs its forward and backward once, returns the output.
-            meta: The capture's ``meta`` (tokens, config).
+            meta: Returns the capture's ``meta`` (tokens, config): called only when the step
+                triggers.
             captured: The step's own trace when the trainer captures it anyway.
             output: That step's output (its logits give the top-loss tokens).
 
@@ -102,12 +103,13 @@ class TrainerSpikes:
         args, kwargs = tuple(batch.args), dict(batch.kwargs)
         if captured is not None:
             trace, out = captured, output
+            trace.meta.update(meta())
         else:
             rng_cpu, rng_cuda, training = self._rng
             try:
                 trace, out = replay_step(
                     self.model, run_step, rng_cpu=rng_cpu, rng_cuda=rng_cuda,
-                    training=training, step=step, meta=dict(meta),
+                    training=training, step=step, meta=meta(),
                     capture_options=self._options)
             except Exception as exc:  # the step itself goes on
                 self.error = f"step {step}: the replay failed: {type(exc).__name__}: {exc}"

@@ -806,7 +806,9 @@ class Trainer:
             self._loss(output, batch).loss.backward()
             return output
 
-        meta = dict(self.capture_meta(batch)) if self.capture_meta is not None else {}
+        def meta() -> dict[str, Any]:
+            return dict(self.capture_meta(batch)) if self.capture_meta is not None else {}
+
         self._spiked = self.spikes.check(step, float(loss.detach()), grad_norm, batch=batch,
                                          run_step=run_step, meta=meta, captured=trace,
                                          output=out)
