@@ -671,6 +671,12 @@ class Run(RunControls, RunProcess):
         itself (Lightning's ``optimizer.step(closure)``) tells it when the step comes."""
         return self._doctor
 
+    @property
+    def spike_watch(self) -> Any:
+        """The triggered capture of ``watch(..., optimizer=)``
+        (:class:`hooks.recorder.spike_watch.SpikeWatch`), or ``None``."""
+        return self._spikes
+
     @staticmethod
     def _sharded(model: Any) -> bool:
         """Whether ``model`` holds DTensor parameters (FSDP2, tensor parallel): the loop
