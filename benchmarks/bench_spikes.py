@@ -116,8 +116,8 @@ def bench_trainer(rounds: int, block: int) -> float:
     import tempfile
 
     from hooks.store.store import RunStore
-    from minillm import load_preset
     from hooks.train.overfit import OverfitOptions, OverfitSession, default_overfit_text
+    from minillm import load_preset
 
     sides = {}
     tmp = tempfile.mkdtemp()
