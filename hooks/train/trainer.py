@@ -773,6 +773,7 @@ class Trainer:
             expert_load(routers, self.top_k) if routers else None,
         )
         report = StepReport(metrics=metrics)
+        own = trace  # the failure is located as before: its own capture, else a rerun
         if self._spiked is not None:
             trace = self._spiked
         elif trace is not None and self.spikes is not None:
@@ -780,7 +781,7 @@ class Trainer:
         if trace is not None:
             self._attach_trace(report, trace, batch, step, loss_value, choice.source, values)
         if not (loss_ok and grad_ok):
-            report.failure = self._locate_failure(step, batch, loss_ok, trace)
+            report.failure = self._locate_failure(step, batch, loss_ok, own)
             opt.zero_grad(set_to_none=True)
         elif self.sample_fn is not None and self._sample_due(step):
             report.sample = self.sample_fn(model)
