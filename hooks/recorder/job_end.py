@@ -1,15 +1,18 @@
 """A ``torchrun`` job's final status, from rank 0's and the other ranks' ends (used by
-:meth:`hooks.recorder.run.Run.finish`).
+:meth:`hooks.recorder.run.Run.finish`), and the line said when ``WORLD_SIZE`` names a job
+that has no process group.
 
 This module never imports textual, rich or tui.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["job_end"]
+__all__ = ["job_end", "say_world_size"]
 
 
 def job_end(status: str, reason: str | None,
@@ -37,3 +40,14 @@ def job_end(status: str, reason: str | None,
     if status != "finished":
         parts.append(f"rank 0 {status}" + (f" ({reason[:150]})" if reason else ""))
     return "failed", "; ".join(parts)[:500]
+
+
+def say_world_size(job: Any) -> None:
+    """A ``WORLD_SIZE`` above 1 without a process group: say that this process is a run of
+    its own."""
+    world_env = os.environ.get("WORLD_SIZE", "").strip()
+    if job is None and world_env.isdigit() and int(world_env) > 1:
+        print(f"mdb: WORLD_SIZE={world_env} but no torch.distributed process group is "
+              "initialised: this process is recorded as a run of its own (call "
+              "init_process_group before hooks.run to record the job as one run)",
+              file=sys.stderr)

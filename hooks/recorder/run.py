@@ -25,6 +25,9 @@ What it does, and what it costs the loop:
   the other steps run with only the NaN sentinel's two hooks on the root module (below). The
   capture covers everything the model runs
   between those two ``log()`` calls. The trace is serialised on the writer thread.
+* With ``watch(optimizer=)`` a step whose loss or gradient norm spikes, or turns non-finite,
+  is replayed under the capture before the update and stored with its batch and story
+  (:mod:`hooks.recorder.spike_watch`; the training is unchanged bit for bit).
 * The first logged value that is NaN or ±Inf records ``{"step", "metric", "module",
   "direction", "detail"}`` in the run row (:attr:`hooks.store.store.RunInfo.nonfinite`). With
   ``watch``, where it started (:mod:`hooks.nonfinite.origin`) is found while the weights are still
@@ -73,7 +76,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hooks.recorder.job_end import job_end
+from hooks.recorder.job_end import job_end, say_world_size
 from hooks.recorder.run_process import RunProcess
 from hooks.store.control import ControlPoller, RunControls
 from hooks.store.numbers import loss_metric
@@ -151,17 +154,6 @@ def _job() -> Any:
     from hooks.dist import distributed
 
     return distributed.job()
-
-
-def _say_world_size(job: Any) -> None:
-    """A ``WORLD_SIZE`` above 1 without a process group: say that this process is a run of
-    its own."""
-    world_env = os.environ.get("WORLD_SIZE", "").strip()
-    if job is None and world_env.isdigit() and int(world_env) > 1:
-        print(f"mdb: WORLD_SIZE={world_env} but no torch.distributed process group is "
-              "initialised: this process is recorded as a run of its own (call "
-              "init_process_group before hooks.run to record the job as one run)",
-              file=sys.stderr)
 
 
 def _last_line(exc: BaseException) -> str:
@@ -248,7 +240,7 @@ class Run(RunControls, RunProcess):
         self.name, self.id = None, None  # on ranks other than 0: rank 0's, once it says
         if job is None or job.rank == 0:
             self._create_run(name, config, kind, job, gather_every)
-        _say_world_size(job)
+        say_world_size(job)
         self._logged = False
         self._queue: collections.deque = collections.deque()
         self._traces_in = 0  # written by the caller's thread only
