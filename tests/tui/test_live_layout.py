@@ -228,7 +228,10 @@ async def test_enter_opens_the_step_a_spike_was_captured_at_before_its_update(tm
         await wait_until(pilot, lambda: app.live.ended is not None)
         await drawn(pilot, app.live)
         (spike,) = session.writer.spikes
-        assert "Enter opens it" in _text(app.screen.query_one("#live-note"))
+        note = _text(app.screen.query_one("#live-note"))
+        assert "Enter opens it" in note
+        assert "verdict: " in note  # the screen shows the verdict the headless run prints
+        assert app.live.ended.verdict[0] == session.verdict().lines()[0]
         await pilot.press("enter")
         await wait_until(pilot, lambda: isinstance(app.screen, StepScreen))
         trace = app.screen.trace
