@@ -38,6 +38,7 @@ from torch import nn
 
 from hooks.doctor.loop.watch import loss_of
 from hooks.recorder.story import (
+    adam_ratios,
     gradient_growth,
     grown,
     story,
@@ -57,10 +58,10 @@ CAPTURES_KEPT = 20
 def finish_trace(trace: Any, trig: Trigger, batch: dict[str, torch.Tensor],
                  output: Any, args: tuple, kwargs: dict[str, Any], *,
                  gradients: dict[str, Any] | None,
-                 history: list[dict[str, float]]) -> None:
+                 history: list[dict[str, float]], extra: dict[str, float] | None = None) -> None:
     """Add the batch (``trace.tensors["batch/<name>"]``, ``meta["batch"]``), the token texts
     where the caller gave none (``#id``), the trigger and the story (``meta["spike"]``) to a
-    triggered capture."""
+    triggered capture; ``extra``: more of the step's features (Adam's update ratios)."""
     meta = trace.meta
     for name, t in batch.items():
         trace.tensors[f"batch/{name}"] = t
@@ -76,7 +77,8 @@ def finish_trace(trace: Any, trig: Trigger, batch: dict[str, torch.Tensor],
             tokens = top_tokens(per[0], per[1], per[2], meta.get("tokens"))
     meta["trigger"] = trig.to_dict()
     meta["spike"] = story(trig.to_dict(), gradients=gradients,
-                          internals=grown(trace_features(trace), history), tokens=tokens)
+                          internals=grown({**trace_features(trace), **(extra or {})}, history),
+                          tokens=tokens)
 
 
 class SpikeWatch:
@@ -98,6 +100,7 @@ class SpikeWatch:
                  busy: Callable[[], bool], active_capture: Callable[[], Any],
                  capture_options: dict[str, Any], say: Callable[[str], None]) -> None:
         self.model = model
+        self.optimizer = optimizer
         self.trigger = StepTrigger("loss")
         #: Set by an integration that calls :meth:`before_update` itself (Lightning).
         self.external_step = False
@@ -110,6 +113,7 @@ class SpikeWatch:
         self._forwards = 0
         self._inside = False
         self._pending: tuple[int, Any] | None = None
+        self._adam: dict[str, float] = {}  # Adam's update ratios of a step the run captures
         self._history: deque[dict[str, float]] = deque(maxlen=CAPTURES_KEPT)
         self._handles = [model.register_forward_pre_hook(self._pre, with_kwargs=True),
                          model.register_forward_hook(self._post)]
@@ -175,6 +179,8 @@ class SpikeWatch:
         self.trigger.keep_norms(step, per)
         trig = self.trigger.observe(step, host[1] if len(host) > 1 else None, host[0])
         if trig is None:
+            if self._active() is not None:  # a captured step: its update ratios for the story
+                self._adam = adam_ratios(self.optimizer, self._named)
             return
         if self._call is None:
             self._say(f"mdb: step {step}: {trig.reason}, not captured: the model's forward "
@@ -214,14 +220,16 @@ class SpikeWatch:
             trace.notes.append(Note("spike", f"{forwards} forwards ran before this update "
                                              "(gradient accumulation): the last one is replayed"))
         finish_trace(trace, trig, batch_tensors(args, kwargs), out, args, kwargs,
-                     gradients=gradients, history=list(self._history))
+                     gradients=gradients, history=list(self._history),
+                     extra=adam_ratios(self.optimizer, self._named))
         self._pending = (trig.step, trace)
 
     def remember(self, trace: Any) -> None:
         """Keep the internals of a capture the run stored (the medians the story compares
         with)."""
         with contextlib.suppress(Exception):
-            self._history.append(trace_features(trace))
+            self._history.append({**trace_features(trace), **self._adam})
+        self._adam = {}
 
     def take(self, step: int) -> Any:
         """The triggered trace of ``step`` (once), else ``None``."""

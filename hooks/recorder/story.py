@@ -10,8 +10,10 @@ overfit`` (they only show it).
   whose norm first went above :data:`FACTOR` times it, within those last steps, **grew first**
   (ties: the larger ratio). Also the largest ratio at the spiking step.
 * **Internals against earlier captures** (:func:`trace_features`, :func:`grown`): each
-  module's output ``max |x|`` (first call), each parameter's gradient norm and each MoE
-  layer's largest expert share, divided by their median over the run's earlier captures; in
+  module's output ``max |x|`` (first call), each parameter's gradient norm, each MoE
+  layer's largest expert share, each attention call's mean largest probability (when the
+  capture records attention), and Adam's update-to-weight ratio per parameter
+  (:func:`adam_ratios`), divided by their median over the run's earlier captures; in
   forward order the first module whose output is :data:`FACTOR` times above its median grew
   first.
 * **Tokens** (:func:`token_losses`, :func:`top_tokens`): the per-token cross-entropy of the
@@ -31,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["FACTOR", "RECENT", "TOP_TOKENS", "gradient_growth", "grown", "story",
+__all__ = ["FACTOR", "RECENT", "TOP_TOKENS", "adam_ratios", "gradient_growth", "grown", "story",
            "story_line", "token_losses", "top_tokens", "trace_features"]
 
 #: A value "grew" above this many times its own running median.
@@ -185,7 +187,46 @@ def trace_features(trace: Any) -> dict[str, float]:
         counts = getattr(r, "tokens_per_expert", None)
         if isinstance(counts, torch.Tensor) and counts.numel() and r.call_index == 0:
             feats[f"route:{r.module}"] = float(counts.max()) / max(1.0, float(counts.sum()))
+    for a in getattr(trace, "attention", []):
+        probs = getattr(a, "probs", None)
+        if isinstance(probs, torch.Tensor) and probs.numel() and a.call_index == 0:
+            top = torch.nan_to_num(probs.float()).amax(dim=-1)  # (B, H, T_q)
+            feats[f"attn:{a.module}"] = float(top.mean())
     return feats
+
+
+def adam_ratios(optimizer: Any, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, float]:
+    """Adam's update-to-weight ratio ``‖Δw‖ / ‖w‖`` per parameter for the update the optimizer
+    is about to apply (``torch.optim.Adam``/``AdamW``, its gradient and moments: Kingma & Ba
+    2015, Algorithm 1, without AdamW's decoupled weight decay), as ``adam:<parameter>``; empty
+    for another optimizer. Nothing of the optimizer is changed.
+
+    Args:
+        optimizer: The optimizer, before its step.
+        named: ``(name, parameter)`` pairs.
+    """
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return {}
+    names = {id(p): n for n, p in named}
+    out: dict[str, float] = {}
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            b1, b2 = group["betas"]
+            lr, eps = float(group["lr"]), group["eps"]
+            for p in group["params"]:
+                if p.grad is None or id(p) not in names:
+                    continue
+                g = p.grad.float()
+                st = optimizer.state.get(p, {})
+                t = float(st.get("step", 0)) + 1
+                m = b1 * st["exp_avg"].float() + (1 - b1) * g if "exp_avg" in st else (1 - b1) * g
+                v = (b2 * st["exp_avg_sq"].float() + (1 - b2) * g * g if "exp_avg_sq" in st
+                     else (1 - b2) * g * g)
+                upd = lr * (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps)
+                w = float(p.float().norm())
+                if w > 0:
+                    out[f"adam:{names[id(p)]}"] = float(upd.norm()) / w
+    return out
 
 
 def grown(now: Mapping[str, float], history: Sequence[Mapping[str, float]],
@@ -224,7 +265,8 @@ def _num(x: Any) -> str:
 def _what(name: str) -> str:
     kind, _, where = name.partition(":")
     return {"out": f"{where} output max|x|", "grad": f"{where} gradient",
-            "route": f"{where} top expert share"}.get(kind, name)
+            "route": f"{where} top expert share", "attn": f"{where} attention max p",
+            "adam": f"{where} Adam update/weight"}.get(kind, name)
 
 
 def story_line(s: Mapping[str, Any]) -> str:

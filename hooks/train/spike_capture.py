@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from hooks.recorder.spike_watch import CAPTURES_KEPT, finish_trace
-from hooks.recorder.story import gradient_growth, trace_features
+from hooks.recorder.story import adam_ratios, gradient_growth, trace_features
 from hooks.recorder.trigger import StepTrigger, batch_tensors, replay_step
 
 __all__ = ["TrainerSpikes"]
@@ -35,11 +35,14 @@ class TrainerSpikes:
         model: The trained module.
         loss_metric: The name of the run's loss (``total``, ``loss``).
         capture_options: Keyword arguments of :func:`hooks.capture` (the trainer's).
+        optimizer: The trainer's optimizer (Adam's update ratios for the story), or ``None``.
     """
 
     def __init__(self, model: nn.Module, loss_metric: str = "loss",
-                 capture_options: dict[str, Any] | None = None) -> None:
+                 capture_options: dict[str, Any] | None = None, optimizer: Any = None) -> None:
         self.model = model
+        self.optimizer = optimizer
+        self._adam: dict[str, float] = {}
         self.trigger = StepTrigger(loss_metric)
         self._options = dict(capture_options or {})
         self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -57,7 +60,8 @@ class TrainerSpikes:
     def remember(self, trace: Any) -> None:
         """Keep a stored capture's internals (the story's medians)."""
         with contextlib.suppress(Exception):
-            self._history.append(trace_features(trace))
+            self._history.append({**trace_features(trace), **self._adam})
+        self._adam = {}
 
     def _norms(self) -> torch.Tensor | None:
         grads = [p.grad for _, p in self._named]
@@ -97,6 +101,8 @@ class TrainerSpikes:
             self.trigger.keep_norms(step, per)
         trig = self.trigger.observe(step, loss, grad_norm)
         if trig is None or self._rng is None:
+            if captured is not None:  # the story's medians: this capture's update ratios
+                self._adam = adam_ratios(self.optimizer, self._named)
             return None
         steps, norms = self.trigger.norm_history()
         gradients = gradient_growth(steps, norms, [n for n, _ in self._named])
@@ -115,5 +121,6 @@ class TrainerSpikes:
                 self.error = f"step {step}: the replay failed: {type(exc).__name__}: {exc}"
                 return None
         finish_trace(trace, trig, batch_tensors(args, kwargs), out, args, kwargs,
-                     gradients=gradients, history=list(self._history))
+                     gradients=gradients, history=list(self._history),
+                     extra=adam_ratios(self.optimizer, self._named))
         return trace

@@ -679,8 +679,8 @@ class Trainer:
         self.capture_meta = capture_meta
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._fixed: tuple[Any, Batch, int | None] | None = None  # (given, Batch, tokens)
-        self.spikes = TrainerSpikes(model, capture_options=self.capture_kwargs) \
-            if spikes else None
+        self.spikes = TrainerSpikes(model, capture_options=self.capture_kwargs,
+                                    optimizer=optimizer) if spikes else None
         self._spiked: Any = None  # the current step's triggered trace
 
     # -- one step ------------------------------------------------------------------------------

@@ -59,3 +59,21 @@ def test_internals_grow_against_their_median_over_earlier_captures():
     assert out["first"]["name"] == "grad:w" and out["first"]["ratio"] == 15.0  # median 2
     assert out["largest"]["name"] == "grad:w" and out["captures"] == 3
     assert grown(now, []) is None
+
+
+def test_adam_update_ratio_is_the_update_the_optimizer_then_applies():
+    from hooks.recorder.story import adam_ratios
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 4)
+    opt = torch.optim.Adam(lin.parameters(), lr=1e-2)
+    for _ in range(3):  # moments and step count in the state
+        lin(torch.randn(5, 8)).pow(2).mean().backward()
+        want_before = {n: p.detach().clone() for n, p in lin.named_parameters()}
+        got = adam_ratios(opt, list(lin.named_parameters()))
+        opt.step()
+        opt.zero_grad()
+        for n, p in lin.named_parameters():
+            ref = float((p.detach() - want_before[n]).norm() / want_before[n].norm())
+            assert abs(got[f"adam:{n}"] - ref) <= 1e-4 * ref, n
+    assert adam_ratios(torch.optim.SGD(lin.parameters(), lr=0.1), []) == {}
