@@ -63,6 +63,7 @@ from hooks.train.overfit_options import (
     default_overfit_text,
     nproc_resume_error,
     resume_model_refusal,
+    schedule_lr,
     sign_model,
 )
 from hooks.train.overfit_options import resolve_model_spec as resolve_model_spec
@@ -514,6 +515,7 @@ class OverfitSession(RunSession):
             tokens_per_step=options.batch_size * seq,
             capture_kwargs={"attention": True},
             capture_meta=self._capture_meta,
+            lr_at=schedule_lr(options.schedule, options.lr, options.steps),
         )
 
     # -- construction --------------------------------------------------------------------------

@@ -61,3 +61,18 @@ def test_a_wrong_sample_or_a_high_loss_is_not_memorised(tmp_path):
     assert short.lines()[0].startswith("verdict: not memorised — ce 2 at step 62 is not below")
     assert short.spikes[0].recovered_at is None
     assert "not recovered by the end" in short.lines()[1]
+
+
+def test_warmup_cosine_schedule_follows_its_formula_and_constant_is_none():
+    import math
+
+    from hooks.train.overfit_options import OverfitOptions, schedule_lr
+
+    assert OverfitOptions(text="ab").schedule == "constant"  # the default: the tutorial's run
+    assert schedule_lr("constant", 3e-3, 300) is None
+    lr_at = schedule_lr("warmup-cosine", 3e-3, 300)
+    assert lr_at(1) == 3e-3 / 20 and lr_at(20) == 3e-3
+    mid = 20 + (300 - 20) / 2  # half way through the decay: (0.1 + 1) / 2 of lr
+    assert abs(lr_at(mid) - 3e-3 * 0.55) < 1e-12
+    assert abs(lr_at(300) - 3e-4) < 1e-12
+    assert abs(lr_at(100) - 3e-3 * (0.1 + 0.45 * (1 + math.cos(math.pi * 80 / 280)))) < 1e-12
