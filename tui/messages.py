@@ -113,6 +113,9 @@ class TrainingEnded(Message):
         reason: ``"finished"``, the stop reason, or the failure's one-line description.
         fail_step: For ``failed``: the step with the first non-finite value.
         fail_module: For ``failed``: the module it first appeared in (``None`` if not located).
+        verdict: The run's verdict in lines (:meth:`hooks.train.verdict.Verdict.lines`): the
+            first says whether it memorised the batch, one more per loss spike.
+        memorised: That verdict (``None`` without one).
     """
 
     status: str
@@ -120,6 +123,8 @@ class TrainingEnded(Message):
     reason: str
     fail_step: int | None = None
     fail_module: str | None = None
+    verdict: tuple[str, ...] = ()
+    memorised: bool | None = None
 
 
 @dataclass

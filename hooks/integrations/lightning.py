@@ -86,8 +86,14 @@ def _make() -> type:
             doctor = getattr(self.run, "loop_doctor", None)
             if doctor is not None:
                 doctor.external_step = True  # optimizer.step(closure): see the module
+            spikes = getattr(self.run, "spike_watch", None)
+            if spikes is not None:
+                spikes.external_step = True  # the same: checked after the closure
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            spikes = getattr(self.run, "spike_watch", None)
+            if spikes is not None:
+                spikes.before_update()
             doctor = getattr(self.run, "loop_doctor", None)
             if doctor is not None and doctor.armed:
                 doctor.before_step()

@@ -25,6 +25,9 @@ What it does, and what it costs the loop:
   the other steps run with only the NaN sentinel's two hooks on the root module (below). The
   capture covers everything the model runs
   between those two ``log()`` calls. The trace is serialised on the writer thread.
+* With ``watch(optimizer=)`` a step whose loss or gradient norm spikes, or turns non-finite,
+  is replayed under the capture before the update and stored with its batch and story
+  (:mod:`hooks.recorder.spike_watch`; the training is unchanged bit for bit).
 * The first logged value that is NaN or ±Inf records ``{"step", "metric", "module",
   "direction", "detail"}`` in the run row (:attr:`hooks.store.store.RunInfo.nonfinite`). With
   ``watch``, where it started (:mod:`hooks.nonfinite.origin`) is found while the weights are still
@@ -73,6 +76,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hooks.recorder.job_end import job_end, say_world_size
 from hooks.recorder.run_process import RunProcess
 from hooks.store.control import ControlPoller, RunControls
 from hooks.store.numbers import loss_metric
@@ -152,44 +156,6 @@ def _job() -> Any:
     return distributed.job()
 
 
-def _say_world_size(job: Any) -> None:
-    """A ``WORLD_SIZE`` above 1 without a process group: say that this process is a run of
-    its own."""
-    world_env = os.environ.get("WORLD_SIZE", "").strip()
-    if job is None and world_env.isdigit() and int(world_env) > 1:
-        print(f"mdb: WORLD_SIZE={world_env} but no torch.distributed process group is "
-              "initialised: this process is recorded as a run of its own (call "
-              "init_process_group before hooks.run to record the job as one run)",
-              file=sys.stderr)
-
-
-def _job_end(status: str, reason: str | None,
-             ends: Mapping[int, Mapping[str, Any]]) -> tuple[str, str | None]:
-    """A distributed run's final status from rank 0's and the other ranks' ends: a rank that
-    died, failed or stopped reporting fails the run, named first."""
-    parts = []
-    for r, e in sorted(ends.items()):
-        if r == 0 or e.get("state") not in ("dead", "failed", "silent"):
-            continue
-        who = f"rank {r}"
-        where = " ".join(x for x in (f"pid {e['pid']}" if e.get("pid") is not None else "",
-                                      f"on {e['host']}" if e.get("host") else "") if x)
-        if where:
-            who += f" ({where})"
-        step = e.get("last_step", 0)
-        if e["state"] == "dead":
-            parts.append(f"{who} died (last step reported: {step})")
-        elif e["state"] == "failed":
-            parts.append(f"{who} failed after step {step}: {e.get('reason') or 'no reason'}")
-        else:
-            parts.append(f"{who} stopped reporting (last step reported: {step})")
-    if not parts:
-        return status, reason
-    if status != "finished":
-        parts.append(f"rank 0 {status}" + (f" ({reason[:150]})" if reason else ""))
-    return "failed", "; ".join(parts)[:500]
-
-
 def _last_line(exc: BaseException) -> str:
     """The line a traceback ends with: ``ValueError: boom`` (for a message of several lines,
     or with notes, the line that names the exception)."""
@@ -237,6 +203,9 @@ class Run(RunControls, RunProcess):
     #: The training-loop doctor while watching with an optimizer
     #: (:class:`hooks.doctor.loop.watch.LoopWatch`), else ``None``.
     _doctor: Any = None
+    #: The triggered capture of ``watch(..., optimizer=)``
+    #: (:class:`hooks.recorder.spike_watch.SpikeWatch`), else ``None``.
+    _spikes: Any = None
     #: The database was deleted (or the run resumed elsewhere): nothing more is written.
     _lost = False
 
@@ -271,7 +240,7 @@ class Run(RunControls, RunProcess):
         self.name, self.id = None, None  # on ranks other than 0: rank 0's, once it says
         if job is None or job.rank == 0:
             self._create_run(name, config, kind, job, gather_every)
-        _say_world_size(job)
+        say_world_size(job)
         self._logged = False
         self._queue: collections.deque = collections.deque()
         self._traces_in = 0  # written by the caller's thread only
@@ -461,7 +430,9 @@ class Run(RunControls, RunProcess):
             self._step_trace = None
             if self._capture is not None:
                 trace = self._end_capture(step, values)
-                self._step_trace = trace
+            if self._spikes is not None:
+                trace = self._spike_trace(step, values, trace)
+            self._step_trace = trace
             if self._doctor is not None and (self._doctor.armed or self._doctor.findings):
                 self._doctor_findings(close=False)  # also what it saw after the last window
         self._logged = True
@@ -665,16 +636,25 @@ class Run(RunControls, RunProcess):
                 ddp = self.world_size > 1
         self._sentinel = NonFiniteSentinel(self._model, lambda: self._capture is not None,
                                            optimizer)  # the first and only watch: none before
+        sentinel = self._sentinel
+        if optimizer is not None and self.world_size == 1 and not self._sharded(self._model):
+            from hooks.recorder.spike_watch import SpikeWatch
+
+            self._spikes = SpikeWatch(
+                self._model, optimizer, next_step=lambda: self.step + 1 if self._logged else 1,
+                busy=lambda: sentinel.replaying, active_capture=lambda: self._capture,
+                capture_options=self._capture_options, say=self._say)
         if optimizer is not None and self._sharded(self._model):
             if self.rank == 0:
                 self._say(f"{self._title}: the loop doctor is off for a sharded (FSDP2/tensor-"
                           "parallel) model: its replays and gradient norms would run the "
                           "shards' collectives out of the loop's order")
         elif optimizer is not None:  # the loop doctor, on every rank (each rank's loop)
-            sentinel = self._sentinel
+            spikes = self._spikes
             self._doctor = LoopWatch(self._model, optimizer, scheduler,
                                      capture=lambda: self._capture,
-                                     busy=lambda: sentinel.replaying,
+                                     busy=lambda: sentinel.replaying or (
+                                         spikes is not None and spikes.replaying),
                                      reduce=ddp_reduce if ddp else None)
             self._doctor.once(nxt)
             self._doctor_findings(close=False)
@@ -688,6 +668,12 @@ class Run(RunControls, RunProcess):
         that drives the step itself (Lightning's ``optimizer.step(closure)``) tells it when the
         step comes."""
         return self._doctor
+
+    @property
+    def spike_watch(self) -> Any:
+        """The triggered capture of ``watch(..., optimizer=)``
+        (:class:`hooks.recorder.spike_watch.SpikeWatch`), or ``None``."""
+        return self._spikes
 
     @staticmethod
     def _sharded(model: Any) -> bool:
@@ -746,6 +732,10 @@ class Run(RunControls, RunProcess):
             return None
         if not trace.forward:
             return None  # nothing ran between the two log() calls: nothing to store
+        return self._stamp(trace, step, values)
+
+    def _stamp(self, trace: Any, step: int, values: dict[str, float]) -> Any:
+        """Write the step and its logged values into a capture's ``meta``."""
         trace.step = step
         meta = trace.meta
         meta["step"] = step
@@ -756,6 +746,21 @@ class Run(RunControls, RunProcess):
             meta["loss"] = v if math.isfinite(v) else str(v)
             meta["loss_source"] = f"run.log({key}=…)"
         return trace
+
+    def _spike_trace(self, step: int, values: dict[str, float], trace: Any) -> Any:
+        """The step's capture: the triggered one (:mod:`hooks.recorder.spike_watch`) when the
+        step spiked, its story said on stderr; else ``trace``, kept for the story's medians."""
+        spiked = self._spikes.take(step)
+        if spiked is None:
+            if trace is not None:
+                self._spikes.remember(trace)
+            return trace
+        spiked.meta["run"] = self.name
+        spiked.meta["description"] = f"{self._title} · {spiked.meta.get('description', '')}"
+        db = "" if self.db == default_db_path() else f" --db {self.db}"
+        self._say(f"{self._title}: {spiked.meta['spike']['line']} (captured before its update:"
+                  f" mdb step --run {self.name}@{step}{db})")
+        return self._stamp(spiked, step, values)
 
     # -- finishing ---------------------------------------------------------------------------------
     def finish(self, status: str = "finished", *, reason: str | None = None) -> None:
@@ -788,6 +793,9 @@ class Run(RunControls, RunProcess):
         if self._sentinel is not None:
             self._sentinel.remove()
             self._sentinel = None
+        if self._spikes is not None:
+            self._spikes.remove()
+            self._spikes = None
         if self._doctor is not None:
             self._doctor_findings(close=True)
             self._doctor = None
@@ -795,7 +803,7 @@ class Run(RunControls, RunProcess):
             ends = self._link.finish(status, reason, self.step)
             self._learn_name()
             if self.rank == 0:
-                status, reason = _job_end(status, reason, ends)
+                status, reason = job_end(status, reason, ends)
         self._final = (status, reason)
         self._stop = True
         self._wake.set()

@@ -129,6 +129,12 @@ class SpikeDetector:
         return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
 
     @property
+    def baseline(self) -> float | None:
+        """The running median now (of the last ``window`` finite values), ``None`` before the
+        first one: what the next value is compared with."""
+        return self._median() if self._sorted else None
+
+    @property
     def initial(self) -> float | None:
         """The run's initial level: the median of its first ``min_history`` values."""
         if len(self._first) < self.min_history:

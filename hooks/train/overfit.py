@@ -63,6 +63,7 @@ from hooks.train.overfit_options import (
     default_overfit_text,
     nproc_resume_error,
     resume_model_refusal,
+    schedule_lr,
     sign_model,
 )
 from hooks.train.overfit_options import resolve_model_spec as resolve_model_spec
@@ -187,6 +188,14 @@ class RunSession:
     def text(self) -> str:
         """The text being memorised (scores the greedy samples), ``""`` when there is none."""
         return ""
+
+    def verdict(self) -> Any:
+        """The run's :class:`hooks.train.verdict.Verdict` (memorised? its spikes), read from
+        the store; call it before the store is closed."""
+        from hooks.train.verdict import overfit_verdict
+
+        metric = (self.headline_metrics or ["loss"])[0]
+        return overfit_verdict(self.store, self.store.run(self.name), metric, self.text)
 
     @property
     def top_k(self) -> int:
@@ -506,6 +515,7 @@ class OverfitSession(RunSession):
             tokens_per_step=options.batch_size * seq,
             capture_kwargs={"attention": True},
             capture_meta=self._capture_meta,
+            lr_at=schedule_lr(options.schedule, options.lr, options.steps),
         )
 
     # -- construction --------------------------------------------------------------------------

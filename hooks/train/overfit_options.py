@@ -129,6 +129,10 @@ class OverfitOptions(_StoredOptions):
         sample_tokens: Tokens generated per sample.
         checkpoint_every: Also checkpoint every N steps (0: only at the end and on interruption).
         grad_clip: Clip the global gradient norm (``None``: off).
+        schedule: ``"constant"`` (the tutorial's test C: ``lr`` at every step) or
+            ``"warmup-cosine"`` (:func:`schedule_lr`: linear warmup over
+            :data:`WARMUP_STEPS` steps, then a cosine decay to :data:`FINAL_LR_FRACTION` of
+            ``lr`` at ``steps``; docs/spikes.md measures it).
         tokenizer: ``"char"`` (the text's characters, seed 000's) or ``"byte"``.
         held_out: Fraction of the text's tokens, at its end, never trained on (0: none); the
             training windows come from the rest. ``mdb ablate`` holds out text to evaluate on.
@@ -154,6 +158,7 @@ class OverfitOptions(_StoredOptions):
     sample_tokens: int = 32
     checkpoint_every: int = 0
     grad_clip: float | None = None
+    schedule: str = "constant"
     tokenizer: str = "char"
     held_out: float = 0.0
     eval_lengths: list[int] = field(default_factory=list)
@@ -176,6 +181,38 @@ class OverfitOptions(_StoredOptions):
             raise ValueError(f"--seq-len must be at least 2, got {self.seq_len}")
         if self.tokenizer not in ("char", "byte"):
             raise ValueError(f"tokenizer must be 'char' or 'byte', got {self.tokenizer!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}, got "
+                             f"{self.schedule!r}")
+
+
+#: ``--schedule`` values.
+SCHEDULES = ("constant", "warmup-cosine")
+#: Steps of the warmup of ``warmup-cosine``.
+WARMUP_STEPS = 20
+#: The learning rate ``warmup-cosine`` ends at, as a fraction of ``lr``.
+FINAL_LR_FRACTION = 0.1
+
+
+def schedule_lr(schedule: str, lr: float, steps: int):
+    """``lr_at(step) -> lr`` of a ``--schedule`` (``None`` for ``constant``): for
+    ``warmup-cosine``, ``lr·t/W`` for ``t ≤ W`` (:data:`WARMUP_STEPS`), then
+    ``lr·(f + (1 - f)·(1 + cos(π·(t - W)/(steps - W)))/2)`` with f =
+    :data:`FINAL_LR_FRACTION` (Loshchilov & Hutter 2017, SGDR, without restarts)."""
+    import math
+
+    if schedule == "constant":
+        return None
+    w, f = WARMUP_STEPS, FINAL_LR_FRACTION
+    span = max(1, steps - w)
+
+    def lr_at(t: int) -> float:
+        if t <= w:
+            return lr * t / w
+        x = min(1.0, (t - w) / span)
+        return lr * (f + (1 - f) * 0.5 * (1 + math.cos(math.pi * x)))
+
+    return lr_at
 
 
 def default_overfit_text() -> tuple[str, str]:

@@ -47,6 +47,7 @@ from hooks.nonfinite.origin import (
 )
 from hooks.store.store import MetricRow, RunStore
 from hooks.tensors.norms import total_norm  # the global gradient norm (re-exported)
+from hooks.train.spike_capture import TrainerSpikes
 
 __all__ = [
     "NonFiniteInfo",
@@ -626,6 +627,10 @@ class Trainer:
         capture_meta: ``capture_meta(batch) -> dict`` stored in a captured trace's ``meta``
             (token labels, config); the step's losses are added as ``loss`` (and ``ce_loss``,
             ``aux_loss`` where the output has them) with ``loss_source``.
+        spikes: Capture a step whose loss or gradient norm spikes, or whose gradient is
+            non-finite, before its update (:mod:`hooks.train.spike_capture`; the training is
+            unchanged, bit for bit): its :class:`StepReport` carries the trace, with the batch
+            and ``meta["spike"]``.
 
     Raises:
         ValueError: ``total_steps < start_step`` or a negative interval.
@@ -649,6 +654,7 @@ class Trainer:
         lr_at: Callable[[int], float] | None = None,
         capture_kwargs: Mapping[str, Any] | None = None,
         capture_meta: Callable[[Batch], dict[str, Any]] | None = None,
+        spikes: bool = True,
     ) -> None:
         if total_steps < start_step:
             raise ValueError(f"total_steps ({total_steps}) is before start_step ({start_step})")
@@ -673,6 +679,9 @@ class Trainer:
         self.capture_meta = capture_meta
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._fixed: tuple[Any, Batch, int | None] | None = None  # (given, Batch, tokens)
+        self.spikes = TrainerSpikes(model, capture_options=self.capture_kwargs,
+                                    optimizer=optimizer) if spikes else None
+        self._spiked: Any = None  # the current step's triggered trace
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -739,6 +748,8 @@ class Trainer:
             _maybe_capture(model, step, self.capture_kwargs) if capture
             else contextlib.nullcontext()
         )
+        if self.spikes is not None:
+            self.spikes.start()
         with cap_ctx as trace:
             out = batch.call(model)
             choice = self._loss(out, batch)
@@ -746,7 +757,9 @@ class Trainer:
             loss_ok = bool(torch.isfinite(loss.detach()).all())
             if loss_ok:
                 loss.backward()
-        grad_norm, grad_ok = self._update(loss_ok)
+        self._spiked = None
+        grad_norm, grad_ok = self._update(
+            loss_ok, lambda g: self._check_spike(step, batch, loss, g, trace, out))
         step_time = time.perf_counter() - t0
 
         tokens = self._tokens(batch)
@@ -760,10 +773,15 @@ class Trainer:
             expert_load(routers, self.top_k) if routers else None,
         )
         report = StepReport(metrics=metrics)
+        own = trace  # the failure is located as before: its own capture, else a rerun
+        if self._spiked is not None:
+            trace = self._spiked
+        elif trace is not None and self.spikes is not None:
+            self.spikes.remember(trace)
         if trace is not None:
             self._attach_trace(report, trace, batch, step, loss_value, choice.source, values)
         if not (loss_ok and grad_ok):
-            report.failure = self._locate_failure(step, batch, loss_ok, trace)
+            report.failure = self._locate_failure(step, batch, loss_ok, own)
             opt.zero_grad(set_to_none=True)
         elif self.sample_fn is not None and self._sample_due(step):
             report.sample = self.sample_fn(model)
@@ -777,16 +795,38 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
 
-    def _update(self, loss_ok: bool) -> tuple[float, bool]:
+    def _check_spike(self, step: int, batch: Batch, loss: torch.Tensor, grad_norm: float,
+                     trace: Any, out: Any) -> None:
+        """Before the update: the triggered capture of a spiking step
+        (:class:`hooks.train.spike_capture.TrainerSpikes`), kept for the step's report."""
+        if self.spikes is None:
+            return
+
+        def run_step() -> Any:
+            output = batch.call(self.model)
+            self._loss(output, batch).loss.backward()
+            return output
+
+        def meta() -> dict[str, Any]:
+            return dict(self.capture_meta(batch)) if self.capture_meta is not None else {}
+
+        self._spiked = self.spikes.check(step, float(loss.detach()), grad_norm, batch=batch,
+                                         run_step=run_step, meta=meta, captured=trace,
+                                         output=out)
+
+    def _update(self, loss_ok: bool, before: Callable[[float], None] | None = None
+                ) -> tuple[float, bool]:
         """``(global gradient norm before clipping, whether it is finite)``; where it is (and
-        the loss was), clip the gradients and apply the optimizer step. NaN when the loss was
-        not finite (no backward ran)."""
+        the loss was), clip the gradients and apply the optimizer step (``before(norm)``
+        first). NaN when the loss was not finite (no backward ran)."""
         grad_norm = float("nan")
         grad_ok = False
         if loss_ok:
             grads = [p.grad for p in self._params if p.grad is not None]
             grad_norm = total_norm(grads)
             grad_ok = math.isfinite(grad_norm)
+            if before is not None:
+                before(grad_norm)
             if grad_ok:
                 if self.grad_clip is not None:
                     coef = self.grad_clip / (grad_norm + 1e-6)

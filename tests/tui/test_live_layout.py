@@ -215,6 +215,35 @@ async def test_a_spike_during_training_is_flagged_from_the_writers_record(tmp_pa
         assert store.spikes(store.run("live").id) == [spike]
 
 
+async def test_enter_opens_the_step_a_spike_was_captured_at_before_its_update(tmp_path):
+    from tests.models import tiny_session
+    from tui.live_app import make_overfit_app
+    from tui.screens.step import StepScreen
+
+    session = tiny_session(tmp_path, steps=45)
+    assert session.trainer.capture_every == 0  # no capture but the triggered one
+    session.trainer.lr_at = lambda step: 1.0 if step == 40 else 1e-2
+    app = make_overfit_app(session, chart_interval=0.05, text_interval=0.05)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_until(pilot, lambda: app.live.ended is not None)
+        await drawn(pilot, app.live)
+        (spike,) = session.writer.spikes
+        note = _text(app.screen.query_one("#live-note"))
+        assert "Enter opens it" in note
+        assert "verdict: " in note  # the screen shows the verdict the headless run prints
+        assert app.live.ended.verdict[0] == session.verdict().lines()[0]
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: isinstance(app.screen, StepScreen))
+        trace = app.screen.trace
+        assert trace.step == spike.step
+        assert trace.meta["trigger"]["reason"] == "loss spike"
+        assert trace.meta["spike"]["line"].startswith(f"step {spike.step} (loss spike)")
+        assert any(k.startswith("batch/") for k in trace.tensors)
+        await pilot.press("q")
+        await wait_until(pilot, lambda: app.screen is app.live)
+        await pilot.press("q")
+
+
 # -- a forward that never returns, under the live screen --------------------------------------
 
 SLEEPY = '''

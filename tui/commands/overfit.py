@@ -81,6 +81,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="total training steps (default 300; with --resume: a new total)")
     g.add_argument("--lr", type=positive_float, default=None,
                    help="AdamW learning rate, constant (default 3e-3)")
+    g.add_argument("--schedule", choices=("constant", "warmup-cosine"), default=None,
+                   help="learning-rate schedule: constant (default: the tutorial's test C, "
+                        "which spikes at step 266) or warmup-cosine (20 warmup steps, then a "
+                        "cosine decay to 0.1× --lr at the last step; no spike in 300 steps, "
+                        "see docs/spikes.md)")
     g.add_argument("--seq-len", type=positive_int, default=None,
                    help="tokens per sequence (default: the whole text); shorter windows are "
                         "drawn at seeded random offsets each step")
@@ -177,12 +182,15 @@ def _options_from_args(args: argparse.Namespace):
         every=d["every"],
         sample_every=d["sample_every"],
         checkpoint_every=d["checkpoint_every"],
+        schedule=args.schedule or "constant",
     )
 
 
 def _model_options(args: argparse.Namespace):
     from hooks.train.overfit import ModelOverfitOptions
 
+    if getattr(args, "schedule", None) not in (None, "constant"):
+        raise MdbError("--schedule applies to the text run of minillm, not to --model")
     d = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in _DEFAULTS.items()}
     return ModelOverfitOptions(model=args.model, steps=d["steps"], lr=d["lr"], seed=d["seed"],
                                every=d["every"], checkpoint_every=d["checkpoint_every"])
@@ -587,6 +595,7 @@ def run_headless(session, args: argparse.Namespace | None = None) -> int:
     finally:
         poller.close()
         restore()
+        verdict = _verdict_lines(session, args.db if args is not None else None)
         session.store.close()
     line, is_error, code = end_of_run(session, result, reporter.last_metrics,
                                       args.db if args is not None else None)
@@ -594,7 +603,18 @@ def run_headless(session, args: argparse.Namespace | None = None) -> int:
         print_error(line)
     else:
         reporter.line(line)
+    for text in verdict:
+        reporter.line(text)
     return code
+
+
+def _verdict_lines(session, db: str | None) -> list[str]:
+    """The verdict's lines (:meth:`hooks.train.overfit.RunSession.verdict`), printable; none
+    when the store cannot say (a run that never started)."""
+    try:
+        return [printable(x) for x in session.verdict().lines(db)]
+    except Exception:  # the end line says what happened; a verdict is extra
+        return []
 
 
 #: When this process started (about): requests to the run written before it were for an
@@ -639,7 +659,7 @@ def _run_nproc(args: argparse.Namespace) -> int:
     if getattr(args, "fsdp", False) and getattr(args, "tp", False):
         raise MdbError("--fsdp and --tp exclude each other (one way of splitting the model)")
     given = [f"--{k.replace('_', '-')}" for k in ("resume", "model", "checkpoint_every",
-                                                  "debug_nan_at")
+                                                  "debug_nan_at", "schedule")
              if getattr(args, k, None) is not None]
     if given:
         from tui.commands.overfit_ddp import job_kind

@@ -76,7 +76,9 @@ def run_record(run, store, now: float, probe: bool = False) -> dict:
     metric's latest value by name, ``null`` for NaN), ``nonfinite_line``,
     ``captures`` (how many steps have a stored capture) and ``last_capture`` (the latest such
     step, ``None`` without), ``last_ce``, ``spikes`` (each loss spike the writer recorded:
-    step, metric, value, baseline, ratio, peak_step, last_step), ``loss_metric`` (the metric
+    step, metric, value, baseline, ratio, peak_step, last_step), ``spike_stories`` (the
+    one-line story of each capture taken before its update because it spiked, by step:
+    :mod:`hooks.recorder.story`), ``loss_metric`` (the metric
     that is the run's loss, :func:`hooks.store.numbers.loss_metric`) and ``loss`` (its latest
     value), ``steps_per_s`` (end to end, :class:`hooks.store.rates.StepRate`) and ``eta_s``
     (seconds to ``total_steps`` at that pace while the run is running, else ``None``) — the
@@ -110,7 +112,8 @@ def run_record(run, store, now: float, probe: bool = False) -> dict:
     d.update(writer_state=run.writer_state(now), status_line=run.status_line(now),
              steps=run.last_step, nonfinite_line=run.nonfinite_line(), metrics=[], latest={},
              captures=0,
-             last_capture=None, last_ce=None, spikes=[], ranks=[], findings=[],
+             last_capture=None, last_ce=None, spikes=[], spike_stories={}, ranks=[],
+             findings=[],
              loss_metric=None, loss=None, steps_per_s=None, eta_s=None, rank_times=[],
              straggler_basis=None, stragglers=[])
     try:
@@ -124,6 +127,7 @@ def run_record(run, store, now: float, probe: bool = False) -> dict:
             last_ce=ce[1] if ce is not None and ce[0] == run.last_step else None,
             latest={name: value for name, (_step, value) in summary.latest.items()},
             spikes=[s.to_dict() for s in store.spikes(run.id)],
+            spike_stories=_stories(store, run.id),
             ranks=[r.to_dict() for r in ranks],
             findings=[f.to_dict() for f in store.findings(run.id)],
         )
@@ -138,6 +142,14 @@ def run_record(run, store, now: float, probe: bool = False) -> dict:
         d["damaged"] = d["damaged"] or f"run {run.name!r}: its rows cannot be read ({exc})"
     d["details"] = detail_lines(run, d, now)
     return d
+
+
+def _stories(store, run_id: int) -> dict[int, str]:
+    """The stories of the run's triggered captures near its spikes, by step (reads only those
+    capture rows; none when the run has no spike)."""
+    from hooks.train.verdict import spike_stories
+
+    return spike_stories(store, run_id) if store.spikes(run_id) else {}
 
 
 def _numbers(run, store, names, latest, ranks, state: str) -> dict:
@@ -177,6 +189,7 @@ def detail_lines(run, record: dict, now: float, db: str | None = None) -> list[s
     and its stragglers as ``mdb watch`` names them (``2 ranks · FSDP2 · straggler rank 1 (+23%
     compute time)``)."""
     from hooks.store.spikes import Spike
+    from hooks.train.verdict import story_for
 
     if record.get("damaged"):
         return [record["damaged"]]
@@ -209,6 +222,10 @@ def detail_lines(run, record: dict, now: float, db: str | None = None) -> list[s
         top = max(spikes, key=lambda s: s.ratio)
         more = f" (the largest of {len(spikes)})" if len(spikes) > 1 else ""
         lines.append(top.describe() + more)
+        told = story_for(top, {int(k): v for k, v in record.get("spike_stories", {}).items()})
+        if told is not None:
+            lines.append(f"{told[1]} · open it: mdb step --run {run.name}@{told[0]}"
+                         + (f" --db {db}" if db else ""))
     if run.world_size:
         found = record.get("findings", [])
         kind = record.get("parallel")

@@ -224,8 +224,28 @@ def footer_lines(trace) -> list[str]:
     bad = trace.first_nonfinite("forward") or trace.first_nonfinite("backward")
     if bad is not None:
         lines.append(f"first non-finite value: {bad.describe()}")
+    lines += spike_lines(meta)
     for note in trace.notes:
         lines.append(f"note: {note.message}" + (f" ({note.module})" if note.module else ""))
+    return lines
+
+
+def spike_lines(meta: dict) -> list[str]:
+    """A capture taken before its update because it spiked (:mod:`hooks.recorder.story`): its
+    story, the batch it ran on (shapes) and its tokens with the largest loss."""
+    spike = meta.get("spike")
+    if not isinstance(spike, dict) or not isinstance(spike.get("line"), str):
+        return []
+    lines = [f"captured before its update: {spike['line']}"]
+    batch = meta.get("batch")
+    if isinstance(batch, dict) and batch:
+        shapes = ", ".join(f"{k} {'×'.join(map(str, v))}" for k, v in batch.items())
+        lines.append(f"batch (stored with the capture): {shapes}")
+    top = spike.get("top_tokens") or []
+    if top:
+        lines.append("largest loss: " + ", ".join(
+            f"{t['token']!r} (row {t['row']}, position {t['position']}) {t['loss']:.3g}"
+            for t in top))
     return lines
 
 

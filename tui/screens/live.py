@@ -62,6 +62,7 @@ from tui.screens.live_data import (
 )
 from tui.screens.live_help import LiveHelpScreen
 from tui.screens.live_ranks import open_ranks
+from tui.screens.live_spikes import SpikeOpener
 
 #: Columns an expert chart needs to stay legible; fewer layers are shown when narrower.
 EXPERT_CHART_MIN_WIDTH = 19
@@ -132,7 +133,7 @@ def compact(x: float | None, width: int = 7) -> str:
     return text
 
 
-class LiveScreen(MdbScreen):
+class LiveScreen(SpikeOpener, MdbScreen):
     """What the two live screens share: the layout, the throttled redraws, the charts, the
     table, the notes, and the keys that only change the view. Build one with
     :func:`tui.live_app.make_watch_app` or :func:`tui.live_app.make_overfit_app`.
@@ -167,6 +168,10 @@ class LiveScreen(MdbScreen):
         Binding("l", "log_scale", "log/linear loss", show=False, id="live.log"),
         Binding("e", "next_layers", "more MoE layers", show=False, id="live.layers"),
         Binding("k", "ranks", "ranks of a torchrun job", show=False, id="live.ranks"),
+        Binding("enter", "open_spike", "open a spike's captured step", show=False,
+                id="live.spike"),
+        Binding("i", "open_spike", "open a spike's captured step (as Enter)", show=False,
+                id="live.spike_letter"),
         Binding("question_mark", "help", "keys", key_display="?", id="live.help"),
         Binding("q", "quit_live", "quit", id="live.quit"),
         Binding("ctrl+c", "interrupt", "quit (as q; watching: detach)", show=False,
@@ -445,7 +450,7 @@ class LiveScreen(MdbScreen):
         if spikes:
             top = max(spikes, key=lambda sp: sp.ratio)
             more = f" · {len(spikes)} spikes" if len(spikes) > 1 else ""
-            notes.append(("! " + top.describe() + more, "bold red"))
+            notes.append(("! " + top.describe() + more + " · Enter opens it", "bold red"))
         return notes
 
     def _resume_hint(self) -> str:

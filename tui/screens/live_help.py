@@ -32,7 +32,9 @@ class LiveHelpScreen(HelpScreen):
             "",
             "The left chart shows the losses together, each line with its own marker; a red !"
             " marks a loss spike (a jump to several times the running median), and the line"
-            " under the charts says how large the largest was.",
+            " under the charts says how large the largest was. Enter (or i) opens the step"
+            " where the latest spike was captured, before its update, with its batch (pressed"
+            " again: the spike before that one).",
             "",
             "m charts one metric at a time instead, any that the run logs, and back. The table"
             " lists the other metrics (last, min, max); o moves its ▸ mark, and the chart"

@@ -20,6 +20,7 @@ from typing import Any
 
 from rich.text import Text
 
+from hooks.text import printable
 from tui import messages
 from tui.screens.live import POST_INTERVAL, LiveScreen
 
@@ -73,6 +74,10 @@ class TrainScreen(LiveScreen):
 
     def _db_path(self) -> str:
         return str(self.session.store.path)
+
+    def spike_source(self) -> tuple[str, str] | None:
+        """The trained run's database and name."""
+        return str(self.session.store.path), self.session.name
 
     def _capture_hint(self, step: int) -> str:
         self._drain()
@@ -147,14 +152,24 @@ class TrainScreen(LiveScreen):
             result = session.run(on_step=on_step, on_state=on_state,
                                  heartbeat_interval=self.heartbeat)
             f = result.failure
+            lines, memorised = self._verdict()
             self._post(messages.TrainingEnded(
                 result.status, result.last_step, result.reason,
-                f.step if f else None, f.module if f else None))
+                f.step if f else None, f.module if f else None, lines, memorised))
         except BaseException as exc:  # the user's model raised, a database write failed
             line = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
             self._post(messages.TrainingCrashed(line))
         finally:
             self.training_done.set()
+
+    def _verdict(self) -> tuple[tuple[str, ...], bool | None]:
+        """The run's verdict (lines, memorised), read in the training thread; none when the
+        store cannot say."""
+        try:
+            v = self.session.verdict()
+            return tuple(printable(x) for x in v.lines()), v.memorised
+        except Exception:  # the end line says what happened; a verdict is extra
+            return (), None
 
     def on_steps_pending(self, message: messages.StepsPending) -> None:
         message.stop()
@@ -235,10 +250,12 @@ class TrainScreen(LiveScreen):
             return []
         if ended.status == "failed":
             return [("✗ " + ended.reason, "bold red")]
+        verdict = [(line, ("bold green" if ended.memorised else "bold yellow") if i == 0
+                    else "yellow") for i, line in enumerate(ended.verdict)]
         if ended.status == "interrupted":
             return [(f"■ stopped after step {ended.last_step} ({ended.reason}) · checkpoint "
-                     "written", "bold yellow"), (self._resume_hint(), "bold")]
-        return []
+                     "written", "bold yellow"), (self._resume_hint(), "bold"), *verdict]
+        return verdict
 
     # -- keys ------------------------------------------------------------------------------------
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:

@@ -92,6 +92,10 @@ class WatchScreen(ViewerControls, LiveScreen):
     def _steps_are_steps(self) -> bool:
         return getattr(self.run, "kind", None) == "overfit"
 
+    def spike_source(self) -> tuple[str, str] | None:
+        """The watched run's database and name."""
+        return (str(self.store.path), self.run.name) if self.run is not None else None
+
     def _capture_hint(self, step: int) -> str:
         return f"stored capture of step {step} · q in the step view: back"
 

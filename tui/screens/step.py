@@ -130,6 +130,9 @@ class StepScreen(MdbScreen):
         if self.nonfinite is not None:
             self.hint(f"opened at the first non-finite value: {self.nonfinite.describe()}"
                       f"{self._origin_text(self.nonfinite)}")
+        elif isinstance(((self.trace.meta or {}).get("spike") or {}).get("line"), str):
+            self.hint(printable("captured before its update: "
+                                + self.trace.meta["spike"]["line"]))
         elif not self.trace.backward:
             self.hint("no gradients recorded: this trace has a forward pass only")
         if hasattr(self.app, "step_painted"):

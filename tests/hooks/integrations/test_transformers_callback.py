@@ -92,3 +92,43 @@ def test_missing_library_and_bad_options_say_one_line():
         MdbCallback("x", evry=3)
     with pytest.raises(ValueError, match="every=-1"):
         MdbCallback("x", every=-1)
+
+
+class _OneBadBatch(torch.utils.data.IterableDataset):
+    """The same sequence every step (it is memorised fast), but step ``bad``'s, which is
+    random: its loss jumps. Iterable: no sampler shuffles the order."""
+
+    def __init__(self, steps: int, bad: int):
+        self.steps, self.bad = steps, bad
+
+    def __iter__(self):
+        for step in range(1, self.steps + 1):
+            x = ids(1, 16, seed=1000 + step if step == self.bad else 0)[0]
+            yield {"input_ids": x, "labels": x}
+
+
+def test_a_trainer_step_whose_loss_spikes_is_captured_before_its_update(tmp_path):
+    from hooks.integrations.transformers import MdbCallback
+    from hooks.train.trainer import load_trace
+
+    bad, steps = 30, 34
+    model = hf_llama()[0]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=1, max_steps=steps,
+        logging_steps=1, learning_rate=3e-3, report_to=[], save_strategy="no", use_cpu=True,
+        disable_tqdm=True, dataloader_num_workers=0)
+    cb = MdbCallback("hf-spike", db=tmp_path / "mdb.sqlite", every=1000)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_OneBadBatch(steps, bad),
+                                   callbacks=[cb])
+    trainer.train()
+    with RunStore(tmp_path / "mdb.sqlite") as store:
+        info = store.run("hf-spike")
+        steps_captured = store.internals_steps(info.id)
+        assert bad in steps_captured
+        trace = load_trace(store, info.id, bad)
+    meta = trace.meta
+    assert meta["trigger"]["reason"] in ("loss spike", "gradient-norm spike")
+    x = ids(1, 16, seed=1000 + bad)
+    assert torch.equal(trace.tensors["batch/input_ids"], x)
+    assert torch.equal(trace.tensors["batch/labels"], x)
+    assert trace.backward  # the replay ran the backward of the model's own loss
