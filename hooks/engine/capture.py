@@ -47,6 +47,7 @@ from hooks.engine.env import (
     fewer_gc_passes,
     gc_passes_back,
 )
+from hooks.engine.memory import memory_tracker
 from hooks.engine.fast_path import (
     encoder_layer_fast_path_blocker,
     fast_path_layers,
@@ -162,6 +163,8 @@ class Capture(CompiledReplay):
         bins: int = NUM_BINS,
         edits: Sequence[Any] | None = None,
         sources: dict[str, Any] | None = None,
+        memory: bool = True,
+        optimizer: Any = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"capture expects a torch.nn.Module, got {type(model).__name__}")
@@ -186,6 +189,7 @@ class Capture(CompiledReplay):
         self.step = step
         self.every = every
         self.bins = bins
+        self.memory, self.optimizer = memory, optimizer
         self.trace = Trace(meta=dict(meta or {}), step=step)
         if self._editor is not None and not self.sampled:  # said, never silently skipped
             self.trace.notes.append(Note("edit", f"step {step} is not captured (every={every})"
@@ -299,6 +303,9 @@ class Capture(CompiledReplay):
             except BaseException:
                 gc_passes_back()
                 raise
+        off = "compiled" if self._replay_mode else "sharded" if self._dist else None
+        self._memory = memory_tracker(self.memory, off, tr, self._stack, self._modules,
+                                      self.optimizer)
         return tr
 
     def _recording_hooks(self, root: nn.Module) -> list[Any]:
@@ -331,6 +338,7 @@ class Capture(CompiledReplay):
         self._cache: dict[Any, tuple[weakref.ref, int, int]] = {}
         self._counts: dict[str, int] = {}
         self._stack: list[CallRecord] = []
+        self._memory = None  # hooks.engine.memory.MemoryTracker, set last in start()
         self._t0: list[float] = []
         self._end = 0
         self._handles: list[Any] = []
@@ -369,6 +377,8 @@ class Capture(CompiledReplay):
         self._handles.clear()
         self._tensor_handles.clear()
         self._cache.clear()
+        if self._memory is not None:
+            tr.memory = self._memory.stop()
         if self._editor is not None:
             tr.edits, notes = self._editor.stop(bool(tr.backward or self._touched))
             tr.notes.extend(notes)
@@ -571,6 +581,8 @@ class Capture(CompiledReplay):
                 if sync:
                     self._drain()
                 rec.inputs = [self._info(p, t, sync) for p, t in tensors]
+                if self._memory is not None:
+                    self._memory.call_start(rec, [t for _, t in tensors])
                 self._sigs[rec.index] = storage_signature(tensors)
             stack.append(rec)
             self._t0.append(time.perf_counter())
@@ -618,6 +630,8 @@ class Capture(CompiledReplay):
                     "non-tensor output parts not recorded: "
                     + ", ".join(f"{p} ({t})" for p, t in others[:4])
                 )
+            if self._memory is not None:
+                self._memory.call_end(rec, [t for _, t in tensors])
             outs = []
             if self._dist is not None:
                 self._dist.where = f"{name}#{rec.call_index}/out"
@@ -664,6 +678,8 @@ class Capture(CompiledReplay):
             if self.keep_bytes:
                 g.kept = self._keep(f"bwd/{g.index}", grad)
             bwd.append(g)
+            if self._memory is not None:
+                self._memory.grad_arrived(rec.index)
         except Exception as exc:
             self._error(rec.module, exc)
         return None
@@ -673,6 +689,8 @@ class Capture(CompiledReplay):
         # weight) is still in cache: far cheaper than reading every gradient again at exit.
         if not self._active:
             return
+        if self._memory is not None:
+            self._memory.param_grad(name, param)
         if self._dist is not None and self._dist.owns(param):  # reduced at exit
             return self._dist.touch(name, param)
         try:
@@ -899,6 +917,8 @@ def capture(
     bins: int = NUM_BINS,
     edits: Sequence[Any] | None = None,
     sources: dict[str, Any] | None = None,
+    memory: bool = True,
+    optimizer: Any = None,
 ) -> Capture:
     """Record every module call of ``model`` (and its gradients) inside a ``with`` block.
 
@@ -951,6 +971,9 @@ def capture(
             edit that changed nothing. Applied on captured steps only.
         sources: batches by name for ``patch MODULE from=NAME`` (a tensor of ids, a tuple,
             a dict of kwargs or a :class:`hooks.Batch`).
+        memory: account the step's bytes in ``trace.memory`` (:mod:`hooks.engine.memory`:
+            saved activations per call, parameters, gradients, optimizer state, timeline).
+        optimizer: the loop's optimizer, whose state ``trace.memory`` counts.
 
     Returns:
         Capture: a context manager whose ``__enter__`` returns the :class:`~hooks.Trace` that
@@ -965,4 +988,5 @@ def capture(
     return Capture(model, keep_bytes=keep_bytes, include=include, exclude=exclude,
                    inputs=inputs, grads=grads, params=params, attention=attention,
                    attention_bytes=attention_bytes, probes=probes, step=step, every=every,
-                   meta=meta, bins=bins, edits=edits, sources=sources)
+                   meta=meta, bins=bins, edits=edits, sources=sources, memory=memory,
+                   optimizer=optimizer)
