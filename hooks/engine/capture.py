@@ -47,12 +47,12 @@ from hooks.engine.env import (
     fewer_gc_passes,
     gc_passes_back,
 )
-from hooks.engine.memory import memory_tracker
 from hooks.engine.fast_path import (
     encoder_layer_fast_path_blocker,
     fast_path_layers,
     has_forward_hooks,
 )
+from hooks.engine.memory import memory_tracker
 from hooks.engine.params import GradStatsBuffer, param_records, unread_notes
 from hooks.engine.recompute import Recomputed, in_backward, same_values, storage_signature
 from hooks.engine.replay import CompiledReplay

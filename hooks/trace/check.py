@@ -29,7 +29,8 @@ _NON_NEGATIVE = frozenset({"index", "call_index", "depth", "own_params", "total_
                            "inf_count", "hist_count", "recomputed", "kept_bytes",
                            # hooks.trace.memory: bytes and the indices of the step's memory
                            "call", "bytes", "saved_bytes", "square_bytes", "param_saved_bytes",
-                           "output_bytes", "retained_bytes", "grad_bytes", "optimizer_bytes", "live_bytes",
+                           "output_bytes", "retained_bytes", "grad_bytes", "optimizer_bytes",
+                           "live_bytes",
                            "seq", "peak_bytes", "peak_point", "param_bytes", "buffer_bytes",
                            "master_bytes", "unattributed_bytes"})
 

@@ -146,11 +146,11 @@ def test_memtracker_per_module_retained_bytes(attn, experts):
     model.zero_grad(set_to_none=True)
     with hooks.capture(model) as tr:
         model(ids, labels=ids).loss.backward()
-    act = mt_mod._MemRefType.ACT
+    act = "Activation"  # its reference types and module states are str enums
     theirs: dict[tuple[str, int], int] = {}
-    for mod, stats in mt.memory_tracking.items():
-        pre = stats.snapshots[mt_mod._ModState.PRE_FW]
-        post = stats.snapshots[mt_mod._ModState.POST_FW]
+    for stats in mt.memory_tracking.values():
+        pre = stats.snapshots["Pre-Forward"]
+        post = stats.snapshots["Post-Forward"]
         name = stats.mod_fqn.split(".", 1)[1] if "." in stats.mod_fqn else ""
         for i, (a, b) in enumerate(zip(pre, post, strict=True)):
             dev = torch.device("cpu")
@@ -214,3 +214,34 @@ def test_a_tampered_memory_record_is_one_format_error(tmp_path):
         path.write_text(json.dumps(data))
         with pytest.raises(hooks.TraceFormatError, match=words):
             hooks.Trace.load(tmp_path / "t")
+
+
+def test_the_trainer_and_run_watch_hand_their_optimizer_to_the_capture(tmp_path):
+    from hooks.store.store import RunStore
+    from hooks.train.trainer import Trainer, load_trace
+
+    model, ids = _model(), _ids()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    trainer = Trainer(model, (ids,), opt, total_steps=3,
+                      loss_fn=lambda out, batch: out.logits.float().pow(2).mean())
+    trainer.train_step(1)  # Adam allocates its state at this first step
+    report = trainer.train_step(2, capture=True)
+    state = sum(v.untyped_storage().nbytes() for s in opt.state.values() for v in s.values())
+    assert report.trace.memory.optimizer == "AdamW"
+    assert report.trace.memory.optimizer_bytes == state > 0
+
+    db = tmp_path / "runs.sqlite"
+    model, ids = _model(), _ids()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    with hooks.run("mem", db=db) as run:
+        run.watch(model, every=2, optimizer=opt)
+        for _ in range(2):
+            model(ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            run.log(loss=1.0)
+    momentum = sum(s["momentum_buffer"].untyped_storage().nbytes() for s in opt.state.values())
+    with RunStore(db) as store:
+        info = store.run("mem")
+        trace = load_trace(store, info.id, 2)
+    assert trace.memory.optimizer == "SGD" and trace.memory.optimizer_bytes == momentum > 0
