@@ -59,20 +59,19 @@ STATE_LAYOUT: dict[str, tuple[str, ...]] = {
 }
 
 
-def storage_key(t: torch.Tensor) -> tuple[int, str] | None:
-    """``(data_ptr, device)`` of ``t``'s untyped storage, None without one (meta, sparse,
-    a subclass without storage) or for an empty storage."""
+def storage_key(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s untyped storage (unique among the live storages of a process:
+    host and device memory share one virtual address space, CUDA's unified addressing), None
+    without one (meta, sparse, a subclass without storage) or for an empty storage."""
     try:
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
+        return t.untyped_storage().data_ptr() or None
     except (RuntimeError, NotImplementedError, TypeError):
         return None
-    return (ptr, str(t.device)) if ptr else None
 
 
 def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
     """Bytes of the distinct storages of ``tensors`` (each ``untyped_storage().nbytes()`` once)."""
-    seen: set[tuple[int, str]] = set()
+    seen: set[int] = set()
     total = 0
     for t in tensors:
         key = storage_key(t)
@@ -83,13 +82,15 @@ def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
 
 
 class _Storage:
-    """One saved storage: its bytes, kind, owner call, and when it was born and released."""
+    """One saved storage: its bytes, kind (``param``; ``square``: a (..., T, T) tensor), owner
+    call, and when it was born and released."""
 
-    __slots__ = ("key", "nbytes", "param", "call", "born", "died", "refs", "tracker")
+    __slots__ = ("key", "nbytes", "param", "square", "call", "born", "died", "refs", "tracker")
 
-    def __init__(self, key, nbytes: int, param: bool, call: int | None, born: int,
-                 tracker: MemoryTracker) -> None:
-        self.key, self.nbytes, self.param, self.call = key, nbytes, param, call
+    def __init__(self, key, nbytes: int, param: bool, square: bool, call: int | None,
+                 born: int, tracker: MemoryTracker) -> None:
+        self.key, self.nbytes, self.param, self.square, self.call = key, nbytes, param, \
+            square, call
         self.born, self.died, self.refs, self.tracker = born, None, 0, tracker
 
 
@@ -140,7 +141,7 @@ class MemoryTracker:
         self._optimizer = optimizer
         self._params: list[tuple[str, nn.Parameter]] = []
         seen: set[int] = set()
-        self._param_keys: set[tuple[int, str]] = set()
+        self._param_keys: set[int] = set()
         buffers = 0
         for prefix, m in modules:
             for n, p in m.named_parameters(recurse=False):
@@ -162,10 +163,11 @@ class MemoryTracker:
         self._grad_live = sum(self._grads.values())
         self._opt = self._optimizer_bytes()
         self._base = self.memory.param_bytes + buffers + self.memory.optimizer_bytes
-        self._live: dict[tuple[int, str], _Storage] = {}
+        self._live: dict[int, _Storage] = {}
         self._all: list[_Storage] = []
         self._calls: dict[int, CallMemory] = {}
-        # per call: (parent, input storage keys, output storages by key, seq at its end)
+        # per call: [parent, input storage keys, output storages by key, seq at its end,
+        # CallRecord.end_order]
         self._spans: dict[int, list[Any]] = {}
         self._owned: dict[int, list[_Storage]] = {}  # saved activation storages by call
         self._saved = 0  # activation bytes autograd holds now
@@ -191,45 +193,49 @@ class MemoryTracker:
 
     # -- hooks ----------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Any:
-        if not self._on:
+        # the hot path (every saved tensor): the entry only; per-call sums at the end
+        try:
+            st = t.untyped_storage()
+            key = st.data_ptr()
+        except (RuntimeError, NotImplementedError, TypeError):
             return t.detach()
-        key = storage_key(t)
-        entry = None
-        if key is not None:
-            entry = self._live.get(key)
-            if entry is None:
-                entry = self._new_storage(key, t)
+        entry = self._live.get(key) if key else None
+        if entry is None and key and self._on:
+            stack = self._stack
+            param = key in self._param_keys
+            nbytes = st.nbytes()
+            self._seq += 1
+            entry = _Storage(key, nbytes, param, t.dim() >= 3 and t.size(-1) == t.size(-2) > 1,
+                             stack[-1].index if stack else None, self._seq, self)
+            self._live[key] = entry
+            self._all.append(entry)
+            if not param:
+                self._saved += nbytes
         return _Saved(t.detach(), t._version, entry)
 
-    def _new_storage(self, key: tuple[int, str], t: torch.Tensor) -> _Storage:
-        stack = self._stack
-        call = stack[-1].index if stack else None
-        param = key in self._param_keys
-        nbytes = t.untyped_storage().nbytes()
-        self._seq += 1
-        entry = _Storage(key, nbytes, param, call, self._seq, self)
-        self._live[key] = entry
-        self._all.append(entry)
-        cm = None if call is None else self._calls.get(call)
-        if cm is None and call is not None:
-            cm = self._calls[call] = CallMemory(call)
-        if param:
-            if cm is not None:
-                cm.param_saved_bytes += nbytes
-            return entry
-        self._saved += nbytes
-        square = t.dim() >= 3 and t.shape[-1] == t.shape[-2] > 1
-        if cm is not None:
-            cm.saved_bytes += nbytes
-            self._owned.setdefault(call, []).append(entry)
-            if square:
-                cm.square_bytes += nbytes
-        else:
-            self.memory.unattributed_bytes += nbytes
-        self.memory.saved_bytes += nbytes
-        if square:
-            self.memory.square_bytes += nbytes
-        return entry
+    def _sum_saved(self) -> None:
+        """Per call and in all: the saved bytes of the entries (at the end, once)."""
+        mem, calls = self.memory, self._calls
+        for e in self._all:
+            cm = None
+            if e.call is not None:
+                cm = calls.get(e.call)
+                if cm is None:
+                    cm = calls[e.call] = CallMemory(e.call)
+            if e.param:
+                if cm is not None:
+                    cm.param_saved_bytes += e.nbytes
+                continue
+            mem.saved_bytes += e.nbytes
+            if e.square:
+                mem.square_bytes += e.nbytes
+            if cm is None:
+                mem.unattributed_bytes += e.nbytes
+                continue
+            cm.saved_bytes += e.nbytes
+            self._owned.setdefault(e.call, []).append(e)
+            if e.square:
+                cm.square_bytes += e.nbytes
 
     def released(self, entry: _Storage) -> None:
         """Autograd dropped the last saved alias of ``entry``'s storage."""
@@ -244,11 +250,11 @@ class MemoryTracker:
     def call_start(self, rec: CallRecord, inputs: Sequence[torch.Tensor]) -> None:
         """Before a forward call: its inputs' storages (not what the call retains)."""
         keys = {k for k in map(storage_key, inputs) if k is not None}
-        self._spans[rec.index] = [rec.parent, keys, {}, None]
+        self._spans[rec.index] = [rec.parent, keys, {}, None, 0]
 
     def call_end(self, rec: CallRecord, outputs: Sequence[torch.Tensor]) -> None:
         """After a forward call: its outputs' bytes and a timeline point."""
-        outs: dict[tuple[int, str], int] = {}
+        outs: dict[int, int] = {}
         for t in outputs:
             key = storage_key(t)
             if key is not None and key not in outs:
@@ -260,7 +266,7 @@ class MemoryTracker:
             cm.output_bytes = sum(outs.values())
         span = self._spans.get(rec.index)
         if span is not None:
-            span[2], span[3] = outs, self._seq
+            span[2], span[3], span[4] = outs, self._seq, rec.end_order
         self._point("forward", rec.index, None)
 
     def grad_arrived(self, forward_index: int) -> None:
@@ -269,15 +275,16 @@ class MemoryTracker:
 
     def param_grad(self, name: str, param: torch.Tensor) -> None:
         """After ``param.grad`` was accumulated: its bytes, and a timeline point."""
-        n = storage_bytes([param.grad]) if param.grad is not None else 0
+        g = param.grad
+        n = g.untyped_storage().nbytes() if g is not None else 0
         self._grad_live += n - self._grads.get(name, 0)
         self._grads[name] = n
         self._point("backward", None, name)
 
     def _point(self, phase: str, call: int | None, param: str | None) -> None:
-        live = self._base + self._grad_live + self._saved
-        self._points.append(MemoryPoint(phase, call, param, live, self._saved, self._grad_live,
-                                        self._seq))
+        saved, grads = self._saved, self._grad_live  # a tuple now, a MemoryPoint at the end
+        self._points.append((phase, call, param, self._base + grads + saved, saved, grads,
+                             self._seq))
 
     # -- the end --------------------------------------------------------------------------------
     def _optimizer_bytes(self) -> dict[int, tuple[int, list[str], bool]]:
@@ -310,23 +317,21 @@ class MemoryTracker:
         return out
 
     def _retained(self) -> None:
-        """``CallMemory.retained_bytes`` of each call whose start and end were seen."""
-        kids: dict[int, list[int]] = {}
-        for i, span in self._spans.items():
-            if span[0] is not None:
-                kids.setdefault(span[0], []).append(i)
-        for i, (_, inputs, outs, end) in self._spans.items():
-            if end is None:
-                continue
-            held = dict(outs)
-            todo = [i]
-            while todo:
-                c = todo.pop()
-                todo.extend(kids.get(c, ()))
-                for e in self._owned.get(c, ()):
-                    if e.died is None or e.died > end:
-                        held.setdefault(e.key, e.nbytes)
-            n = sum(b for k, b in held.items() if k not in inputs)
+        """``CallMemory.retained_bytes`` of each call whose start and end were seen: the
+        saved storages of its subtree still held at its end, built child by child (calls in
+        the order they ended: children first), and its outputs, less its inputs."""
+        ended = sorted((span[4], i) for i, span in self._spans.items() if span[3] is not None)
+        held_by: dict[int, dict[int, _Storage]] = {}
+        for _, i in ended:
+            parent, inputs, outs, end, _ = self._spans[i]
+            held = held_by.pop(i, {})
+            for e in self._owned.get(i, ()):
+                held[e.key] = e
+            held = {k: e for k, e in held.items() if e.died is None or e.died > end}
+            if parent is not None:
+                held_by.setdefault(parent, {}).update(held)
+            n = sum(e.nbytes for k, e in held.items() if k not in inputs and k not in outs)
+            n += sum(b for k, b in outs.items() if k not in inputs)
             if n:
                 cm = self._calls.get(i)
                 if cm is None:
@@ -335,16 +340,17 @@ class MemoryTracker:
 
     def _finish(self) -> StepMemory:
         mem = self.memory
+        self._sum_saved()
         self._retained()
         mem.params = [ParamMemory(n, p.numel() * p.element_size(), self._grads.get(n, 0),
                                   *self._opt.get(id(p), (0, [], False)))
                       for n, p in self._params]
         mem.grad_bytes = sum(self._grads.values())
         mem.calls = [self._calls[k] for k in sorted(self._calls)]
-        mem.timeline = self._points
-        peak = max(range(len(self._points)), key=lambda i: self._points[i].live_bytes)
-        mem.peak_point, mem.peak_bytes = peak, self._points[peak].live_bytes
-        seq = self._points[peak].seq
+        mem.timeline = [MemoryPoint(*p) for p in self._points]
+        peak = max(range(len(mem.timeline)), key=lambda i: mem.timeline[i].live_bytes)
+        mem.peak_point, mem.peak_bytes = peak, mem.timeline[peak].live_bytes
+        seq = mem.timeline[peak].seq
         alive: dict[int, int] = {}
         for e in self._all:
             if (not e.param and e.call is not None and e.born <= seq
