@@ -3,7 +3,9 @@ extrapolated from two small measured steps (:func:`extrapolate`).
 
 Each term by its known scaling (B: batch, T: sequence length):
 
-* parameters, buffers, gradients, optimizer state: constant (taken from the larger run);
+* parameters, buffers, gradients, optimizer state: constant (taken from the larger run; a
+  parameter the optimizer updates counts a gradient of its own size even where the small runs
+  gave it none: an expert no token chose);
 * eager attention scores and probabilities ``(B, H, T, T)`` (saved tensors whose last two
   dimensions are equal, ``StepMemory.square_bytes``): ``q·B·T²``;
 * every other saved activation: ``a·B·T + c·T`` (``c``: what grows with T but not with B,
@@ -110,7 +112,8 @@ def extrapolate(small: Measured, large: Measured, batch: int, seq: int) -> Estim
             raise ValueError(f"the run at batch={m.batch}, seq={m.seq} has no memory record")
     big = large.memory
     est = Estimate(batch, seq)
-    est.terms = {"param": big.param_bytes, "buffer": big.buffer_bytes, "grad": big.grad_bytes,
+    grads = sum(max(p.grad_bytes, p.bytes if p.optimizer_bytes else 0) for p in big.params)
+    est.terms = {"param": big.param_bytes, "buffer": big.buffer_bytes, "grad": grads,
                  "optimizer": big.optimizer_bytes}
     a, c, basis = _linear(small, large)
     q = big.square_bytes / (large.batch * large.seq ** 2)
@@ -124,9 +127,11 @@ def extrapolate(small: Measured, large: Measured, batch: int, seq: int) -> Estim
              f"saved {human_bytes(big.saved_bytes)} (attention-shaped "
              f"{human_bytes(big.square_bytes)})")
     s.append(f"constant: parameters {human_bytes(big.param_bytes)} + buffers "
-             f"{human_bytes(big.buffer_bytes)} + gradients {human_bytes(big.grad_bytes)} + "
+             f"{human_bytes(big.buffer_bytes)} + gradients {human_bytes(grads)} + "
              f"optimizer state {human_bytes(big.optimizer_bytes)}"
-             + (f" ({big.optimizer})" if big.optimizer else " (no optimizer)"))
+             + (f" ({big.optimizer})" if big.optimizer else " (no optimizer)")
+             + (f"; measured gradients {human_bytes(big.grad_bytes)}, the rest for parameters "
+                "the small runs gave none" if grads != big.grad_bytes else ""))
     per = "T" if basis == "T" else ""
     s.append(f"activations = a·B·T + c{('·' + per) if per else ''}: a = {a:.6g} bytes per "
              f"token, c = {c:.6g} → {human_bytes(est.terms['activations'])} at B={batch}, "

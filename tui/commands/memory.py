@@ -124,6 +124,10 @@ def estimate(args: argparse.Namespace):
         trace = capture_with_memory(args, b, t)
         if trace.memory is None:
             raise MdbError("the step was captured without memory accounting")
+        limit = ((trace.meta or {}).get("config") or {}).get("max_position_embeddings")
+        if isinstance(limit, int) and seq > limit:
+            raise MdbError(f"--at seq={seq} is longer than the model allows "
+                           f"(max_position_embeddings = {limit})")
         runs.append(Measured(b, t, trace.memory))
     return extrapolate(runs[0], runs[1], batch, seq)
 

@@ -13,11 +13,13 @@ from minillm import MiniLLM, MiniLLMConfig
 
 
 def _model(attn: str) -> MiniLLM:
+    """``moe``: SDPA attention and 8 experts (top-2), as the default preset."""
     torch.manual_seed(0)
     cfg = MiniLLMConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        num_local_experts=0, max_position_embeddings=512,
-                        attn_implementation=attn)
+                        num_local_experts=8 if attn == "moe" else 0, num_experts_per_tok=2,
+                        max_position_embeddings=512,
+                        attn_implementation="sdpa" if attn == "moe" else attn)
     return MiniLLM(cfg).train()
 
 
@@ -67,7 +69,7 @@ def _real(attn: str, b: int, t: int) -> int:
     return saved + params + buffers + grads + state
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("attn", ["eager", "sdpa", "moe"])
 def test_extrapolated_bytes_within_ten_percent_of_a_real_step(attn):
     est = extrapolate(_measure(attn, 1, 24), _measure(attn, 2, 48), 4, 256)
     real = _real(attn, 4, 256)
