@@ -42,7 +42,7 @@ async def test_m_shows_the_tree_and_enter_opens_the_module(step):
         assert table.row_count == len(list(model.named_modules()))
         root = table.get_row_at(0)
         params = sum(p.numel() * p.element_size() for p in model.parameters())
-        assert root[0].plain == "(root)" and root[1].plain == human_bytes(params)
+        assert root[0].plain == "(root)" and root[2].plain == human_bytes(params)
         assert "peak" in str(screen.query_one("#memory-peak", Static).render())
         i = screen.names.index("model.layers.1.self_attn")
         table.move_cursor(row=i)

@@ -20,6 +20,10 @@ from hooks.text import printable
 from tui.screens.view import VIEW_BINDINGS, ViewScreen
 
 
+#: Widest the module column gets (cells); deeper names are cut with an ellipsis.
+MODULE_WIDTH = 26
+
+
 class MemoryScreen(ViewScreen):
     """The memory view over the step screen's trace.
 
@@ -71,23 +75,28 @@ class MemoryScreen(ViewScreen):
             "bytes per module, its descendants included; children largest first · Enter: the "
             "module's first call")
         table = self.query_one("#memory-table", DataTable)
-        table.add_column("module", key="module")
+        rows = walk(tree)
+        labels = [printable("  " * r.depth + (r.name.rsplit(".", 1)[-1] if r.name else "(root)"))
+                  for r in rows]
+        # at most MODULE_WIDTH cells (a deep name cut at its end), so the numbers fit 100 columns
+        table.add_column("module", key="module",
+                         width=min(max(map(len, labels), default=6), MODULE_WIDTH))
+        table.add_column("most", key="most")  # before the numbers: never cut off at the edge
         for kind in KINDS:
             table.add_column(HEADERS[kind], key=kind)
-        for head in ("retained", "total", "most"):
+        for head in ("retained", "total"):
             table.add_column(head, key=head)
-        for row in walk(tree):
-            leaf = row.name.rsplit(".", 1)[-1] if row.name else "(root)"
-            cells = [Text(printable("  " * row.depth + leaf))]  # a module's name: never markup
+        for row, label in zip(rows, labels, strict=True):
+            cells = [Text(label, overflow="ellipsis", no_wrap=True),  # never markup
+                     Text(row.dominant if row.total else "—")]
             cells += [Text(human_bytes(row.bytes[k]) if row.bytes[k] else "—", justify="right")
                       for k in KINDS]
             cells += [Text(human_bytes(row.retained) if row.retained else "—", justify="right"),
-                      Text(human_bytes(row.total), justify="right"),
-                      Text(row.dominant if row.total else "—")]
+                      Text(human_bytes(row.total), justify="right")]
             table.add_row(*cells, key=str(len(self.names)))
             self.names.append(row.name)
         self.query_one("#memory-peak", Static).update(
-            printable("\n".join(total_lines(self.trace, peak))))
+            "\n".join(printable(line) for line in total_lines(self.trace, peak)))
         table.focus()
 
     def action_open(self) -> None:
