@@ -231,12 +231,16 @@ class Capture(CompiledReplay):
         that mdb itself runs during a captured step (the loop doctor's replay of a
         micro-batch), which must not be recorded as the user's calls. A capture that is not
         recording (not started, stopped, or a step that is not sampled) stays as it is."""
-        was = self._active
+        was, mem = self._active, self._memory
         self._active = False
+        if mem is not None:  # nor are the tensors that forward saves counted
+            mem.counting = False
         try:
             yield
         finally:
             self._active = was
+            if mem is not None:
+                mem.counting = was
 
     def __enter__(self) -> Trace:
         return self.start()
@@ -689,11 +693,11 @@ class Capture(CompiledReplay):
         # weight) is still in cache: far cheaper than reading every gradient again at exit.
         if not self._active:
             return
-        if self._memory is not None:
-            self._memory.param_grad(name, param)
         if self._dist is not None and self._dist.owns(param):  # reduced at exit
             return self._dist.touch(name, param)
         try:
+            if self._memory is not None:  # (off for a sharded model)
+                self._memory.param_grad(name, param)
             # in the hook, never on the worker: an optimizer step in a later hook of this
             # backward (optimizer-in-backward) would change them before the worker read them
             self._touched.put(name, param.grad, param)

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hooks.tensors.walk import named_parameters
 from hooks.trace.memory import (
     AliveBytes,
     CallMemory,
@@ -139,23 +140,15 @@ class MemoryTracker:
                  optimizer: Any = None) -> None:
         self._stack = stack
         self._optimizer = optimizer
-        self._params: list[tuple[str, nn.Parameter]] = []
-        seen: set[int] = set()
-        self._param_keys: set[int] = set()
+        self._params = named_parameters(modules)  # tied ones once, under their first name
+        self._param_keys: set[int] = {k for k in map(storage_key, (p for _, p in self._params))
+                                      if k is not None}
         buffers = 0
-        for prefix, m in modules:
-            for n, p in m.named_parameters(recurse=False):
-                key = storage_key(p)
-                if key is not None:
-                    self._param_keys.add(key)
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    self._params.append((f"{prefix}.{n}" if prefix else n, p))
-            for b in m.buffers(recurse=False):
-                key = storage_key(b)
-                if key is not None and key not in self._param_keys:
-                    self._param_keys.add(key)
-                    buffers += b.untyped_storage().nbytes()
+        for b in modules[0][1].buffers() if modules else ():
+            key = storage_key(b)
+            if key is not None and key not in self._param_keys:
+                self._param_keys.add(key)
+                buffers += b.untyped_storage().nbytes()
         self.memory = StepMemory(buffer_bytes=buffers)
         self.memory.param_bytes = sum(p.numel() * p.element_size() for _, p in self._params)
         self._grads: dict[str, int] = {n: storage_bytes([p.grad]) for n, p in self._params
@@ -174,6 +167,8 @@ class MemoryTracker:
         self._seq = 0
         self._points: list[MemoryPoint] = []
         self._on = False
+        #: False while the capture is paused (``Capture.paused``): saves are not counted
+        self.counting = True
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -200,7 +195,7 @@ class MemoryTracker:
         except (RuntimeError, NotImplementedError, TypeError):
             return t.detach()
         entry = self._live.get(key) if key else None
-        if entry is None and key and self._on:
+        if entry is None and key and self._on and self.counting:
             stack = self._stack
             param = key in self._param_keys
             nbytes = st.nbytes()
@@ -249,37 +244,49 @@ class MemoryTracker:
 
     def call_start(self, rec: CallRecord, inputs: Sequence[torch.Tensor]) -> None:
         """Before a forward call: its inputs' storages (not what the call retains)."""
-        keys = {k for k in map(storage_key, inputs) if k is not None}
+        keys = set()
+        for t in inputs:
+            try:
+                keys.add(t.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError, TypeError):
+                pass
         self._spans[rec.index] = [rec.parent, keys, {}, None, 0]
 
     def call_end(self, rec: CallRecord, outputs: Sequence[torch.Tensor]) -> None:
-        """After a forward call: its outputs' bytes and a timeline point."""
+        """After a forward call: its outputs' storages and a timeline point (the sums at the
+        end)."""
         outs: dict[int, int] = {}
         for t in outputs:
-            key = storage_key(t)
-            if key is not None and key not in outs:
-                outs[key] = t.untyped_storage().nbytes()
-        if outs:
-            cm = self._calls.get(rec.index)
-            if cm is None:
-                cm = self._calls[rec.index] = CallMemory(rec.index)
-            cm.output_bytes = sum(outs.values())
+            try:
+                st = t.untyped_storage()
+                key = st.data_ptr()
+            except (RuntimeError, NotImplementedError, TypeError):
+                continue
+            if key and key not in outs:
+                outs[key] = st.nbytes()
         span = self._spans.get(rec.index)
-        if span is not None:
-            span[2], span[3], span[4] = outs, self._seq, rec.end_order
-        self._point("forward", rec.index, None)
+        if span is None:
+            span = self._spans[rec.index] = [rec.parent, set(), {}, None, 0]
+        span[2], span[3], span[4] = outs, self._seq, rec.end_order
+        saved, grads = self._saved, self._grad_live
+        self._points.append(("forward", rec.index, None, self._base + grads + saved, saved,
+                             grads, self._seq))
 
     def grad_arrived(self, forward_index: int) -> None:
         """After the gradient of a recorded call's output arrived: a timeline point."""
-        self._point("backward", forward_index, None)
+        saved, grads = self._saved, self._grad_live
+        self._points.append(("backward", forward_index, None, self._base + grads + saved, saved,
+                             grads, self._seq))
 
     def param_grad(self, name: str, param: torch.Tensor) -> None:
         """After ``param.grad`` was accumulated: its bytes, and a timeline point."""
         g = param.grad
         n = g.untyped_storage().nbytes() if g is not None else 0
-        self._grad_live += n - self._grads.get(name, 0)
+        grads = self._grad_live = self._grad_live + n - self._grads.get(name, 0)
         self._grads[name] = n
-        self._point("backward", None, name)
+        saved = self._saved
+        self._points.append(("backward", None, name, self._base + grads + saved, saved, grads,
+                             self._seq))
 
     def _point(self, phase: str, call: int | None, param: str | None) -> None:
         saved, grads = self._saved, self._grad_live  # a tuple now, a MemoryPoint at the end
@@ -316,27 +323,74 @@ class MemoryTracker:
                     mem.optimizer_bytes += extra
         return out
 
+    def _call_memory(self, i: int) -> CallMemory:
+        cm = self._calls.get(i)
+        if cm is None:
+            cm = self._calls[i] = CallMemory(i)
+        return cm
+
     def _retained(self) -> None:
-        """``CallMemory.retained_bytes`` of each call whose start and end were seen: the
-        saved storages of its subtree still held at its end, built child by child (calls in
-        the order they ended: children first), and its outputs, less its inputs."""
+        """``CallMemory.retained_bytes`` (and ``output_bytes``) of each call whose start and
+        end were seen: the saved storages of its subtree still held at its end, and its
+        outputs, less its inputs."""
+        spans = self._spans
+        for i, span in spans.items():
+            if span[2]:
+                self._call_memory(i).output_bytes = sum(span[2].values())
+        first_death = min((e.died for e in self._all if e.died is not None), default=None)
+        if first_death is None or all(s[3] is None or s[3] < first_death
+                                      for s in spans.values()):
+            return self._retained_all_alive()
+        self._retained_held()
+
+    def _retained_all_alive(self) -> None:
+        """:meth:`_retained` when every saved storage outlived every call: the subtree's
+        bytes summed child to parent (a call's descendants are the calls after it up to
+        ``last``), less the storages that are its inputs or outputs."""
+        spans, owned = self._spans, self._owned
+        total: dict[int, int] = {}
+        last: dict[int, int] = {}
+        by_key: dict[int, _Storage] = {}
+        for i in sorted(spans, reverse=True):  # a child's index is larger than its parent's
+            mine = owned.get(i, ())
+            for e in mine:
+                by_key[e.key] = e
+            total[i] = total.get(i, 0) + sum(e.nbytes for e in mine)
+            last[i] = max(last.get(i, i), i)
+            parent = spans[i][0]
+            if parent is not None:
+                total[parent] = total.get(parent, 0) + total[i]
+                last[parent] = max(last.get(parent, parent), last[i])
+        for i, (_, inputs, outs, end, _) in spans.items():
+            if end is None:
+                continue
+            n = total[i] + sum(b for k, b in outs.items() if k not in inputs)
+            for k in inputs | outs.keys():
+                e = by_key.get(k)
+                if e is not None and i <= e.call <= last[i]:
+                    n -= e.nbytes
+            if n:
+                self._call_memory(i).retained_bytes = n
+
+    def _retained_held(self) -> None:
+        """:meth:`_retained` in general: the held storages built child by child (calls in the
+        order they ended: children first), each kept while alive at the call's end."""
         ended = sorted((span[4], i) for i, span in self._spans.items() if span[3] is not None)
+        first_death = min((e.died for e in self._all if e.died is not None), default=None)
         held_by: dict[int, dict[int, _Storage]] = {}
         for _, i in ended:
             parent, inputs, outs, end, _ = self._spans[i]
             held = held_by.pop(i, {})
             for e in self._owned.get(i, ()):
                 held[e.key] = e
-            held = {k: e for k, e in held.items() if e.died is None or e.died > end}
+            if first_death is not None and first_death <= end:  # else all alive at its end
+                held = {k: e for k, e in held.items() if e.died is None or e.died > end}
             if parent is not None:
                 held_by.setdefault(parent, {}).update(held)
             n = sum(e.nbytes for k, e in held.items() if k not in inputs and k not in outs)
             n += sum(b for k, b in outs.items() if k not in inputs)
             if n:
-                cm = self._calls.get(i)
-                if cm is None:
-                    cm = self._calls[i] = CallMemory(i)
-                cm.retained_bytes = n
+                self._call_memory(i).retained_bytes = n
 
     def _finish(self) -> StepMemory:
         mem = self.memory

@@ -245,3 +245,17 @@ def test_the_trainer_and_run_watch_hand_their_optimizer_to_the_capture(tmp_path)
         info = store.run("mem")
         trace = load_trace(store, info.id, 2)
     assert trace.memory.optimizer == "SGD" and trace.memory.optimizer_bytes == momentum > 0
+
+
+def test_a_paused_capture_counts_no_saves():
+    model, ids = _model(), _ids()
+    with hooks.capture(model) as tr:
+        model(ids, labels=ids).loss.backward()
+    model.zero_grad(set_to_none=True)
+    cap = hooks.capture(model)
+    with cap as tr2:
+        with cap.paused():  # mdb's own replay inside a captured step (the loop doctor's)
+            model(ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids).loss.backward()
+    assert tr2.memory.saved_bytes == tr.memory.saved_bytes > 0
