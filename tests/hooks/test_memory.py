@@ -259,3 +259,21 @@ def test_a_paused_capture_counts_no_saves():
         model.zero_grad(set_to_none=True)
         model(ids, labels=ids).loss.backward()
     assert tr2.memory.saved_bytes == tr.memory.saved_bytes > 0
+
+
+def test_master_copies_count_as_optimizer_state():
+    """An optimizer that updates fp32 copies of the parameters (mixed precision's master
+    weights): the copies and their state are optimizer bytes, apart in master_bytes."""
+    model, ids = _model(), _ids()
+    masters = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    opt = torch.optim.AdamW([*model.parameters(), *masters[:2]], lr=1e-3)
+    (sum(m.sum() for m in masters[:2]) + model(ids, labels=ids).loss).backward()
+    opt.step()  # the state exists now, for the parameters and the two copies
+    with hooks.capture(model, optimizer=opt) as tr:
+        model(ids, labels=ids).loss.backward()
+    copies = sum(m.numel() * 4 for m in masters[:2])
+    copy_state = sum(v.untyped_storage().nbytes() for m in masters[:2]
+                     for v in opt.state[m].values())
+    all_state = sum(v.untyped_storage().nbytes() for s in opt.state.values() for v in s.values())
+    assert tr.memory.master_bytes == copies + copy_state
+    assert tr.memory.optimizer_bytes == all_state + copies

@@ -19,7 +19,6 @@ from textual.widgets import DataTable, Footer, Static
 from hooks.text import printable
 from tui.screens.view import VIEW_BINDINGS, ViewScreen
 
-
 #: Widest the module column gets (cells); deeper names are cut with an ellipsis.
 MODULE_WIDTH = 26
 
@@ -66,7 +65,7 @@ class MemoryScreen(ViewScreen):
         """Fill the table with the module tree and the lines below it."""
         from hooks.trace.memory_view import KINDS, walk
         from hooks.whatif.memory_fit import human_bytes
-        from tui.commands.memory_print import HEADERS, total_lines
+        from tui.widgets.memory_text import HEADERS, total_lines
 
         mem = self.trace.memory
         self.query_one("#title", Static).update(

@@ -86,3 +86,32 @@ def test_a_trace_from_before_memory_accounting_is_one_line(capsys, tmp_path):
     assert cli.main(["memory", "--trace", str(tmp_path / "t.mdbtrace")]) != 0
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "has no memory fields (captured by an older mdb" in err
+
+
+def test_model_and_run_sources(capsys, tmp_path):
+    import torch
+
+    import hooks
+    from tests.conftest import REPO
+
+    spec = f"{REPO / 'samples' / 'user_gpt.py'}:nanogpt_tuple"
+    assert cli.main(["memory", "--model", spec, "--json", "--optimizer", "none"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["memory"]["optimizer"] is None and doc["memory"]["optimizer_bytes"] == 0
+
+    db = tmp_path / "runs.sqlite"
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    with hooks.run("memrun", db=db) as run:
+        run.watch(model, every=2, optimizer=opt)
+        for _ in range(2):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            run.log(loss=loss)
+    assert cli.main(["memory", "--run", "memrun@2", "--db", str(db), "--json"]) == 0
+    mem = json.loads(capsys.readouterr().out)["memory"]
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert mem["optimizer"] == "SGD" and mem["optimizer_bytes"] == params  # momentum buffers
