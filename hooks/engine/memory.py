@@ -165,7 +165,7 @@ class MemoryTracker:
         self._owned: dict[int, list[_Storage]] = {}  # saved activation storages by call
         self._saved = 0  # activation bytes autograd holds now
         self._seq = 0
-        self._points: list[MemoryPoint] = []
+        self._points: list[tuple] = []  # MemoryPoint fields, made MemoryPoints at the end
         self._on = False
         #: False while the capture is paused (``Capture.paused``): saves are not counted
         self.counting = True
@@ -208,9 +208,11 @@ class MemoryTracker:
                 self._saved += nbytes
         return _Saved(t.detach(), t._version, entry)
 
-    def _sum_saved(self) -> None:
-        """Per call and in all: the saved bytes of the entries (at the end, once)."""
+    def _sum_saved(self, seq: int) -> dict[int, int]:
+        """Per call and in all: the saved bytes of the entries (at the end, once); returns the
+        saved activation bytes alive at ``seq`` (the peak's) by call."""
         mem, calls = self.memory, self._calls
+        alive: dict[int, int] = {}
         for e in self._all:
             cm = None
             if e.call is not None:
@@ -231,6 +233,9 @@ class MemoryTracker:
             self._owned.setdefault(e.call, []).append(e)
             if e.square:
                 cm.square_bytes += e.nbytes
+            if e.born <= seq and (e.died is None or e.died > seq):
+                alive[e.call] = alive.get(e.call, 0) + e.nbytes
+        return alive
 
     def released(self, entry: _Storage) -> None:
         """Autograd dropped the last saved alias of ``entry``'s storage."""
@@ -394,22 +399,17 @@ class MemoryTracker:
 
     def _finish(self) -> StepMemory:
         mem = self.memory
-        self._sum_saved()
+        points = self._points  # (phase, call, param, live, saved, grads, seq) each
+        peak = max(range(len(points)), key=lambda i: points[i][3])
+        mem.peak_point, mem.peak_bytes = peak, points[peak][3]
+        alive = self._sum_saved(points[peak][6])
         self._retained()
         mem.params = [ParamMemory(n, p.numel() * p.element_size(), self._grads.get(n, 0),
                                   *self._opt.get(id(p), (0, [], False)))
                       for n, p in self._params]
         mem.grad_bytes = sum(self._grads.values())
         mem.calls = [self._calls[k] for k in sorted(self._calls)]
-        mem.timeline = [MemoryPoint(*p) for p in self._points]
-        peak = max(range(len(mem.timeline)), key=lambda i: mem.timeline[i].live_bytes)
-        mem.peak_point, mem.peak_bytes = peak, mem.timeline[peak].live_bytes
-        seq = mem.timeline[peak].seq
-        alive: dict[int, int] = {}
-        for e in self._all:
-            if (not e.param and e.call is not None and e.born <= seq
-                    and (e.died is None or e.died > seq)):
-                alive[e.call] = alive.get(e.call, 0) + e.nbytes
+        mem.timeline = [MemoryPoint(*p) for p in points]
         mem.at_peak = [AliveBytes(c, n) for c, n in sorted(alive.items(), key=lambda x: -x[1])]
         self._all.clear()
         self._live.clear()
