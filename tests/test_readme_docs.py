@@ -26,7 +26,8 @@ _REPO_PATH = re.compile(r"(?<![\w./-])((?:samples|tests|docs|benchmarks|hooks|tu
 
 #: The guides in docs/ the README links to (issue 21: the README ≤ 400 lines, the rest there).
 GUIDES = ["own-loop", "loop-doctor", "torchrun", "doctor", "compare", "models", "runs",
-          "step-view", "measured", "gaps", "what-if", "serve", "spikes"]
+          "step-view", "measured", "gaps", "what-if", "serve", "spikes",
+          "memory"]
 
 #: The README and its guides.
 MARKDOWN = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

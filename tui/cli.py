@@ -29,6 +29,7 @@ COMMANDS: dict[str, str] = {
     "compare": "compare",
     "ablate": "ablate",
     "lens": "lens",
+    "memory": "memory",
     "roles": "roles",
     "serve": "serve",
     "sweep": "sweep",

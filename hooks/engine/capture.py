@@ -52,6 +52,7 @@ from hooks.engine.fast_path import (
     fast_path_layers,
     has_forward_hooks,
 )
+from hooks.engine.memory import memory_tracker
 from hooks.engine.params import GradStatsBuffer, param_records, unread_notes
 from hooks.engine.recompute import Recomputed, in_backward, same_values, storage_signature
 from hooks.engine.replay import CompiledReplay
@@ -162,6 +163,8 @@ class Capture(CompiledReplay):
         bins: int = NUM_BINS,
         edits: Sequence[Any] | None = None,
         sources: dict[str, Any] | None = None,
+        memory: bool = True,
+        optimizer: Any = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"capture expects a torch.nn.Module, got {type(model).__name__}")
@@ -186,6 +189,7 @@ class Capture(CompiledReplay):
         self.step = step
         self.every = every
         self.bins = bins
+        self.memory, self.optimizer = memory, optimizer
         self.trace = Trace(meta=dict(meta or {}), step=step)
         if self._editor is not None and not self.sampled:  # said, never silently skipped
             self.trace.notes.append(Note("edit", f"step {step} is not captured (every={every})"
@@ -227,12 +231,16 @@ class Capture(CompiledReplay):
         that mdb itself runs during a captured step (the loop doctor's replay of a
         micro-batch), which must not be recorded as the user's calls. A capture that is not
         recording (not started, stopped, or a step that is not sampled) stays as it is."""
-        was = self._active
+        was, mem = self._active, self._memory
         self._active = False
+        if mem is not None:  # nor are the tensors that forward saves counted
+            mem.counting = False
         try:
             yield
         finally:
             self._active = was
+            if mem is not None:
+                mem.counting = was
 
     def __enter__(self) -> Trace:
         return self.start()
@@ -299,6 +307,9 @@ class Capture(CompiledReplay):
             except BaseException:
                 gc_passes_back()
                 raise
+        off = "compiled" if self._replay_mode else "sharded" if self._dist else None
+        self._memory = memory_tracker(self.memory, off, tr, self._stack, self._modules,
+                                      self.optimizer)
         return tr
 
     def _recording_hooks(self, root: nn.Module) -> list[Any]:
@@ -331,6 +342,7 @@ class Capture(CompiledReplay):
         self._cache: dict[Any, tuple[weakref.ref, int, int]] = {}
         self._counts: dict[str, int] = {}
         self._stack: list[CallRecord] = []
+        self._memory = None  # hooks.engine.memory.MemoryTracker, set last in start()
         self._t0: list[float] = []
         self._end = 0
         self._handles: list[Any] = []
@@ -369,6 +381,8 @@ class Capture(CompiledReplay):
         self._handles.clear()
         self._tensor_handles.clear()
         self._cache.clear()
+        if self._memory is not None:
+            tr.memory = self._memory.stop()
         if self._editor is not None:
             tr.edits, notes = self._editor.stop(bool(tr.backward or self._touched))
             tr.notes.extend(notes)
@@ -571,6 +585,8 @@ class Capture(CompiledReplay):
                 if sync:
                     self._drain()
                 rec.inputs = [self._info(p, t, sync) for p, t in tensors]
+                if self._memory is not None:
+                    self._memory.call_start(rec, [t for _, t in tensors])
                 self._sigs[rec.index] = storage_signature(tensors)
             stack.append(rec)
             self._t0.append(time.perf_counter())
@@ -618,6 +634,8 @@ class Capture(CompiledReplay):
                     "non-tensor output parts not recorded: "
                     + ", ".join(f"{p} ({t})" for p, t in others[:4])
                 )
+            if self._memory is not None:
+                self._memory.call_end(rec, [t for _, t in tensors])
             outs = []
             if self._dist is not None:
                 self._dist.where = f"{name}#{rec.call_index}/out"
@@ -664,6 +682,8 @@ class Capture(CompiledReplay):
             if self.keep_bytes:
                 g.kept = self._keep(f"bwd/{g.index}", grad)
             bwd.append(g)
+            if self._memory is not None:
+                self._memory.grad_arrived(rec.index)
         except Exception as exc:
             self._error(rec.module, exc)
         return None
@@ -676,6 +696,8 @@ class Capture(CompiledReplay):
         if self._dist is not None and self._dist.owns(param):  # reduced at exit
             return self._dist.touch(name, param)
         try:
+            if self._memory is not None:  # (off for a sharded model)
+                self._memory.param_grad(name, param)
             # in the hook, never on the worker: an optimizer step in a later hook of this
             # backward (optimizer-in-backward) would change them before the worker read them
             self._touched.put(name, param.grad, param)
@@ -899,6 +921,8 @@ def capture(
     bins: int = NUM_BINS,
     edits: Sequence[Any] | None = None,
     sources: dict[str, Any] | None = None,
+    memory: bool = True,
+    optimizer: Any = None,
 ) -> Capture:
     """Record every module call of ``model`` (and its gradients) inside a ``with`` block.
 
@@ -951,6 +975,9 @@ def capture(
             edit that changed nothing. Applied on captured steps only.
         sources: batches by name for ``patch MODULE from=NAME`` (a tensor of ids, a tuple,
             a dict of kwargs or a :class:`hooks.Batch`).
+        memory: account the step's bytes in ``trace.memory`` (:mod:`hooks.engine.memory`:
+            saved activations per call, parameters, gradients, optimizer state, timeline).
+        optimizer: the loop's optimizer, whose state ``trace.memory`` counts.
 
     Returns:
         Capture: a context manager whose ``__enter__`` returns the :class:`~hooks.Trace` that
@@ -965,4 +992,5 @@ def capture(
     return Capture(model, keep_bytes=keep_bytes, include=include, exclude=exclude,
                    inputs=inputs, grads=grads, params=params, attention=attention,
                    attention_bytes=attention_bytes, probes=probes, step=step, every=every,
-                   meta=meta, bins=bins, edits=edits, sources=sources)
+                   meta=meta, bins=bins, edits=edits, sources=sources, memory=memory,
+                   optimizer=optimizer)

@@ -614,7 +614,9 @@ class Run(RunControls, RunProcess, RunWriterThread):
         caller = traceback.extract_stack(limit=2)[0]
         self._watched = (f"watch({type(model).__name__}, every={every}) at "
                          f"{os.path.basename(caller.filename)}:{caller.lineno}")
-        self._model, self._every, self._capture_options = model, every, dict(capture_options)
+        self._model, self._every = model, every
+        # the optimizer's state is counted in each capture's trace.memory
+        self._capture_options = {**capture_options, "optimizer": optimizer}
         nxt = self.step + 1 if self._logged else 1
         ddp = False
         if self._link is not None:

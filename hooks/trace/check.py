@@ -26,7 +26,13 @@ _FINITE = frozenset({"time_ms", "dropout", "scale"})
 #: Fields that count or index, never negative (``-1``: ``end_order`` not set yet).
 _NON_NEGATIVE = frozenset({"index", "call_index", "depth", "own_params", "total_params",
                            "num_experts", "top_k", "forward_index", "numel", "nan_count",
-                           "inf_count", "hist_count", "recomputed", "kept_bytes"})
+                           "inf_count", "hist_count", "recomputed", "kept_bytes",
+                           # hooks.trace.memory: bytes and the indices of the step's memory
+                           "call", "bytes", "saved_bytes", "square_bytes", "param_saved_bytes",
+                           "output_bytes", "retained_bytes", "grad_bytes", "optimizer_bytes",
+                           "live_bytes",
+                           "seq", "peak_bytes", "peak_point", "param_bytes", "buffer_bytes",
+                           "master_bytes", "unattributed_bytes"})
 
 
 class TraceFormatError(ValueError):
@@ -191,6 +197,29 @@ def _check_attention(i: int, a: Any) -> None:
                             f"shape {list(p.shape)}")
 
 
+def _check_memory(mem: Any, n: int) -> None:
+    """Every call a memory record names is one of the ``n`` recorded calls; the peak is a
+    point of the timeline and its largest value; a phase is one the tracker writes."""
+    named = [(f"memory.calls[{i}].call", c.call) for i, c in enumerate(mem.calls)]
+    named += [(f"memory.at_peak[{i}].call", a.call) for i, a in enumerate(mem.at_peak)]
+    named += [(f"memory.timeline[{i}].call", p.call) for i, p in enumerate(mem.timeline)
+              if p.call is not None]
+    for where, call in named:
+        if call >= n:
+            raise _error(where, f"is {call}, not one of the {n} calls")
+    for i, p in enumerate(mem.timeline):
+        if p.phase not in ("start", "forward", "backward", "end"):
+            raise _error(f"memory.timeline[{i}].phase", f"is {p.phase[:40]!r}, not start, "
+                                                        "forward, backward or end")
+    if mem.timeline:
+        if mem.peak_point >= len(mem.timeline):
+            raise _error("memory.peak_point", f"is {mem.peak_point}, not one of the "
+                                              f"{len(mem.timeline)} points of the timeline")
+        if mem.peak_bytes != max(p.live_bytes for p in mem.timeline):
+            raise _error("memory.peak_bytes", f"is {mem.peak_bytes}, not the timeline's "
+                                              "largest live bytes")
+
+
 #: The ``meta`` fields whose type the views rely on, and the type a capture (``mdb capture``,
 #: ``hooks.run``, a what-if rerun) writes each as. The others (a loss, the values logged, a
 #: caller's own keys) may hold any JSON: the views show what is not a number as text.
@@ -247,6 +276,8 @@ def check_trace(trace: Any) -> None:
         _check_routing(i, r)
     for i, a in enumerate(trace.attention):
         _check_attention(i, a)
+    if trace.memory is not None:
+        _check_memory(trace.memory, n)
     if not isinstance(trace.meta, dict):
         raise _error("trace.meta", "is not an object")
     _check_meta(trace.meta)

@@ -25,6 +25,7 @@ import torch
 from hooks.trace.applied_edit import AppliedEdit
 from hooks.trace.check import TraceFormatError, check_trace
 from hooks.trace.diff import TraceDiff, diff_traces
+from hooks.trace.memory import StepMemory
 from hooks.trace.ops import BackwardOrigin, OpTrace, Replay, backward_origin, record_ops
 from hooks.trace.records import (
     AttentionRecord,
@@ -76,6 +77,10 @@ class Trace:
             None for a trace loaded from disk. Not saved.
         edits: what each edit of ``capture(model, edits=[...])`` did
             (:class:`hooks.engine.edits.AppliedEdit`); empty for an unedited step.
+        memory: where the step's bytes go (:class:`hooks.trace.memory.StepMemory`: saved
+            activations per call, parameters, gradients, optimizer state, the timeline and its
+            peak); None when the capture did not account memory (``memory=False``, a compiled
+            or sharded model, a trace written before mdb recorded it).
     """
 
     forward: list[CallRecord] = field(default_factory=list)
@@ -96,6 +101,7 @@ class Trace:
     backward_origin: BackwardOrigin | None = None
     replay: Replay | None = field(default=None, repr=False, compare=False)
     edits: list[AppliedEdit] = field(default_factory=list)
+    memory: StepMemory | None = None
 
     # -- lookup ---------------------------------------------------------------------------------
     def calls(self, module: str) -> list[CallRecord]:
@@ -254,6 +260,7 @@ class Trace:
             "backward_origin": (None if self.backward_origin is None
                                 else self.backward_origin.to_dict()),
             "edits": [e.to_dict() for e in self.edits],
+            "memory": None if self.memory is None else self.memory.to_dict(),
         }
 
     def all_tensors(self) -> dict[str, torch.Tensor]:
@@ -395,6 +402,8 @@ class Trace:
                 backward_origin=(None if data.get("backward_origin") is None
                                  else BackwardOrigin.from_dict(data["backward_origin"])),
                 edits=[AppliedEdit.from_dict(e) for e in data.get("edits", [])],
+                memory=(None if data.get("memory") is None
+                        else StepMemory.from_dict(data["memory"])),
             )
         except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError,
                 RuntimeError, RecursionError) as exc:  # RuntimeError: a tensor torch refuses

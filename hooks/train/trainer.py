@@ -745,7 +745,7 @@ class Trainer:
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         cap_ctx = (
-            _maybe_capture(model, step, self.capture_kwargs) if capture
+            _maybe_capture(model, step, {"optimizer": opt, **self.capture_kwargs}) if capture
             else contextlib.nullcontext()
         )
         if self.spikes is not None:

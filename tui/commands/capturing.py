@@ -12,7 +12,7 @@ from tui.errors import MdbError, ModelError
 
 def capture_step(workload: Workload, *, attention: bool = True, keep_bytes: int = 0,
                  ops: list[str] | None = None, edits: list[str] | None = None,
-                 sources: dict[str, Any] | None = None):
+                 sources: dict[str, Any] | None = None, optimizer: Any = None):
     """Run one forward and backward pass of ``workload`` under :func:`hooks.capture`.
 
     When the forward produced NaN/Inf, the ops of the first non-finite call are recorded
@@ -27,6 +27,7 @@ def capture_step(workload: Workload, *, attention: bool = True, keep_bytes: int 
         ops: ``fnmatch`` patterns of module names whose every call's ops are recorded too.
         edits: edit specs applied to the step (:mod:`hooks.engine.edits`; check them first with
             :func:`tui.commands.editing.edit_plan`), and ``sources`` their patch batches.
+        optimizer: the optimizer whose state ``trace.memory`` counts (not stepped).
 
     Returns:
         The :class:`hooks.Trace`, with ``meta`` holding the description, token labels,
@@ -55,7 +56,7 @@ def capture_step(workload: Workload, *, attention: bool = True, keep_bytes: int 
     batch = workload.batch
     try:
         cap = hooks.capture(model, attention=attention, keep_bytes=keep_bytes, meta=meta,
-                            edits=edits, sources=sources)
+                            edits=edits, sources=sources, optimizer=optimizer)
     except ValueError as exc:  # a bad edit: nothing ran
         raise MdbError(str(exc)) from None
     stack = contextlib.ExitStack()

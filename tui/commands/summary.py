@@ -4,7 +4,10 @@ One row per module of ``model.named_modules()`` (indented by depth): class, outp
 first call (and the number of calls when more than one), parameters (own and descendants', tied
 ones once), share of the model's parameters, mean and standard deviation of the first output,
 and the L2 norm of the gradients of all its parameters, ``sqrt(Σ ‖∇p‖²)``
-(:func:`hooks.tensors.norms.combine_norms`: NaN when one is NaN).
+(:func:`hooks.tensors.norms.combine_norms`: NaN when one is NaN); from the step's memory
+accounting (:func:`hooks.trace.memory_view.module_bytes`), the bytes autograd saved for backward
+during its calls and its bytes of every kind (parameters, gradients, optimizer state, saved;
+``mdb memory`` shows them apart).
 
 Width: in a terminal the table fits the terminal: the columns are kept in order of priority
 (:data:`PRIORITY`; numbers are never cut), module names are indented less and then cut in the
@@ -38,9 +41,11 @@ COLUMNS = (
     ("mean", "out mean", "out mean", "right"),
     ("std", "out std", "out std", "right"),
     ("grad", "param ‖∇‖", "param ‖∇‖", "right"),
+    ("saved", "saved", "saved for bwd", "right"),
+    ("mem", "bytes", "bytes (all kinds)", "right"),
 )
 #: The order in which columns are kept when the table must fit a width (module always).
-PRIORITY = ("module", "params", "shape", "grad", "mean", "std", "pct", "class")
+PRIORITY = ("module", "params", "shape", "grad", "mean", "std", "pct", "class", "mem", "saved")
 #: Cells between two columns of a fitted table.
 GAP = 2
 #: A lower-priority column is added only while the module column keeps this many cells (or
@@ -100,6 +105,7 @@ def table_rows(trace, *, depth: int | None = None, compact: bool = False) -> lis
     for rec in trace.forward:
         calls.setdefault(rec.module, []).append(rec)
     grads = grad_norms_by_module(trace)
+    memory = _memory_rows(trace)
     total = trace.modules[0].total_params if trace.modules else 0
     rows = []
     for info in trace.modules:
@@ -124,8 +130,21 @@ def table_rows(trace, *, depth: int | None = None, compact: bool = False) -> lis
             "mean": fmt.sci(stats.mean) if stats else "—",
             "std": fmt.sci(stats.std) if stats else "—",
             "grad": fmt.sci(grads.get(info.name)),
+            **memory.get(info.name, {"saved": "—", "mem": "—"}),
         }))  # fmt: skip
     return rows
+
+
+def _memory_rows(trace) -> dict[str, dict[str, str]]:
+    """The memory cells by module name (none when the trace has no memory record)."""
+    if trace.memory is None:
+        return {}
+    from hooks.trace.memory_view import module_bytes, walk
+    from hooks.whatif.memory_fit import human_bytes
+
+    return {r.name: {"saved": human_bytes(r.bytes["saved"]) if r.bytes["saved"] else "—",
+                     "mem": human_bytes(r.total) if r.total else "—"}
+            for r in walk(module_bytes(trace))}
 
 
 def module_labels(rows: list[Row], width: int | None) -> list[str]:
@@ -219,6 +238,13 @@ def footer_lines(trace) -> list[str]:
         f"parameters: {total:,} (tied ones counted once) · {len(trace.forward)} module calls · "
         f"{len(trace.backward)} output gradients · {len(trace.params)} parameter gradients",
     ]
+    if trace.memory is not None:
+        from hooks.whatif.memory_fit import human_bytes
+
+        mem = trace.memory
+        lines.append(f"memory: {human_bytes(mem.total_bytes)} (saved for backward "
+                     f"{human_bytes(mem.saved_bytes)}, peak {human_bytes(mem.peak_bytes)}; "
+                     "mdb memory for the rest)")
     if "loss" in meta:
         lines.append(loss_line(meta))
     bad = trace.first_nonfinite("forward") or trace.first_nonfinite("backward")

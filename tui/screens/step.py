@@ -7,7 +7,8 @@ The step view is a screen, not an app, so any mdb app can show a trace::
 
 ``mdb step`` uses the same screen as the main screen of :class:`tui.app.MdbApp` (there ``q``
 quits). The router, attention and gradients views are pushed on top of it (``r``, ``a``, ``g``),
-``d`` shows doctor results when the caller gave some, ``?`` lists every key.
+``d`` shows doctor results when the caller gave some, ``m`` where the step's bytes go
+(:mod:`tui.screens.memory`), ``?`` lists every key.
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ class StepScreen(MdbScreen):
                 "positions; Enter: a cell's top k)"),
         Binding("d", "view('doctor')", "doctor", show=False, id="view.doctor", priority=True,
                 tooltip="doctor results (from mdb doctor)"),
+        Binding("m", "memory", "memory", show=False, id="view.memory", priority=True,
+                tooltip="memory: bytes per module (parameters, gradients, optimizer state, "
+                "saved for backward), the step's peak and what is alive at it"),
         Binding("question_mark", "help", "keys", key_display="?", id="app.help", priority=True,
                 tooltip="this list of keys"),
         Binding("q", "quit_view", "quit", id="app.quit", priority=True,
@@ -270,6 +274,7 @@ class StepScreen(MdbScreen):
         from tui.screens.edit_diff import EditDiffScreen
         from tui.screens.gradients import GradientsScreen
         from tui.screens.lens import LensScreen
+        from tui.screens.memory import MemoryScreen
         from tui.screens.ops import OpsScreen
         from tui.screens.router import RouterScreen
         from tui.screens.search import SearchScreen
@@ -287,6 +292,7 @@ class StepScreen(MdbScreen):
              [b for b in OpsScreen.BINDINGS if id(b) not in own]),
             ("doctor view (d)", DoctorScreen.HELP_BINDINGS),
             ("logit lens (L)", [b for b in LensScreen.BINDINGS if id(b) not in own]),
+            ("memory (m)", [b for b in MemoryScreen.BINDINGS if id(b) not in own]),
             ("what if (e: the edit form, then A as is | B edited)", EditDiffScreen.BINDINGS
              + [Binding("enter", "", "edit form: copy a choice below / run the spec")]),
             ("every view", VIEW_BINDINGS),
@@ -347,6 +353,12 @@ class StepScreen(MdbScreen):
         open_edit_form(self, self.trace, self.stepper.module)
 
     # -- other views ----------------------------------------------------------------------------
+    def action_memory(self) -> None:
+        """Open the memory view of this step (:mod:`tui.screens.memory`)."""
+        from tui.screens.memory import MemoryScreen
+
+        self.app.push_screen(MemoryScreen(self))
+
     def action_lens(self) -> None:
         """Open the logit lens of this step's batch (:mod:`tui.screens.lens`)."""
         from tui.screens.lens import LensScreen

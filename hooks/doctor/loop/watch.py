@@ -83,7 +83,7 @@ def check_watch_arguments(optimizer: Any, scheduler: Any, capture_options: dict)
     from hooks.store.values import checked_bytes
 
     known = [n for n, p in inspect.signature(capture).parameters.items()
-             if p.kind == p.KEYWORD_ONLY and n not in ("step", "meta")]
+             if p.kind == p.KEYWORD_ONLY and n not in ("step", "meta", "optimizer")]
     bad = [k for k in capture_options if k not in known]
     if bad:
         raise TypeError(f"watch() got an unexpected keyword argument {bad[0]!r} (it takes "

@@ -359,24 +359,27 @@ def test_compiled_model_is_said():
     assert any(n.kind == "compiled" for n in tr.notes)
 
 
-def test_stats_only_trace_holds_no_reference_to_activations():
+@pytest.mark.parametrize("memory", [False, True])
+def test_stats_only_trace_holds_no_reference_to_activations(memory):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
     refs: list[weakref.ref] = []
     spy = model[1].register_forward_hook(lambda m, a, o: refs.append(weakref.ref(o)))
-    with hooks.capture(model) as tr:
+    with hooks.capture(model, memory=memory) as tr:
         y = model(torch.randn(4, 8))  # the graph (and the tanh output it saves) stays alive
     spy.remove()
-    assert refs[0]() is not None  # alive through y's graph
+    # alive through y's graph; memory accounting's saved-tensor hooks keep a detached alias
+    # of its storage instead (hooks.engine.memory), so the object itself may go
+    assert refs[0]() is not None or memory
     del y
     assert refs[0]() is None, "the trace kept an activation alive"
     # and with backward inside the capture
     spy = model[1].register_forward_hook(lambda m, a, o: refs.append(weakref.ref(o)))
-    with hooks.capture(model) as tr2:
+    with hooks.capture(model, memory=memory) as tr2:
         y = model(torch.randn(4, 8))
         y.sum().backward(retain_graph=True)
     spy.remove()
-    assert refs[1]() is not None
+    assert refs[1]() is not None or memory
     del y
     assert refs[1]() is None, "the trace kept an activation alive"
     assert len(tr.forward) == 4 and len(tr2.backward) > 0  # the traces themselves are intact

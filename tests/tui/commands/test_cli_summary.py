@@ -158,7 +158,8 @@ def test_columns_80_keeps_every_number_whole(saved_trace, capsys, monkeypatch):
             assert name == leaf
     assert "post_attention_layernorm" in "".join(r[0] for r in full)
     assert any("…" in _cells(r)[0] for r in rows)  # that one is cut at 80
-    assert "left out to fit 80 columns: class, % params (--wide shows every column)" in text
+    assert ("left out to fit 80 columns: class, % params, saved, bytes (--wide shows every "
+            "column)") in " ".join(text.split())
 
 
 def test_columns_120_shows_every_column_and_wide_ignores_columns(saved_trace, capsys,
@@ -167,7 +168,12 @@ def test_columns_120_shows_every_column_and_wide_ignores_columns(saved_trace, ca
     monkeypatch.setenv("COLUMNS", "120")
     assert cli.main(["summary", "--trace", path]) == 0
     text = capsys.readouterr().out
-    assert "left out" not in text and "MiniLLMSparseMoeBlock" in text and "100.0%" in text
+    # every column but the memory accounting's last ones, which come first at 140
+    assert "left out to fit 120 columns: saved (" in text
+    assert "MiniLLMSparseMoeBlock" in text and "100.0%" in text
+    monkeypatch.setenv("COLUMNS", "140")
+    assert cli.main(["summary", "--trace", path]) == 0
+    assert "left out" not in capsys.readouterr().out
     monkeypatch.setenv("COLUMNS", "60")
     assert cli.main(["summary", "--trace", path, "--wide"]) == 0
     wide = capsys.readouterr().out
