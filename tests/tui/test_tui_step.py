@@ -320,8 +320,12 @@ async def test_attention_grid_rows_sum_to_one_and_heads_share_kv(tiny):
         grid = str(screen.query_one("#grid", Static).render())
         assert grid.splitlines()[0].strip().startswith("".join(
             t[:1] for t in trace.meta["tokens"][:4]))
+        b = trace.attention[1].probs.shape[0]
+        title = str(screen.query_one("#title", Static).render())
+        assert f"sequence 1/{b} ·" in title  # counted from 1, as the lens counts (issue 35)
         await pilot.press("x")  # second sequence of the batch
         assert screen.matrix == trace.attention[1].probs[1, screen.head].tolist()
+        assert f"sequence 2/{b} ·" in str(screen.query_one("#title", Static).render())
 
 
 async def test_gradients_view_lists_every_parameter(tiny):

@@ -284,7 +284,7 @@ class AttentionScreen(LayerViewScreen):
         call = f" #{rec.call_index}" if rec.call_index else ""
         self.query_one("#title", Static).update(printable(
             f"attention · layer {layer} ({self.position + 1}/{len(self.records)}) · "
-            f"head {self.head}/{n_heads} · seq {self.batch}/{b_count} · {rec.module}{call}"
+            f"head {self.head}/{n_heads} · {fmt.sequence(self.batch, b_count)} · {rec.module}{call}"
         ))
         self.query_one("#kv", Static).update(
             printable(kv_line(rec, self.head)))  # a trace file's source string

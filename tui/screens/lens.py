@@ -20,6 +20,7 @@ from textual.widgets import DataTable, Footer, Static
 
 from hooks.text import printable
 from tui.screens.view import VIEW_BINDINGS, ViewScreen
+from tui.widgets import fmt
 
 #: Tokens kept per cell for Enter.
 TOP_K = 5
@@ -168,7 +169,7 @@ class LensScreen(ViewScreen):
                           key=str(layer))
         b, t = lens.shape
         self.query_one("#status", Static).update(
-            f"sequence {self.row + 1}/{b} · {lens.num_layers} layers × {t} positions · "
+            f"{fmt.sequence(self.row, b)} · {lens.num_layers} layers × {t} positions · "
             "Enter: a cell's top k · x: next sequence")
         if texts and texts[0]:
             table.move_cursor(row=0, column=1)  # on the first position, not the layer names
