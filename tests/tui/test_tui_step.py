@@ -317,7 +317,7 @@ async def test_attention_grid_rows_sum_to_one_and_heads_share_kv(tiny):
             await pilot.press("l")
         await pilot.press("N")
         assert screen.record is trace.attention[1]
-        grid = str(screen.query_one("#grid", Static).render())
+        grid = str(screen.query_one("#grid-keys", Static).render())
         assert grid.splitlines()[0].strip().startswith("".join(
             t[:1] for t in trace.meta["tokens"][:4]))
         b = trace.attention[1].probs.shape[0]
@@ -447,3 +447,30 @@ async def test_reopened_views_follow_the_step_view_layer(tiny):
             trace.routing[1].top_k_ids[0, 0].item()
         await pilot.press("a")
         assert app.screen.record is trace.attention[1]
+
+
+async def test_attention_key_tokens_stay_in_place_while_j_scrolls_the_rows():
+    """Issue 35: the header of key tokens scrolled away on ``j``."""
+    import html
+    import re
+
+    trace = capture_step(tiny_workload(seq_len=100), attention=True)  # wider and taller than 80×24
+    app = make_step_app(trace)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("a")
+        screen = app.screen
+        assert isinstance(screen, AttentionScreen)
+        keys = screen.query_one("#grid-keys", Static)
+        first = str(keys.render()).splitlines()[-1].strip()
+        assert first.startswith("".join(t[:1] for t in trace.meta["tokens"][:4]))
+        before = keys.region
+        scroll = screen.query_one("#grid-scroll")
+        for _ in range(6):
+            await pilot.press("j")
+        await wait_until(pilot, lambda: scroll.scroll_y > 0)
+        assert keys.region == before and before.height > 0
+        shown = "".join(html.unescape(t) for t in re.findall(
+            r"<text [^>]*>([^<]*)</text>", app.export_screenshot()))
+        assert first[:60].replace(" ", "\u00a0") in shown or first[:60] in shown
+        scroll.scroll_to(x=20, animate=False)  # the keys follow the columns sideways
+        await wait_until(pilot, lambda: screen.query_one("#grid-keys-scroll").scroll_x == 20)
