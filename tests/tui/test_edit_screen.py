@@ -205,3 +205,21 @@ def test_e_re_runs_a_step_whose_loss_comes_from_the_factory_s_loss_fn():
     with torch.no_grad():
         ref = torch.nn.functional.cross_entropy(model[2](torch.relu(model[0](x) * 0)), y)
     assert b.edits[0].applied and abs(b.meta["loss"] - float(ref)) < 1e-6
+
+
+async def test_typing_after_a_pick_continues_the_spec(step):
+    """Issue 35: typing after picking a choice replaced the whole spec (End was needed first,
+    and nothing said so)."""
+    trace, _ = step
+    app = make_step_app(trace)
+    async with app.run_test(size=SIZE) as pilot:
+        await _open_form(app, pilot, ATTN)
+        form = app.screen
+        box = form.query_one("#edit-spec", Input)
+        assert form.options[0] == f"zero {ATTN}"
+        await wait_until(pilot, lambda: form.query_one("#edit-options").has_focus)
+        await pilot.press("enter")  # pick "zero ATTN"
+        await wait_until(pilot, lambda: box.has_focus)
+        await pilot.press(*" head=1")
+        assert box.value == f"zero {ATTN} head=1"
+        assert "typing continues it" in _text(app, "#edit-hint")
