@@ -474,3 +474,48 @@ async def test_attention_key_tokens_stay_in_place_while_j_scrolls_the_rows():
         assert first[:60].replace(" ", "\u00a0") in shown or first[:60] in shown
         scroll.scroll_to(x=20, animate=False)  # the keys follow the columns sideways
         await wait_until(pilot, lambda: screen.query_one("#grid-keys-scroll").scroll_x == 20)
+
+
+def _shown(app) -> str:
+    """The screen's text as drawn (the screenshot's text runs, one line per row), spaces
+    normalised."""
+    import html
+    import re
+
+    svg = app.export_screenshot()
+    rows: dict[str, list[str]] = {}
+    for y, t in re.findall(r'<text [^>]*y="([\d.]+)"[^>]*>([^<]*)</text>', svg):
+        rows.setdefault(y, []).append(html.unescape(t).replace("\u00a0", " "))
+    return "\n".join("".join(parts) for _, parts in sorted(rows.items(),
+                                                           key=lambda kv: float(kv[0])))
+
+
+async def test_the_step_views_header_fits_80_columns_whole(tiny):
+    """Issue 35: the header was cut to ``19.8M par…`` beside the loss at 80 columns; the loss
+    now goes under the description when both do not fit one line."""
+    trace, _ = tiny
+    trace.meta["description"] = "minillm default · 19.8M params · 2×64 of alice.txt"
+    app = make_step_app(trace)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: isinstance(app.screen, StepScreen))
+        await pilot.pause()
+        shown = _shown(app)
+        assert "minillm default · 19.8M params · 2×64 of alice.txt" in shown
+        assert fmt.loss_line(trace.meta) in shown
+        assert "…" not in shown.splitlines()[0] + shown.splitlines()[1]
+
+
+async def test_a_long_hint_wraps_whole(tiny):
+    """Issue 35: ``L`` cut the lens's error at 80 columns with no way to read it whole."""
+    trace, _ = tiny
+    app = make_step_app(trace)
+    words = [f"word{i}" for i in range(40)]  # about 280 columns
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: isinstance(app.screen, StepScreen))
+        app.screen.hint("ValueError: " + " ".join(words))
+        await pilot.pause()
+        shown = " ".join(_shown(app).split())
+        assert "ValueError: " + " ".join(words) in shown
+        app.screen.hint("short again")
+        await pilot.pause()
+        assert app.screen.query_one("#hint").size.height == 1
