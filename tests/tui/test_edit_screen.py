@@ -88,11 +88,25 @@ async def test_e_form_rerun_and_diff_view_largest_first_then_back(step):
         assert view.b.meta["loss"] != trace.meta["loss"]
         status = _text(app, "#status")
         assert status.startswith(f"loss {trace.meta['loss']:.6g} → {view.b.meta['loss']:.6g}")
-        # rows: the calls that changed, largest relative change first (from the traces' stats)
+        # rows: the loss first, then the edited module's own outputs (the attention and the
+        # o_proj the head edit hooks), then the rest largest relative change first (from the
+        # traces' stats), the calls whose row count changed (experts' tokens) last (issue 35)
         table = view.query_one("#diff-table", DataTable)
         assert table.row_count == len(view.rows) > 0
-        rel = [r["diff"].relative() for r in view.rows]
-        assert rel == sorted(rel, reverse=True)
+        diffs = [r["diff"] for r in view.rows]
+        assert (diffs[0].module, diffs[0].tensor) == ("", trace.meta["loss_source"])
+        own = {ATTN, f"{ATTN}.o_proj"}
+        k = next(i for i, d in enumerate(diffs[1:], 1)
+                 if not (d.direction == "forward" and d.module in own))
+        assert k > 1 and {d.module for d in diffs[1:k]} == own
+        rest = diffs[k:]
+        assert not any(d.direction == "forward" and d.module in own for d in rest)
+        moved = [d.shape_changed for d in rest]
+        assert moved == sorted(moved)  # same-shape rows, then the changed token counts
+        for part in ([d for d in rest if not d.shape_changed],
+                     [d for d in rest if d.shape_changed]):
+            rel = [d.relative() for d in part]
+            assert rel == sorted(rel, reverse=True)
         o_proj = next(r for r in trace.forward if r.module == f"{ATTN}.o_proj")
         before = {(c.module, c.call_index) for c in trace.forward  # done before o_proj ran
                   if c.index < o_proj.index and c.module
