@@ -57,7 +57,8 @@ class WatchScreen(ViewerControls, LiveScreen):
     """
 
     watch = True
-    BINDINGS = [Binding("f", "findings", "loop findings, whole", show=False,
+    BINDINGS = [*LiveScreen.BINDINGS,
+                Binding("f", "findings", "loop findings, whole", show=False,
                         id="watch.findings")]
 
     def __init__(self, store, run, *, poll_interval: float = 0.2, text_interval: float = 0.2,
