@@ -519,3 +519,23 @@ async def test_a_long_hint_wraps_whole(tiny):
         app.screen.hint("short again")
         await pilot.pause()
         assert app.screen.query_one("#hint").size.height == 1
+
+
+@pytest.mark.parametrize("width", [30, 38, 52, None])
+def test_the_parameter_table_fits_its_pane_without_wrapping(tiny, width):
+    """Issue 35: the what-if A|B view (two panes at 80 columns) wrapped the ‖g‖/‖w‖ column;
+    the table now fits the pane, its numbers whole (the test's own sci() of each norm)."""
+    from tui.screens.stepper import Stepper
+    from tui.widgets.call_details import params_table
+
+    trace, model = tiny
+    module = "model.layers.0.self_attn.q_proj"
+    params = Stepper(trace).params_of(module)
+    lines = params_table(params, width=width).plain.splitlines()
+    assert "‖g‖/‖w‖" in lines[0]
+    if width is not None:
+        assert max(len(line) for line in lines) <= width
+    p = model.get_submodule(module).weight
+    norm = torch.linalg.vector_norm(p.grad).item()
+    assert fmt.sci(norm) in lines[1]
+    assert fmt.sci(norm / torch.linalg.vector_norm(p).item()) in lines[1]
