@@ -81,3 +81,13 @@ def test_loaded_buckets_start_at_their_first_step():
     xs, means, lows, highs = d.ranges()
     assert xs == [1, 10, 20, 30]
     assert (means[0], lows[0], highs[0]) == (1.5, 1.0, 2.0)  # the first bucket's, at step 1
+
+
+def test_a_chart_narrower_than_the_buckets_still_starts_at_step_1():
+    """121 steps in buckets of one, drawn at 70 points: the first group of buckets ends at
+    step 2; the chart still starts at step 1 (the watch screen showed ``2``)."""
+    d = Downsampler(256)
+    for step in range(1, 122):
+        d.append(step, 1.0 + step)
+    xs, means, lows, highs = d.ranges(70)
+    assert len(xs) <= 70 and xs[0] == 1 and means[0] == 2.0 and xs[-1] == 121

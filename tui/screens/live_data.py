@@ -223,27 +223,20 @@ class Downsampler:
                ) -> tuple[list[float], list[float], list[float], list[float]]:
         """``(steps, means, mins, maxs)``, one of each per bucket, in step order, grouped as
         :meth:`points` groups them (a group's min and max are those of all its points). When
-        the first bucket holds more than the first point, the first point comes first on its
+        the first bucket (or group of them) holds more than the first point, it comes first on its
         own (its step and value; for loaded buckets, the first step with the first bucket's
         mean and range), so a chart starts at the first step; at most ``max_points`` in all."""
-        lead = self._lead()
-        if lead is not None and max_points is not None:
-            if max_points < 2:
-                lead = None  # one point: the mean of every point
-            else:
-                max_points -= 1
         xs, ys, lows, highs = self._grouped(max_points)
-        if lead is not None:
-            step, value = lead
-            mean, lo, hi = (ys[0], lows[0], highs[0]) if value is None else (value,) * 3
-            return [step, *xs], [mean, *ys], [lo, *lows], [hi, *highs]
-        return xs, ys, lows, highs
-
-    def _lead(self) -> tuple[float, float | None] | None:
-        """The first point, when the first bucket does not end at it (else ``None``)."""
-        if self.first is None or not self._xs or self._xs[0] <= self.first[0]:
-            return None
-        return self.first
+        if self.first is None or not xs or xs[0] <= self.first[0]:
+            return xs, ys, lows, highs
+        if max_points is not None:
+            if max_points < 2:
+                return xs, ys, lows, highs  # one point: the mean of every point
+            if len(xs) >= max_points:  # room for the first point
+                xs, ys, lows, highs = self._grouped(max_points - 1)
+        step, value = self.first
+        mean, lo, hi = (ys[0], lows[0], highs[0]) if value is None else (value,) * 3
+        return [step, *xs], [mean, *ys], [lo, *lows], [hi, *highs]
 
     def _grouped(self, max_points: int | None
                  ) -> tuple[list[float], list[float], list[float], list[float]]:
