@@ -223,3 +223,21 @@ def test_the_precision_example_of_the_what_if_guide_prints_what_it_shows(capsys)
         if got.startswith("loss:"):
             assert [float(x) for x in number.findall(got)] == pytest.approx(
                 [float(x) for x in number.findall(want)], rel=2e-3)
+
+
+@pytest.mark.parametrize("doc", ["docs/screens/live.txt", "docs/runs.md"])
+def test_the_live_screen_shown_in_the_docs_is_todays(doc):
+    """Issue 35: the docs showed an old live screen (its title, ``c capture a step``,
+    ``s step``). Its footer is the watch screen's own keys (from its bindings, the ones the
+    footer shows while a run trains), its title the watch screen's."""
+    from tui.screens.live_watch import WatchScreen
+
+    text = (REPO / doc).read_text(encoding="utf-8")
+    screen = text[text.index(" mdb watch · run "):] if doc.endswith(".md") else text
+    lines = screen.splitlines()
+    assert lines[0].startswith(" mdb watch · run ")
+    footer = next(line for line in lines if line.startswith(" p pause/resume"))
+    shown = [b for b in WatchScreen.BINDINGS if b.show and b.action != "step"]
+    want = "  ".join(f"{b.key_display or b.key.split(',')[0]} {b.description}" for b in shown)
+    assert footer.strip() == want
+    assert "capture a step" not in text and " s step " not in footer
