@@ -237,3 +237,32 @@ async def test_typing_after_a_pick_continues_the_spec(step):
         await pilot.press(*" head=1")
         assert box.value == f"zero {ATTN} head=1"
         assert "typing continues it" in _text(app, "#edit-hint")
+
+
+async def test_the_what_if_views_status_and_edit_lines_wrap_whole_at_80_columns(step):
+    """Issue 35: no message is cut off; the loss line of the what-if view ended in ``0 …``
+    at 80 columns."""
+    import html
+    import re
+
+    from tui.screens.edit_diff import edits_line, loss_change_line
+    from tui.widgets.diff_rows import summary_line
+
+    trace, _ = step
+    app = make_step_app(trace)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _open_form(app, pilot, ATTN)
+        box = app.screen.query_one("#edit-spec", Input)
+        box.value = f"zero {ATTN} head=2"
+        box.focus()
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: isinstance(app.screen, EditDiffScreen))
+        await pilot.pause()
+        view = app.screen
+        drawn = " ".join(" ".join(html.unescape(t).replace("\u00a0", " ").split()) for t in
+                         re.findall(r"<text [^>]*>([^<]*)</text>", app.export_screenshot()))
+        drawn = " ".join(drawn.split())
+        status = (f"{loss_change_line(view.a, view.b)} · "
+                  f"{summary_line(view.diff, 'A (as is)', 'B (edited)')}")
+        assert len(status) > 78 and " ".join(status.split()) in drawn
+        assert " ".join(edits_line(view.b).split()) in drawn
