@@ -155,3 +155,58 @@ def test_sdpa_with_a_float_minus_inf_mask_is_masking():
         model(torch.randn(1, 2, 4, 8))
     ot = trace.ops("", 0)
     assert ot.first_nonfinite() is None and len(ot.masking()) == 1
+
+
+class _CausalMask(nn.Module):
+    """A module of its own that returns the causal mask of -inf (added to the scores)."""
+
+    def forward(self, T: int, first_key_too: bool) -> torch.Tensor:
+        mask = torch.full((T, T), float("-inf")).triu(1)
+        if first_key_too:  # query 0 then sees no key at all: its row's softmax is NaN
+            mask[:, 0] = float("-inf")
+        return mask
+
+
+class _MaskedAttn(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).split(x.shape[-1], dim=-1)
+        att = (q @ k.transpose(-1, -2)) / math.sqrt(x.shape[-1]) + mask
+        return att.softmax(-1) @ v
+
+
+class _WithMaskModule(nn.Module):
+    def __init__(self, first_key_too: bool) -> None:
+        super().__init__()
+        self.first_key_too = first_key_too
+        self.tok = nn.Embedding(11, 16)
+        self.mask = _CausalMask()
+        self.attn = _MaskedAttn()
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.attn(self.tok(idx), self.mask(idx.shape[1], self.first_key_too))
+
+
+@pytest.mark.parametrize("first_key_too", [False, True])
+def test_a_mask_module_is_not_the_nan_origin(first_key_too):
+    """The module that returns the -inf mask was the first non-finite call, and so the origin
+    even of a NaN made later by a fully masked row; now the NaN's creator is named, and a mask
+    alone is no origin."""
+    from hooks.nonfinite.origin import trace_origin
+
+    torch.manual_seed(0)
+    model = _WithMaskModule(first_key_too)
+    with hooks.capture(model, grads=False) as trace:
+        out = model(torch.randint(0, 11, (2, 5)))
+    assert trace.first_nonfinite("forward").module == "mask"  # the -inf, first to finish
+    origin = trace_origin(trace)
+    if first_key_too:
+        # the test's own look: query 0's output row is NaN, every other row finite
+        assert bool(torch.isnan(out[:, 0]).all()) and bool(torch.isfinite(out[:, 1:]).all())
+        assert origin.module == "attn" and origin.direction == "forward"
+        assert "held no NaN" in origin.detail
+    else:
+        assert bool(torch.isfinite(out).all()) and origin is None
