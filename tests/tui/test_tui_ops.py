@@ -109,3 +109,7 @@ async def test_stepping_into_a_causal_masked_attention_names_no_nonfinite_origin
         status = _text(app, "#ops-status")
         assert "first op creating" not in status
         assert "masking" in status and "Tensor.masked_fill" in status
+        # the whole sentence is on the screen at 80 columns, wrapped (never cut)
+        ot = trace.op_traces[("attn", 0)]
+        assert len(ot.nonfinite_sentence()) > 78
+        assert app.screen.query_one("#ops-status").size.height >= 2
