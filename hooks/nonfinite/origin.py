@@ -6,7 +6,9 @@ One answer for every path that meets a NaN or an Inf (:class:`hooks.train.traine
 1. **A parameter that holds NaN/Inf** (read while the weights are still the ones the forward
    used, i.e. before an optimizer applies a non-finite gradient): the module that owns it.
 2. **The first non-finite forward output**, whether or not the loss is finite
-   (:meth:`hooks.Trace.first_nonfinite`): a kernel can return finite values for non-finite
+   (:meth:`hooks.Trace.first_nonfinite`), unless it is masking (a module that returns a causal
+   mask of ``-inf``: stepping into it finds only mask fills; then the first call that created
+   NaN from inputs without NaN): a kernel can return finite values for non-finite
    inputs (on some CPUs the fused ``F.scaled_dot_product_attention`` returns 0 for a query row
    of NaN), leaving the loss finite and the gradients NaN; the origin is still the forward
    call, and :attr:`Origin.note` names the enclosing call that returned finite values.
@@ -31,6 +33,7 @@ from torch import nn
 from hooks.engine.capture import capture
 from hooks.sharded.stats import is_dtensor, local_piece
 from hooks.trace.ops import Replay
+from hooks.trace.records import NonFinite
 
 __all__ = [
     "Origin",
@@ -201,9 +204,13 @@ def trace_origin(trace: Any, *, stayed_finite: str | None = None) -> Origin | No
         The origin, or ``None`` when the trace holds nothing non-finite.
     """
     hit = trace.first_nonfinite("forward")
+    masked = hit is not None and _masking_call(trace, hit)
+    if masked:
+        hit = _first_nan_creator(trace)  # a mask module's -inf is masking, not the origin
     if hit is not None:
         rec = trace.forward[hit.index]
-        fed = next((t for t in rec.inputs if t.stats is not None and not t.stats.finite), None)
+        fed = None if masked else next(
+            (t for t in rec.inputs if t.stats is not None and not t.stats.finite), None)
         detail = (f"its {_output(hit.tensor)} ({hit.module_type}, call {hit.call_index}) holds "
                   f"{_stats_phrase(hit.stats)}")
         own = _own_nonfinite_param(trace, hit.module) if fed is None else None
@@ -214,6 +221,8 @@ def trace_origin(trace: Any, *, stayed_finite: str | None = None) -> Origin | No
         if fed is not None:  # no recorded call made it: it came in with the inputs
             detail += (f", and its input {fed.path} already held {_stats_phrase(fed.stats)} "
                        "(non-finite values in the data given to the model?)")
+        elif masked:
+            detail += " while its inputs held no NaN (the -inf of a mask, which is masking)"
         elif rec.inputs:
             detail += " while its inputs were finite"
         note = _swallow_note(trace, hit.module, stayed_finite) if stayed_finite else None
@@ -223,6 +232,39 @@ def trace_origin(trace: Any, *, stayed_finite: str | None = None) -> Origin | No
         detail = (f"the gradient of its {_output(hit.tensor)} ({hit.module_type}, call "
                   f"{hit.call_index}) holds {_stats_phrase(hit.stats)}")
         return Origin(hit.module, "backward", detail)
+    return None
+
+
+def _masking_call(trace: Any, hit: Any) -> bool:
+    """Whether the call ``hit`` names made only masking (a module that returns a causal mask
+    of ``-inf``, or fills scores with it): its output holds Inf and no NaN, and stepping into it
+    (:meth:`hooks.Trace.ops`, a replay of the captured forward) finds no op creating NaN and
+    only mask fills (:attr:`hooks.trace.ops.OpRecord.mask_fill`) creating Inf; the softmax that
+    takes a mask module's output runs in another call, whose NaN, if a row is fully masked, is
+    found there. False when the ops cannot be had (a trace from disk, a replay that
+    diverged)."""
+    if hit.stats is None or hit.stats.nan_count or not hit.stats.inf_count:
+        return False
+    try:
+        ot = trace.ops(hit.module, hit.call_index)
+    except (LookupError, KeyError, RuntimeError):
+        return False
+    if ot.diverged or any(op.created("nan") for op in ot.ops):
+        return False
+    made = [op for op in ot.ops if op.created("inf")]
+    return bool(made) and all(op.mask_fill for op in made)
+
+
+def _first_nan_creator(trace: Any) -> Any:
+    """The first call (in the order calls finished) whose output holds NaN while none of its
+    inputs did (Inf in an input, a mask, is allowed): :meth:`hooks.Trace.first_nonfinite`'s
+    record for it, or None."""
+    for rec in sorted(trace.forward, key=lambda r: (r.end_order < 0, r.end_order)):
+        bad = next((t for t in rec.outputs if t.stats and t.stats.nan_count), None)
+        if bad is None or any(t.stats and t.stats.nan_count for t in rec.inputs):
+            continue
+        return NonFinite("forward", rec.index, rec.module, rec.module_type, rec.call_index,
+                         bad.path, bad.stats)
     return None
 
 

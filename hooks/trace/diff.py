@@ -11,6 +11,7 @@ difference. Unmatched keys are listed, not dropped.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -174,6 +175,30 @@ class TraceDiff:
         order = {id(d): i for i, d in enumerate(self.forward + self.backward)}  # recording order
         rows.sort(key=lambda d: (-d.relative(), d.direction != "forward", order[id(d)]))
         return rows
+
+    def ranked_for_edit(self, edited: Sequence[str], loss: str | None = None
+                        ) -> list[TensorDiff]:
+        """The rows of :meth:`ranked` for an edit's what-if view: first the loss (the root
+        call's output ``loss``, e.g. ``out.loss``, ``out[1]``), then the forward outputs of the
+        edited modules themselves (``edited``: an edit's module and the module it hooked, the
+        ``o_proj`` of a head), then the rest largest change first, with the calls whose row
+        count changed (the experts a changed routing sends more or fewer tokens) last: their
+        change is the routing's, already said by the router's own row.
+
+        Args:
+            edited: Qualified names of the edited modules.
+            loss: The root output's path that holds the loss (``meta["loss_source"]``).
+        """
+        names = set(edited)
+
+        def group(d: TensorDiff) -> int:
+            if loss is not None and d.module == "" and d.tensor == loss:
+                return 0
+            if d.direction == "forward" and d.module in names:
+                return 1
+            return 3 if d.shape_changed else 2
+
+        return sorted(self.ranked(), key=group)  # stable: ranked order inside a group
 
     def top(self, n: int = 10, stat: str = "l2", direction: str = "forward") -> list[TensorDiff]:
         """The ``n`` tensors whose ``stat`` changed most (by absolute change)."""

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode, resolve_name
+from torch.utils.weak import WeakIdKeyDictionary
 
 from hooks.tensors import walk
 from hooks.tensors.stats import NUM_BINS, StatsBatch, TensorStats
@@ -122,6 +123,13 @@ class OpRecord:
         notes: what was not recorded, one sentence each: tensors past :data:`MAX_OP_TENSORS`
             of a side (how many, the first left out) or deeper than ``hooks.tensors.walk.MAX_DEPTH``
             (:meth:`hooks.tensors.walk.LeftOut.notes`).
+        sources: indices of the recorded ops whose outputs this op took as inputs (by tensor
+            identity), or ``None`` for an op read from a trace saved before they were kept.
+        mask_fill: whether this op wrote a mask value: an argument was ``-inf`` or
+            ``torch.finfo(dtype).min`` (a scalar, or a tensor holding it) and the only
+            non-finite values of its output are ``-inf`` (``masked_fill(mask, -inf)``,
+            ``where(mask, s, -inf)``, ``torch.full(..., -inf)``, ``s + mask`` overflowing to
+            ``-inf`` in half precision). See :meth:`OpTrace.masking`.
     """
 
     index: int
@@ -134,6 +142,8 @@ class OpRecord:
     outputs: list[TensorInfo] = field(default_factory=list)
     kept: dict[str, torch.Tensor] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    sources: list[int] | None = None
+    mask_fill: bool = False
 
     @property
     def location(self) -> str:
@@ -207,6 +217,10 @@ class OpRecord:
         }
         if self.notes:  # absent when empty, as in traces saved before ops had notes
             d["notes"] = list(self.notes)
+        if self.sources is not None:
+            d["sources"] = list(self.sources)
+        if self.mask_fill:
+            d["mask_fill"] = True
         return d
 
     @classmethod
@@ -217,6 +231,8 @@ class OpRecord:
             inputs=[TensorInfo.from_dict(t) for t in d.get("inputs", [])],
             outputs=[TensorInfo.from_dict(t) for t in d.get("outputs", [])],
             notes=[str(n) for n in d.get("notes", [])],
+            sources=[int(i) for i in d["sources"]] if "sources" in d else None,
+            mask_fill=bool(d.get("mask_fill", False)),
         )
 
 
@@ -246,12 +262,69 @@ class OpTrace:
         """Where non-finite values were created: the first op whose output holds NaN while no
         input did (a softmax over a row of only -inf, 0 * inf, sqrt of a negative); if no op
         created NaN, the first op whose output holds ±Inf while its inputs were finite (a
-        division by zero, an overflow, a ``masked_fill`` with -inf); None if neither."""
-        for kind in ("nan", "inf"):
-            for op in self.ops:
-                if op.created(kind):
-                    return op
+        division by zero, an overflow) and is not masking (:meth:`masking`: the causal
+        ``masked_fill(mask, -inf)`` whose scores a softmax consumes); None if neither."""
+        for op in self.ops:
+            if op.created("nan"):
+                return op
+        masks = self.masking()
+        for op in self.ops:
+            if op.created("inf") and op.index not in masks:
+                return op
         return None
+
+    def nonfinite_sentence(self) -> str:
+        """What :meth:`first_nonfinite` found, as a step-into header says it: ``first op
+        creating non-finite values: #16 softmax at model.py:29``; when only masking made
+        non-finite values, ``no op created non-finite values; masking: #13 Tensor.masked_fill
+        at model.py:23 wrote -inf that a softmax takes``; else ``every op's output is
+        finite``."""
+        first = self.first_nonfinite()
+        if first is not None:
+            return (f"first op creating non-finite values: #{first.index} {first.short_op} at "
+                    f"{first.location}")
+        masks = sorted(self.masking())
+        if masks:
+            op = next(o for o in self.ops if o.index == masks[0])
+            more = f" (and {len(masks) - 1} more)" if len(masks) > 1 else ""
+            return (f"no op created non-finite values; masking: #{op.index} {op.short_op} at "
+                    f"{op.location} wrote -inf that a softmax takes{more}")
+        return "every op's output is finite"
+
+    def masking(self) -> set[int]:
+        """Indices of the ops that are masking, not a non-finite origin: a :attr:`OpRecord.
+        mask_fill` whose ``-inf`` reaches a softmax (``softmax``, ``log_softmax``, ``exp`` of
+        a hand-written one, ``logsumexp``, or ``scaled_dot_product_attention``'s
+        ``attn_mask``) through ops whose outputs still hold Inf and no NaN (``triu``, ``+``,
+        views). A fully masked row's NaN is the softmax's own and still found there. For ops of
+        a trace saved before :attr:`OpRecord.sources` was kept, a mask fill followed by any
+        softmax counts."""
+        out: set[int] = set()
+        consumers: dict[int, list[OpRecord]] = {}
+        for op in self.ops:
+            for i in op.sources or ():
+                consumers.setdefault(i, []).append(op)
+        for op in self.ops:
+            if not op.mask_fill:
+                continue
+            if op.sources is None:
+                if any(_softmax_like(o) for o in self.ops if o.index > op.index):
+                    out.add(op.index)
+                continue
+            todo, seen = [op.index], set()
+            while todo:
+                i = todo.pop()
+                if i in seen:
+                    continue
+                seen.add(i)
+                for c in consumers.get(i, ()):
+                    if _softmax_like(c):
+                        out.add(op.index)
+                        todo.clear()
+                        break
+                    if _holds_inf_only(c):
+                        todo.append(c.index)
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return {"module": self.module, "call_index": self.call_index, "source": self.source,
@@ -264,6 +337,62 @@ class OpTrace:
                    ops=[OpRecord.from_dict(o) for o in d.get("ops", [])],
                    source=d.get("source", "replay"), diverged=d.get("diverged", ""),
                    note=d.get("note", ""))
+
+
+#: Ops that take scores holding a mask's ``-inf`` and give its positions weight 0 (the last part
+#: of the qualified name): a softmax, the ``exp`` of a hand-written one, ``logsumexp``, SDPA.
+_SOFTMAX_OPS = frozenset({"softmax", "log_softmax", "_softmax", "_log_softmax", "exp", "exp_",
+                          "logsumexp", "scaled_dot_product_attention"})
+#: Ops that can write a mask value into scores (the last part of the qualified name).
+_MASK_WRITERS = frozenset({
+    "masked_fill", "masked_fill_", "where", "full", "full_like", "new_full", "fill_", "fill",
+    "add", "add_", "__add__", "__iadd__", "__radd__", "sub", "__sub__", "masked_scatter",
+    "masked_scatter_", "triu", "tril", "triu_", "tril_", "clamp", "clamp_min", "to", "float",
+    "type_as",
+})
+
+
+def _softmax_like(op: OpRecord) -> bool:
+    return op.op.rsplit(".", 1)[-1] in _SOFTMAX_OPS
+
+
+def _holds_inf_only(op: OpRecord) -> bool:
+    """Whether ``op``'s outputs hold Inf and no NaN (a mask passed on: ``triu``, ``+``)."""
+    stats = [t.stats for t in op.outputs if t.stats is not None]
+    return any(s.inf_count for s in stats) and not any(s.nan_count for s in stats)
+
+
+def _is_mask_value(v: Any, floor: float) -> bool:
+    """Whether ``v`` (a scalar or tensor argument) is ``-inf`` or at most ``floor`` (the
+    output dtype's ``finfo.min``), or a floating-point tensor holding such a value."""
+    if isinstance(v, torch.Tensor):
+        return v.is_floating_point() and v.numel() > 0 and bool((v.detach() <= floor).any())
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v <= floor
+
+
+def _writes_mask(name: str, args: tuple, kwargs: dict, out: Any) -> bool:
+    """Whether this op wrote a mask value (:attr:`OpRecord.mask_fill`): a cheap name check
+    first, then one pass over the output (its non-finite values are all ``-inf``), then the
+    arguments (one holds ``-inf`` or ``finfo.min``)."""
+    if name.rsplit(".", 1)[-1] not in _MASK_WRITERS:
+        return False
+    if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.numel() == 0:
+        return False
+    o = out.detach()
+    if not bool(torch.isneginf(o).any()) or bool(torch.isnan(o).any()) \
+            or bool(torch.isposinf(o).any()):
+        return False
+    floor = torch.finfo(o.dtype).min
+    flat = list(args) + list(kwargs.values())
+    flat += [x for v in flat if isinstance(v, (tuple, list)) for x in v]
+    return any(_is_mask_value(v, floor) for v in flat)
+
+
+def _tensors_in(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors among an op's arguments, and inside tuples and lists of them (one level)."""
+    flat = list(args) + list(kwargs.values())
+    flat += [x for v in flat if isinstance(v, (tuple, list)) for x in v]
+    return [v for v in flat if isinstance(v, torch.Tensor)]
 
 
 class OpRecorder(TorchFunctionMode):
@@ -287,6 +416,8 @@ class OpRecorder(TorchFunctionMode):
         self._pending: list[tuple[TensorInfo, int]] = []
         self._kept: set[str] = set()  # "nan"/"inf": the first creator of each was kept
         self._modules = ModuleStack(model) if model is not None else None
+        # which recorded op last returned each live tensor (OpRecord.sources)
+        self._producers: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def remove(self) -> None:
         """Remove the module hooks."""
@@ -327,14 +458,19 @@ class OpRecorder(TorchFunctionMode):
         notes: list[str] = []
         ins = self._infos([(args, "args"), (kwargs, "kwargs")] if kwargs else [(args, "args")],
                           "inputs", notes)
+        sources = sorted({self._producers[t] for t in _tensors_in(args, kwargs)
+                          if t in self._producers})
         out = func(*args, **kwargs)
         if recorded(out):
             name = resolve_name(func) or getattr(func, "__qualname__", None) or str(func)
             path, line, code = _user_frame(sys._getframe(1))
             where = self._modules.current if self._modules is not None else None
             op = OpRecord(len(self.ops), name, where or "", path, line, code, ins,
-                          self._infos([(out, "out")], "outputs", notes), notes=notes)
-            if copies is not None:
+                          self._infos([(out, "out")], "outputs", notes), notes=notes,
+                          sources=sources, mask_fill=_writes_mask(name, args, kwargs, out))
+            for t in _tensors_in((out,), {}):
+                self._producers[t] = op.index
+            if copies is not None and not op.mask_fill:  # a mask is rarely the origin
                 kind = _created(copies, out, self._kept)
                 if kind is not None:
                     self._kept.add(kind)
@@ -663,6 +799,8 @@ class _GradFnOwners(TorchFunctionMode):
         super().__init__()
         self.owner: dict[int, str] = {}
         self._modules = ModuleStack(model) if model is not None else None
+        # which recorded op last returned each live tensor (OpRecord.sources)
+        self._producers: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def remove(self) -> None:
         if self._modules is not None:

@@ -59,3 +59,35 @@ def test_the_chart_draws_the_range_so_its_top_is_the_spike():
     # without the ranges, the means alone are a flat line at 1.0: no spike to see
     flat = chart_rows([Series("loss", xs, ys)], 60, 12)
     assert "40" not in "".join(t for row in flat for t, _ in row)
+
+
+def test_a_live_chart_starts_at_step_1_not_at_the_first_buckets_last_step():
+    """Issue 35: the live charts started at step 4–12 (the first bucket's last step)."""
+    d = Downsampler(8)
+    for step in range(1, 101):
+        d.append(step, 10.0 / step)
+    xs, means, lows, highs = d.ranges(20)
+    assert len(xs) <= 20 and xs[0] == 1 and xs[-1] == 100
+    assert means[0] == lows[0] == highs[0] == 10.0  # the first point itself
+    rows = chart_rows([Series("loss", xs, means, lows=lows, highs=highs)], 60, 10)
+    axis = "".join(t for t, _ in rows[-1]).split()
+    assert axis[0] == "1" and axis[-1] == "100"
+
+
+def test_loaded_buckets_start_at_their_first_step():
+    d = Downsampler(8)
+    d.load([10, 20, 30], [10, 10, 10], [15.0, 25.0, 35.0], [1.0, 2.0, 3.0], [2.0, 3.0, 4.0],
+           first=1)
+    xs, means, lows, highs = d.ranges()
+    assert xs == [1, 10, 20, 30]
+    assert (means[0], lows[0], highs[0]) == (1.5, 1.0, 2.0)  # the first bucket's, at step 1
+
+
+def test_a_chart_narrower_than_the_buckets_still_starts_at_step_1():
+    """121 steps in buckets of one, drawn at 70 points: the first group of buckets ends at
+    step 2; the chart still starts at step 1 (the watch screen showed ``2``)."""
+    d = Downsampler(256)
+    for step in range(1, 122):
+        d.append(step, 1.0 + step)
+    xs, means, lows, highs = d.ranges(70)
+    assert len(xs) <= 70 and xs[0] == 1 and means[0] == 2.0 and xs[-1] == 121

@@ -117,7 +117,7 @@ async def test_attention_view_shows_the_module_and_the_token_labels_escaped(trac
         await pilot.pause()
         shot = _screen_text(app)
         _clean(shot)
-        assert f"seq 0/1 · d.{SHOWN_KEY}.model.layers.0.self_attn" in shot
+        assert f"sequence 1/1 · d.{SHOWN_KEY}.model.layers.0.self_attn" in shot
         assert "keys " + " ".join(SHOWN_TOKENS) in shot  # the keys, one label each
         grid = str(app.screen.query_one("#grid").render())
         rows = [line for line in grid.splitlines() if "│" in line]

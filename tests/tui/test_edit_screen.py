@@ -88,11 +88,25 @@ async def test_e_form_rerun_and_diff_view_largest_first_then_back(step):
         assert view.b.meta["loss"] != trace.meta["loss"]
         status = _text(app, "#status")
         assert status.startswith(f"loss {trace.meta['loss']:.6g} → {view.b.meta['loss']:.6g}")
-        # rows: the calls that changed, largest relative change first (from the traces' stats)
+        # rows: the loss first, then the edited module's own outputs (the attention and the
+        # o_proj the head edit hooks), then the rest largest relative change first (from the
+        # traces' stats), the calls whose row count changed (experts' tokens) last (issue 35)
         table = view.query_one("#diff-table", DataTable)
         assert table.row_count == len(view.rows) > 0
-        rel = [r["diff"].relative() for r in view.rows]
-        assert rel == sorted(rel, reverse=True)
+        diffs = [r["diff"] for r in view.rows]
+        assert (diffs[0].module, diffs[0].tensor) == ("", trace.meta["loss_source"])
+        own = {ATTN, f"{ATTN}.o_proj"}
+        k = next(i for i, d in enumerate(diffs[1:], 1)
+                 if not (d.direction == "forward" and d.module in own))
+        assert k > 1 and {d.module for d in diffs[1:k]} == own
+        rest = diffs[k:]
+        assert not any(d.direction == "forward" and d.module in own for d in rest)
+        moved = [d.shape_changed for d in rest]
+        assert moved == sorted(moved)  # same-shape rows, then the changed token counts
+        for part in ([d for d in rest if not d.shape_changed],
+                     [d for d in rest if d.shape_changed]):
+            rel = [d.relative() for d in part]
+            assert rel == sorted(rel, reverse=True)
         o_proj = next(r for r in trace.forward if r.module == f"{ATTN}.o_proj")
         before = {(c.module, c.call_index) for c in trace.forward  # done before o_proj ran
                   if c.index < o_proj.index and c.module
@@ -205,3 +219,50 @@ def test_e_re_runs_a_step_whose_loss_comes_from_the_factory_s_loss_fn():
     with torch.no_grad():
         ref = torch.nn.functional.cross_entropy(model[2](torch.relu(model[0](x) * 0)), y)
     assert b.edits[0].applied and abs(b.meta["loss"] - float(ref)) < 1e-6
+
+
+async def test_typing_after_a_pick_continues_the_spec(step):
+    """Issue 35: typing after picking a choice replaced the whole spec (End was needed first,
+    and nothing said so)."""
+    trace, _ = step
+    app = make_step_app(trace)
+    async with app.run_test(size=SIZE) as pilot:
+        await _open_form(app, pilot, ATTN)
+        form = app.screen
+        box = form.query_one("#edit-spec", Input)
+        assert form.options[0] == f"zero {ATTN}"
+        await wait_until(pilot, lambda: form.query_one("#edit-options").has_focus)
+        await pilot.press("enter")  # pick "zero ATTN"
+        await wait_until(pilot, lambda: box.has_focus)
+        await pilot.press(*" head=1")
+        assert box.value == f"zero {ATTN} head=1"
+        assert "typing continues it" in _text(app, "#edit-hint")
+
+
+async def test_the_what_if_views_status_and_edit_lines_wrap_whole_at_80_columns(step):
+    """Issue 35: no message is cut off; the loss line of the what-if view ended in ``0 …``
+    at 80 columns."""
+    import html
+    import re
+
+    from tui.screens.edit_diff import edits_line, loss_change_line
+    from tui.widgets.diff_rows import summary_line
+
+    trace, _ = step
+    app = make_step_app(trace)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _open_form(app, pilot, ATTN)
+        box = app.screen.query_one("#edit-spec", Input)
+        box.value = f"zero {ATTN} head=2"
+        box.focus()
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: isinstance(app.screen, EditDiffScreen))
+        await pilot.pause()
+        view = app.screen
+        drawn = " ".join(" ".join(html.unescape(t).replace("\u00a0", " ").split()) for t in
+                         re.findall(r"<text [^>]*>([^<]*)</text>", app.export_screenshot()))
+        drawn = " ".join(drawn.split())
+        status = (f"{loss_change_line(view.a, view.b)} · "
+                  f"{summary_line(view.diff, 'A (as is)', 'B (edited)')}")
+        assert len(status) > 78 and " ".join(status.split()) in drawn
+        assert " ".join(edits_line(view.b).split()) in drawn

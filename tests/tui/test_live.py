@@ -30,7 +30,9 @@ def test_downsampler_matches_block_means():
         d.append(i, v)
     d.append(1001, float("nan"))  # skipped
     xs, ys = d.points()
-    assert len(xs) <= 16 and d.count == 1000
+    assert len(xs) <= 16 + 1 and d.count == 1000
+    assert (xs[0], ys[0]) == (1, values[0])  # the first point on its own: charts start at 1
+    xs, ys = xs[1:], ys[1:]
     width = d.width
     assert width == 64  # 1000 points in ≤ 16 buckets: widths 1, 2, 4, ... 64
     for k, (x, y) in enumerate(zip(xs, ys, strict=True)):
@@ -38,10 +40,11 @@ def test_downsampler_matches_block_means():
         assert x == min((k + 1) * width, 1000)
         assert y == pytest.approx(torch.tensor(block, dtype=torch.float64).mean().item(),
                                   rel=1e-12)
-    # max_points merges whole groups of buckets, weighted by their point counts
-    xs4, ys4 = d.points(4)
-    assert len(xs4) == 4 and xs4[-1] == 1000
-    assert ys4[0] == pytest.approx(sum(values[: 4 * width]) / (4 * width), rel=1e-12)
+    # max_points merges whole groups of buckets, weighted by their point counts; the first
+    # point is one of the max_points
+    xs4, ys4 = d.points(5)
+    assert len(xs4) == 5 and xs4[0] == 1 and xs4[-1] == 1000
+    assert ys4[1] == pytest.approx(sum(values[: 4 * width]) / (4 * width), rel=1e-12)
 
 
 def test_bresenham_line_is_connected_and_close_to_the_segment():

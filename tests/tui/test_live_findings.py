@@ -49,3 +49,36 @@ async def test_watch_shows_the_loop_findings(tmp_path):
             await drawn(pilot, app.live)  # the first read shown: no finding in it
             widget = app.live.query_one(LoopFindings)
             assert not widget.display and widget.findings == []
+
+
+@pytest.mark.asyncio
+async def test_a_loop_finding_wraps_whole_at_80_columns_and_f_opens_them_all(tmp_path):
+    """Issue 35: a loop finding was cut at 80 columns, with no key to read it whole."""
+    import html
+    import re
+
+    from tui.live_app import make_watch_app
+    from tui.screens.live_findings import FindingsScreen, LoopFindings
+
+    db = tmp_path / "w.sqlite"
+    found = run_loop(db, _decays_everything, name="wd")
+    with RunStore(db) as store:
+        app = make_watch_app(store, store.run("wd"))
+        async with app.run_test(size=(80, 24)) as pilot:
+            widget = app.live.query_one(LoopFindings)
+            await wait_until(pilot, lambda: len(widget.findings) == 2)
+            await drawn(pilot, app.live)
+            first = next(f for f in found if f.detail["severity"] == "error")
+            assert len(f"✗ loop: {first.line}") > 78  # longer than the line
+            drawn_text = " ".join(
+                html.unescape(t).replace("\u00a0", " ")
+                for t in re.findall(r"<text [^>]*>([^<]*)</text>", app.export_screenshot()))
+            words = " ".join(drawn_text.split())
+            assert " ".join(f"loop: {first.line}".split()) in words  # wrapped, whole
+            await pilot.press("f")
+            await wait_until(pilot, lambda: isinstance(app.screen, FindingsScreen))
+            full = str(app.screen.query_one("#findings-all").render())
+            for f in found:
+                assert " ".join(f.line.split()) in " ".join(full.split())
+            await pilot.press("f")
+            await wait_until(pilot, lambda: not isinstance(app.screen, FindingsScreen))

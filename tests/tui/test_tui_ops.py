@@ -89,3 +89,27 @@ async def test_the_where_column_names_the_models_line_that_called_a_linear():
         linear = [r for r in rows if r[1] == "linear"]
         assert [r[2] for r in linear] == [f"user_gpt.py:{qkv}", f"user_gpt.py:{proj}"]
         assert not any("linear.py" in r[2] for r in rows)
+
+
+async def test_stepping_into_a_causal_masked_attention_names_no_nonfinite_origin():
+    """Issue 35: the newcomer's ``masked_fill(causal, -inf)`` was named the first op creating
+    non-finite values; it is masking, which the header says instead."""
+    from tests.hooks.trace.test_ops_masking import _Model
+
+    torch.manual_seed(0)
+    model = _Model()
+    trace = _capture(model, torch.randint(0, 11, (2, 5)), backward=False)
+    app = make_step_app(trace)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: isinstance(app.screen, StepScreen))
+        assert app.screen.stepper.jump_module("attn")
+        await pilot.press("i")
+        await wait_until(pilot, lambda: isinstance(app.screen, OpsScreen)
+                         and app.screen.optrace is not None)
+        status = _text(app, "#ops-status")
+        assert "first op creating" not in status
+        assert "masking" in status and "Tensor.masked_fill" in status
+        # the whole sentence is on the screen at 80 columns, wrapped (never cut)
+        ot = trace.op_traces[("attn", 0)]
+        assert len(ot.nonfinite_sentence()) > 78
+        assert app.screen.query_one("#ops-status").size.height >= 2

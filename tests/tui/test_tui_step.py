@@ -317,11 +317,15 @@ async def test_attention_grid_rows_sum_to_one_and_heads_share_kv(tiny):
             await pilot.press("l")
         await pilot.press("N")
         assert screen.record is trace.attention[1]
-        grid = str(screen.query_one("#grid", Static).render())
+        grid = str(screen.query_one("#grid-keys", Static).render())
         assert grid.splitlines()[0].strip().startswith("".join(
             t[:1] for t in trace.meta["tokens"][:4]))
+        b = trace.attention[1].probs.shape[0]
+        title = str(screen.query_one("#title", Static).render())
+        assert f"sequence 1/{b} ·" in title  # counted from 1, as the lens counts (issue 35)
         await pilot.press("x")  # second sequence of the batch
         assert screen.matrix == trace.attention[1].probs[1, screen.head].tolist()
+        assert f"sequence 2/{b} ·" in str(screen.query_one("#title", Static).render())
 
 
 async def test_gradients_view_lists_every_parameter(tiny):
@@ -443,3 +447,95 @@ async def test_reopened_views_follow_the_step_view_layer(tiny):
             trace.routing[1].top_k_ids[0, 0].item()
         await pilot.press("a")
         assert app.screen.record is trace.attention[1]
+
+
+async def test_attention_key_tokens_stay_in_place_while_j_scrolls_the_rows():
+    """Issue 35: the header of key tokens scrolled away on ``j``."""
+    import html
+    import re
+
+    trace = capture_step(tiny_workload(seq_len=100), attention=True)  # wider and taller than 80×24
+    app = make_step_app(trace)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("a")
+        screen = app.screen
+        assert isinstance(screen, AttentionScreen)
+        keys = screen.query_one("#grid-keys", Static)
+        first = str(keys.render()).splitlines()[-1].strip()
+        assert first.startswith("".join(t[:1] for t in trace.meta["tokens"][:4]))
+        before = keys.region
+        scroll = screen.query_one("#grid-scroll")
+        for _ in range(6):
+            await pilot.press("j")
+        await wait_until(pilot, lambda: scroll.scroll_y > 0)
+        assert keys.region == before and before.height > 0
+        shown = "".join(html.unescape(t) for t in re.findall(
+            r"<text [^>]*>([^<]*)</text>", app.export_screenshot()))
+        assert first[:60].replace(" ", "\u00a0") in shown or first[:60] in shown
+        scroll.scroll_to(x=20, animate=False)  # the keys follow the columns sideways
+        await wait_until(pilot, lambda: screen.query_one("#grid-keys-scroll").scroll_x == 20)
+
+
+def _shown(app) -> str:
+    """The screen's text as drawn (the screenshot's text runs, one line per row), spaces
+    normalised."""
+    import html
+    import re
+
+    svg = app.export_screenshot()
+    rows: dict[str, list[str]] = {}
+    for y, t in re.findall(r'<text [^>]*y="([\d.]+)"[^>]*>([^<]*)</text>', svg):
+        rows.setdefault(y, []).append(html.unescape(t).replace("\u00a0", " "))
+    return "\n".join("".join(parts) for _, parts in sorted(rows.items(),
+                                                           key=lambda kv: float(kv[0])))
+
+
+async def test_the_step_views_header_fits_80_columns_whole(tiny):
+    """Issue 35: the header was cut to ``19.8M par…`` beside the loss at 80 columns; the loss
+    now goes under the description when both do not fit one line."""
+    trace, _ = tiny
+    trace.meta["description"] = "minillm default · 19.8M params · 2×64 of alice.txt"
+    app = make_step_app(trace)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: isinstance(app.screen, StepScreen))
+        await pilot.pause()
+        shown = _shown(app)
+        assert "minillm default · 19.8M params · 2×64 of alice.txt" in shown
+        assert fmt.loss_line(trace.meta) in shown
+        assert "…" not in shown.splitlines()[0] + shown.splitlines()[1]
+
+
+async def test_a_long_hint_wraps_whole(tiny):
+    """Issue 35: ``L`` cut the lens's error at 80 columns with no way to read it whole."""
+    trace, _ = tiny
+    app = make_step_app(trace)
+    words = [f"word{i}" for i in range(40)]  # about 280 columns
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: isinstance(app.screen, StepScreen))
+        app.screen.hint("ValueError: " + " ".join(words))
+        await pilot.pause()
+        shown = " ".join(_shown(app).split())
+        assert "ValueError: " + " ".join(words) in shown
+        app.screen.hint("short again")
+        await pilot.pause()
+        assert app.screen.query_one("#hint").size.height == 1
+
+
+@pytest.mark.parametrize("width", [30, 38, 52, None])
+def test_the_parameter_table_fits_its_pane_without_wrapping(tiny, width):
+    """Issue 35: the what-if A|B view (two panes at 80 columns) wrapped the ‖g‖/‖w‖ column;
+    the table now fits the pane, its numbers whole (the test's own sci() of each norm)."""
+    from tui.screens.stepper import Stepper
+    from tui.widgets.call_details import params_table
+
+    trace, model = tiny
+    module = "model.layers.0.self_attn.q_proj"
+    params = Stepper(trace).params_of(module)
+    lines = params_table(params, width=width).plain.splitlines()
+    assert "‖g‖/‖w‖" in lines[0]
+    if width is not None:
+        assert max(len(line) for line in lines) <= width
+    p = model.get_submodule(module).weight
+    norm = torch.linalg.vector_norm(p.grad).item()
+    assert fmt.sci(norm) in lines[1]
+    assert fmt.sci(norm / torch.linalg.vector_norm(p).item()) in lines[1]

@@ -83,7 +83,7 @@ async def test_attention_header_lists_hf_ids_with_separators_and_gqa_from_the_ca
         await pilot.press("a")
         screen = app.screen
         assert isinstance(screen, AttentionScreen)
-        grid = text(screen, "#grid").splitlines()
+        grid = text(screen, "#grid-keys").splitlines() + text(screen, "#grid").splitlines()
         assert grid[0] == "keys " + " ".join(str(i) for i in ids)
         assert grid[2].split("│")[0].split() == ["0", str(ids[0])]
         group = cfg.num_attention_heads // cfg.num_key_value_heads

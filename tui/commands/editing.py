@@ -10,7 +10,8 @@ from typing import Any
 
 from tui.errors import MdbError
 
-#: The name every ``patch ... from=NAME`` of the command line resolves to (one source).
+#: The name of the one patch source of the command line when a spec names none (every
+#: ``patch ... from=NAME`` resolves to that one source, under the NAME typed).
 SOURCE = "source"
 
 
@@ -122,7 +123,7 @@ def edit_plan(args: argparse.Namespace, workload) -> tuple[list[str], dict[str, 
         MdbError: a bad spec (one line), a patch without a source, a source given without a
             patch, or a bad source.
     """
-    from hooks.engine.edits import Edit, parse_edit, resolve_edits
+    from hooks.engine.edits import parse_edit, resolve_edits
 
     specs = list(args.edit or [])
     try:
@@ -139,9 +140,9 @@ def edit_plan(args: argparse.Namespace, workload) -> tuple[list[str], dict[str, 
         raise MdbError("--source-text/--source-ids/--source-batch are for a 'patch' edit; none "
                        "was given")
     src = source_batch(args, workload)
-    parsed = [Edit(e.op, e.module, e.head, e.expert, e.by, SOURCE, e.pos) if e.op == "patch"
-              else e for e in parsed]
-    sources = {SOURCE: src} if src is not None else {}
+    # every name typed after from= is the one source the options give; the spec keeps the name
+    # that was typed, so it is echoed back as written (``from=clean``)
+    sources = {e.source or SOURCE: src for e in patches} if src is not None else {}
     try:
         resolve_edits(workload.model, parsed, sources)
     except ValueError as exc:

@@ -134,10 +134,13 @@ def _print_tables(console, tables: list) -> None:
 def print_grid(lens, row: int = 0) -> None:
     """Positions × layers: each cell the top-1 token and its probability; the layers that do
     not fit the width in further tables below (:func:`fitted_tables`)."""
+    from tui.widgets import fmt
+
     texts, probs = lens.table(row)
     ids = lens.ids[row].tolist() if lens.ids is not None else None
     console = stdout_console()
-    console.print(f"top-1 per position (rows) and decoder layer (columns), sequence {row}",
+    console.print("top-1 per position (rows) and decoder layer (columns), "
+                  f"{fmt.sequence(row, lens.shape[0])} (--row {row})",
                   markup=False)
     lead = [("pos", "right")] + ([("input", "left"), ("next", "left")] if ids is not None
                                  else [])
@@ -157,10 +160,13 @@ def print_position(lens, pos: int, k: int, row: int = 0) -> None:
     """Layers × top-k at one position; the ranks that do not fit the width in further tables
     below (:func:`fitted_tables`): ``--k 60`` at 80 columns prints every token, never a table
     squeezed to its borders."""
+    from tui.widgets import fmt
+
     ids = lens.ids[row].tolist() if lens.ids is not None else None
     at = f" (input {lens.text_of(ids[pos])!r})" if ids is not None else ""
     console = stdout_console()
-    console.print(printable(f"top {k} at position {pos}{at}, sequence {row}"), markup=False)
+    console.print(printable(f"top {k} at position {pos}{at}, {fmt.sequence(row, lens.shape[0])} "
+                            f"(--row {row})"), markup=False)
     rows = []
     for layer, name in enumerate(lens.layers):
         top = lens.top(layer, pos, k, row=row)

@@ -87,7 +87,17 @@ def _cell(p: float, kept: bool) -> str:
 
 def grid_text(matrix: list[list[float]], labels: list[str], key_labels: list[str] | None = None,
               mask: list[list[bool]] | None = None) -> str:
-    """The shaded grid: a header of key labels, then one row per query position.
+    """The shaded grid: a header of key labels, then one row per query position (the lines
+    of :func:`grid_parts`, joined)."""
+    head, rows = grid_parts(matrix, labels, key_labels, mask)
+    return "\n".join(head + rows)
+
+
+def grid_parts(matrix: list[list[float]], labels: list[str],
+               key_labels: list[str] | None = None,
+               mask: list[list[bool]] | None = None) -> tuple[list[str], list[str]]:
+    """The shaded grid as ``(header lines, row lines)``: the header of key labels (the view
+    keeps it in place while the rows scroll), then one row per query position.
 
     Args:
         matrix: (T_q, T_k) probabilities.
@@ -105,13 +115,14 @@ def grid_text(matrix: list[list[float]], labels: list[str], key_labels: list[str
     single = all(len(k) <= 1 for k in keys + rows)
     width = 4 if single else max(4, min(6, max((len(r) for r in rows), default=0)))
     pad = " " * (width + 5)
-    lines = []
+    head = []
     if single:
-        lines.append(pad + "".join((k[:1] or " ") for k in keys))
+        head.append(pad + "".join((k[:1] or " ") for k in keys))
     else:
         if any(keys):
-            lines.append("keys " + " ".join(k or "?" for k in keys))
-        lines.append(pad + "".join(str(j % 10) for j in range(tk)))
+            head.append("keys " + " ".join(k or "?" for k in keys))
+        head.append(pad + "".join(str(j % 10) for j in range(tk)))
+    lines = []
     for i, row in enumerate(matrix):
         kept = mask[i] if mask is not None else [True] * tk
         cells = "".join(_cell(p, k) if mask is not None else
@@ -124,7 +135,7 @@ def grid_text(matrix: list[list[float]], labels: list[str], key_labels: list[str
         elif any(math.isnan(p) for p in row):
             end = " NaN"
         lines.append(f"{i:>3} {rows[i][:width]:<{width}}│{cells}│{end}")
-    return "\n".join(lines)
+    return head, lines
 
 
 def empty_reason(trace) -> list[str]:
@@ -209,6 +220,8 @@ class AttentionScreen(LayerViewScreen):
     def compose(self):
         yield Static("", id="title", markup=False)
         yield Static("", id="kv", markup=False)
+        with ScrollableContainer(id="grid-keys-scroll"):  # follows the grid's x, never its y
+            yield Static("", id="grid-keys", markup=False)
         with ScrollableContainer(id="grid-scroll"):
             yield Static("", id="grid", markup=False)
         yield Static(LEGEND, id="legend", markup=False)
@@ -225,7 +238,13 @@ class AttentionScreen(LayerViewScreen):
             self.query_one("#legend", Static).update("")
             return
         self.show()
-        self.query_one("#grid-scroll").focus()
+        grid = self.query_one("#grid-scroll", ScrollableContainer)
+        self.watch(grid, "scroll_x", self._follow_x)
+        grid.focus()
+
+    def _follow_x(self, x: float) -> None:
+        """Keep the header of key tokens over the columns the grid shows."""
+        self.query_one("#grid-keys-scroll", ScrollableContainer).scroll_x = x
 
     def on_layer_changed(self) -> None:
         if not isinstance(self.record, NoProbabilities):
@@ -274,6 +293,7 @@ class AttentionScreen(LayerViewScreen):
                 f"attention · layer {'?' if rec.layer is None else rec.layer} "
                 f"({self.position + 1}/{len(self.records)}) · {rec.module} · no probabilities"))
             self.query_one("#kv", Static).update("")
+            self.query_one("#grid-keys", Static).update("")
             self.query_one("#grid", Static).update(textwrap.fill(printable(rec.note), 76))
             self.query_one("#legend", Static).update("")
             return
@@ -284,8 +304,8 @@ class AttentionScreen(LayerViewScreen):
         call = f" #{rec.call_index}" if rec.call_index else ""
         self.query_one("#title", Static).update(printable(
             f"attention · layer {layer} ({self.position + 1}/{len(self.records)}) · "
-            f"head {self.head}/{n_heads} · seq {self.batch}/{b_count} · {rec.module}{call}"
-        ))
+            f"head {self.head}/{n_heads} · {fmt.sequence(self.batch, b_count)} · "
+            f"{rec.module}{call}"))
         self.query_one("#kv", Static).update(
             printable(kv_line(rec, self.head)))  # a trace file's source string
         mask = None
@@ -296,7 +316,8 @@ class AttentionScreen(LayerViewScreen):
         notes = [rec.note] if rec.note else []
         if rec.dropout:
             notes.append(f"dropout p={rec.dropout:g} was applied after these probabilities")
-        head = "".join(textwrap.fill(printable(n), 76) + "\n" for n in notes)
-        self.query_one("#grid", Static).update(
-            head + grid_text(self.matrix, q_labels, k_labels, mask))
+        keys, rows = grid_parts(self.matrix, q_labels, k_labels, mask)
+        self.query_one("#grid-keys", Static).update(
+            "\n".join([textwrap.fill(printable(n), 76) for n in notes] + keys))
+        self.query_one("#grid", Static).update("\n".join(rows))
         self.query_one("#legend", Static).update(LEGEND if mask is None else LEGEND_MASKED)

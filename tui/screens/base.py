@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+from rich.cells import cell_len
 from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Static
@@ -122,7 +123,8 @@ class MdbScreen(Screen):
     def hint(self, text: str) -> None:
         """Show ``text`` in the hint line above the footer (empty string clears it). The line
         is one row high (``app.tcss``): a new text repaints it without a layout, the same text
-        not at all. A hint repeats names (a module's, a run's) and messages: it is shown
+        not at all; a text longer than the line wraps onto as many rows as it needs (up to 8),
+        never cut. A hint repeats names (a module's, a run's) and messages: it is shown
         :func:`hooks.text.printable`."""
         text = printable(text)
         hints = getattr(self, "_hint_widgets", None)
@@ -131,4 +133,8 @@ class MdbScreen(Screen):
         for w in hints:
             if getattr(w, "_mdb_text", None) != text:
                 w._mdb_text = text
-                w.update(text, layout=False)
+                # a text longer than the line wraps onto more lines (never cut): a layout then
+                long = cell_len(text) > (w.content_size.width or self.app.size.width - 2)
+                relayout = long or w.has_class("-long")
+                w.set_class(long, "-long")
+                w.update(text, layout=relayout)

@@ -2,9 +2,11 @@
 and B = the step edited, the loss change on top.
 
 Opened by the edit form (``e`` in the step view, :mod:`tui.screens.edit_form`) and by ``mdb diff
---edit``. The rows are :class:`tui.screens.diff.DiffScreen`'s: the calls that changed most,
-largest first; Enter shows a call of A beside B. ``e`` edits again on top of these edits (the
-form opens for the selected row's module), Esc goes back.
+--edit``. The rows are :class:`tui.screens.diff.DiffScreen`'s, ordered for an edit
+(:meth:`hooks.trace.diff.TraceDiff.ranked_for_edit`): the loss and the edited module's own output
+first, then the rest largest first, the calls whose token count changed last; Enter shows a call
+of A beside B. ``e`` edits again on top of these edits (the form opens for the selected row's
+module), Esc goes back.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from textual.widgets import DataTable, Footer, Static
 
 from hooks.text import printable
 from tui.screens.diff import QUIT, DiffScreen
-from tui.widgets.diff_rows import summary_line
+from tui.widgets.diff_rows import rows, summary_line
 
 
 def loss_change_line(a, b) -> str:
@@ -85,6 +87,10 @@ class EditDiffScreen(DiffScreen):
     def __init__(self, a, b, diff, edits: list[str], *, embedded: bool = True,
                  loss_fn=None) -> None:
         super().__init__(a, b, diff, "as is", "edited")
+        # the loss and the edited module's own output first, then the rest (issue 35: a head's
+        # edit was buried under the downstream experts' changed token counts)
+        edited = [n for e in getattr(b, "edits", []) for n in (e.module, e.hooked)]
+        self.rows = rows(diff, diff.ranked_for_edit(edited, (b.meta or {}).get("loss_source")))
         self.edits = list(edits)
         self.embedded = embedded
         self.loss_fn = loss_fn

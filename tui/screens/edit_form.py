@@ -23,6 +23,10 @@ from textual.worker import Worker, WorkerState
 
 from hooks.text import printable
 
+#: The form's hint line, until it has something to say.
+HINT = ("Enter on a choice copies it below, where typing continues it (head=3, by=0.1) · "
+        "Enter below runs it · Esc cancels")
+
 
 class EditFormScreen(ModalScreen[tuple | None]):
     """The edit form; dismissed with ``(edited trace, diff, edits)`` after the re-run, or
@@ -62,11 +66,12 @@ class EditFormScreen(ModalScreen[tuple | None]):
             yield Static(printable(f"what if · edit {self.module or '<root>'}{on_top}"),
                          id="edit-title", markup=False)
             yield OptionList(*(Text(printable(o)) for o in self.options), id="edit-options")
+            # no select-all on focus: typing after a pick continues the spec, never replaces it
             yield Input(value=printable(self.options[0]) if self.options else "", id="edit-spec",
+                        select_on_focus=False,
                         placeholder="zero MODULE [head=H | expert=E] · drop MODULE expert=E · "
                                     "scale MODULE by=F · mean MODULE · patch MODULE from=rolled")
-            yield Static("Enter on a choice copies it below · Enter below runs it · Esc cancels",
-                         id="edit-hint", markup=False)
+            yield Static(HINT, id="edit-hint", markup=False)
 
     def on_mount(self) -> None:
         if self.options:
@@ -95,7 +100,7 @@ class EditFormScreen(ModalScreen[tuple | None]):
         box = self.query_one("#edit-spec", Input)
         box.value = spec
         box.focus()
-        box.cursor_position = len(spec)
+        box.cursor_position = len(spec)  # at the end, nothing selected: typing continues it
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()

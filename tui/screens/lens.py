@@ -24,6 +24,7 @@ from textual.widgets import DataTable, Footer, Static
 
 from hooks.text import printable
 from tui.screens.view import VIEW_BINDINGS, ViewScreen
+from tui.widgets import fmt
 
 #: Tokens kept per cell for Enter.
 TOP_K = 5
@@ -184,7 +185,7 @@ class LensScreen(ViewScreen):
         what = ("mid-block (after attention, before the MLP)" if self.where == "mid"
                 else "block outputs")
         self.query_one("#status", Static).update(
-            f"{what} · sequence {self.row + 1}/{b} · {lens.num_layers} layers × {t} positions · "
+            f"{what} · {fmt.sequence(self.row, b)} · {lens.num_layers} layers × {t} positions · "
             "Enter: a cell's top k and logit attribution · m: mid/out · x: next sequence")
         if texts and texts[0]:
             table.move_cursor(row=0, column=1)  # on the first position, not the layer names

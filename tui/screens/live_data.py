@@ -96,6 +96,15 @@ class MetricStats:
         self.max = value if self.max is None else max(self.max, value)
 
 
+def _first_step(history: Any, end: int) -> int | None:
+    """The first step of the store's bucket that ends at ``end`` (buckets of
+    ``history.width`` steps from ``history.first``), never after ``end``."""
+    if history.first is None:
+        return None
+    width = max(1, int(history.width or 1))
+    return min(end, history.first + (end - history.first) // width * width)
+
+
 class Downsampler:
     """A series of (step, value) points reduced to at most ``capacity`` buckets, each with the
     mean, min and max of its points.
@@ -104,7 +113,8 @@ class Downsampler:
     point, the mean of its values, and their min and max — a chart draws the min-max range, so
     a spike is as tall in a bucket of a thousand steps as it was (never every n-th point). The
     last bucket may be partial (it always shows the latest point's step). Non-finite values
-    are skipped (a NaN loss is reported elsewhere).
+    are skipped (a NaN loss is reported elsewhere). :meth:`ranges` starts with the first
+    point itself, so a chart starts at the first step (1), not at the first bucket's last.
 
     Args:
         capacity: Maximum number of buckets (even, ≥ 4).
@@ -125,6 +135,8 @@ class Downsampler:
             return
         self.count += 1
         self.last = value
+        if self.first is None:
+            self.first = (step, value)
         if self._counts and self._counts[-1] < self.width:
             self._xs[-1] = step
             self._sums[-1] += value
@@ -143,13 +155,18 @@ class Downsampler:
         self._highs.append(value)
 
     def load(self, steps: Sequence[float], counts: Sequence[int], sums: Sequence[float],
-             lows: Sequence[float | None], highs: Sequence[float | None]) -> None:
+             lows: Sequence[float | None], highs: Sequence[float | None],
+             first: float | None = None) -> None:
         """Replace the points with buckets aggregated elsewhere (a run's history bucketed by
         the store, :func:`hooks.store.summary.history`): per bucket the step of its last
         point, how many finite points, their sum, min and max. Buckets without a finite point
         are skipped; more than ``capacity`` are merged pairwise. Points appended later go into
-        buckets as wide as the widest loaded one."""
+        buckets as wide as the widest loaded one. ``first``: the first step the buckets cover
+        (their first point's value is not known: :meth:`ranges` starts with the first bucket's
+        mean and range there)."""
         self.clear()
+        if first is not None:
+            self.first = (first, None)
         for x, c, t, lo, hi in zip(steps, counts, sums, lows, highs, strict=True):
             if c <= 0 or lo is None or hi is None:
                 continue
@@ -172,6 +189,7 @@ class Downsampler:
         self._lows = older._lows + self._lows
         self._highs = older._highs + self._highs
         self.count += older.count
+        self.first = older.first if older.first is not None else self.first
         self.width = max(self.width, older.width)
         while len(self._counts) > self.capacity:
             self._halve()
@@ -204,7 +222,24 @@ class Downsampler:
     def ranges(self, max_points: int | None = None
                ) -> tuple[list[float], list[float], list[float], list[float]]:
         """``(steps, means, mins, maxs)``, one of each per bucket, in step order, grouped as
-        :meth:`points` groups them (a group's min and max are those of all its points)."""
+        :meth:`points` groups them (a group's min and max are those of all its points). When
+        the first bucket (or group of them) holds more than the first point, it comes first on its
+        own (its step and value; for loaded buckets, the first step with the first bucket's
+        mean and range), so a chart starts at the first step; at most ``max_points`` in all."""
+        xs, ys, lows, highs = self._grouped(max_points)
+        if self.first is None or not xs or xs[0] <= self.first[0]:
+            return xs, ys, lows, highs
+        if max_points is not None:
+            if max_points < 2:
+                return xs, ys, lows, highs  # one point: the mean of every point
+            if len(xs) >= max_points:  # room for the first point
+                xs, ys, lows, highs = self._grouped(max_points - 1)
+        step, value = self.first
+        mean, lo, hi = (ys[0], lows[0], highs[0]) if value is None else (value,) * 3
+        return [step, *xs], [mean, *ys], [lo, *lows], [hi, *highs]
+
+    def _grouped(self, max_points: int | None
+                 ) -> tuple[list[float], list[float], list[float], list[float]]:
         n = len(self._counts)
         if max_points is None or n <= max_points:
             return (list(self._xs), [s / c for s, c in zip(self._sums, self._counts, strict=True)],
@@ -232,6 +267,8 @@ class Downsampler:
         self._highs: list[float] = []
         self.count = 0  # finite points appended
         self.last: float | None = None
+        #: ``(step, value)`` of the first finite point; value ``None`` for loaded buckets
+        self.first: tuple[float, float | None] | None = None
 
 
 @dataclass
@@ -369,7 +406,8 @@ class RunSeries:
             if sampler is None:
                 sampler = self.series[name] = Downsampler(self.capacity)
                 self.names.append(name)
-            sampler.load(b.steps, b.n, b.total, b.lo, b.hi)
+            sampler.load(b.steps, b.n, b.total, b.lo, b.hi,
+                         first=_first_step(history, b.steps[0]) if b.steps else None)
             lows = [v for v in b.lo if v is not None]
             highs = [v for v in b.hi if v is not None]
             step, value = latest.get(name, (b.steps[-1] if b.steps else 0, sampler.last))

@@ -1,9 +1,10 @@
 """``LoopFindings``: the training-loop doctor's findings of a run on the live screen of
 ``mdb watch`` (hidden while there are none).
 
-Up to :attr:`LoopFindings.SHOWN` lines, the errors first: ``✗`` an error, ``⚠`` a warning
-(the finding's ``detail["severity"]``), each the finding's own line with its step; the rest
-are counted (``mdb doctor --run NAME`` and ``mdb runs --json`` list them all). A thread
+Up to :attr:`LoopFindings.SHOWN` findings, the errors first: ``✗`` an error, ``⚠`` a warning
+(the finding's ``detail["severity"]``), each the finding's own line with its step, wrapped
+(never cut at the screen's width); the rest are counted. ``f`` opens :class:`FindingsScreen`:
+every finding, whole (``mdb doctor --run NAME`` and ``mdb runs --json`` list them too). A thread
 worker reads ``RunStore.findings`` every :attr:`LoopFindings.POLL_INTERVAL` seconds on a
 connection of its own and posts :class:`FindingsPolled`.
 """
@@ -15,7 +16,10 @@ from typing import Any
 
 from rich.text import Text
 from textual import work
+from textual.binding import Binding
+from textual.containers import VerticalScroll
 from textual.message import Message
+from textual.screen import ModalScreen
 from textual.widgets import Static
 from textual.worker import Worker, WorkerState
 
@@ -23,7 +27,7 @@ from hooks.text import printable
 from tui.screens.base import show
 from tui.store_handle import StoreHandle
 
-__all__ = ["FindingsPolled", "LoopFindings", "LOOP_KINDS"]
+__all__ = ["FindingsPolled", "FindingsScreen", "LoopFindings", "LOOP_KINDS"]
 
 #: The kinds of finding the training-loop doctor makes (``hooks.doctor.loop.checks``); the
 #: other kinds (a torchrun job's ranks) are on the ranks lines.
@@ -95,19 +99,55 @@ class LoopFindings(Static):
             self._store.reset()  # reopened at the next read
             self.set_timer(2.0, self._poll)
 
-    def text(self) -> Text:
-        """The lines shown (also what a test reads)."""
-        ordered = sorted(self.findings, key=lambda f: (
+    def ordered(self) -> list:
+        """The findings, errors first, then in the order they were found."""
+        return sorted(self.findings, key=lambda f: (
             (f.detail or {}).get("severity") == "warning", f.id))
-        out = Text(no_wrap=True, overflow="ellipsis")
-        for i, f in enumerate(ordered[: self.SHOWN]):
+
+    def text(self, shown: int | None = None) -> Text:
+        """The findings shown (also what a test reads): the first ``shown`` (default
+        :attr:`SHOWN`; ``0``: all), each wrapped whole, the rest counted."""
+        ordered = self.ordered()
+        shown = self.SHOWN if shown is None else (shown or len(ordered))
+        out = Text()
+        for i, f in enumerate(ordered[:shown]):
             warn = (f.detail or {}).get("severity") == "warning"
             if i:
                 out.append("\n")
             out.append("⚠ " if warn else "✗ ", style="bold yellow" if warn else "bold red")
             out.append(printable(f"loop: {f.line}"), style="yellow" if warn else "red")
-        rest = len(ordered) - self.SHOWN
+        rest = len(ordered) - shown
         if rest > 0:
-            out.append(printable(f" (+{rest} more: mdb doctor --run {self.run.name})"),
-                       style="dim")
+            out.append(printable(f" (+{rest} more: f shows them all)"), style="dim")
         return out
+
+
+class FindingsScreen(ModalScreen[None]):
+    """Every loop finding of the watched run, each whole (``f`` on the live screen).
+
+    Args:
+        findings: The :class:`LoopFindings` widget whose findings are shown.
+    """
+
+    BINDINGS = [
+        Binding("f,q,escape,enter", "close", "close", id="findings.close"),
+        Binding("j,down", "scroll(1)", "down", show=False, id="findings.down"),
+        Binding("k,up", "scroll(-1)", "up", show=False, id="findings.up"),
+    ]
+
+    def __init__(self, findings: LoopFindings) -> None:
+        super().__init__()
+        self.findings = findings
+
+    def compose(self):
+        with VerticalScroll(id="findings-box"):
+            yield Static(f"loop findings of run {printable(self.findings.run.name)} · "
+                         "f/Esc closes", id="findings-title", markup=False)
+            yield Static(self.findings.text(shown=0), id="findings-all", markup=False)
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+    def action_scroll(self, delta: int) -> None:
+        self.query_one("#findings-box", VerticalScroll).scroll_relative(y=delta,
+                                                                        animate=False)

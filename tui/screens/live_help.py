@@ -54,6 +54,9 @@ class LiveHelpScreen(HelpScreen):
                 "c opens the run's latest stored capture in the step view (mdb overfit records"
                 " one every --every steps, run.watch(model, every=N) every N); q there comes"
                 " back here.",
+                "",
+                "The training-loop doctor's findings show above the keys, each wrapped whole;"
+                " f opens every one of them in full.",
             ]
         else:
             lines += [

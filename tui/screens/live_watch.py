@@ -24,6 +24,7 @@ from typing import Any
 
 from rich.text import Text
 from textual import on, work
+from textual.binding import Binding
 from textual.widgets import ProgressBar
 from textual.worker import Worker, WorkerState
 
@@ -31,7 +32,7 @@ from tui import messages
 from tui.screens.live import LiveScreen
 from tui.screens.live_controls import ViewerControls
 from tui.screens.live_data import first_read, nonfinite_of, run_declaration
-from tui.screens.live_findings import LoopFindings
+from tui.screens.live_findings import FindingsScreen, LoopFindings
 from tui.screens.live_ranks import RanksSummary
 
 __all__ = ["WatchScreen"]
@@ -56,6 +57,9 @@ class WatchScreen(ViewerControls, LiveScreen):
     """
 
     watch = True
+    BINDINGS = [*LiveScreen.BINDINGS,
+                Binding("f", "findings", "loop findings, whole", show=False,
+                        id="watch.findings")]
 
     def __init__(self, store, run, *, poll_interval: float = 0.2, text_interval: float = 0.2,
                  chart_interval: float | None = None, heartbeat: float = 1.0,
@@ -305,6 +309,14 @@ class WatchScreen(ViewerControls, LiveScreen):
     def action_capture(self) -> None:
         self.hint("reading the latest stored capture…")
         self._open_stored_capture()
+
+    def action_findings(self) -> None:
+        """``f``: every loop finding of the run, each whole."""
+        findings = self.query_one(LoopFindings)
+        if not findings.findings:
+            self.hint("no loop findings so far")
+            return
+        self.app.push_screen(FindingsScreen(findings))
 
     def action_interrupt(self) -> None:
         """Ctrl-C: detach (the command then says so)."""

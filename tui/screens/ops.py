@@ -110,9 +110,7 @@ class OpsScreen(ViewScreen):
             status.update(printable(f"✗ replay diverged: {ot.diverged} — ops not shown"))
             return
         first = ot.first_nonfinite()
-        status.update(printable(
-            f"first op creating non-finite values: #{first.index} {first.short_op} at "
-            f"{first.location}" if first is not None else "every op's output is finite"))
+        status.update(printable(ot.nonfinite_sentence()))
         table = self.query_one("#ops", DataTable)
         for op in ot.ops:
             out = op.outputs[0] if op.outputs else None

@@ -128,7 +128,21 @@ class StepScreen(MdbScreen):
         yield Static("", id="hint", markup=False)
         yield MdbFooter()
 
+    def on_resize(self, event) -> None:
+        self._fit_title(event.size.width)
+
+    def _fit_title(self, width: int) -> None:
+        """The description and the loss side by side when both fit ``width`` columns whole,
+        else the loss on a line of its own under the description (neither is cut)."""
+        from rich.cells import cell_len
+
+        bar = self.query_one("#title-bar")
+        parts = [str(w.render()) for w in bar.query(Static)]
+        need = sum(cell_len(p) + 2 for p in parts)  # each has one column of padding a side
+        bar.set_class(need > width, "-stacked")
+
     def on_mount(self) -> None:
+        self._fit_title(self.app.size.width)
         self.refresh_view()
         self.query_one("#tree", ModuleTree).focus()
         if self.nonfinite is not None:

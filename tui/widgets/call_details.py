@@ -117,20 +117,32 @@ def histogram_block(title: str, stats) -> Text:
     return out
 
 
-def params_table(params, rows: int | None = None, batch_rows: int | None = None) -> Text:
+def params_table(params, rows: int | None = None, batch_rows: int | None = None,
+                 width: int | None = None) -> Text:
     """The module's own parameters: name, shape, gradient norm, ‖g‖/‖w‖, verdict
     (:func:`hooks.doctor.verdicts.param_verdict`, knowing the ``rows`` of ``batch_rows`` that
-    reached the module)."""
+    reached the module). Within ``width`` cells (a pane of the A|B view at 80 columns) the
+    shape column goes first, then the verdict keeps its marker only (``✓``, ``▼``): a line
+    never wraps, the numbers are never cut."""
     from hooks.doctor.verdicts import param_verdict
 
+    verdicts = [fmt.flag(param_verdict(p, rows, batch_rows)) for p in params]
+    flag_w = 1 + max((v.cell_len for v in verdicts), default=0)
+    name_w, shape_w, short = 10, 12, False
+    if width is not None and name_w + shape_w + 18 + flag_w > width:
+        shape_w = 0
+        if name_w + 18 + flag_w > width:
+            short = True
+            name_w = max(6, min(name_w, width - 18 - 2))
     out = Text()
-    out.append(_pad("param", 10) + _pad("shape", 12) + _pad("‖g‖", 9, True)
-               + _pad("‖g‖/‖w‖", 9, True), style="dim")
-    for p in params:
+    out.append(_pad("param", name_w) + (_pad("shape", shape_w) if shape_w else "")
+               + _pad("‖g‖", 9, True) + _pad("‖g‖/‖w‖", 9, True), style="dim")
+    for p, verdict in zip(params, verdicts, strict=True):
         name = printable(p.name.rsplit(".", 1)[-1])
-        out.append("\n" + _pad(name, 10) + _pad(fmt.shape(p.shape), 12)
+        out.append("\n" + _pad(name, name_w)
+                   + (_pad(fmt.shape(p.shape), shape_w) if shape_w else "")
                    + _pad(fmt.sci(p.grad_norm), 9, True) + _pad(fmt.sci(p.ratio), 9, True) + " ")
-        out.append_text(fmt.flag(param_verdict(p, rows, batch_rows)))
+        out.append_text(verdict[:1] if short else verdict)
     return out
 
 
@@ -368,7 +380,7 @@ class CallDetails(ScrollView, can_focus=True):
             rows, batch_rows = (stepper.rows_by_module() if hasattr(stepper, "rows_by_module")
                                 else _rows_by_module(stepper.trace))
             parts.append(section("parameters"))
-            parts.append(params_table(params, rows.get(call.module), batch_rows))
+            parts.append(params_table(params, rows.get(call.module), batch_rows, width))
         if hist is not None:
             parts.append(hist)
         if call.inputs and stepper.direction != "backward":

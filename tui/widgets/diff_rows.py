@@ -17,12 +17,13 @@ def _rel(x: float) -> str:
     return "inf" if math.isinf(x) else f"{100 * x:.3g}%"
 
 
-def rows(diff) -> list[dict]:
+def rows(diff, ranked=None) -> list[dict]:
     """The changed tensors as table rows, largest change first (see
-    :meth:`hooks.trace.diff.TraceDiff.ranked`); the call and tensor names
+    :meth:`hooks.trace.diff.TraceDiff.ranked`), or in the order ``ranked`` gives (an edit's:
+    :meth:`hooks.trace.diff.TraceDiff.ranked_for_edit`); the call and tensor names
     :func:`hooks.text.printable`."""
     out = []
-    for d in diff.ranked():
+    for d in diff.ranked() if ranked is None else ranked:
         rel = d.relative()
         if d.shape_changed:
             what = f"{shape(d.shape_self)} → {shape(d.shape_other)}"

@@ -113,6 +113,12 @@ def count(n: int) -> str:
     return str(n)
 
 
+def sequence(index: int, count: int) -> str:
+    """``sequence 1/2``: batch row ``index`` (0-based, as ``--row`` and the code take it) of
+    ``count``, counted from 1 as every view says it (the attention view, the lens)."""
+    return f"sequence {index + 1}/{count}"
+
+
 def pct(frac: float | None) -> str:
     """A fraction in [0, 1] as a percentage with one decimal (``12.5%``)."""
     return "—" if frac is None else f"{100 * frac:.1f}%"

@@ -20,8 +20,13 @@ from tui.widgets import fmt
 MIN_NAME = 6
 
 
+#: Module types that hold modules and have no forward of their own: never called, they show
+#: their number of children (``layers [4]``).
+CONTAINERS = frozenset({"ModuleList", "ModuleDict", "ParameterList", "ParameterDict"})
+
+
 def fit_label(leaf: str, calls: str, shape: str, width: int | None, *, called: bool = True,
-              n_children: int = 0) -> Text:
+              n_children: int = 0, idle: str = "not called") -> Text:
     """A node's label, ``leaf ×calls shape``, in at most ``width`` cells (None: no limit).
 
     Args:
@@ -30,11 +35,14 @@ def fit_label(leaf: str, calls: str, shape: str, width: int | None, *, called: b
         shape: the first call's output shape (``2×64×256``; of :func:`main_output`), or
             ``""``.
         width: cells the label may take.
-        called: False for a module never called (dim, ``[n]`` children or ``not called``).
-        n_children: children of a module never called (a container).
+        called: False for a module never called (dim, ``[n]`` children or ``idle``).
+        n_children: children of a container (:data:`CONTAINERS`), which is never called; 0
+            for any other module.
+        idle: what a module that is not a container says when it was not called: ``not
+            called``, or ``no tokens`` for an MoE expert no token was routed to.
     """
     if not called:
-        tail = f" [{n_children}]" if n_children else " not called"
+        tail = f" [{n_children}]" if n_children else f" {idle}"
         if width is not None and cell_len(leaf + tail) > width:
             if width - cell_len(tail) >= MIN_NAME:
                 leaf = fmt.middle(leaf, width - cell_len(tail))
@@ -88,8 +96,9 @@ class ModuleTree(Tree[str]):
         self.auto_expand = False
         self.guide_depth = 2
         self.nodes_by_name: dict[str, TreeNode[str]] = {"": self.root}
-        #: label parts of each node: (leaf, calls text, shape text, called, children)
-        self.parts: dict[str, tuple[str, str, str, bool, int]] = {}
+        #: label parts of each node: (leaf, calls text, shape text, called, children of a
+        #: container, what it says when not called)
+        self.parts: dict[str, tuple[str, str, str, bool, int, str]] = {}
         self.labels: dict[str, Text] = {}
         self.current: str | None = None
         self._fit_width: int | None = None
@@ -106,11 +115,16 @@ class ModuleTree(Tree[str]):
                 main = main_output(rec.outputs)
                 first_out[rec.module] = main.shape if main is not None else None
 
-        def parts(leaf: str, name: str) -> tuple[str, str, str, bool, int]:
+        types = {info.name: info.module_type for info in trace.modules}
+
+        def parts(leaf: str, name: str) -> tuple[str, str, str, bool, int, str]:
             n = calls.get(name, 0)
             shape = first_out.get(name)
+            container = types.get(name) in CONTAINERS
+            expert = _parent_name(name).rsplit(".", 1)[-1] == "experts" and bool(name)
             return (leaf, f" ×{n}" if n > 1 else "", fmt.dims(shape) if shape is not None
-                    else "", n > 0, children.get(name, 0))
+                    else "", n > 0, children.get(name, 0) if container else 0,
+                    "no tokens" if expert else "not called")
 
         self.parts[""] = parts(printable(root_type or "model"), "")
         self.labels[""] = self._label("")
@@ -151,8 +165,9 @@ class ModuleTree(Tree[str]):
         return render(y + scroll_y, scroll_x, scroll_x + self.size.width, style)
 
     def _label(self, name: str, width: int | None = None) -> Text:
-        leaf, calls, shape, called, n_children = self.parts[name]
-        return fit_label(leaf, calls, shape, width, called=called, n_children=n_children)
+        leaf, calls, shape, called, n_children, idle = self.parts[name]
+        return fit_label(leaf, calls, shape, width, called=called, n_children=n_children,
+                         idle=idle)
 
     def _room(self, name: str) -> int | None:
         """Cells left for ``name``'s label on its line: the tree's width less the guides (two

@@ -25,7 +25,8 @@ UI-free: never imports textual, rich or tui.
  5    grad-flow   every trainable tensor gets a finite non-zero gradient; routers get one
                   from the aux loss alone; exploding gradients warn, vanishing ones are
                   listed (the gradients view's rules, :mod:`hooks.doctor.verdicts`)
- 6    routing     per-expert load, largest share, dead experts, router entropy (few batches)
+ 6    routing     per-expert load, largest share, dead experts, router entropy (own batch
+                  and random batches)
  7    nonfinite   NaN/Inf in weights, activations, loss, gradients; where they start
  8    tied        embedding and LM head share one Parameter as configured; no storage twice
  9    numerics    norm statistics in fp32 for bf16 activations; attention softmax under autocast

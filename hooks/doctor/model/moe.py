@@ -64,9 +64,10 @@ def routing_stats(records: list[Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _record_routing(t: Target, o: DoctorOptions, blocks: list[MoEInfo]) -> list:
-    """The routing records of the batch and ``routing_batches - 1`` random-token batches of
-    at least MIN_TOKENS tokens each. Raises SkipCheck when MoE blocks are found but no probe
+def _record_routing(t: Target, o: DoctorOptions, blocks: list[MoEInfo]) -> tuple[list, int]:
+    """The routing records of the model's own batch, then of ``routing_batches - 1``
+    random-token batches of at least MIN_TOKENS tokens each, and how many records the own
+    batch made (they come first). Raises SkipCheck when MoE blocks are found but no probe
     reads their router, NotApplicable for a dense model."""
     ids = t.need_ids()
     b, seq = ids.shape
@@ -88,9 +89,31 @@ def _record_routing(t: Target, o: DoctorOptions, blocks: list[MoEInfo]) -> list:
                     "probe reads it yet")
             raise NotApplicable("a dense model: no MoE block (a module with experts and a "
                                 "gate/router) and no routing recorded")
+        own = len(records)
         for i in range(max(0, o.routing_batches - 1)):
             record(t.batch_with(shape=(rows, seq), seed=o.seed + 60 + i, targets="drop"))
-    return records
+    return records, own
+
+
+def _tokens_used(t: Target, o: DoctorOptions) -> str:
+    """Which tokens the check routed: ``the model's own batch (2×64) and 2 batches of
+    uniformly random tokens (4×64)``."""
+    b, seq = t.need_ids().shape
+    rows = max(b, -(-MIN_TOKENS // seq))
+    n = max(0, o.routing_batches - 1)
+    rand = f" and {n} batch(es) of uniformly random tokens ({rows}×{seq})" if n else ""
+    return f"the model's own batch ({b}×{seq}){rand}"
+
+
+def _idle_on_own(stats: dict[str, dict[str, Any]]) -> tuple[str, list[int]] | None:
+    """The layer with the most experts that got no token of the model's own batch, and
+    them; None when every expert got some."""
+    worst: tuple[str, list[int]] | None = None
+    for block, s in stats.items():
+        idle = [e for e, c in enumerate(s["counts"]) if c == 0]
+        if idle and (worst is None or len(idle) > len(worst[1])):
+            worst = (block, idle)
+    return worst
 
 
 def _judge_layers(stats: dict[str, dict[str, Any]]) -> tuple[
@@ -128,20 +151,26 @@ def _judge_layers(stats: dict[str, dict[str, Any]]) -> tuple[
 @check(6, "routing", "MoE routing health")
 def routing(t: Target, o: DoctorOptions) -> Outcome:
     """Load per expert, the largest share, dead experts and router entropy, pooled over the
-    batch and ``routing_batches - 1`` random-token batches of the same shape."""
+    model's own batch and ``routing_batches - 1`` random-token batches of the same length;
+    the experts the own batch alone leaves without a token are said too (a warning: the
+    router view of that step shows them idle)."""
     blocks = t.moe_blocks()
-    records = _record_routing(t, o, blocks)
+    records, own = _record_routing(t, o, blocks)
     n_batches = max(1, o.routing_batches)
+    used = _tokens_used(t, o)
+    own_stats = {k: v for k, v in routing_stats(records[:own]).items() if v["tokens"] > 0}
     stats = {k: v for k, v in routing_stats(records).items() if v["tokens"] > 0}
     if not stats:
         raise SkipCheck("router probabilities are not finite (see the non-finite check)")
     layers, worst_dead, worst_ratio, hot_block, min_ent = _judge_layers(stats)
     first = next(iter(stats.values()))
     e = len(first["counts"])
-    data = dict(batches=n_batches, layers=layers)
+    idle = _idle_on_own(own_stats)
+    data = dict(batches=n_batches, layers=layers, tokens_used=used,
+                own_batch={k: v["counts"] for k, v in own_stats.items()})
     entropy = (f"router entropy ≥ {min_ent[0]:.2f}·ln E" if min_ent[1] or min_ent[0] <= 1.0
                else "no router entropy (the router scores without a softmax over all E)")
-    ev = (f"{len(stats)} MoE layer(s), {n_batches} batches ({first['tokens']} tokens): "
+    ev = (f"{len(stats)} MoE layer(s), {first['tokens']} tokens: {used}: "
           f"busiest expert ×{worst_ratio[0]:.2f} its balanced share 1/{e}"
           f" ({worst_ratio[1]}), {entropy}")
     if worst_dead:
@@ -163,6 +192,14 @@ def routing(t: Target, o: DoctorOptions) -> Outcome:
     if min_ent[0] < MIN_ENTROPY:
         return Outcome.warn(ev, "router probabilities are nearly one-hot (logits too large?)",
                             min_ent[1] or None, **data)
-    return Outcome.ok(ev + "; no dead experts", **data)
+    if idle is not None:
+        block, experts = idle
+        return Outcome.warn(
+            f"{block}: expert(s) {experts} got no token of the model's own batch (counts "
+            f"{own_stats[block]['counts']}), though random tokens reach them; {ev}",
+            "experts idle on real data: the router may be collapsing onto a few experts, or "
+            "the batch is too small to reach them all", block or None, **data)
+    return Outcome.ok(ev + "; no dead experts, every expert got tokens of the model's own "
+                      "batch", **data)
 
 

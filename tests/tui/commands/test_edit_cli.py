@@ -76,7 +76,7 @@ def test_diff_edit_patch_from_source_ids(capsys):
     assert main(["diff", "--edit", "patch model.layers.0 from=clean", "--source-ids", ids,
                  *TINY, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["edits"][0]["spec"] == "patch model.layers.0 from=source"
+    assert doc["edits"][0]["spec"] == "patch model.layers.0 from=clean"  # as typed
     assert doc["edits"][0]["changed"] == 1
 
 
@@ -167,3 +167,12 @@ def test_diff_edit_patch_from_a_source_batch_function(tmp_path, capsys):
                  f"{tmp_path / 'src.py'}:clean", *TINY, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["edits"][0]["changed"] == 1 and doc["loss_a"] != doc["loss_b"]
+
+
+def test_a_patch_echoes_the_source_name_typed(capsys):
+    """Issue 35: ``from=clean`` was printed back as ``from=source``."""
+    ids = ",".join(str(i % 50 + 3) for i in range(16))
+    assert main(["diff", "--edit", "patch model.layers.0 from=clean", "--source-ids", ids,
+                 *TINY]) == 0
+    out = capsys.readouterr().out
+    assert "patch model.layers.0 from=clean" in out and "from=source" not in out

@@ -402,3 +402,30 @@ def test_a_wrapped_model_without_config_is_checked_without_false_failures():
     assert "no max_position_embeddings" in results["rope"].evidence
     assert results["causality"].data["kind"] == "decoder"  # labels == input_ids say so
     assert results["gqa"].module == "inner.model.layers.0.self_attn"
+
+
+def test_routing_says_which_tokens_and_the_experts_idle_on_the_models_own_batch():
+    """Issue 35: the routing row did not say its tokens were random, and passed "no dead
+    experts" while the step's own batch left experts without a token. One repeated token: every
+    position of layer 0 feeds its router the same vector (attention over equal values returns
+    that value), so the own batch reaches only top_k of its experts; random tokens reach all."""
+    model = zoo.tiny()
+    ids = torch.full((2, zoo.SEQ), 7)
+    r = by_key(run_checks(model, {"input_ids": ids, "labels": ids}, only="routing"))["routing"]
+    block = "model.layers.0.mlp"
+    # the test's own routing of the own batch: layer 0's router logits, top-k, counted
+    seen = {}
+    mlp = model.model.layers[0].mlp
+    handle = mlp.gate.register_forward_hook(lambda m, a, out: seen.setdefault("logits", out))
+    with torch.no_grad():
+        model.eval()
+        model(ids)
+    handle.remove()
+    k, e = model.config.num_experts_per_tok, model.config.num_local_experts
+    top = torch.topk(seen["logits"].float().softmax(-1), k, dim=-1).indices
+    expect = torch.bincount(top.reshape(-1), minlength=e).tolist()
+    assert r.data["own_batch"][block] == expect
+    assert sorted(c > 0 for c in expect).count(False) == e - k  # idle experts exist
+    assert r.status == "warn" and "got no token of the model's own batch" in r.evidence
+    assert f"the model's own batch (2×{zoo.SEQ})" in r.evidence
+    assert "random tokens" in r.evidence
