@@ -83,20 +83,10 @@ def _make() -> type:
             total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
             self.run = self.options.start(pl_module, optimizer, scheduler,
                                           trainer_config=hparams, total_steps=total)
-            doctor = getattr(self.run, "loop_doctor", None)
-            if doctor is not None:
-                doctor.external_step = True  # optimizer.step(closure): see the module
-            spikes = getattr(self.run, "spike_watch", None)
-            if spikes is not None:
-                spikes.external_step = True  # the same: checked after the closure
+            _steps_from_closure(self.run)
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-            spikes = getattr(self.run, "spike_watch", None)
-            if spikes is not None:
-                spikes.before_update()
-            doctor = getattr(self.run, "loop_doctor", None)
-            if doctor is not None and doctor.armed:
-                doctor.before_step()
+            _before_update(self.run)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             run = self.run
@@ -129,6 +119,26 @@ def _make() -> type:
                                 else "failed", reason=line)
 
     return MdbCallback
+
+
+def _steps_from_closure(run: Any) -> None:
+    """Tell the run's loop doctor and spike watch that Lightning steps the optimizer through
+    ``optimizer.step(closure)`` (see the module): they check in
+    :func:`_before_update` instead of around ``optimizer.step``."""
+    for watcher in (getattr(run, "loop_doctor", None), getattr(run, "spike_watch", None)):
+        if watcher is not None:
+            watcher.external_step = True
+
+
+def _before_update(run: Any) -> None:
+    """Lightning's ``on_before_optimizer_step``: the gradients are final, the update not yet
+    applied — the spike watch's and the loop doctor's moment."""
+    spikes = getattr(run, "spike_watch", None)
+    if spikes is not None:
+        spikes.before_update()
+    doctor = getattr(run, "loop_doctor", None)
+    if doctor is not None and doctor.armed:
+        doctor.before_step()
 
 
 __getattr__ = lazy_callback(globals(), _make)
