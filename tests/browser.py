@@ -63,15 +63,15 @@ class Served:
         self.token = urllib.parse.parse_qs(parts.query)["token"][0]
 
     def _wait_url(self, timeout: float) -> str:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
+        from tests.conftest import wait_for
+
+        def printed() -> str | None:
             m = re.search(r"open  (http://\S+)", self.log.read_text())
-            if m:
-                return m.group(1)
-            if self.proc.poll() is not None:
+            if m is None and self.proc.poll() is not None:
                 raise AssertionError(f"mdb serve ended: {self.log.read_text()}")
-            time.sleep(0.1)
-        raise AssertionError(f"mdb serve printed no URL in {timeout} s: {self.log.read_text()}")
+            return m.group(1) if m else None
+
+        return wait_for(printed, timeout, "mdb serve to print its URL")
 
     def stop(self) -> int:
         """Ctrl-C the server (SIGINT) and return its exit status."""
