@@ -141,8 +141,8 @@ def edit_plan(args: argparse.Namespace, workload) -> tuple[list[str], dict[str, 
         raise MdbError(f"edit {patches[0].spec!r}: give the patch source: --source-text TEXT, "
                        "--source-ids IDS or --source-batch MODULE:FUNCTION")
     if given and not patches:
-        raise MdbError("--source-text/--source-ids/--source-batch are for a 'patch' or 'add … "
-                       "from=' edit; none was given")
+        raise MdbError("--source-text/--source-ids/--source-batch are for a 'patch' edit (or "
+                       "'add … from='); none was given")
     src = source_batch(args, workload)
     parsed = [replace(e, source=SOURCE) if e.needs_source else e for e in parsed]
     sources = {SOURCE: src} if src is not None else {}
