@@ -407,3 +407,32 @@ def test_edit_options_offer_the_new_operations_where_the_role_exists():
     assert not any(" head=" in o or " pattern" in o for o in mlp)
     assert "clamp stack.1.mlp min=-1 max=1" in mlp
     resolve_edits(model, [o for o in opts if "from=" not in o])
+
+
+def test_rerun_edited_applies_edits_by_role_from_the_rolled_batch():
+    """What ``e`` runs (``hooks.whatif.rerun.rerun_edited``): a block's output plus half the
+    rolled batch's, and head 1 of layer 1 patched from it, against the test's own hooks."""
+    from hooks.whatif.rerun import rerun_edited, run_step
+
+    lay, model, ids, _ = _setup("newcomer")
+    rolled = torch.roll(ids, 1, dims=0)
+    out_src = _record(model, rolled, lay.block, "out")
+    z_src = _record(model, rolled, lay.o, "pre")  # the source run is the model's own, unedited
+    hooks_ = [(lay.block, "out", _add_out(0.5 * out_src))]
+    a, b = lay.dh, 2 * lay.dh
+    hooks_.append((lay.o, "pre", _set_cols(a, b, lambda x: z_src[..., a:b])))
+    mods = dict(model.named_modules())
+    handles = [mods[m].register_forward_hook(fn) if k == "out" else
+               mods[m].register_forward_pre_hook(fn) for m, k, fn in hooks_]
+    try:
+        with torch.no_grad():
+            want = float(model(ids, ids)[1])
+    finally:
+        for h in handles:
+            h.remove()
+    trace = run_step(model, (ids, ids))
+    got = rerun_edited(trace, [f"add {lay.block} from=rolled scale=0.5",
+                               f"patch {lay.attn} head=1 from=rolled"])
+    assert got.meta["loss"] == pytest.approx(want, abs=ATOL)
+    assert abs(got.meta["loss"] - trace.meta["loss"]) > 1e-3
+
