@@ -85,6 +85,22 @@ def _top_k(t: Target) -> int | None:
     return None
 
 
+def _rows(pos: str | None, n: int) -> torch.Tensor | slice | None:
+    """The query positions ``pos=`` names among ``n`` (all: ``slice(None)``), or None when one
+    lies outside."""
+    if pos is None:
+        return slice(None)
+    got = parse_positions(pos)
+    try:
+        idx = torch.arange(n)[got] if isinstance(got, slice) else torch.tensor(
+            [p + n if p < 0 else p for p in got])
+    except IndexError:
+        return None
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+        return None
+    return idx
+
+
 class _State:
     """Counters of one target while the step runs."""
 
@@ -405,7 +421,11 @@ class Editor:
                     st.why = (f"the source run's pattern {j} of this call is {shape}, this "
                               f"one {tuple(p.shape)}: not patched")
                     return p
-                new[:, heads] = got[j][:, heads].to(p.dtype)
+                rows = _rows(e.pos, p.shape[2])
+                if rows is None:
+                    st.why = f"pos={e.pos} is outside the {p.shape[2]} positions: not patched"
+                    return p
+                new[:, heads, rows] = got[j][:, heads, rows].to(p.dtype)
             if not torch.equal(new[:, heads], p[:, heads]):
                 st.changed += 1
             self._watch(st, new)

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -114,6 +114,7 @@ class Edit:
         scale: the factor of ``add`` (None: 1).
         min: ``clamp``'s lower bound, or None.
         max: ``clamp``'s upper bound, or None.
+        order: the keys in the order they were typed (the echo keeps it; not compared).
     """
 
     op: str
@@ -130,6 +131,7 @@ class Edit:
     scale: float | None = None
     min: float | None = None
     max: float | None = None
+    order: tuple[str, ...] = field(default=(), compare=False)
 
     @classmethod
     def parse(cls, spec: str) -> Edit:
@@ -138,26 +140,18 @@ class Edit:
 
     @property
     def spec(self) -> str:
-        """The spec text, keys in the grammar's order (``parse_edit(e.spec) == e``)."""
-        parts = [self.op, self.module]
-        if self.part is not None:
-            parts.append(self.part)
-        for key, value in (("head", self.head), ("expert", self.expert)):
-            if value is not None:
-                parts.append(f"{key}={value}")
-        if self.by is not None:
-            parts.append(f"{self.by_key}={_num(self.by)}")
-        for key, text in (("vector", self.vector), ("tensor", self.tensor)):
-            if text is not None:
-                parts.append(f"{key}={text}")
-        if self.source is not None:
-            parts.append(f"from={self.source}")
-        for key, value in (("scale", self.scale), ("min", self.min), ("max", self.max)):
-            if value is not None:
-                parts.append(f"{key}={_num(value)}")
-        if self.pos is not None:
-            parts.append(f"pos={self.pos}")
-        return " ".join(parts)
+        """The spec text: the keys in the order they were typed (:attr:`order`), else the
+        grammar's; numbers as ``:g`` writes them (``parse_edit(e.spec) == e``)."""
+        values = {"head": self.head, "expert": self.expert,
+                  self.by_key: None if self.by is None else _num(self.by),
+                  "vector": self.vector, "tensor": self.tensor, "from": self.source,
+                  "scale": None if self.scale is None else _num(self.scale),
+                  "min": None if self.min is None else _num(self.min),
+                  "max": None if self.max is None else _num(self.max), "pos": self.pos}
+        keys = [k for k in self.order if values.get(k) is not None]
+        keys += [k for k in values if k not in keys and values[k] is not None]
+        head = [self.op, self.module] + ([self.part] if self.part is not None else [])
+        return " ".join(head + [f"{k}={values[k]}" for k in keys])
 
     @property
     def needs_source(self) -> bool:
@@ -287,7 +281,8 @@ def parse_edit(spec: str | Edit) -> Edit:
                 expert=_int(spec, "expert", kv["expert"]) if "expert" in kv else None,
                 by=nums.get(by_key), source=kv.get("from"), pos=kv.get("pos"), part=part,
                 by_key=by_key, vector=kv.get("vector"), tensor=kv.get("tensor"),
-                scale=nums.get("scale"), min=nums.get("min"), max=nums.get("max"))
+                scale=nums.get("scale"), min=nums.get("min"), max=nums.get("max"),
+                order=tuple(kv))
 
 
 # -- what the model has -----------------------------------------------------------------------

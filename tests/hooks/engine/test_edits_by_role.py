@@ -248,6 +248,24 @@ def test_patch_pattern_head_weighs_this_runs_values_by_the_sources_probabilities
     _close(_edited(model, ids, f"patch {lay.attn} pattern head={h} from=s", src), ref)
 
 
+def test_patch_pattern_at_query_positions_only():
+    lay, model, ids, src = _setup("newcomer")
+    h = 2
+    p_src = _probs_by_hand(model, src, lay)
+    v = _record(model, ids, "blocks.1.attn.qkv", "out")[..., 64:96]
+    v = v.view(*v.shape[:2], 4, lay.dh).transpose(1, 2)
+    z_h = p_src[:, h] @ v[:, h]  # (B, T, Dh)
+    a, b = h * lay.dh, (h + 1) * lay.dh
+
+    def pre(m, args):
+        x = args[0].clone()
+        x[:, 4:7, a:b] = z_h[:, 4:7]
+        return (x,)
+
+    ref = _with_hooks(model, ids, [(lay.o, "pre", pre)])
+    _close(_edited(model, ids, f"patch {lay.attn} pattern head={h} from=s pos=4:7", src), ref)
+
+
 @pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama"])
 def test_pattern_edits_on_hf_eager_attention_edit_its_softmax(name):
     lay, model, ids, _ = _setup(name)
@@ -313,6 +331,9 @@ def test_add_from_a_source_and_clamp(name):
     "add blocks.0 from=clean scale=0.5",
     "clamp blocks.0.mlp min=-1 max=2.5",
     "clamp blocks.0.mlp max=3",
+    "patch blocks.1.attn from=clean head=2 pos=-1",
+    "clamp blocks.0.mlp max=2 min=-1",
+    "add blocks.0 scale=2 from=clean",
 ])
 def test_specs_echo_what_was_typed(spec):
     e = parse_edit(spec)
