@@ -382,8 +382,7 @@ class Target:
             router).
         module: the module the hook goes on.
         hooked: its qualified name.
-        size: H (heads: the hooked input's H·Dh is ``size·head_dim``; for ``pattern`` H) or
-            E (experts), where it applies.
+        size: H (``head``, ``pattern``) or E (experts), where it applies.
         head_dim: Dh for ``head``.
         router_owner: the MoE block, for ``router``.
         start: first column of ``head``/``columns``.
@@ -434,8 +433,10 @@ def _target(edit: Edit, name: str, m: nn.Module, by_name: dict[str, nn.Module],
                          "name one of its modules")
     if edit.head is not None or edit.part is not None:
         b = bind(model, name, edit.spec, edit.part, edit.head)
-        return Target(edit, name, b.kind, by_name[b.hooked], b.hooked, size=b.width,
-                      head_dim=None, start=b.start, stop=b.stop, width=b.width)
+        dh = b.stop - b.start if b.kind == "head" else None
+        size = b.width // dh if dh else (b.width if b.kind == "pattern" else None)
+        return Target(edit, name, b.kind, by_name[b.hooked], b.hooked, size=size, head_dim=dh,
+                      start=b.start, stop=b.stop, width=b.width)
     vector = load_vector(edit.spec, edit.vector, edit.tensor) if edit.vector else None
     return Target(edit, name, "output", m, name, vector=vector)
 
