@@ -1,8 +1,9 @@
 """Edits by role (issue 36, items 1 and 6) exact against the peers, TransformerLens 4.3 and
 nnsight 0.8 (the ``test`` extra), on the same tiny GPT-2 and Llama built from a config (no
 hub): a head patched from a source run (TransformerLens's ``hook_z`` of that head; nnsight's
-slice of the o projection's input) and a steering vector added to a block's output
-(``hook_resid_post``; the block's output), within 1e-5.
+slice of the o projection's input), a steering vector added to a block's output
+(``hook_resid_post``; the block's output), and a head's pattern, q, k or v patched
+(``hook_pattern``, ``hook_q``/``hook_k``/``hook_v``), within 1e-5.
 
 TransformerLens is built as in test_sweep_peers.py (``build_bridge_from_module`` on a deep copy,
 compatibility mode off); log-probabilities are compared, which a per-position shift of the
@@ -89,6 +90,35 @@ def test_steering_vector_equals_transformer_lens_resid_post(family, vector_file)
                                                  lambda x, hook: x + 4.0 * v)])
     path = vector_file(v)
     got = _mdb(model, ids, f"add {BLOCK[family].format(0)} vector={path} scale=4")
+    torch.testing.assert_close(got, _logp(ref), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("part, hook", [("pattern", "hook_pattern"), ("q", "hook_q"),
+                                        ("k", "hook_k"), ("v", "hook_v")])
+def test_pattern_and_q_k_v_patches_equal_transformer_lens(family, part, hook):
+    """TransformerLens's hook_pattern (B, H, T, S) and hook_q/k/v (B, T, H or Hkv, Dh, before
+    any rotation) of one head taken from the source run; with GQA a k/v head is a KV head in
+    both."""
+    pytest.importorskip("transformer_lens", reason="TransformerLens (the test extra) is not "
+                        "installed")
+    model, ids, src = pair(family)
+    br = bridge(model, family)
+    name = f"blocks.{LAYER}.attn.{hook}"
+    _, cache = br.run_with_cache(src, names_filter=lambda n: n == name)
+    h = 1
+
+    def patch(x, hook):
+        x = x.clone()
+        if part == "pattern":
+            x[:, h] = cache[name][:, h]
+        else:
+            x[:, :, h] = cache[name][:, :, h]
+        return x
+
+    with torch.no_grad():
+        ref = br.run_with_hooks(ids, fwd_hooks=[(name, patch)])
+    got = _mdb(model, ids, f"patch {ATTN[family].format(LAYER)} {part} head={h} from=s", src)
     torch.testing.assert_close(got, _logp(ref), atol=ATOL, rtol=0)
 
 
