@@ -408,7 +408,7 @@ class Editor:
         e = t.edit
         heads = slice(None) if e.head is None else slice(e.head, e.head + 1)
 
-        def edit(p: torch.Tensor, j: int) -> torch.Tensor:
+        def edit(p: torch.Tensor, j: int, count: bool = True) -> torch.Tensor:
             new = p.clone()
             if e.op == "zero":
                 new[:, heads] = 0
@@ -426,9 +426,10 @@ class Editor:
                     st.why = f"pos={e.pos} is outside the {p.shape[2]} positions: not patched"
                     return p
                 new[:, heads, rows] = got[j][:, heads, rows].to(p.dtype)
-            if not torch.equal(new[:, heads], p[:, heads]):
+            if count and not torch.equal(new[:, heads], p[:, heads]):
                 st.changed += 1
-            self._watch(st, new)
+            if count:
+                self._watch(st, new)
             return new
 
         return edit

@@ -31,11 +31,14 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from hooks.probes.attention import in_own_computation, observe_softmax
+
 _SOFTMAX = (torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax)
 _SDPA = F.scaled_dot_product_attention
 
-#: What the edit is handed: (P (B, H, T, S), index of this softmax in the call) -> new P.
-ProbsEdit = Callable[[torch.Tensor, int], torch.Tensor]
+#: What the edit is handed: (P (B, H, T, S), index of this softmax in the call, whether to
+#: count it: False for an attention capture's record of a call already edited) -> new P.
+ProbsEdit = Callable[[torch.Tensor, int, bool], torch.Tensor]
 
 
 def sdpa_probs(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None = None,
@@ -68,7 +71,8 @@ def sdpa_probs(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None 
             scores = scores.masked_fill(~attn_mask, -math.inf)
         else:
             scores = scores + attn_mask.float()
-    return torch.softmax(scores, dim=-1).to(q.dtype)
+    # torch.special.softmax: the same kernel, a name an attention capture does not swap
+    return torch.special.softmax(scores, dim=-1).to(q.dtype)
 
 
 class AttentionProbs(TorchFunctionMode):
@@ -78,7 +82,8 @@ class AttentionProbs(TorchFunctionMode):
     Args:
         num_heads: H, the module's query heads (a softmax over scores of another shape is
             left alone).
-        edit: ``edit(P, j)`` returns the P to use, (B, H, T, S), for the call's j-th softmax.
+        edit: ``edit(P, j, count)`` returns the P to use, (B, H, T, S), for the call's j-th
+            softmax (``count`` False: the same P again, for an attention capture's record).
         record_only: True: the edit only records P; SDPA's own output is returned (the
             source run of a ``patch``).
 
@@ -99,15 +104,22 @@ class AttentionProbs(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _SOFTMAX:
-            out = func(*args, **kwargs)
+        base = getattr(func, "__wrapped__", func)  # an attention capture's wrapper: its builtin
+        if base in _SOFTMAX:
+            x = args[0] if args else kwargs.get("input")
             dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-            if not self._is_scores(args[0] if args else None, dim):
-                return out
+            if not self._is_scores(x, dim):
+                return func(*args, **kwargs)
+            out = torch.special.softmax(x, dim, dtype=kwargs.get("dtype"))
+            if in_own_computation():  # a capture recomputing the SDPA just edited: its record
+                return out if self.record_only else self.edit(out, self.seen - 1, False)
             self.seen += 1
-            new = self.edit(out, self.seen - 1)
-            return out if self.record_only else new
-        if func is _SDPA:
+            new = self.edit(out, self.seen - 1, True)  # records, in a source run
+            got = out if self.record_only else new
+            if base is F.softmax:  # its inner Tensor.softmax, which a capture reads, was skipped
+                observe_softmax(x, got, dim)
+            return got
+        if base is _SDPA:
             return self._sdpa(func, args, kwargs)
         return func(*args, **kwargs)
 
@@ -120,7 +132,7 @@ class AttentionProbs(TorchFunctionMode):
         p = sdpa_probs(q, k, a.get("attn_mask"), bool(a.get("is_causal", False)),
                        a.get("scale"))
         self.seen += 1
-        new = self.edit(p, self.seen - 1)
+        new = self.edit(p, self.seen - 1, True)
         if self.record_only:
             return func(*args, **kwargs)
         drop = float(a.get("dropout_p", 0.0) or 0.0)
@@ -189,7 +201,7 @@ def record_pattern(module, num_heads: int, seen: list) -> list:
         probs: list[torch.Tensor] = []
         seen.append(probs)
 
-        def keep(p, j):
+        def keep(p, j, count):
             probs.append(p.detach().clone())
             return p
 

@@ -457,3 +457,31 @@ def test_rerun_edited_applies_edits_by_role_from_the_rolled_batch():
     assert got.meta["loss"] == pytest.approx(want, abs=ATOL)
     assert abs(got.meta["loss"] - trace.meta["loss"]) > 1e-3
 
+
+
+@pytest.mark.parametrize("name", ["newcomer", "hf_gpt2", "hf_llama_eager"])
+def test_an_attention_capture_records_the_edited_pattern_once(name):
+    """With ``attention=True`` the step's attention record of the edited module is the pattern
+    the model went on with: head h zeroed (or the source's), the other heads as recorded
+    without the edit; one record per call, one change counted (Tensor.softmax and F.softmax
+    seen through the capture's swap; SDPA recomputed by both)."""
+    lay, model, ids, src = _setup("hf_llama" if name == "hf_llama_eager" else name)
+    if name == "hf_llama_eager":
+        model.set_attn_implementation("eager")
+
+    def records(edits):
+        with torch.no_grad(), hooks.capture(model, attention=True, edits=edits,
+                                            sources={"s": src}) as tr:
+            model(ids)
+        got = [r.probs for r in tr.attention if r.module == lay.attn]
+        assert len(got) == 1 and (not edits or tr.edits[0].changed == 1), tr.edits
+        return got[0]
+
+    h = 1
+    plain, zeroed = records([]), records([f"zero {lay.attn} pattern head={h}"])
+    assert float(plain[:, h].abs().sum()) > 1 and float(zeroed[:, h].abs().max()) == 0
+    others = [i for i in range(lay.heads) if i != h]
+    _close(zeroed[:, others], plain[:, others])
+    if not lay.rope:
+        patched = records([f"patch {lay.attn} pattern head={h} from=s"])
+        _close(patched[:, h], _probs_by_hand(model, src, lay)[:, h])
