@@ -15,6 +15,13 @@ function called inside it:
   values repeated to the H query heads; the edited P then weighs v. Dropout on P is applied as
   SDPA would when ``dropout_p > 0``.
 
+Under a capture that records attention (:mod:`hooks.probes.attention`, which swaps the softmax
+and SDPA names for wrappers), the wrapped builtins are recognised through ``__wrapped__``; the
+softmax is computed as ``torch.special.softmax`` (the same kernel, a name not swapped) and the
+edited P is what the capture records (handed to it by
+:func:`hooks.probes.attention.observe_softmax` where the model's ``F.softmax`` would have reached
+it); the capture's own recomputation of an SDPA call's P gets the same edit, uncounted.
+
 Other kernels (FlashAttention's ``flash_attn_func``, HF's ``flex_attention``, a fused CUDA
 op) hand no probabilities to a torch function and are not seen: load the model with
 ``attn_implementation="eager"`` (or ``"sdpa"``). Dimension legend: B batch, H query heads,
