@@ -485,3 +485,22 @@ def test_an_attention_capture_records_the_edited_pattern_once(name):
     if not lay.rope:
         patched = records([f"patch {lay.attn} pattern head={h} from=s"])
         _close(patched[:, h], _probs_by_hand(model, src, lay)[:, h])
+
+
+@pytest.mark.parametrize("style", ["nanogpt", "mingpt"])
+def test_pattern_and_v_edits_on_karpathys_files(style):
+    """karpathy's nanoGPT (SDPA with is_causal and dropout_p) and minGPT (an eager softmax), their
+    real files: head 1's pattern zeroed, or its v columns zeroed, equals its o-input columns
+    zeroed by the test's own hook (z_1 = P_1·V_1)."""
+    path = {"nanogpt": om.NANOGPT, "mingpt": om.MINGPT}[style]
+    if not path.exists():
+        pytest.skip(f"{path} is not here (set MDB_{style.upper()})")
+    model, ids = getattr(om, style)()
+    model.eval()
+    attn, dh = "transformer.h.1.attn", model.transformer.h[1].attn.c_proj.in_features // 4
+    if style == "mingpt":
+        dh = model.transformer.h[1].attn.c_proj.in_features // 3
+    ref = _with_hooks(model, ids, [(f"{attn}.c_proj", "pre",
+                                    _set_cols(dh, 2 * dh, torch.zeros_like))])
+    for spec in (f"zero {attn} pattern head=1", f"zero {attn} v head=1"):
+        _close(_edited(model, ids, spec), ref)
