@@ -90,6 +90,13 @@ PART_OPS = ("zero", "scale", "patch")
 # hooks.modelroles.named's: edits read the roles every view reads (hooks.modelroles).
 
 
+def _same_number(text: str, value: object) -> bool:
+    try:
+        return float(text) == float(str(value))
+    except ValueError:
+        return False
+
+
 def _num(x: float) -> str:
     short = f"{x:g}"
     return short if float(short) == x else repr(x)
@@ -114,7 +121,7 @@ class Edit:
         scale: the factor of ``add`` (None: 1).
         min: ``clamp``'s lower bound, or None.
         max: ``clamp``'s upper bound, or None.
-        order: the keys in the order they were typed (the echo keeps it; not compared).
+        order: ``(key, text)`` as typed, in order (the echo keeps both; not compared).
     """
 
     op: str
@@ -131,7 +138,7 @@ class Edit:
     scale: float | None = None
     min: float | None = None
     max: float | None = None
-    order: tuple[str, ...] = field(default=(), compare=False)
+    order: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     @classmethod
     def parse(cls, spec: str) -> Edit:
@@ -140,15 +147,21 @@ class Edit:
 
     @property
     def spec(self) -> str:
-        """The spec text: the keys in the order they were typed (:attr:`order`), else the
-        grammar's; numbers as ``:g`` writes them (``parse_edit(e.spec) == e``)."""
+        """The spec text as typed: the keys in the order they were typed and the numbers as
+        written (:attr:`order`); for an edit built by hand the grammar's order and ``:g``
+        (``parse_edit(e.spec) == e``)."""
         values = {"head": self.head, "expert": self.expert,
                   self.by_key: None if self.by is None else _num(self.by),
                   "vector": self.vector, "tensor": self.tensor, "from": self.source,
                   "scale": None if self.scale is None else _num(self.scale),
                   "min": None if self.min is None else _num(self.min),
                   "max": None if self.max is None else _num(self.max), "pos": self.pos}
-        keys = [k for k in self.order if values.get(k) is not None]
+        typed = dict(self.order)
+        for k, text in typed.items():  # a number as it was typed (1e-3, 0.50) when it is it
+            if k in ("head", "expert", self.by_key, "scale", "min", "max") and \
+                    values.get(k) is not None and _same_number(text, values[k]):
+                values[k] = text
+        keys = [k for k in typed if values.get(k) is not None]
         keys += [k for k in values if k not in keys and values[k] is not None]
         head = [self.op, self.module] + ([self.part] if self.part is not None else [])
         return " ".join(head + [f"{k}={values[k]}" for k in keys])
@@ -282,7 +295,7 @@ def parse_edit(spec: str | Edit) -> Edit:
                 by=nums.get(by_key), source=kv.get("from"), pos=kv.get("pos"), part=part,
                 by_key=by_key, vector=kv.get("vector"), tensor=kv.get("tensor"),
                 scale=nums.get("scale"), min=nums.get("min"), max=nums.get("max"),
-                order=tuple(kv))
+                order=tuple(kv.items()))
 
 
 # -- what the model has -----------------------------------------------------------------------

@@ -334,6 +334,8 @@ def test_add_from_a_source_and_clamp(name):
     "patch blocks.1.attn from=clean head=2 pos=-1",
     "clamp blocks.0.mlp max=2 min=-1",
     "add blocks.0 scale=2 from=clean",
+    "scale blocks.1.attn q head=01 by=0.50",
+    "clamp blocks.0.mlp min=-1e-3 max=2.0",
 ])
 def test_specs_echo_what_was_typed(spec):
     e = parse_edit(spec)
