@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hooks.engine.edit_pattern import pattern_hooks, record_pattern
+from hooks.engine.edit_roles import check_vector_width
 from hooks.engine.edits import AppliedEdit, Edit, Target, parse_positions, resolve_edits
 from hooks.trace.records import Note
 
@@ -81,6 +83,22 @@ def _top_k(t: Target) -> int | None:
             if isinstance(v, int) and v > 0:
                 return v
     return None
+
+
+def _rows(pos: str | None, n: int) -> torch.Tensor | slice | None:
+    """The query positions ``pos=`` names among ``n`` (all: ``slice(None)``), or None when one
+    lies outside."""
+    if pos is None:
+        return slice(None)
+    got = parse_positions(pos)
+    try:
+        idx = torch.arange(n)[got] if isinstance(got, slice) else torch.tensor(
+            [p + n if p < 0 else p for p in got])
+    except IndexError:
+        return None
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+        return None
+    return idx
 
 
 class _State:
@@ -143,6 +161,9 @@ class Editor:
             if t.kind in ("head", "expert_fused"):
                 self._handles.append(t.module.register_forward_pre_hook(
                     self._pre_hook(i), with_kwargs=True, prepend=True))
+            elif t.kind == "pattern":
+                self._handles += pattern_hooks(t.module, t.size, self._pattern_edit(i),
+                                               self._states[i])
             else:
                 self._handles.append(t.module.register_forward_hook(
                     self._post_hook(i), prepend=True))
@@ -181,16 +202,13 @@ class Editor:
     def _record_sources(self) -> None:
         by_source: dict[str, list[int]] = {}
         for i, t in enumerate(self.targets):
-            if t.edit.op == "patch":
+            if t.edit.needs_source:
                 by_source.setdefault(t.edit.source, []).append(i)
         for name, idx in by_source.items():
-            seen: dict[int, list[torch.Tensor]] = {i: [] for i in idx}
+            seen: dict[int, list[Any]] = {i: [] for i in idx}
             handles = []
             for i in idx:
-                def keep(mod, args, output, i=i, seen=seen):
-                    x, _ = first_float(output)
-                    seen[i].append(None if x is None else x.detach().clone())
-                handles.append(self.targets[i].module.register_forward_hook(keep))
+                handles += self._recorder(self.targets[i], seen[i])
             try:
                 with torch.random.fork_rng(devices=[]), torch.no_grad():
                     self.sources[name].call(self.model)
@@ -203,6 +221,24 @@ class Editor:
                     h.remove()
             for i in idx:
                 self._patched[i] = seen[i]
+
+    @staticmethod
+    def _recorder(t: Target, seen: list[Any]) -> list[Any]:
+        """Hooks that append what ``t`` reads from the source run to ``seen``, one entry per
+        call: the output (``output``, ``columns``), the o projection's input (``head``), the
+        list of probabilities (``pattern``)."""
+        if t.kind == "head":
+            def keep_in(mod, args, kwargs):
+                x = args[0] if args else kwargs.get("input", kwargs.get("x"))
+                seen.append(x.detach().clone() if isinstance(x, torch.Tensor) else None)
+            return [t.module.register_forward_pre_hook(keep_in, with_kwargs=True)]
+        if t.kind == "pattern":
+            return record_pattern(t.module, t.size, seen)
+
+        def keep(mod, args, output):
+            x, _ = first_float(output)
+            seen.append(None if x is None else x.detach().clone())
+        return [t.module.register_forward_hook(keep)]
 
     # -- hooks ----------------------------------------------------------------------------------
     def _watch(self, st: _State, t: torch.Tensor) -> None:
@@ -229,6 +265,9 @@ class Editor:
             if x is None:
                 st.why = "its output holds no floating-point tensor: nothing to edit"
                 return None
+            if t.kind == "columns":  # counts and watches its own columns
+                new = self._edit_columns(i, x, st.index - 1)
+                return None if new is None else put(new)
             new = self._new_output(i, x, st.index - 1)
             if new is None:
                 return None
@@ -249,12 +288,34 @@ class Editor:
         if e.op == "mean":
             dims = tuple(range(x.dim() - 1)) if x.dim() > 1 else tuple(range(x.dim()))
             return x.mean(dim=dims, keepdim=True).expand_as(x).contiguous()
+        if e.op == "clamp":
+            return x.clamp(min=e.min, max=e.max)
+        if e.op == "add" and t.vector is not None:
+            check_vector_width(e.spec, t.vector, x, t.hooked)
+            return x + t.vector.to(dtype=x.dtype, device=x.device) * (
+                1.0 if e.scale is None else e.scale)
+        src = self._source(i, call)
+        if src is None:
+            return None
+        if e.op == "add":
+            if src.shape != x.shape:
+                st.why = (f"the source output has shape {tuple(src.shape)}, this call "
+                          f"{tuple(x.shape)}: not added")
+                return None
+            return x + src.to(dtype=x.dtype, device=x.device) * (
+                1.0 if e.scale is None else e.scale)
+        return self._patch(st, x, src, e)
+
+    def _source(self, i: int, call: int) -> Any:
+        """What the source run recorded for call ``call`` of target ``i``, or None (said in
+        the target's note)."""
+        t, st = self.targets[i], self._states[i]
         srcs = self._patched[i] or []
         if call >= len(srcs) or srcs[call] is None:
             st.why = (f"the source batch ran {len(srcs)} call(s) of {t.hooked}, not call "
-                      f"{call}: not patched")
+                      f"{call}: not {'added' if t.edit.op == 'add' else 'patched'}")
             return None
-        return self._patch(st, x, srcs[call], e)
+        return srcs[call]
 
     @staticmethod
     def _patch(st: _State, x: torch.Tensor, src: torch.Tensor, e: Edit) -> torch.Tensor | None:
@@ -286,29 +347,92 @@ class Editor:
         t, st = self.targets[i], self._states[i]
 
         def hook(mod, args, kwargs):
+            from hooks.engine.recompute import in_backward
+
+            if not in_backward():
+                st.index += 1
             st.calls += 1
             if t.kind == "head":
-                return self._zero_head(t, st, args, kwargs)
+                return self._edit_head(i, args, kwargs)
             return self._zero_expert_weights(t, st, args, kwargs)
 
         return hook
 
-    def _zero_head(self, t: Target, st: _State, args: tuple, kwargs: dict):
+    def _edit_head(self, i: int, args: tuple, kwargs: dict):
+        """``zero``/``scale``/``patch`` of columns ``[start, stop)`` of the o projection's
+        input (..., H·Dh): one head's output before the projection mixes the heads."""
+        t, st = self.targets[i], self._states[i]
         x = args[0] if args else kwargs.get("input", kwargs.get("x"))
-        if not isinstance(x, torch.Tensor) or x.shape[-1] != t.size * t.head_dim:
-            st.why = f"{t.hooked} was called without its (..., H·Dh) input: head not zeroed"
+        if not isinstance(x, torch.Tensor) or x.shape[-1] != t.width:
+            st.why = f"{t.hooked} was called without its (..., H·Dh) input: head not edited"
             return None
-        h, dh = t.edit.head, t.head_dim
-        mask = torch.zeros(x.shape[-1], dtype=torch.bool, device=x.device)
-        mask[h * dh:(h + 1) * dh] = True
-        new = x.masked_fill(mask, 0)
-        if bool(x[..., h * dh:(h + 1) * dh].ne(0).any()):
-            st.changed += 1
-        self._watch(st, new)
+        new = self._edit_columns(i, x, st.index - 1)
+        if new is None:
+            return None
         if args:
             return (new, *args[1:]), kwargs
         key = "input" if "input" in kwargs else "x"
         return args, {**kwargs, key: new}
+
+    def _edit_columns(self, i: int, x: torch.Tensor, call: int) -> torch.Tensor | None:
+        """``x`` (..., W) with columns ``[start, stop)`` zeroed, scaled or taken from the
+        source run (at positions ``pos`` of dimension 1 when given); counts a change."""
+        t, st = self.targets[i], self._states[i]
+        a, b, e = t.start, t.stop, t.edit
+        if x.shape[-1] != t.width:
+            st.why = f"{t.hooked}'s output is {tuple(x.shape)}, not (..., {t.width}): not edited"
+            return None
+        cols = torch.zeros(x.shape[-1], dtype=torch.bool, device=x.device)
+        cols[a:b] = True
+        if e.op == "zero":
+            new = x.masked_fill(cols, 0)
+        elif e.op == "scale":
+            new = torch.where(cols, x * e.by, x)
+        else:
+            src = self._source(i, call)
+            if src is None:
+                return None
+            whole = self._patch(st, x, src, e)
+            if whole is None:
+                return None
+            new = torch.where(cols, whole.to(x.dtype), x)
+        if not torch.equal(new[..., a:b], x[..., a:b]):
+            st.changed += 1
+        self._watch(st, new)
+        return new
+
+    def _pattern_edit(self, i: int):
+        """``edit(P, j)`` for :func:`pattern_hooks`: head ``h``'s (or every head's)
+        probabilities (B, H, T, S) zeroed, scaled or taken from the source run's same call."""
+        t, st = self.targets[i], self._states[i]
+        e = t.edit
+        heads = slice(None) if e.head is None else slice(e.head, e.head + 1)
+
+        def edit(p: torch.Tensor, j: int, count: bool = True) -> torch.Tensor:
+            new = p.clone()
+            if e.op == "zero":
+                new[:, heads] = 0
+            elif e.op == "scale":
+                new[:, heads] = p[:, heads] * e.by
+            else:
+                got = self._source(i, st.index - 1)
+                if got is None or j >= len(got) or got[j].shape != p.shape:
+                    shape = None if got is None or j >= len(got) else tuple(got[j].shape)
+                    st.why = (f"the source run's pattern {j} of this call is {shape}, this "
+                              f"one {tuple(p.shape)}: not patched")
+                    return p
+                rows = _rows(e.pos, p.shape[2])
+                if rows is None:
+                    st.why = f"pos={e.pos} is outside the {p.shape[2]} positions: not patched"
+                    return p
+                new[:, heads, rows] = got[j][:, heads, rows].to(p.dtype)
+            if count and not torch.equal(new[:, heads], p[:, heads]):
+                st.changed += 1
+            if count:
+                self._watch(st, new)
+            return new
+
+        return edit
 
     def _zero_expert_weights(self, t: Target, st: _State, args: tuple, kwargs: dict):
         from hooks.probes.routing import routing_args

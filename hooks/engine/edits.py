@@ -18,10 +18,32 @@ One grammar serves the API (``hooks.capture(model, edits=[...])``), the CLI (``m
     patch MODULE from=SOURCE     the output taken from the same model run on the batch SOURCE
           [pos=P]                (activation patching); only at positions P (``3``, ``0,5``,
                                  ``2:6``, ``-1``) of dimension 1 when given
+    patch MODULE head=H from=S   head H's slice of the o projection's input taken from the run
+                                 on S (TransformerLens's ``hook_z`` of head H); ``scale …
+                                 head=H by=F`` scales it
+    zero|scale|patch MODULE q|k|v [head=H] …
+                                 head H's columns of the q, k or v projection's output (a
+                                 fused q|k|v projection's slice); with grouped KV heads (GQA) a
+                                 k/v head is a KV head, 0…Hkv-1; no head=: every head
+    zero|scale|patch MODULE pattern [head=H] …
+                                 head H's attention probabilities (B, H, T, S) after the
+                                 softmax, before they weigh v: an eager softmax or
+                                 F.scaled_dot_product_attention (recomputed explicitly), see
+                                 :mod:`hooks.engine.edit_pattern`
+    add MODULE vector=FILE.safetensors [tensor=NAME] [scale=F]
+                                 the output plus F times a (D,) or (T, D) steering vector read
+                                 with safetensors (tensor= names one of several)
+    add MODULE from=SOURCE [scale=F]
+                                 the output plus F times the output of the run on SOURCE
+    clamp MODULE min=A max=B     the output clamped to [A, B] (either bound may be left out)
+
+``scale`` takes ``by=F`` or ``factor=F`` (echoed as typed).
 
 MODULE is a qualified module name (``model.layers.1.self_attn``) or an ``fnmatch`` pattern
 (``model.layers.*.mlp``: every match is edited). A module returning a tuple or a dict has its
-first floating-point tensor edited (a decoder layer's hidden states). Dimension legend: B
+first floating-point tensor edited (a decoder layer's hidden states). The heads, the q/k/v
+projections and the o projection of an attention module are :mod:`hooks.modelroles`' (declared,
+named, traced), so these edits work on home-grown models as on HF's. Dimension legend: B
 batch, T positions, D hidden size, H query heads, Dh head dim, N tokens (B·T), E experts, k
 experts per token.
 
@@ -38,12 +60,12 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
+from hooks.engine.edit_roles import PARTS, bind, finite, load_vector
 from hooks.modelroles import attention_role, moe_role
 from hooks.modelroles.named import (  # noqa: F401 (edits' public names, as before)
     HEAD_ATTRS,
@@ -55,12 +77,29 @@ from hooks.modelroles.named import (  # noqa: F401 (edits' public names, as befo
 from hooks.trace.applied_edit import AppliedEdit
 
 #: The edit operations, in the order the form offers them.
-OPS = ("zero", "drop", "scale", "mean", "patch")
-_KEYS = {"zero": {"head", "expert"}, "drop": {"expert"}, "scale": {"by"}, "mean": set(),
-         "patch": {"from", "pos"}}
-_REQUIRED = {"drop": ("expert",), "scale": ("by",), "patch": ("from",)}
+OPS = ("zero", "drop", "scale", "mean", "patch", "add", "clamp")
+_KEYS = {"zero": {"head", "expert"}, "drop": {"expert"}, "scale": {"by", "factor", "head"},
+         "mean": set(), "patch": {"from", "pos", "head"},
+         "add": {"vector", "tensor", "from", "scale"}, "clamp": {"min", "max"}}
+_REQUIRED = {"drop": ("expert",), "patch": ("from",)}
+#: One of these keys is needed (``scale``: by= or factor=; ``add``: vector= or from=).
+_ONE_OF = {"scale": ("by", "factor"), "add": ("vector", "from"), "clamp": ("min", "max")}
+#: The operations that take a part of an attention module (q, k, v, pattern) after MODULE.
+PART_OPS = ("zero", "scale", "patch")
 # OUT_PROJ_NAMES, HEAD_ATTRS and ROUTER_NAMES (the names tried by the fast path) are
 # hooks.modelroles.named's: edits read the roles every view reads (hooks.modelroles).
+
+
+def _same_number(text: str, value: object) -> bool:
+    try:
+        return float(text) == float(str(value))
+    except ValueError:
+        return False
+
+
+def _num(x: float) -> str:
+    short = f"{x:g}"
+    return short if float(short) == x else repr(x)
 
 
 @dataclass(frozen=True)
@@ -68,13 +107,21 @@ class Edit:
     """One parsed edit spec (see the module docstring for the grammar).
 
     Attributes:
-        op: ``zero``, ``drop``, ``scale``, ``mean`` or ``patch``.
+        op: one of :data:`OPS`.
         module: the module name or ``fnmatch`` pattern.
-        head: query head H (``zero ... head=H``).
+        part: ``q``, ``k``, ``v`` or ``pattern`` of an attention module, or None.
+        head: query head H (a KV head for ``k``/``v`` with grouped KV heads).
         expert: expert E (``zero``/``drop ... expert=E``).
         by: the factor F of ``scale``.
-        source: the name of the batch a ``patch`` takes its output from.
+        by_key: the key it was given with, ``by`` or ``factor``.
+        source: the name of the batch a ``patch`` / ``add`` takes its values from.
         pos: positions of a ``patch`` (the text after ``pos=``), None for all.
+        vector: the safetensors file of ``add … vector=``.
+        tensor: the tensor's name in that file (``tensor=``), None when it holds one.
+        scale: the factor of ``add`` (None: 1).
+        min: ``clamp``'s lower bound, or None.
+        max: ``clamp``'s upper bound, or None.
+        order: ``(key, text)`` as typed, in order (the echo keeps both; not compared).
     """
 
     op: str
@@ -84,6 +131,14 @@ class Edit:
     by: float | None = None
     source: str | None = None
     pos: str | None = None
+    part: str | None = None
+    by_key: str = "by"
+    vector: str | None = None
+    tensor: str | None = None
+    scale: float | None = None
+    min: float | None = None
+    max: float | None = None
+    order: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     @classmethod
     def parse(cls, spec: str) -> Edit:
@@ -92,20 +147,29 @@ class Edit:
 
     @property
     def spec(self) -> str:
-        """The canonical spec text (``parse_edit(e.spec) == e``)."""
-        parts = [self.op, self.module]
-        if self.head is not None:
-            parts.append(f"head={self.head}")
-        if self.expert is not None:
-            parts.append(f"expert={self.expert}")
-        if self.by is not None:
-            short = f"{self.by:g}"
-            parts.append(f"by={short if float(short) == self.by else repr(self.by)}")
-        if self.source is not None:
-            parts.append(f"from={self.source}")
-        if self.pos is not None:
-            parts.append(f"pos={self.pos}")
-        return " ".join(parts)
+        """The spec text as typed: the keys in the order they were typed and the numbers as
+        written (:attr:`order`); for an edit built by hand the grammar's order and ``:g``
+        (``parse_edit(e.spec) == e``)."""
+        values = {"head": self.head, "expert": self.expert,
+                  self.by_key: None if self.by is None else _num(self.by),
+                  "vector": self.vector, "tensor": self.tensor, "from": self.source,
+                  "scale": None if self.scale is None else _num(self.scale),
+                  "min": None if self.min is None else _num(self.min),
+                  "max": None if self.max is None else _num(self.max), "pos": self.pos}
+        typed = dict(self.order)
+        for k, text in typed.items():  # a number as it was typed (1e-3, 0.50) when it is it
+            if k in ("head", "expert", self.by_key, "scale", "min", "max") and \
+                    values.get(k) is not None and _same_number(text, values[k]):
+                values[k] = text
+        keys = [k for k in typed if values.get(k) is not None]
+        keys += [k for k in values if k not in keys and values[k] is not None]
+        head = [self.op, self.module] + ([self.part] if self.part is not None else [])
+        return " ".join(head + [f"{k}={values[k]}" for k in keys])
+
+    @property
+    def needs_source(self) -> bool:
+        """Whether it reads a source batch (``patch``, ``add … from=``)."""
+        return self.source is not None
 
     def __str__(self) -> str:
         return self.spec
@@ -140,24 +204,8 @@ def parse_positions(text: str) -> list[int] | slice:
     return out
 
 
-def parse_edit(spec: str | Edit) -> Edit:
-    """Parse one edit spec (an :class:`Edit` is checked as its spec string is).
-
-    Args:
-        spec: ``"OP MODULE [key=value ...]"``, e.g. ``"zero model.layers.1.self_attn head=3"``.
-
-    Returns:
-        Edit: the parsed edit (not yet checked against a model: :func:`resolve_edits`).
-
-    Raises:
-        ValueError: one line naming the spec and what is wrong (unknown op, missing module,
-            unknown or repeated key, a value that is not a number, ``head`` with ``expert``).
-    """
-    if isinstance(spec, Edit):  # checked like a spec string (an Edit can be built by hand)
-        return parse_edit(spec.spec)
-    if not isinstance(spec, str):
-        raise ValueError(f"an edit is a spec string or a hooks.engine.edits.Edit, got "
-                         f"{type(spec).__name__}")
+def _words(spec: str) -> tuple[str, str, str | None, list[str]]:
+    """``(op, module, part, key=value words)`` of ``spec``, the op and module checked."""
     words = spec.split()
     if not words:
         raise ValueError("empty edit spec: write OP MODULE [key=value], e.g. 'zero "
@@ -169,8 +217,21 @@ def parse_edit(spec: str | Edit) -> Edit:
     if len(words) < 2 or "=" in words[1]:
         raise ValueError(f"edit {spec!r}: name the module after {op!r}, e.g. '{op} "
                          "model.layers.1.mlp'")
+    part = None
+    if len(words) > 2 and "=" not in words[2]:
+        part = words[2]
+        if part not in PARTS:
+            raise ValueError(f"edit {spec!r}: {part!r} is not a part of attention (one of "
+                             f"{', '.join(PARTS)}) nor key=value")
+        if op not in PART_OPS:
+            raise ValueError(f"edit {spec!r}: {op} takes no part {part!r} (only "
+                             f"{', '.join(PART_OPS)} do)")
+    return op, words[1], part, words[3 if part else 2:]
+
+
+def _key_values(spec: str, op: str, words: list[str]) -> dict[str, str]:
     kv: dict[str, str] = {}
-    for w in words[2:]:
+    for w in words:
         key, eq, value = w.partition("=")
         if not eq or not key or not value:
             raise ValueError(f"edit {spec!r}: {w!r} is not key=value")
@@ -183,25 +244,58 @@ def parse_edit(spec: str | Edit) -> Edit:
     for key in _REQUIRED.get(op, ()):
         if key not in kv:
             raise ValueError(f"edit {spec!r}: {op} needs {key}=")
+    one = _ONE_OF.get(op)
+    if one is not None:
+        given = [k for k in one if k in kv]
+        if not given or (len(given) > 1 and op != "clamp"):
+            raise ValueError(f"edit {spec!r}: {op} needs {' or '.join(f'{k}=' for k in one)}"
+                             + ("" if not given else ", not both"))
     if "head" in kv and "expert" in kv:
         raise ValueError(f"edit {spec!r}: give head= or expert=, not both")
-    by = None
-    if "by" in kv:
-        try:
-            by = float(kv["by"])
-        except ValueError:
-            raise ValueError(f"edit {spec!r}: by={kv['by']!r} is not a number") from None
-        if not math.isfinite(by):
-            raise ValueError(f"edit {spec!r}: by must be a finite number, got {kv['by']}")
+    if "tensor" in kv and "vector" not in kv:
+        raise ValueError(f"edit {spec!r}: tensor= names a tensor of vector=FILE")
+    return kv
+
+
+def parse_edit(spec: str | Edit) -> Edit:
+    """Parse one edit spec (an :class:`Edit` is checked as its spec string is).
+
+    Args:
+        spec: ``"OP MODULE [PART] [key=value ...]"``, e.g.
+            ``"zero model.layers.1.self_attn head=3"``, ``"zero blocks.0.attn q head=1"``.
+
+    Returns:
+        Edit: the parsed edit (not yet checked against a model: :func:`resolve_edits`).
+
+    Raises:
+        ValueError: one line naming the spec and what is wrong (unknown op or part, missing
+            module, unknown or repeated key, a value that is not a number, ``head`` with
+            ``expert``, ``min`` above ``max``).
+    """
+    if isinstance(spec, Edit):  # checked like a spec string (an Edit can be built by hand)
+        return parse_edit(spec.spec)
+    if not isinstance(spec, str):
+        raise ValueError(f"an edit is a spec string or a hooks.engine.edits.Edit, got "
+                         f"{type(spec).__name__}")
+    op, module, part, words = _words(spec)
+    kv = _key_values(spec, op, words)
+    by_key = "factor" if "factor" in kv else "by"
+    nums = {k: finite(spec, k, kv[k]) for k in ("by", "factor", "scale", "min", "max")
+            if k in kv}
+    if "min" in nums and "max" in nums and nums["min"] > nums["max"]:
+        raise ValueError(f"edit {spec!r}: min={kv['min']} is above max={kv['max']}")
     if "pos" in kv:
         try:
             parse_positions(kv["pos"])
         except ValueError as exc:
             raise ValueError(f"edit {spec!r}: {exc}") from None
-    return Edit(op, words[1],
+    return Edit(op, module,
                 head=_int(spec, "head", kv["head"]) if "head" in kv else None,
                 expert=_int(spec, "expert", kv["expert"]) if "expert" in kv else None,
-                by=by, source=kv.get("from"), pos=kv.get("pos"))
+                by=nums.get(by_key), source=kv.get("from"), pos=kv.get("pos"), part=part,
+                by_key=by_key, vector=kv.get("vector"), tensor=kv.get("tensor"),
+                scale=nums.get("scale"), min=nums.get("min"), max=nums.get("max"),
+                order=tuple(kv.items()))
 
 
 # -- what the model has -----------------------------------------------------------------------
@@ -293,14 +387,21 @@ class Target:
         edit: the edit.
         name: the qualified name of the module the edit names.
         kind: how it is applied: ``output`` (the module's output), ``head`` (a pre-hook on
-            the output projection), ``expert_list`` (a forward hook on expert E of an
-            ``nn.ModuleList``), ``expert_fused`` (a pre-hook on fused experts called with
-            (hidden, ids, weights)), ``router`` (a forward hook on the router).
+            the output projection: columns ``[start, stop)`` of its input), ``columns`` (a
+            forward hook on a q/k/v projection: columns ``[start, stop)`` of its output),
+            ``pattern`` (the attention module's probabilities), ``expert_list`` (a forward
+            hook on expert E of an ``nn.ModuleList``), ``expert_fused`` (a pre-hook on fused
+            experts called with (hidden, ids, weights)), ``router`` (a forward hook on the
+            router).
         module: the module the hook goes on.
         hooked: its qualified name.
-        size: H (heads) or E (experts), where it applies.
+        size: H (``head``, ``pattern``) or E (experts), where it applies.
         head_dim: Dh for ``head``.
         router_owner: the MoE block, for ``router``.
+        start: first column of ``head``/``columns``.
+        stop: one past its last column.
+        width: the hooked tensor's last dimension for ``head``/``columns``.
+        vector: the steering vector of ``add … vector=``, (D,) or (T, D).
     """
 
     edit: Edit
@@ -311,6 +412,10 @@ class Target:
     size: int | None = None
     head_dim: int | None = None
     router_owner: nn.Module | None = None
+    start: int = 0
+    stop: int = 0
+    width: int = 0
+    vector: Any = None
 
 
 def _match(edit: Edit, modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
@@ -339,17 +444,14 @@ def _target(edit: Edit, name: str, m: nn.Module, by_name: dict[str, nn.Module],
     if _is_container(m):
         raise ValueError(f"{where} is a {type(m).__name__}, a container that is never called; "
                          "name one of its modules")
-    if edit.head is not None:
-        got = attention_role(model, name)
-        if isinstance(got, str):
-            raise ValueError(f"edit {edit.spec!r}: head= needs an attention module: {got}")
-        h, dh = got.num_heads, got.head_dim
-        assert h and dh and got.o
-        if edit.head >= h:
-            raise ValueError(f"{where} has {h} heads (0…{h - 1}); head={edit.head} is out of "
-                             "range")
-        return Target(edit, name, "head", by_name[got.o], got.o, size=h, head_dim=dh)
-    return Target(edit, name, "output", m, name)
+    if edit.head is not None or edit.part is not None:
+        b = bind(model, name, edit.spec, edit.part, edit.head)
+        dh = b.stop - b.start if b.kind == "head" else None
+        size = b.width // dh if dh else (b.width if b.kind == "pattern" else None)
+        return Target(edit, name, b.kind, by_name[b.hooked], b.hooked, size=size, head_dim=dh,
+                      start=b.start, stop=b.stop, width=b.width)
+    vector = load_vector(edit.spec, edit.vector, edit.tensor) if edit.vector else None
+    return Target(edit, name, "output", m, name, vector=vector)
 
 
 def _moe_parts(name: str, m: nn.Module, by_name: dict[str, nn.Module], model: nn.Module,
@@ -409,8 +511,11 @@ def resolve_edits(model: nn.Module, edits: list[str | Edit],
     Raises:
         ValueError: one line: a bad spec, no module matches, the model itself or a container
             named, ``head=`` on a module that is not a recognised attention module or out of
-            range, ``expert=`` on a module without experts or out of range, ``drop`` where no
-            router is found, ``patch`` from a source that was not given.
+            range (a ``k``/``v`` head counts KV heads with grouped KV heads), a part whose
+            projection was not found, ``expert=`` on a module without experts or out of range,
+            ``drop`` where no router is found, ``patch``/``add`` from a source that was not
+            given, ``add … vector=`` of a file that is missing, not safetensors, holds several
+            tensors and no ``tensor=``, or a tensor that is not a finite (D,) or (T, D).
     """
     from hooks.engine.compile import unwrap_compiled
     from hooks.tensors.walk import named_modules
@@ -421,7 +526,7 @@ def resolve_edits(model: nn.Module, edits: list[str | Edit],
     by_name = dict(modules)
     out: list[Target] = []
     for edit in parsed:
-        if edit.op == "patch" and edit.source not in (sources or {}):
+        if edit.needs_source and edit.source not in (sources or {}):
             given = ", ".join(sorted(sources or {})) or "none"
             raise ValueError(f"edit {edit.spec!r}: no source batch named {edit.source!r} "
                              f"(sources given: {given})")
@@ -432,9 +537,10 @@ def resolve_edits(model: nn.Module, edits: list[str | Edit],
 
 def edit_options(model: nn.Module, module: str) -> list[str]:
     """The edit specs that fit ``module`` of ``model`` (templates for the step view's form):
-    ``zero``, ``zero … head=0`` on an attention module, ``zero``/``drop … expert=0`` on an MoE
-    block or its experts, ``scale … by=0.5``, ``mean``, ``patch … from=rolled`` (the batch's
-    rows rolled by one).
+    ``zero``; on an attention module a head's ``zero``/``patch``, its pattern's and its q, k, v
+    edits; ``zero``/``drop … expert=0`` on an MoE block or its experts; ``scale … by=0.5``,
+    ``mean``, ``patch … from=rolled`` (the batch's rows rolled by one), ``add … from=rolled
+    scale=0.5`` (steering by the rolled batch's output), ``clamp … min=-1 max=1``.
 
     Returns:
         list[str]: specs, empty when the module cannot be edited (the model itself, a
@@ -456,10 +562,14 @@ def edit_options(model: nn.Module, module: str) -> list[str]:
         return moe
     out = [f"zero {module}"]
     if not isinstance(attention_role(root, module), str):
-        out.append(f"zero {module} head=0")
-    out += moe + [f"scale {module} by=0.5", f"mean {module}", f"patch {module} from=rolled"]
+        out += [f"zero {module} head=0", f"patch {module} head=0 from=rolled",
+                f"zero {module} pattern head=0", f"patch {module} pattern head=0 from=rolled",
+                f"zero {module} q head=0", f"scale {module} k head=0 by=0.5",
+                f"patch {module} v head=0 from=rolled"]
+    out += moe + [f"scale {module} by=0.5", f"mean {module}", f"patch {module} from=rolled",
+                  f"add {module} from=rolled scale=0.5", f"clamp {module} min=-1 max=1"]
     return out
 
 
-__all__ = ["OPS", "AppliedEdit", "Edit", "Target", "edit_options", "parse_edit", "parse_positions",
-           "resolve_edits"]
+__all__ = ["OPS", "PARTS", "AppliedEdit", "Edit", "Target", "edit_options", "parse_edit",
+           "parse_positions", "resolve_edits"]

@@ -253,6 +253,27 @@ def _softmax_wrapper(orig):
     return softmax
 
 
+def observe_softmax(scores: torch.Tensor, probs: torch.Tensor, dim: int) -> None:
+    """Hand probabilities the model uses but that no intercepted function returned (an edit of
+    the attention pattern, :mod:`hooks.engine.edit_pattern`, computes them under another
+    name) to the active captures, as the softmax of ``scores`` over ``dim`` would be; nothing
+    when no capture records attention.
+
+    Args:
+        scores: (B, H, T, S) scores (``-inf`` where masked).
+        probs: (B, H, T, S) the probabilities the model goes on with.
+        dim: the softmax's dimension (the last).
+    """
+    if _ACTIVE:
+        _dispatch("softmax", (scores, probs, dim))
+
+
+def in_own_computation() -> bool:
+    """Whether this thread is inside an active capture's own computation of a record (its
+    softmax over a call's q·kᵀ, not the model's)."""
+    return any(getattr(cap._local, "busy", False) for cap in _ACTIVE)
+
+
 _MISSING = object()
 
 

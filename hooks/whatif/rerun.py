@@ -221,7 +221,7 @@ def rerun_edited(trace, edits: Sequence[Any], *, sources: Mapping[str, Any] | No
     batch = getattr(replay, "batch", None) or Batch(replay.args, replay.kwargs)
     srcs = dict(sources or {})
     parsed = [parse_edit(e) for e in edits]
-    if any(e.op == "patch" and e.source == ROLLED for e in parsed) and ROLLED not in srcs:
+    if any(e.needs_source and e.source == ROLLED for e in parsed) and ROLLED not in srcs:
         srcs[ROLLED] = rolled(batch)
     meta = {k: v for k, v in (trace.meta or {}).items()
             if k not in ("loss", "ce_loss", "aux_loss", "aux_losses")}

@@ -19,9 +19,11 @@ def add_edit_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``--edit`` and the patch source options."""
     g = parser.add_argument_group("edits (what if)")
     g.add_argument("--edit", metavar="SPEC", action="append", default=[],
-                   help="edit the step: 'zero MODULE [head=H | expert=E]', 'drop MODULE "
-                        "expert=E', 'scale MODULE by=F', 'mean MODULE', 'patch MODULE "
-                        "from=source [pos=P]' (repeatable; applied together)")
+                   help="edit the step: 'zero MODULE [q|k|v|pattern] [head=H | expert=E]', "
+                        "'drop MODULE expert=E', 'scale MODULE [q|k|v|pattern] [head=H] by=F', "
+                        "'mean MODULE', 'patch MODULE [q|k|v|pattern] [head=H] from=source "
+                        "[pos=P]', 'add MODULE vector=FILE.safetensors|from=source [scale=F]', "
+                        "'clamp MODULE min=A max=B' (repeatable; applied together)")
     src = g.add_mutually_exclusive_group()
     src.add_argument("--source-text", metavar="TEXT", default=None,
                      help="patch source: this text, tokenised and cut to the batch's shape as "
@@ -117,7 +119,8 @@ def edit_plan(args: argparse.Namespace, workload) -> tuple[list[str], dict[str, 
     """``(edits, sources)`` of the options, checked against the workload's model before
     anything runs (:func:`hooks.engine.edits.resolve_edits`).
 
-    Every ``patch ... from=NAME`` takes the one source the options give.
+    Every ``patch ... from=NAME`` and ``add ... from=NAME`` takes the one source the options
+    give.
 
     Raises:
         MdbError: a bad spec (one line), a patch without a source, a source given without a
@@ -130,15 +133,15 @@ def edit_plan(args: argparse.Namespace, workload) -> tuple[list[str], dict[str, 
         parsed = [parse_edit(s) for s in specs]
     except ValueError as exc:
         raise MdbError(str(exc)) from None
-    patches = [e for e in parsed if e.op == "patch"]
+    patches = [e for e in parsed if e.needs_source]
     given = any(getattr(args, o, None) is not None
                 for o in ("source_text", "source_ids", "source_batch"))
     if patches and not given:
         raise MdbError(f"edit {patches[0].spec!r}: give the patch source: --source-text TEXT, "
                        "--source-ids IDS or --source-batch MODULE:FUNCTION")
     if given and not patches:
-        raise MdbError("--source-text/--source-ids/--source-batch are for a 'patch' edit; none "
-                       "was given")
+        raise MdbError("--source-text/--source-ids/--source-batch are for a 'patch' edit (or "
+                       "'add … from='); none was given")
     src = source_batch(args, workload)
     # every name typed after from= is the one source the options give; the spec keeps the name
     # that was typed, so it is echoed back as written (``from=clean``)

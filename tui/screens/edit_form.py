@@ -1,14 +1,15 @@
 """``EditFormScreen``: ``e`` in the step view — change one call and re-run the step.
 
 A small form over the current screen: the edits that fit the selected module
-(:func:`hooks.engine.edits.edit_options`: zero, a head, an expert, drop, scale, mean, patch) in a
+(:func:`hooks.engine.edits.edit_options`: zero, a head, its pattern, q, k, v, an expert, drop,
+scale, mean, patch, add, clamp) in a
 list, and the spec itself in an input line to adjust (``head=3``, ``by=0.1``, ``pos=5``).
 Enter on a choice copies it to the input; Enter in the input checks the spec against the model
 (a bad one is said in the form, nothing runs), then re-runs the step with it
 (:func:`hooks.whatif.rerun.rerun_edited`, on top of the edits already applied) in a Textual thread
 worker; the form then closes with ``(b, diff, edits)`` and the what-if diff view opens
-(:func:`tui.screens.edit_diff.open_edit_form` pushed the form). ``patch``
-in the form takes its source from the batch's rows rolled by one (``from=rolled``). Esc
+(:func:`tui.screens.edit_diff.open_edit_form` pushed the form). ``patch`` and ``add … from=``
+in the form take their source from the batch's rows rolled by one (``from=rolled``). Esc
 cancels.
 """
 
@@ -69,8 +70,10 @@ class EditFormScreen(ModalScreen[tuple | None]):
             # no select-all on focus: typing after a pick continues the spec, never replaces it
             yield Input(value=printable(self.options[0]) if self.options else "", id="edit-spec",
                         select_on_focus=False,
-                        placeholder="zero MODULE [head=H | expert=E] · drop MODULE expert=E · "
-                                    "scale MODULE by=F · mean MODULE · patch MODULE from=rolled")
+                        placeholder="zero MODULE [q|k|v|pattern] [head=H | expert=E] · drop "
+                                    "MODULE expert=E · scale MODULE by=F · mean MODULE · patch "
+                                    "MODULE [head=H] from=rolled · add MODULE from=rolled · "
+                                    "clamp MODULE min=A max=B")
             yield Static(HINT, id="edit-hint", markup=False)
 
     def on_mount(self) -> None:
@@ -125,10 +128,10 @@ class EditFormScreen(ModalScreen[tuple | None]):
         from hooks.whatif.rerun import ROLLED
 
         parsed = [parse_edit(e) for e in edits]
-        sources = {e.source: None for e in parsed if e.op == "patch"}
+        sources = {e.source: None for e in parsed if e.needs_source}
         bad = [s for s in sources if s != ROLLED]
         if bad:
-            raise ValueError(f"patch in the step view takes from={ROLLED} (the batch's rows "
+            raise ValueError(f"patch and add in the step view take from={ROLLED} (the batch's rows "
                              f"rolled by one), not from={bad[0]}")
         resolve_edits(self.trace.replay.model, parsed, sources)
 
