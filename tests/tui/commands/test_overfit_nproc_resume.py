@@ -214,7 +214,7 @@ def test_quitting_the_live_screen_of_an_fsdp_job_says_fsdp2(tmp_path, capsys, mo
         def run(self) -> None:
             pass
 
-    monkeypatch.setattr(overfit_ddp, "is_terminal", lambda stream: True)
+    monkeypatch.setattr(overfit_ddp, "has_screen", lambda: True)
     monkeypatch.setattr(tui.live_app, "make_watch_app", lambda store, info: _Screen())
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     db = tmp_path / "m.sqlite"
