@@ -90,3 +90,51 @@ def test_a_lightning_decay_everything_optimizer_is_caught(tmp_path):
     assert sorted(wd["param group 0"].detail["params"]) == sorted(
         n for n, p in _Module().named_parameters() if p.ndim < 2)
     assert wd["param group 0 (embeddings)"].detail["params"] == ["lm.embed.weight"]
+
+
+class _Memorise(pl.LightningModule):
+    """TinyLM without dropout, Adam at 1e-2: one batch repeated is memorised within a few
+    steps, so a random batch's loss jumps far above the running median."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lm = TinyLM(p=0.0)
+
+    def forward(self, input_ids, labels=None):
+        return self.lm(input_ids, labels=labels)
+
+    def training_step(self, batch, batch_idx):
+        loss = self(**batch)[1]
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def test_a_lightning_step_whose_loss_spikes_is_captured_before_its_update(tmp_path):
+    """Step ``bad`` trains on a random batch after 29 steps of one memorised batch: its loss
+    spikes, and the step is captured (replayed before the optimizer applies it) with its own
+    input ids, although ``every`` never comes."""
+    from hooks.integrations.lightning import MdbCallback
+    from hooks.train.trainer import load_trace
+
+    bad, steps = 30, 34
+    same = batches(1, b=2, seed=0)[0]
+    odd = batches(1, b=2, seed=7)[0]
+    data = [odd if step == bad else same for step in range(1, steps + 1)]
+    loader = torch.utils.data.DataLoader(data, batch_size=None, shuffle=False)
+    cb = MdbCallback("pl-spike", db=tmp_path / "mdb.sqlite", every=1000)
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=str(tmp_path),
+                         callbacks=[cb])
+    trainer.fit(_Memorise(), loader)
+    with RunStore(tmp_path / "mdb.sqlite") as store:
+        info = store.run("pl-spike")
+        assert bad in store.internals_steps(info.id)
+        trace = load_trace(store, info.id, bad)
+    assert trace.meta["trigger"]["reason"] in ("loss spike", "gradient-norm spike")
+    assert torch.equal(trace.tensors["batch/input_ids"], odd["input_ids"])
+    assert trace.forward  # the module's own forward ran under the capture
