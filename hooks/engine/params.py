@@ -116,10 +116,12 @@ class GradStatsBuffer:
         tensor kept); a later call for the same name replaces them (accumulation)."""
         gf, wf = flat_grad_weight(grad, weight)
         lo, hi = torch.aminmax(gf)
-        # dot(x, x) is the fastest sum of squares on CPU (BLAS); sqrt taken at exit
-        row = torch.stack((torch.dot(gf, gf), lo, hi, torch.dot(wf, wf)))
-        self._table(row.device)[self._row[name]].copy_(row)
-        self._seen[name] = row.device
+        # dot(x, x) is the fastest sum of squares on CPU (BLAS); sqrt taken at exit; stacked
+        # straight into the row (cast to the table's dtype), no tensor of its own
+        device = gf.device
+        torch.stack((torch.dot(gf, gf), lo, hi, torch.dot(wf, wf)),
+                    out=self._table(device)[self._row[name]])
+        self._seen[name] = device
 
     def values(self) -> dict[str, tuple[float, float, float, float]]:
         """name -> the four numbers as Python floats, for every parameter that reported
