@@ -251,7 +251,6 @@ class Capture(CompiledReplay):
         tr.captured = self.sampled
         if not tr.captured:
             return tr
-        check_data(named_modules(unwrap_compiled(self.model)))
         # thousands of small objects from here to stop() (the hooks' handles, the records):
         # fewer young-generation GC passes (a pass walks every young object; a pass of the
         # middle generation cost a captured step of minillm `tiny` ~2.5 ms)
@@ -263,6 +262,7 @@ class Capture(CompiledReplay):
             raise
 
     def _start_recording(self, tr: Trace) -> Trace:
+        check_data(named_modules(unwrap_compiled(self.model)))
         # a sharded model (DTensor parameters): full-tensor statistics reduced across the mesh
         self._dist = MeshStats.for_model(self.model, self.bins)
         # CPU statistics on the worker thread (hooks.tensors.stats), checked against in-place writes
