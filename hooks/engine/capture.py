@@ -259,6 +259,17 @@ class Capture(CompiledReplay):
         tr.captured = self.sampled
         if not tr.captured:
             return tr
+        # thousands of small objects from here to stop() (the hooks' handles, the records):
+        # fewer young-generation GC passes (a pass walks every young object; a pass of the
+        # middle generation cost a captured step of minillm `tiny` ~2.5 ms)
+        fewer_gc_passes()
+        try:
+            return self._start_recording(tr)
+        except BaseException:
+            gc_passes_back()
+            raise
+
+    def _start_recording(self, tr: Trace) -> Trace:
         check_data(named_modules(unwrap_compiled(self.model)))
         # a sharded model (DTensor parameters): full-tensor statistics reduced across the mesh
         self._dist = MeshStats.for_model(self.model, self.bins)
@@ -299,14 +310,8 @@ class Capture(CompiledReplay):
                 self._handles.append(
                     p.register_post_accumulate_grad_hook(partial(self._on_param, name)))
         self._active = True
-        # thousands of small objects until stop(): fewer young-generation GC passes
-        fewer_gc_passes()
         if self._attention is not None and not self._replay_mode:
-            try:
-                self._attention.start()  # last: nothing is left installed if start() raised
-            except BaseException:
-                gc_passes_back()
-                raise
+            self._attention.start()  # last: nothing is left installed if start() raised
         off = "compiled" if self._replay_mode else "sharded" if self._dist else None
         self._memory = memory_tracker(self.memory, off, tr, self._stack, self._modules,
                                       self.optimizer)

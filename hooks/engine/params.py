@@ -116,10 +116,12 @@ class GradStatsBuffer:
         tensor kept); a later call for the same name replaces them (accumulation)."""
         gf, wf = flat_grad_weight(grad, weight)
         lo, hi = torch.aminmax(gf)
-        # dot(x, x) is the fastest sum of squares on CPU (BLAS); sqrt taken at exit
-        row = torch.stack((torch.dot(gf, gf), lo, hi, torch.dot(wf, wf)))
-        self._table(row.device)[self._row[name]].copy_(row)
-        self._seen[name] = row.device
+        # dot(x, x) is the fastest sum of squares on CPU (BLAS); sqrt taken at exit; stacked
+        # straight into the row (cast to the table's dtype), no tensor of its own
+        device = gf.device
+        torch.stack((torch.dot(gf, gf), lo, hi, torch.dot(wf, wf)),
+                    out=self._table(device)[self._row[name]])
+        self._seen[name] = device
 
     def values(self) -> dict[str, tuple[float, float, float, float]]:
         """name -> the four numbers as Python floats, for every parameter that reported
@@ -130,18 +132,22 @@ class GradStatsBuffer:
 
 
 def flat_grad_weight(grad: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(g, w)``: a gradient and its weight as 1-D detached tensors (views when contiguous;
-    no graph even under create_graph, so no no_grad() is needed) in one float dtype (fp32 for
-    half, bf16 and integer gradients); a sparse gradient's stored values; ``([0.], [0.])`` in
-    fp64 for an empty gradient."""
-    g = grad.detach()
+    """``(g, w)``: a gradient and its weight as 1-D tensors that record no graph (views when
+    contiguous; detached while grad mode is on, as under create_graph, so no no_grad() is
+    needed; a post-accumulate-grad hook otherwise runs in no-grad mode, where reading them
+    records nothing and the two detaches are saved) in one float dtype (fp32 for half, bf16
+    and integer gradients); a sparse gradient's stored values; ``([0.], [0.])`` in fp64 for
+    an empty gradient."""
+    detach = torch.is_grad_enabled()
+    g = grad.detach() if detach else grad
     if g.is_sparse:
         g = g.coalesce().values()
     if g.numel() == 0:  # |g|^2 = min = max = 0; |w|^2 = 0 too (as before)
         return g.new_zeros(1, dtype=torch.float64), g.new_zeros(1, dtype=torch.float64)
     if g.dtype not in (torch.float32, torch.float64):
         g = g.float()
-    w = w.detach()
+    if detach:
+        w = w.detach()
     if w.dtype is not g.dtype:
         w = w.to(g.dtype)
     return (g.view(-1) if g.is_contiguous() else g.reshape(-1),
