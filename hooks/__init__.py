@@ -48,7 +48,8 @@ import types
 # :func:`_load`.
 _LAZY: dict[str, str] = {
     **dict.fromkeys(("Batch", "BatchError", "LossChoice", "from_factory", "select_loss"), "batch"),
-    **dict.fromkeys(("Capture", "Selector", "capture", "module_infos"), "engine.capture"),
+    **dict.fromkeys(("Capture", "Selector", "capture"), "engine.capture"),
+    "module_infos": "trace.modules",
     **dict.fromkeys(
         (
             "BlockRoutingProbe",
@@ -169,6 +170,8 @@ def _load(module: str) -> types.ModuleType:
         import hooks.tensors.stats  # noqa: F401 (read from sys.modules)
     elif module == "trace.diff":
         import hooks.trace.diff  # noqa: F401 (read from sys.modules)
+    elif module == "trace.modules":
+        import hooks.trace.modules  # noqa: F401 (read from sys.modules)
     elif module == "trace.records":
         import hooks.trace.records  # noqa: F401 (read from sys.modules)
     elif module == "trace.trace":

@@ -62,11 +62,11 @@ from hooks.probes.routing import ExpertsRouting
 from hooks.sharded.stats import MeshStats, Results, is_dtensor, local_piece
 from hooks.tensors.stats import NUM_BINS, StatsBatch, TensorStats
 from hooks.tensors.walk import LeftOut, dtype_name, find_tensors, named_modules, named_parameters
+from hooks.trace.modules import module_infos  # noqa: F401  (hooks.module_infos)
 from hooks.trace.ops import Replay
 from hooks.trace.records import (
     CallRecord,
     GradRecord,
-    ModuleInfo,
     Note,
     ParamGradRecord,
     TensorInfo,
@@ -88,44 +88,6 @@ def _matches(name: str, module: nn.Module, selectors: Sequence[Selector]) -> boo
         elif fnmatch.fnmatchcase(name, sel) or (sel and name.startswith(sel + ".")):
             return True
     return False
-
-
-def module_infos(
-    model: nn.Module, modules: list[tuple[str, nn.Module]] | None = None
-) -> list[ModuleInfo]:
-    """Every module of ``model.named_modules()`` order, with own and total parameter counts.
-
-    A tied parameter (``lm_head.weight is embed_tokens.weight``) counts in ``own_params`` of each
-    module that registers it, and once in ``total_params`` of any module holding it.
-    ``modules`` is ``hooks.tensors.walk.named_modules(model)`` when the caller already has it.
-    """
-    if modules is None:
-        modules = named_modules(model)
-    own: dict[str, int] = {}
-    total: dict[str, int] = {}
-    seen: dict[str, set[int]] = {}
-    for qname, p in named_parameters(modules, remove_duplicate=False):
-        owner, _, _ = qname.rpartition(".")
-        own[owner] = own.get(owner, 0) + p.numel()
-        prefix = owner
-        while True:
-            ids = seen.setdefault(prefix, set())
-            if id(p) not in ids:
-                ids.add(id(p))
-                total[prefix] = total.get(prefix, 0) + p.numel()
-            if not prefix:
-                break
-            prefix = prefix.rpartition(".")[0]
-    return [
-        ModuleInfo(
-            name,
-            type(m).__name__,
-            0 if name == "" else name.count(".") + 1,
-            own.get(name, 0),
-            total.get(name, 0),
-        )
-        for name, m in modules
-    ]
 
 
 class Capture(CompiledReplay):
