@@ -158,6 +158,7 @@ class Capture(CompiledReplay):
                                          ": the edits were not applied"))
         self._active = False
         self._started = False
+        self._memory = None  # the memory tracker, from start() (paused() reads it before)
 
     # -- public lifecycle -----------------------------------------------------------------------
     @property
