@@ -21,12 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
+# the final norm's names beside that list are the roles' name fast path's (one definition)
+from hooks.modelroles.named import FINAL_NORM_NAMES
+
 #: Names a decoder-only model gives the list of its blocks (Llama ``layers``, GPT-2 ``h``).
 LAYER_LIST_NAMES = ("layers", "h", "blocks", "layer", "decoder_layers")
-#: Names the final norm has beside that list (Llama ``norm``, GPT-2 ``ln_f``, NeoX
-#: ``final_layer_norm``, Falcon ``ln_f``, Phi ``final_layernorm``, Mamba ``norm_f``).
-FINAL_NORM_NAMES = ("norm", "ln_f", "final_layer_norm", "final_layernorm", "norm_f",
-                    "final_norm", "ln_out")
 
 
 @dataclass(frozen=True, slots=True)
