@@ -52,6 +52,22 @@ async def test_m_shows_the_tree_and_enter_opens_the_module(step):
         assert app.screen.stepper.module == "model.layers.1.self_attn"
 
 
+async def test_at_80x24_every_column_fits_and_an_empty_kind_is_left_out(step):
+    """No horizontal scrolling at 80 columns: the module column gives way to the numbers. The
+    step was captured without an optimizer: no optimizer column (the totals say 0 B)."""
+    trace, _ = step
+    app = make_step_app(trace)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("m")
+        await pilot.pause()
+        table = app.screen.query_one("#memory-table", DataTable)
+        keys = [c.key.value for c in table.ordered_columns]
+        assert keys == ["module", "most", "param", "grad", "saved", "retained", "total"]
+        assert table.virtual_size.width <= table.scrollable_content_region.width
+        peak = str(app.screen.query_one("#memory-peak", Static).render())
+        assert "optimizer state 0 B" in peak
+
+
 async def test_a_trace_without_memory_says_so(step):
     import dataclasses
 

@@ -21,6 +21,10 @@ from tui.screens.view import VIEW_BINDINGS, ViewScreen
 
 #: Widest the module column gets (cells); deeper names are cut with an ellipsis.
 MODULE_WIDTH = 26
+#: Narrowest it gets on a small terminal, where the byte columns take the rest.
+MODULE_MIN_WIDTH = 12
+#: Cells a byte column takes ("75.5 MiB" and the table's padding).
+BYTES_WIDTH = 10
 
 
 class MemoryScreen(ViewScreen):
@@ -71,25 +75,32 @@ class MemoryScreen(ViewScreen):
         self.query_one("#title", Static).update(
             f"memory · {human_bytes(mem.total_bytes)} in all · peak {human_bytes(peak.bytes)}")
         self.query_one("#status", Static).update(
-            "bytes per module, its descendants included; children largest first · Enter: the "
-            "module's first call")
+            "bytes per module, descendants included, largest first · Enter: its first call")
         table = self.query_one("#memory-table", DataTable)
         rows = walk(tree)
-        labels = [printable("  " * r.depth + (r.name.rsplit(".", 1)[-1] if r.name else "(root)"))
+        # a kind with no byte anywhere (no optimizer given) is left out: its 0 B is in the totals
+        kinds = [k for k in KINDS if any(r.bytes[k] for r in rows)]
+        heads = ["retained", "total"]
+        # the byte columns first: the module column takes what an 80-column terminal leaves
+        most = max((len(r.dominant) for r in rows if r.total), default=4)
+        fixed = BYTES_WIDTH * (len(kinds) + len(heads)) + most + 6  # padding, scrollbar
+        width = max(MODULE_MIN_WIDTH, min(MODULE_WIDTH, self.app.size.width - fixed))
+        indent = 2 if width == MODULE_WIDTH else 1
+        labels = [printable(" " * indent * r.depth
+                            + (r.name.rsplit(".", 1)[-1] if r.name else "(root)"))
                   for r in rows]
-        # at most MODULE_WIDTH cells (a deep name cut at its end), so the numbers fit 100 columns
-        table.add_column("module", key="module",
-                         width=min(max(map(len, labels), default=6), MODULE_WIDTH))
+        table.add_column("module", key="module", width=min(max(map(len, labels), default=6),
+                                                           width))
         table.add_column("most", key="most")  # before the numbers: never cut off at the edge
-        for kind in KINDS:
+        for kind in kinds:
             table.add_column(HEADERS[kind], key=kind)
-        for head in ("retained", "total"):
+        for head in heads:
             table.add_column(head, key=head)
         for row, label in zip(rows, labels, strict=True):
             cells = [Text(label, overflow="ellipsis", no_wrap=True),  # never markup
                      Text(row.dominant if row.total else "—")]
             cells += [Text(human_bytes(row.bytes[k]) if row.bytes[k] else "—", justify="right")
-                      for k in KINDS]
+                      for k in kinds]
             cells += [Text(human_bytes(row.retained) if row.retained else "—", justify="right"),
                       Text(human_bytes(row.total), justify="right")]
             table.add_row(*cells, key=str(len(self.names)))
