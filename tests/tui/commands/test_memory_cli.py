@@ -30,6 +30,33 @@ def test_table_piped_lists_every_module_and_the_totals(capsys):
     assert "step total" in text and "peak" in text and "(AdamW, estimated)" in text
 
 
+@pytest.mark.parametrize("columns", [80, 60])
+def test_piped_at_columns_every_line_fits_and_no_number_is_cut(capsys, monkeypatch, columns):
+    """``$COLUMNS`` piped (as ``mdb summary``): columns are left out by priority and said
+    under the table, names cut; every figure printed is whole, the root's as the JSON's."""
+    from hooks.whatif.memory_fit import human_bytes
+
+    argv = ["memory", "--preset", "tiny", "--seq-len", "16"]
+    assert cli.main([*argv, "--json"]) == 0
+    root = json.loads(capsys.readouterr().out)["modules"][0]
+    monkeypatch.setenv("COLUMNS", str(columns))
+    assert cli.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("module"))
+    end = next(i for i, line in enumerate(lines) if line.startswith(("left out", "step total")))
+    table = [line for line in lines[head:end] if line.strip()]
+    assert all(len(line) <= columns for line in table)
+    figure = re.compile(r"(\d+(\.\d+)? (B|KiB|MiB)|—)")
+    for row in table[2:]:  # after the (possibly cut) name, whole figures only, total last
+        name, *rest = re.split(r"\s{2,}", row.strip())
+        assert rest and all(figure.fullmatch(c) for c in rest), row
+        assert re.fullmatch(r"\d+(\.\d+)? (B|KiB|MiB)", rest[-1]), row
+    cells = table[2].split()
+    assert cells[0] == "(root)" and " ".join(cells[-2:]) == human_bytes(root["total"])
+    assert human_bytes(root["param"]) in table[2]
+    assert any(line.startswith(f"left out to fit {columns} columns:") for line in lines)
+
+
 def test_json_document_holds_the_models_parameter_bytes(capsys):
     assert cli.main(["memory", "--preset", "tiny", "--seq-len", "16", "--json",
                      "--optimizer", "sgd"]) == 0
