@@ -233,7 +233,9 @@ class Capture(CompiledReplay):
             raise
 
     def _start_recording(self, tr: Trace) -> Trace:
-        check_data(named_modules(unwrap_compiled(self.model)))
+        root = unwrap_compiled(self.model)
+        self._modules = named_modules(root)
+        check_data(self._modules)
         # a sharded model (DTensor parameters): full-tensor statistics reduced across the mesh
         self._dist = MeshStats.for_model(self.model, self.bins)
         # CPU statistics on the worker thread (hooks.tensors.stats), checked against in-place writes
@@ -247,9 +249,7 @@ class Capture(CompiledReplay):
 
         if self._editor is not None:  # patch sources run first; edit hooks go first
             self._editor.start()
-        root = unwrap_compiled(self.model)
         tr.model_type = type(root).__name__
-        self._modules = named_modules(root)
         tr.modules = module_infos(root, self._modules)
         self._start_eager(root)
         # routing from each MoE block's experts call; attention from the model's own calls

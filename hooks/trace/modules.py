@@ -20,21 +20,23 @@ def module_infos(
     """
     if modules is None:
         modules = named_modules(model)
+    params = named_parameters(modules, remove_duplicate=False)
     own: dict[str, int] = {}
-    total: dict[str, int] = {}
-    seen: dict[str, set[int]] = {}
-    for qname, p in named_parameters(modules, remove_duplicate=False):
-        owner, _, _ = qname.rpartition(".")
+    for qname, p in params:
+        owner = qname.rpartition(".")[0]
         own[owner] = own.get(owner, 0) + p.numel()
-        prefix = owner
-        while True:
-            ids = seen.setdefault(prefix, set())
-            if id(p) not in ids:
-                ids.add(id(p))
-                total[prefix] = total.get(prefix, 0) + p.numel()
-            if not prefix:
-                break
-            prefix = prefix.rpartition(".")[0]
+    total = _totals(modules, own)
+    registered: dict[int, list[str]] = {}
+    for qname, p in params:
+        registered.setdefault(id(p), []).append(qname)
+    for qname, p in params:  # a tied parameter: once in each module holding it
+        names = registered[id(p)]
+        if len(names) > 1 and names[0] == qname:
+            for prefix, n in _holders(names).items():
+                if n > 1 and prefix in total:
+                    total[prefix] -= (n - 1) * p.numel()
+    for name, m in _holding_aliases(modules):  # a submodule listed under another name first
+        total[name] = sum(p.numel() for p in m.parameters())
     return [
         ModuleInfo(
             name,
@@ -45,3 +47,47 @@ def module_infos(
         )
         for name, m in modules
     ]
+
+
+def _totals(modules: list[tuple[str, nn.Module]], own: dict[str, int]) -> dict[str, int]:
+    """Each module's own count added to its ancestors', children before parents
+    (``named_modules`` lists a parent before its children); a tied parameter counts once per
+    name here."""
+    total = dict.fromkeys((name for name, _ in modules), 0)
+    for name, _ in reversed(modules):
+        total[name] += own.get(name, 0)
+        if name:
+            parent = name.rpartition(".")[0]
+            if parent in total:
+                total[parent] += total[name]
+    return total
+
+
+def _holding_aliases(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The modules whose subtree holds a module that ``named_modules`` lists under another
+    name (one module in two places: its parameters are not under this name in the list)."""
+    first = {id(m): name for name, m in modules}
+    marked: set[str] = set()
+    for name, m in modules:
+        for key, child in m._modules.items():  # torch's own children table (no copy)
+            if child is not None and first.get(id(child)) != (f"{name}.{key}" if name else key):
+                prefix = name
+                while prefix not in marked:
+                    marked.add(prefix)
+                    if not prefix:
+                        break
+                    prefix = prefix.rpartition(".")[0]
+    return [(name, m) for name, m in modules if name in marked]
+
+
+def _holders(qnames: list[str]) -> dict[str, int]:
+    """Per module prefix, how many of ``qnames`` (one parameter's names) it holds."""
+    held: dict[str, int] = {}
+    for qname in qnames:
+        prefix = qname.rpartition(".")[0]
+        while True:
+            held[prefix] = held.get(prefix, 0) + 1
+            if not prefix:
+                break
+            prefix = prefix.rpartition(".")[0]
+    return held

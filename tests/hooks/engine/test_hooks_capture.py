@@ -351,6 +351,44 @@ def test_module_infos_counts_own_and_total_params_with_tying():
     assert info["1.0"].depth == 2 and info[""].depth == 0
 
 
+def _odd_sharing() -> nn.Module:
+    """A parameter registered three times (two under one parent), and a module reachable
+    under two names."""
+    shared = nn.Parameter(torch.zeros(7))
+    inner = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    inner[0].tied, inner[1].tied = shared, shared
+    model = nn.Sequential(inner, nn.Linear(2, 5), nn.Sequential(nn.Linear(5, 5)))
+    model[1].tied = shared
+    model[2].again = inner[1]
+    return model
+
+
+@pytest.mark.parametrize("build", ["minillm", "gpt2", "odd"])
+def test_module_infos_totals_equal_torchs_own_parameters_count(build):
+    """Every module's total is ``sum(p.numel() for p in module.parameters())``: torch walks
+    the subtree and counts a tied parameter once (the reference), with tying within a layer,
+    across the model (GPT-2's wte/lm_head) and a module reached under two names."""
+    from hooks.trace.modules import module_infos
+
+    if build == "minillm":
+        from minillm import MiniLLM, load_preset
+
+        model = MiniLLM(load_preset("tiny"))
+    elif build == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100,
+                                           n_positions=16, bos_token_id=0, eos_token_id=0))
+    else:
+        model = _odd_sharing()
+    infos = module_infos(model)
+    assert [m.name for m in infos] == [n for n, _ in model.named_modules()]
+    for info, (_, module) in zip(infos, model.named_modules(), strict=True):
+        assert info.total_params == sum(p.numel() for p in module.parameters()), info.name
+        own = sum(p.numel() for p in module.parameters(recurse=False))
+        assert info.own_params == own, info.name
+
+
 def test_compiled_model_is_said():
     model = nn.Linear(2, 2)
     compiled = torch.compile(model)
