@@ -42,8 +42,11 @@ What it does, and what it costs the loop:
   for SIGINT, your own handler if you installed one first); where that was the default action
   (terminate), the run is saved first and the process then terminates by the same signal. A
   signal that was ignored (``SIG_IGN``, e.g. SIGHUP under ``nohup``) stays ignored. The
-  previous handlers are restored when the run finishes. (Handlers can only be installed from
-  the main thread; a run started in another thread leaves signals alone.)
+  handlers are in place before the run is created: a signal that comes while it is being
+  opened (a ``torchrun`` job stopped while its ranks start) acts once it is open, so the run
+  never stays ``running``. The previous handlers are restored when the run finishes.
+  (Handlers can only be installed from the main thread; a run started in another thread
+  leaves signals alone.)
 * An exception that leaves the ``with`` block marks the run ``failed`` with the exception's last
   line, and propagates. A run left open when the interpreter exits is finished then (or marked
   ``failed`` by an uncaught exception).
@@ -226,11 +229,7 @@ class Run(RunControls, RunProcess, RunWriterThread):
         self._link: Any = None
         # rank 0 / one process: room for the final status once the disk is full
         self._reserve: DiskReserve | None = None
-        job = _job()
         self.name, self.id = None, None  # on ranks other than 0: rank 0's, once it says
-        if job is None or job.rank == 0:
-            self._create_run(name, config, kind, job, gather_every)
-        say_world_size(job)
         self._logged = False
         self._queue: collections.deque = collections.deque()
         self._traces_in = 0  # written by the caller's thread only
@@ -262,6 +261,25 @@ class Run(RunControls, RunProcess, RunWriterThread):
         self._nf_order: tuple[int, int] | None = None
         self._sample: tuple[int, str, str] | None = None
         self._thread: threading.Thread | None = None
+        self._prev_handlers: dict[int, Any] = {}
+        # the handlers go in before the run exists: a signal that comes while it is opened (a
+        # job stopped while its ranks start) waits until it is open, then ends it interrupted
+        self._opening = True
+        self._install_signals()
+        try:
+            self._open(_job(), name, config, kind, gather_every)
+        except BaseException:
+            self._open_failed()
+            raise
+        self._opened()
+
+    def _open(self, job: Any, name: str | None, config: dict[str, Any], kind: str,
+              gather_every: int) -> None:
+        """Create the run (rank 0, or a single process) and start what records it: the writer
+        thread and the control poller there, the link to the other ranks in a job."""
+        if job is None or job.rank == 0:
+            self._create_run(name, config, kind, job, gather_every)
+        say_world_size(job)
         if job is None or job.rank == 0:
             self._thread = threading.Thread(
                 target=self._writer_main, name=f"mdb-run-writer-{self.id}", daemon=True
@@ -277,8 +295,6 @@ class Run(RunControls, RunProcess, RunWriterThread):
             if job.rank == 0:
                 link.publish_run({"name": self.name, "id": self.id, "db": str(self.db)})
             link.start()
-        self._prev_handlers: dict[int, Any] = {}
-        self._install_signals()
         self._prev_excepthook = sys.excepthook
         sys.excepthook = self._excepthook
         atexit.register(self._atexit)

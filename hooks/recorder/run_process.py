@@ -1,7 +1,13 @@
 """What the process does to a :class:`hooks.recorder.run.Run`: signals, and ``os.fork()``.
 
 * SIGINT, SIGTERM and SIGHUP mark the run ``interrupted`` (see :mod:`hooks.recorder.run`): the
-  handlers installed here note the signal and call the one that was there before.
+  handlers installed here note the signal and call the one that was there before. They are
+  installed before the run is created: a signal that comes while the run is being opened (its
+  row may already be in the store, its writer not started yet) is held until the run is open
+  and then acts as it would have (:meth:`RunProcess._opened`), so a run never stays
+  ``running`` because its process was stopped while it started (a ``torchrun`` job stopped
+  while its ranks start). If opening fails, the held signal goes to the handlers that were
+  there before.
 * A process forked after ``hooks.run`` was opened (``os.fork()``, a ``multiprocessing``
   worker started by fork) inherits the run but not its writer thread, and SQLite connections
   must not cross a fork: the child's :meth:`~hooks.recorder.run.Run.log` calls are not recorded.
@@ -44,6 +50,8 @@ class RunProcess:
 
     _forked_from: int | None = None  # in a forked child: the parent's pid
     _said_forked = False
+    _opening = False  # the run is being opened: a signal is held (_pending) until it is open
+    _pending: int | None = None  # the first signal that came while the run was being opened
 
     def _track_fork(self) -> None:
         """Called by the process that records the run (its writer thread is here)."""
@@ -87,9 +95,30 @@ class RunProcess:
                 if signal.getsignal(sig) == self._on_signal:
                     signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
 
+    def _opened(self) -> None:
+        """The run is open (its writer, poller and link started): a signal held while it was
+        being opened acts now."""
+        self._opening = False  # first: a signal from here on acts at once, none is lost
+        held, self._pending = self._pending, None
+        if held is not None:
+            self._on_signal(held, None)
+
+    def _open_failed(self) -> None:
+        """Opening the run raised: the handlers that were there before are back, and a signal
+        held meanwhile goes to them."""
+        self._restore_signals()
+        self._opening = False
+        held, self._pending = self._pending, None
+        if held is not None:
+            signal.raise_signal(held)
+
     def _on_signal(self, signum: int, frame: Any) -> None:
         # Runs in the main thread between two bytecodes of the loop: it takes no lock the
         # loop may hold (log() only appends to a deque).
+        if self._opening:  # the run is not open yet: finish() cannot save it; see _opened
+            if self._pending is None:
+                self._pending = signum
+            return
         prev = self._prev_handlers.get(signum)
         if not self._done:
             if self._finishing:

@@ -226,3 +226,80 @@ def test_quitting_the_live_screen_of_an_fsdp_job_says_fsdp2(tmp_path, capsys, mo
     with RunStore(db) as store:
         assert store.run("q1").status == "interrupted"
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["m-logs"]
+
+
+#: A ``sitecustomize`` for the job's rank 0 (torchrun sets ``RANK``): ``RunStore.create_run``
+#: holds the rank right after the run's row is committed (before anything records it) until
+#: the test says go.
+_HOLD_RANK_0 = """
+import os, time
+from pathlib import Path
+
+if os.environ.get("RANK") == "0" and "LOCAL_RANK" in os.environ:
+    from hooks.store.store import RunStore
+
+    _created = RunStore.create_run
+
+    def create_run(self, *args, **kwargs):
+        writer = _created(self, *args, **kwargs)
+        hold = Path({hold!r})
+        (hold / "created").touch()
+        deadline = time.monotonic() + 300
+        while not (hold / "go").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return writer
+
+    RunStore.create_run = create_run
+"""
+
+
+@pytest.mark.slow
+def test_quitting_the_live_screen_while_rank_0_opens_the_run_ends_it_interrupted(
+        tmp_path, capsys, monkeypatch):
+    """The start-up race forced: the live screen is left while rank 0 has created the run
+    but not yet started recording it, and rank 0 goes on only once the job was sent SIGTERM.
+    Before the fix rank 0 died of the signal there, the run stayed ``running`` and the command
+    exited 1 (``the FSDP2 job ended ... but the run was not closed``); now the run ends
+    interrupted (SIGTERM), exit 0, and the job's log stays."""
+    import tui.commands.overfit_ddp as overfit_ddp
+    import tui.live_app
+
+    hold, site = tmp_path / "hold", tmp_path / "site"
+    hold.mkdir()
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_HOLD_RANK_0.format(hold=str(hold)), "utf-8")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(site), *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])]))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+    class _Screen:
+        def run(self) -> None:  # q as soon as rank 0 is held inside the window
+            wait_for(lambda: (hold / "created").exists(), timeout=600,
+                     what="rank 0 created the run")
+
+    sent: list[int] = []
+    send = overfit_ddp._Job.send
+
+    def send_then_go(job, signum: int) -> None:
+        send(job, signum)
+        sent.append(signum)
+        (hold / "go").touch()  # the signal is on its way: rank 0 may go on
+
+    monkeypatch.setattr(overfit_ddp, "has_screen", lambda: True)
+    monkeypatch.setattr(tui.live_app, "make_watch_app", lambda store, info: _Screen())
+    monkeypatch.setattr(overfit_ddp._Job, "send", send_then_go)
+    db = tmp_path / "m.sqlite"
+    rc = main(["overfit", "--nproc", "2", "--fsdp", "--steps", "400", "--every", "0",
+               "--db", str(db), "--run", "q2"])
+    out, err = capsys.readouterr()
+    assert sent[:1] == [signal.SIGTERM], sent
+    assert rc == 0, out + err
+    assert "mdb: stopping the FSDP2 job…" in err and "DDP" not in err, err
+    assert "run q2 interrupted (SIGTERM) after step 0" in out, out
+    with RunStore(db) as store:
+        run = store.run("q2")
+        assert (run.status, run.reason, run.world_size) == ("interrupted", "SIGTERM", 2)
+    log = (tmp_path / "m-logs" / "q2.log").read_text("utf-8")
+    assert "mdb: recording run q2 (2 ranks)" in log, log
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["hold", "m-logs",
+                                                                          "site"]
