@@ -27,6 +27,7 @@ from torch import nn
 from hooks.modelroles import attention_role, find_roles
 from hooks.modelroles.found import AttentionRole
 from hooks.modelroles.lookup import attention_hint
+from hooks.modelroles.traced import out_width
 
 #: The parts of an attention module an edit can name after MODULE.
 PARTS = ("q", "k", "v", "pattern")
@@ -70,18 +71,6 @@ def _role(model: nn.Module, name: str, spec: str, part: str | None) -> Attention
                          f"is declared with {attention_hint(name, got.num_heads)}, and its q/k/v "
                          f"are read from the trace")
     return got
-
-
-def out_width(m: nn.Module) -> int | None:
-    """A projection's output width: ``out_features``, else its weight's rows (a transformers
-    ``Conv1D``'s weight is (in, out): its columns)."""
-    v = getattr(m, "out_features", None)
-    if isinstance(v, int):
-        return v
-    w = getattr(m, "weight", None)
-    if not isinstance(w, torch.Tensor) or w.dim() != 2:
-        return None
-    return int(w.shape[1]) if type(m).__name__ == "Conv1D" else int(w.shape[0])
 
 
 def _check_head(spec: str, name: str, head: int, n: int, what: str, why: str = "") -> None:

@@ -147,7 +147,10 @@ def _merge_attention(d: Roles, t: Roles, n: Roles, notes: list[str],
                              f"the right one to settle it")
                 out[a.name] = a
             else:
-                out[a.name] = replace(out[a.name], detail=out[a.name].detail + "; names agree")
+                t_ = out[a.name]
+                out[a.name] = replace(t_, detail=t_.detail + "; names agree", **{
+                    p: getattr(a, p) for p in ("q", "k", "v", "q_norm", "k_norm")
+                    if getattr(t_, p) is None and getattr(a, p) is not None})
             continue
         out[a.name] = a
     for a in d.attention:
@@ -157,6 +160,7 @@ def _merge_attention(d: Roles, t: Roles, n: Roles, notes: list[str],
             a.num_kv_heads = a.num_kv_heads or base.num_kv_heads
             a.o = a.o or base.o
             a.q, a.k, a.v, a.kernel = base.q, base.k, base.v, base.kernel
+            a.q_norm, a.k_norm = base.q_norm, base.k_norm
             if a.head_dim is None and a.num_heads == base.num_heads:
                 a.head_dim = base.head_dim
         width = in_width(modules[a.o]) if a.o in modules else None
@@ -193,7 +197,17 @@ def _single(d: Found | None, t: Found | None, n: Found | None, what: str,
     return d or t or n
 
 
-def find_roles(model: nn.Module, batch: Any = None, *, trace: bool = True) -> Roles:
+def _norms(d: Roles, t: Roles, n: Roles, modules: dict[str, nn.Module]) -> list[Found]:
+    """Every norm: the declared final norm, the traced, the named (each module once, the
+    strongest first), in module order."""
+    got: dict[str, Found] = {}
+    for f in ([d.final_norm] if d.final_norm else []) + t.norms + n.norms:
+        got.setdefault(f.module, f)
+    return [got[name] for name in modules if name in got]
+
+
+def find_roles(model: nn.Module, batch: Any = None, *, trace: bool = True,
+               declared: bool = True) -> Roles:
     """Every role of ``model``: declared, else traced or named, which must agree (see the
     module docstring).
 
@@ -202,6 +216,8 @@ def find_roles(model: nn.Module, batch: Any = None, *, trace: bool = True) -> Ro
         batch: what the model is called with (a tensor of ids, a tuple, a dict or a
             :class:`hooks.Batch`), used for the trace when small; None: a synthetic batch.
         trace: False: declared and named roles only (no forward runs).
+        declared: False: the declaration is not read (traced and named roles only; what a
+            view uses when the declaration does not fit the model, having said so).
 
     Returns:
         Roles: each role with ``how`` (``declared``, ``traced``, ``named``).
@@ -209,14 +225,16 @@ def find_roles(model: nn.Module, batch: Any = None, *, trace: bool = True) -> Ro
     Raises:
         ValueError: one line, for a declaration that does not fit the model.
     """
-    d = declared_roles(model)
+    d = declared_roles(model) if declared else Roles()
     t = traced_roles(model, batch) if trace else Roles()
     n = named_roles(model)
     notes = list(t.notes)
-    roles = Roles(_merge_attention(d, t, n, notes, dict(model.named_modules())),
+    modules = dict(model.named_modules())
+    roles = Roles(_merge_attention(d, t, n, notes, modules),
                   _single(d.lm_head, t.lm_head, n.lm_head, "LM head", notes),
                   _single(d.final_norm, t.final_norm, n.final_norm, "final norm", notes),
-                  _merge_moe(d, t, n), notes, traced=t.traced, trace_error=t.trace_error)
+                  _merge_moe(d, t, n), notes, traced=t.traced, trace_error=t.trace_error,
+                  norms=_norms(d, t, n, modules))
     return roles
 
 

@@ -64,6 +64,9 @@ class AttentionRole:
         kernel: ``"softmax"`` (an eager softmax over scores), ``"sdpa"``
             (``F.scaled_dot_product_attention``) or ``""`` (not traced).
         detail: the evidence, in words.
+        q_norm: the norm the queries go through between their projection and the scores
+            (Qwen3's, OLMoE's ``q_norm``), or None.
+        k_norm: the same for the keys (its output holds the keys each KV head reads).
     """
 
     name: str
@@ -77,6 +80,8 @@ class AttentionRole:
     o: str | None = None
     kernel: str = ""
     detail: str = ""
+    q_norm: str | None = None
+    k_norm: str | None = None
 
     def head_columns(self, head: int) -> tuple[int, int]:
         """``(start, stop)`` of head ``head``'s columns in the o projection's input,
@@ -97,7 +102,8 @@ class AttentionRole:
                 "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
                 **{p: (c.to_dict() if c is not None else None)
                    for p, c in (("q", self.q), ("k", self.k), ("v", self.v))},
-                "o": self.o, "kernel": self.kernel, "detail": self.detail}
+                "o": self.o, "kernel": self.kernel, "detail": self.detail,
+                "q_norm": self.q_norm, "k_norm": self.k_norm}
 
 
 @dataclass
@@ -161,6 +167,9 @@ class Roles:
         traced: whether one forward was traced (False: declared and named roles only).
         trace_error: the exception the traced forward raised, or None (its message is in
             ``notes``; kept so a command can locate it in the model's code).
+        norms: every normalisation module (LayerNorm, RMSNorm, one's own): a module without
+            children whose forward ran ``layer_norm``, ``rms_norm`` or ``rsqrt`` (traced), a
+            class named like a norm (named), the declared final norm; in module order.
     """
 
     attention: list[AttentionRole] = field(default_factory=list)
@@ -170,6 +179,7 @@ class Roles:
     notes: list[str] = field(default_factory=list)
     traced: bool = False
     trace_error: BaseException | None = field(default=None, repr=False, compare=False)
+    norms: list[Found] = field(default_factory=list)
 
     def attention_of(self, name: str) -> AttentionRole | None:
         """The attention role of module ``name``, or None."""
@@ -184,4 +194,4 @@ class Roles:
                 "lm_head": self.lm_head.to_dict() if self.lm_head else None,
                 "final_norm": self.final_norm.to_dict() if self.final_norm else None,
                 "moe": [m.to_dict() for m in self.moe], "notes": list(self.notes),
-                "traced": self.traced}
+                "traced": self.traced, "norms": [n.to_dict() for n in self.norms]}

@@ -51,7 +51,7 @@ def attention_role(model: nn.Module, name: str, batch: Any = None) -> AttentionR
     if m is None:
         return f"no module {name!r}"
     declared = declared_roles(model).attention_of(name)
-    named = named_attention(name, m)
+    named = named_attention(name, m, getattr(model, "config", None))
     if _complete(declared):
         return declared
     if declared is None and not isinstance(named, str):

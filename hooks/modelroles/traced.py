@@ -15,6 +15,11 @@ not from names.
 * **LM head**: the projection whose output, through reshapes (and a soft-cap), is the logits
   the model returned; **final norm**: the module whose output the head read, when it
   normalises (its class says Norm or it runs ``layer_norm``, ``rms_norm`` or ``rsqrt``).
+* **q/k norms**: a norm module whose output lies on the path from the q (or k) projection to
+  the scores (Qwen3's per-head, OLMoE's joint ``k_norm``).
+* **Norms**: every module without children and without weights of more than one dimension
+  whose own forward ran ``layer_norm``, ``rms_norm`` or ``rsqrt`` (an ``nn.LayerNorm``, HF's
+  ``LlamaRMSNorm``, one's own ``x * torch.rsqrt(x.pow(2).mean(-1) + eps) * scale``).
 * **Router and experts**: a ``topk`` over scores that came (through softmax, sigmoid, a
   bias) from a projection of E outputs is the router; the block is its parent, the experts
   the block's ``nn.ModuleList`` (or a module with (E, ...) weights) of E entries.
@@ -38,6 +43,8 @@ _SCORE_ROUTER_OPS = frozenset(("softmax", "sigmoid", "log_softmax", "float", "to
                                "__add__", "type_as"))
 _CAP_OPS = frozenset(("tanh", "mul", "__mul__", "div", "__truediv__"))
 _NORM_OPS = frozenset(("layer_norm", "rms_norm", "rsqrt", "group_norm"))
+#: The ops that make a module a norm over the last dimension (:func:`norm_roles`).
+LAST_DIM_NORM_OPS = frozenset(("layer_norm", "rms_norm", "rsqrt"))
 
 
 def is_projection(m: nn.Module | None) -> bool:
@@ -59,6 +66,18 @@ def in_width(m: nn.Module) -> int | None:
     if not isinstance(w, torch.Tensor) or w.dim() != 2:
         return None
     return int(w.shape[0]) if type(m).__name__ == "Conv1D" else int(w.shape[1])
+
+
+def out_width(m: nn.Module) -> int | None:
+    """A projection's output width: ``out_features``, else its weight's rows (a transformers
+    ``Conv1D``'s weight is (in, out): its columns)."""
+    v = getattr(m, "out_features", None)
+    if isinstance(v, int):
+        return v
+    w = getattr(m, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        return None
+    return int(w.shape[1]) if type(m).__name__ == "Conv1D" else int(w.shape[0])
 
 
 def common_parent(names: list[str]) -> str:
@@ -153,6 +172,30 @@ class _Reader:
         return (self.back_to_projection(tid, SHAPE_OPS)
                 or self.back_to_projection(tid, None))
 
+    def norms(self) -> set[str]:
+        """The modules that normalise (see the module docstring: **Norms**)."""
+        ran = {n.module for n in self.g.nodes if n.op in LAST_DIM_NORM_OPS and n.module}
+        return {name for name in ran if (m := self.modules.get(name)) is not None
+                and next(m.children(), None) is None
+                and all(p.dim() <= 1 for p in m.parameters(recurse=False))}
+
+    def norm_between(self, tid: int, stop: int, norms: set[str]) -> str | None:
+        """The nearest norm (of ``norms``) whose output lies upstream of ``tid`` and
+        downstream of tensor ``stop`` (a projection's output), or None."""
+        seen, todo = set(), deque([(tid, 0)])
+        while todo:
+            t, depth = todo.popleft()
+            if t in seen or t == stop or depth > 60:
+                continue
+            seen.add(t)
+            name = self.g.module_out.get(t)
+            if name in norms:
+                return name
+            node = self.g.made_by(t)
+            if node is not None:
+                todo.extend((i, depth + 1) for i in node.inputs)
+        return None
+
 
 def _calls(r: _Reader) -> list[tuple[OpNode, int, int, int, int, str]]:
     """(node, q, k, v, heads' output) tensor ids of every attention call, with its kernel."""
@@ -227,6 +270,7 @@ def _heads(r: _Reader, q: int, k: int, srcs) -> tuple[int, int | None, int]:
 def attention_roles(r: _Reader) -> list[AttentionRole]:
     """Every attention module of the traced forward (see the module docstring)."""
     out: dict[str, AttentionRole] = {}
+    norms = r.norms()
     for node, q, k, v, y, kernel in _calls(r):
         srcs = [r.source(t) for t in (q, k, v)]
         if node.module is None or srcs[0] is None or srcs[1] is None:
@@ -245,7 +289,9 @@ def attention_roles(r: _Reader) -> list[AttentionRole]:
             f"a softmax over q·kᵀ scores ({node.module or '<root>'})"
         out[name] = AttentionRole(
             name, "traced", h, hkv, dh, *cols, o=o, kernel=kernel,
-            detail=f"{what}: q {tuple(r.g.shape(q))}, H={h}, Hkv={hkv}, Dh={dh}{note}")
+            detail=f"{what}: q {tuple(r.g.shape(q))}, H={h}, Hkv={hkv}, Dh={dh}{note}",
+            q_norm=r.norm_between(q, srcs[0][1], norms),
+            k_norm=r.norm_between(k, srcs[1][1], norms))
     return list(out.values())
 
 
@@ -316,7 +362,10 @@ def read_roles(g: OpGraph, model: nn.Module, logits: int | None) -> Roles:
     """Every role of the traced forward ``g`` of ``model`` (see the module docstring)."""
     r = _Reader(g, dict(model.named_modules()))
     head, norm, note = head_and_norm(r, logits)
-    roles = Roles(attention_roles(r), head, norm, moe_roles(r), traced=True)
+    ran = r.norms()
+    norms = [Found(n, "traced", "its forward normalises (layer_norm, rms_norm or rsqrt)")
+             for n in r.modules if n in ran]
+    roles = Roles(attention_roles(r), head, norm, moe_roles(r), traced=True, norms=norms)
     if note:
         roles.notes.append(note)
     return roles

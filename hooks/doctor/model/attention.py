@@ -30,7 +30,8 @@ def _layer0_probs(t: Target, attn: AttentionInfo, ids: torch.Tensor) -> torch.Te
         t.model, include=[], inputs=False, grads=False, params=False, attention=[attn.name]
     ) as tr:
         t.run(batch, use_cache=False)
-    recs = [a for a in tr.attention if a.module == attn.name]
+    recs = [a for a in tr.attention  # the role's module, or one inside it running the softmax
+            if a.module == attn.name or a.module.startswith(attn.name + ".") or not attn.name]
     return recs[0].probs[0].float() if recs else None
 
 

@@ -33,7 +33,7 @@ DECLARED_FACTOR = 3.0
 #: ~3/√(2n) of the true one: 2 % at n = 10⁴; 15 % leaves room for a truncated normal).
 SCALED_TOL = 0.15
 #: Roles whose std the declared initializer range sets directly.
-DECLARED_ROLES = frozenset({"embedding", "q", "k", "v", "qkv", "mlp_in", "router"})
+DECLARED_ROLES = frozenset({"embedding", "q", "k", "v", "qkv", "kv", "mlp_in", "router"})
 
 
 @dataclass

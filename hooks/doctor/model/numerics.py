@@ -25,6 +25,7 @@ from hooks.doctor.model.blame import one_line, raised_by_model
 from hooks.doctor.model.registry import DoctorOptions, check
 from hooks.doctor.model.result import Outcome
 from hooks.doctor.model.target import NotApplicable, SkipCheck, Target, fmt
+from hooks.modelroles.parts import norm_scale
 from hooks.tensors.walk import ModuleStack
 
 #: Functions that compute normalisation statistics when they run inside a norm module.
@@ -96,7 +97,7 @@ def norm_under_bf16(name: str, norm: torch.nn.Module, seed: int) -> dict[str, An
         (max |y_bf16 - y_fp32| / max |y_fp32|, the fp32 reference being the same module on the
         same values upcast) and ``finite``.
     """
-    w = getattr(norm, "weight", None)
+    w = norm_scale(norm)
     if isinstance(w, torch.Tensor):
         d = w.shape[-1]
     else:

@@ -1,12 +1,13 @@
 """What each parameter of a model is for: its role (embedding, q/k/v, attention output, MLP in
-and out, norm, router, LM head), read from the structure the doctor already recognises
-(:class:`hooks.doctor.model.target.Target`: attention modules and their q/k/v/o children, MoE
-blocks and their router, norms, the embedding and the LM head), and for the rest from shapes:
-a linear layer outside attention reading the hidden width D is an MLP input, one writing D
-from another width an MLP output.
+and out, norm, router, LM head), read from the roles of :mod:`hooks.modelroles` (declared,
+traced from what the model computes, or named) through
+:func:`hooks.modelroles.parts.module_parts`: the q/k/v columns and o projection of each
+attention, the routers, the norms and the LM head. The embedding is
+:meth:`Target.embeddings`'. The rest is told by the MLP's usual names
+(:func:`hooks.modelroles.named.mlp_part`), else by shape: a projection outside attention
+reading the hidden width D is an MLP input, one writing D from another width an MLP output.
 
-:func:`param_roles` is the one entry point, so that a fuller recogniser (a ``hooks.roles``
-package) can replace it without touching the checks that use it.
+:func:`param_roles` is the one entry point of the checks that use it.
 
 Dimension legend: D hidden size.
 """
@@ -18,19 +19,22 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hooks.doctor.model.target import FUSED_NAMES, K_NAMES, O_NAMES, Q_NAMES, V_NAMES, Target
+from hooks.doctor.model.target import Target
+from hooks.modelroles.named import (  # noqa: F401 (this module's public names, as before)
+    MLP_IN_NAMES,
+    MLP_OUT_NAMES,
+    expert_part,
+    mlp_part,
+)
+from hooks.modelroles.parts import module_parts
 
-#: Every role, in report order.
-ROLES = ("embedding", "position", "q", "k", "v", "qkv", "attn_out", "mlp_in", "mlp_out",
+#: Every role, in report order (``kv``: one projection of keys and values together).
+ROLES = ("embedding", "position", "q", "k", "v", "qkv", "kv", "attn_out", "mlp_in", "mlp_out",
          "router", "norm", "lm_head", "other")
 #: Roles whose output is added to the residual stream (GPT-2 scales their init by 1/√(2L)).
 RESIDUAL_OUT = frozenset({"attn_out", "mlp_out"})
 #: Roles that read the residual stream (never scaled by the residual convention).
-READS_RESIDUAL = frozenset({"q", "k", "v", "qkv", "mlp_in"})
-#: Child names of MLP input and output projections (Llama, GPT-2, Mixtral experts, llama2.c).
-MLP_IN_NAMES = ("gate_proj", "up_proj", "w1", "w3", "c_fc", "fc1", "fc_in", "wi", "wi_0",
-                "wi_1", "gate_up_proj", "dense_h_to_4h")
-MLP_OUT_NAMES = ("down_proj", "w2", "fc2", "fc_out", "wo", "dense_4h_to_h")
+READS_RESIDUAL = frozenset({"q", "k", "v", "qkv", "kv", "mlp_in"})
 
 
 @dataclass(frozen=True)
@@ -60,25 +64,10 @@ def _hidden_width(t: Target) -> int | None:
 
 
 def _module_roles(t: Target) -> dict[str, str]:
-    """Qualified module name -> role, for the modules recognised by structure."""
-    roles: dict[str, str] = {}
+    """Qualified module name -> role, for the modules the roles place
+    (:func:`hooks.modelroles.parts.module_parts`), the embeddings and the LM head."""
+    roles = module_parts(t.model, t.roles())
     emb, head = t.embeddings()
-    for a in t.attention_layers():
-        for names, role in ((Q_NAMES, "q"), (K_NAMES, "k"), (V_NAMES, "v"),
-                            (FUSED_NAMES, "qkv"), (O_NAMES, "attn_out")):
-            for n in names:
-                c = getattr(a.module, n, None)
-                if isinstance(c, nn.Module):
-                    full = f"{a.name}.{n}" if a.name else n
-                    roles.setdefault(full, role)
-                    for sub, _ in c.named_modules():  # to_out = Sequential(Linear, Dropout)
-                        if sub:
-                            roles.setdefault(f"{full}.{sub}", role)
-                    break
-    for b in t.moe_blocks():
-        roles[b.router_name] = "router"
-    for n, _ in t.norm_modules():
-        roles[n] = "norm"
     for n, m in t.model.named_modules():
         if isinstance(m, nn.Embedding) and n not in roles:
             roles[n] = "position" if emb is None or n != emb[0] else "embedding"
@@ -91,18 +80,15 @@ def _module_roles(t: Target) -> dict[str, str]:
 
 def _by_shape(name: str, p: torch.Tensor, mname: str, module: nn.Module | None,
               d: int | None) -> str:
-    """The role of a parameter outside the recognised modules: by its module's name, else by
+    """The role of a parameter outside the placed modules: by its module's name, else by
     its shape against D."""
     leaf = name.rsplit(".", 1)[-1]
     last = mname.rsplit(".", 1)[-1] if mname else ""
-    for n in (leaf, last):
-        if n in MLP_IN_NAMES:
-            return "mlp_in"
-        if n in MLP_OUT_NAMES:
-            return "mlp_out"
+    part = mlp_part(leaf, last)
+    if part is not None:
+        return part
     if p.dim() == 3 and d:  # fused experts (E, D, F) or (E, F, D) as recent HF MoE blocks
-        return "mlp_in" if leaf.startswith(("gate", "up", "w1", "w3")) else (
-            "mlp_out" if leaf.startswith(("down", "w2")) else "other")
+        return expert_part(leaf) or "other"
     if p.dim() != 2 or not d:
         return "other"
     out_f, in_f = p.shape  # nn.Linear stores (out, in)

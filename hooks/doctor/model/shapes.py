@@ -25,23 +25,31 @@ from hooks.doctor.model.loss_terms import output_terms
 from hooks.doctor.model.registry import DoctorOptions, check
 from hooks.doctor.model.result import Outcome
 from hooks.doctor.model.target import AttentionInfo, NotApplicable, Target, fmt
+from hooks.modelroles.named import K_NORM_NAMES, Q_NORM_NAMES
+from hooks.modelroles.parts import norm_scale
 
 #: A per-head RMS this far from 1 (relative) breaks the per-head promise (an RMSNorm's eps
 #: moves it by eps/(2·mean x²), ~1e-5 for activations of RMS 0.1).
 HEAD_RMS_TOL = 0.05
-#: Child names of the query/key norms inside an attention module (Qwen3, OLMoE, Gemma3...).
-QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm",
-                 "key_layernorm")
+#: Child names of the query/key norms (hooks.modelroles.named's, kept here as an alias): the
+#: norms themselves are the attention roles' ``q_norm``/``k_norm`` (traced or named).
+QK_NORM_NAMES = (*Q_NORM_NAMES, *K_NORM_NAMES)
 _SOFTMAX = {torch.softmax, F.softmax, torch.Tensor.softmax, torch.nn.functional.softmax}
 
 
 def _qk_norms(t: Target) -> list[tuple[str, nn.Module, AttentionInfo]]:
+    """The q and k norms of every attention module (its role's ``q_norm``, ``k_norm``: the
+    norms on the way from the projection to the scores) that have a scale
+    (:func:`hooks.modelroles.parts.norm_scale`)."""
+    modules = dict(t.model.named_modules())
+    roles = t.roles()
     out = []
     for a in t.attention_layers():
-        for n in QK_NORM_NAMES:
-            m = getattr(a.module, n, None)
-            if isinstance(m, nn.Module) and isinstance(getattr(m, "weight", None), torch.Tensor):
-                out.append((f"{a.name}.{n}" if a.name else n, m, a))
+        role = roles.attention_of(a.name)
+        for n in (role.q_norm, role.k_norm) if role is not None else ():
+            m = modules.get(n) if n is not None else None
+            if m is not None and norm_scale(m) is not None:
+                out.append((n, m, a))
     return out
 
 
@@ -69,7 +77,7 @@ def head_rms(t: Target) -> tuple[list[str], Outcome | None]:
 
     handles = []
     for name, m, a in norms:
-        w = m.weight
+        w = norm_scale(m)
         if a.head_dim and w.numel() == a.head_dim and bool((w.detach().abs() > 1e-6).all()):
             handles.append(m.register_forward_hook(hook(name, w)))
     try:
@@ -85,7 +93,7 @@ def head_rms(t: Target) -> tuple[list[str], Outcome | None]:
             worst = (dev, name, float(rms.min()), float(rms.max()))
         if dev > HEAD_RMS_TOL and first_bad is None:
             first_bad = (dev, name, float(rms.min()), float(rms.max()))
-    joint = [n for n, m, a in norms if a.head_dim and m.weight.numel() != a.head_dim]
+    joint = [n for n, m, a in norms if a.head_dim and norm_scale(m).numel() != a.head_dim]
     if seen:
         lines.append(f"{len(seen)} per-head q/k norm(s): per-head RMS within "
                      f"{fmt(worst[0])} of 1")

@@ -1,7 +1,9 @@
 """``Target``: the model under examination, its batch and loss convention, what kind of model it
 is, and what the checks need to find in it (attention, rotary, MoE and norm modules, the
-embedding and the LM head) by structure, so that the same checks run on minillm, HF models of
-many families and users' own models.
+embedding and the LM head), so that the same checks run on minillm, HF models of many families
+and users' own models. Attention (heads, q/k/v columns, k norm, o projection), MoE routers,
+norms and the LM head are the roles of :mod:`hooks.modelroles`: declared, read from what the
+model computes in one traced forward, or named (HF's names, a shortcut kept there alone).
 
 Every check runs the model through one batch adapter (:meth:`hooks.Batch.resized`): random
 batches of another size and edited token ids keep targets, decoder inputs, masks and position
@@ -26,7 +28,16 @@ from torch import nn
 
 from hooks.batch import ROLE_NAMES, Batch, BatchError, LossChoice, LossFn, select_loss
 from hooks.doctor.model.kind import ModelKind, detect_kind
-from hooks.modelroles.found import AttentionRole, Roles
+from hooks.modelroles.found import AttentionRole, Columns, Roles
+from hooks.modelroles.named import (  # noqa: F401 (this module's public names, as before)
+    FUSED_NAMES,
+    K_NAMES,
+    OUT_PROJ_NAMES,
+    Q_NAMES,
+    V_NAMES,
+    looks_like_attention,
+)
+from hooks.modelroles.traced import in_width, is_projection, out_width
 
 
 class SkipCheck(Exception):
@@ -39,13 +50,9 @@ class NotApplicable(Exception):
     bidirectional encoder); the message says why. Reported as ``n/a``."""
 
 
-#: Child names of the query, key, value and output projections of an attention module.
-Q_NAMES = ("q_proj", "query", "q", "wq", "to_q")
-K_NAMES = ("k_proj", "key", "k", "wk", "to_k")
-V_NAMES = ("v_proj", "value", "v", "wv", "to_v")
-O_NAMES = ("o_proj", "out_proj", "o", "wo", "c_proj", "proj", "dense", "to_out")
-#: Child names of fused q/k/v projections (GPT-2 ``c_attn``, Phi-3 ``qkv_proj``, ...).
-FUSED_NAMES = ("qkv_proj", "c_attn", "qkv", "Wqkv", "query_key_value", "in_proj")
+# The names of the q/k/v/o projections are hooks.modelroles.named's (kept here as aliases for
+# callers of this module); the doctor reads every role through hooks.modelroles.
+O_NAMES = OUT_PROJ_NAMES
 
 
 @dataclass
@@ -58,12 +65,13 @@ class AttentionInfo:
         num_heads: H, query heads (0 when unknown).
         num_kv_heads: Hkv (0 when unknown).
         head_dim: Dh (0 when unknown).
-        layout: ``separate`` (k_proj / v_proj of Hkv·Dh outputs each), ``fused`` (one q|k|v
+        layout: ``separate`` (keys and values in projections other than the queries': k_proj /
+            v_proj of Hkv·Dh outputs each, or one k|v projection), ``fused`` (one q|k|v
             projection of (H + 2·Hkv)·Dh outputs, q first, as Phi-3's ``qkv_proj``), ``mha``
             (keys and values have as many heads as queries: no grouping), or ``unsupported``.
         k_site: (module, offset): where the keys of KV head g are the output columns
-            ``offset + [g·Dh, (g+1)·Dh)`` (a ``k_norm`` when the keys are normalised, so that a
-            perturbation is not spread over every head by a joint norm).
+            ``offset + [g·Dh, (g+1)·Dh)`` (the role's k norm when the keys are normalised, so
+            that a perturbation is not spread over every head by a joint norm).
         v_site: the same for the values.
         out_site: the module whose input is the per-head attention output (B, T, H·Dh).
         why: for ``mha`` and ``unsupported``: what was found, in words.
@@ -103,93 +111,71 @@ class MoEInfo:
     num_experts: int
 
 
-def _out_features(m: Any) -> int | None:
-    """Output width of a linear-like module (``nn.Linear``, HF's ``Conv1D`` with ``nf``)."""
-    if not isinstance(m, nn.Module):
-        return None
-    v = getattr(m, "out_features", None)
-    if v is None:
-        v = getattr(m, "nf", None)
-    return v if isinstance(v, int) else None
+def _leaf(module: str) -> str:
+    return module.rpartition(".")[2]
 
 
-def _in_features(m: Any) -> int | None:
-    v = getattr(m, "in_features", None)
-    if isinstance(v, int):
-        return v
-    w = getattr(m, "weight", None)
-    if getattr(m, "nf", None) is not None and isinstance(w, torch.Tensor) and w.dim() == 2:
-        return int(w.shape[0])  # HF Conv1D stores (in, out)
-    return None
+def _mha_why(cls: str, role: AttentionRole) -> str:
+    q, k, v = role.q, role.k, role.v
+    same = "(as many key/value heads as query heads)"
+    if q is not None and k is not None and v is not None:
+        if q.module == k.module == v.module:
+            return f"{cls}: one fused {_leaf(q.module)} of 3×{q.width} outputs {same}"
+        return (f"{cls}: {_leaf(q.module)}, {_leaf(k.module)} and {_leaf(v.module)} are all "
+                f"{q.width} wide {same}")
+    return f"{cls}: H = Hkv = {role.num_heads} ({role.how})"
 
 
-def _linear_like(m: Any) -> bool:
-    return _out_features(m) is not None and _in_features(m) is not None
-
-
-def _child(m: nn.Module, names: tuple[str, ...]) -> tuple[str, nn.Module] | None:
-    for n in names:
-        c = getattr(m, n, None)
-        if isinstance(c, nn.Module) and _linear_like(c):
-            return n, c
-    return None
-
-
-def _is_norm(m: Any) -> bool:
-    cls = type(m).__name__
-    return isinstance(m, (nn.LayerNorm, nn.RMSNorm)) or cls.endswith(
-        ("RMSNorm", "LayerNorm", "RmsNorm"))
-
-
-def _attention_named(m: nn.Module) -> bool:
-    cls = type(m).__name__
-    return isinstance(m, nn.MultiheadAttention) or "Attention" in cls or "Attn" in cls
-
-
-def _fused_by_shape(m: nn.Module, heads: int | None,
-                    kv: int | None) -> tuple[str, nn.Module] | None:
-    """The one linear child of ``m`` whose outputs are a q|k|v split of its inputs:
-    (H + 2·Hkv)·Dh outputs for D = H·Dh inputs when the heads are known, else 3·D."""
-    hits = []
-    for n, c in m.named_children():
-        fo, fi = _out_features(c), _in_features(c)
-        if not (_linear_like(c) and fo and fi):
-            continue
-        want = (heads + 2 * kv) * (fi // heads) if heads and kv and fi % heads == 0 else 3 * fi
-        if fo == want:
-            hits.append((n, c))
-    return hits[0] if len(hits) == 1 else None
-
-
-def _int_attr(objs: tuple[Any, ...], names: tuple[str, ...]) -> int | None:
-    for o in objs:
-        if o is None:
-            continue
-        for n in names:
-            v = o.get(n) if isinstance(o, dict) else getattr(o, n, None)
-            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                return v
-    return None
+def _site(modules: dict[str, nn.Module], cols: Columns) -> tuple[nn.Module, int]:
+    return modules[cols.module], cols.start
 
 
 def _info_from_role(name: str, m: nn.Module, role: AttentionRole,
-                    model: nn.Module) -> AttentionInfo | None:
-    """The :class:`AttentionInfo` of a declared or traced attention role (its heads from the
-    shapes of q and k, its k/v columns, its o projection); None when its heads are unknown."""
-    h, hkv, dh = role.num_heads, role.num_kv_heads, role.head_dim
-    if not (h and dh and hkv and role.o) or h % hkv:
-        return None  # heads unknown, or keys/values of another width (MLA), or no o projection
+                    modules: dict[str, nn.Module]) -> AttentionInfo:
+    """The :class:`AttentionInfo` of an attention role (declared, traced or named: its heads,
+    its q/k/v columns, its k norm and its o projection); ``unsupported`` with the reason and
+    the line that declares it where the role does not tell its heads or its KV heads' columns.
+    """
+    from hooks.modelroles.lookup import attention_hint
+
     cls = type(m).__name__
+    h, hkv, dh = role.num_heads, role.num_kv_heads, role.head_dim
+    if not (h and dh):
+        return AttentionInfo(name, m, h or 0, hkv or 0, dh or 0, "unsupported",
+                             why=f"{cls}: its heads are not known ({role.how}); declare them: "
+                                 f"{attention_hint(name)}")
+    kids = ", ".join(n for n, _ in m.named_children()) or "none"
+    if not hkv or h % hkv:
+        cols = ", ".join(f"{p} {c.describe()}" for p, c in (("k", role.k), ("v", role.v)) if c)
+        return AttentionInfo(name, m, h, 0, dh, "unsupported",
+                             why=f"{cls}: its keys and values do not split into KV heads of the "
+                                 f"queries' Dh = {dh} ({cols or 'k/v not found'}; children: "
+                                 f"{kids})")
     if hkv == h:
-        return AttentionInfo(name, m, h, h, dh, "mha",
-                             why=f"{cls}: H = Hkv = {h} ({role.how})")
-    modules = dict(model.named_modules())
-    if role.k is None or role.v is None or role.o is None or role.o not in modules:
-        return None
-    layout = "fused" if role.k.module == role.v.module == getattr(role.q, "module", None) \
-        else "separate"
-    return AttentionInfo(name, m, h, hkv, dh, layout, (modules[role.k.module], role.k.start),
-                         (modules[role.v.module], role.v.start), modules[role.o])
+        return AttentionInfo(name, m, h, h, dh, "mha", why=_mha_why(cls, role))
+    k, v = role.k, role.v
+    if k is None or v is None:
+        return AttentionInfo(name, m, h, hkv, dh, "unsupported",
+                             why=f"{cls}: H={h}, Hkv={hkv} ({role.how}), but the projections of "
+                                 f"its keys and values were not found: they are read from one "
+                                 f"traced forward (the projections whose outputs feed the "
+                                 f"softmax over q·kᵀ or F.scaled_dot_product_attention), or "
+                                 f"from children named k_proj/v_proj… (children: {kids})")
+    if role.o not in modules:
+        hint = attention_hint(name, h)[:-1] + ", o='CHILD')"
+        return AttentionInfo(name, m, h, hkv, dh, "unsupported",
+                             why=f"{cls}: H={h}, Hkv={hkv} ({role.how}), but its o projection "
+                                 f"was not found (children: {kids}); declare it: {hint}")
+    fused = role.q is not None and role.q.module == k.module == v.module
+    k_site = (modules[role.k_norm], 0) if role.k_norm in modules else _site(modules, k)
+    return AttentionInfo(name, m, h, hkv, dh, "fused" if fused else "separate", k_site,
+                         _site(modules, v), modules[role.o])
+
+
+def _within(name: str, roots: list[str]) -> bool:
+    """Whether module ``name`` is one of ``roots``, inside one or around one."""
+    return any(name == r or r == "" or name == "" or name.startswith(r + ".")
+               or r.startswith(name + ".") for r in roots)
 
 
 class Target:
@@ -224,8 +210,6 @@ class Target:
         self._vocab: int | None = None
         self._kind: ModelKind | None = None
         self._attn: list[AttentionInfo] | None = None
-        #: (H, Hkv) of the attention calls recorded in a module (:meth:`_recorded_attention`)
-        self._recorded_heads: dict[str, tuple[int | None, int | None]] = {}
         self._positions: tuple[bool, str] | None = None
         self._roles: Roles | None = None
 
@@ -533,45 +517,50 @@ class Target:
 
     # -- structure ------------------------------------------------------------------------------
     def attention_layers(self) -> list[AttentionInfo]:
-        """Every attention module, innermost (a wrapper like HF's ``BertAttention`` around
-        ``BertSelfAttention`` is left out), with its head layout (:class:`AttentionInfo`): the
-        modules named like attention or with q/k/v children, else those in which
-        :func:`hooks.capture` records attention probabilities on the batch
-        (:meth:`_recorded_attention`), else the traced ones (:meth:`roles`); declared
-        attention modules (``hooks.roles(model, attention=...)``) always."""
+        """Every attention module with its head layout (:class:`AttentionInfo`): the attention
+        roles of :meth:`roles` (declared, traced from what the model computes, or named: the
+        smallest module holding the softmax or SDPA call, its q/k/v projections and its o
+        projection), each ``nn.MultiheadAttention``, and the modules that look like attention
+        by name (``hooks.modelroles.named.looks_like_attention``) but have no role (their layout
+        ``unsupported``, saying why and how to declare it); where there are none, the modules
+        in which :func:`hooks.capture` records attention probabilities on the batch
+        (:meth:`_recorded_attention`). In module order."""
         if self._attn is not None:
             return self._attn
-        found: list[tuple[str, nn.Module]] = []
-        for name, m in self.model.named_modules():
-            q, k, v = _child(m, Q_NAMES), _child(m, K_NAMES), _child(m, V_NAMES)
-            fused = _child(m, FUSED_NAMES)
-            if (q and k and v) or (fused and _attention_named(m)) or _attention_named(m):
-                found.append((name, m))
-        if not found:
-            found = self._recorded_attention()
-        from hooks.modelroles import declared_roles
-
-        known = {n for n, _ in found}
-        try:  # a declared module is attention; where names found none, the traced ones are
-            extra = declared_roles(self.model).attention
-        except ValueError:
-            extra = []
-        extra = extra + (self.roles().attention if not known else [])
         modules = dict(self.model.named_modules())
-        for a in extra:
-            if a.name not in known and a.name in modules:
-                known.add(a.name)
-                found.append((a.name, modules[a.name]))
-        names = [n for n, _ in found]
-        out = []
-        for name, m in found:
-            inner = any(o.startswith(name + ".") for o in names) if name else len(names) > 1
-            if inner and not isinstance(m, nn.MultiheadAttention) and not (
-                    _child(m, Q_NAMES) and _child(m, K_NAMES)):
-                continue  # a wrapper around the attention proper
-            out.append(self._attention_info(name, m))
-        self._attn = out
-        return out
+        found: dict[str, AttentionInfo] = {}
+        for a in self.roles().attention:
+            if a.name in modules:
+                found[a.name] = _info_from_role(a.name, modules[a.name], a, modules)
+        for name, m in modules.items():
+            if isinstance(m, nn.MultiheadAttention) and not _within(name, list(found)):
+                found[name] = AttentionInfo(
+                    name, m, m.num_heads, m.num_heads, m.head_dim, "mha",
+                    why=f"nn.MultiheadAttention: {m.num_heads} heads for queries, keys and "
+                        "values alike")
+        rest = [(n, m) for n, m in modules.items()
+                if looks_like_attention(m) and not _within(n, list(found))]
+        if not found and not rest:
+            rest = self._recorded_attention()
+        names = [n for n, _ in rest]
+        for name, m in rest:
+            if not any(o.startswith(name + ".") or (not name and o) for o in names):
+                found[name] = self._unplaced(name, m)  # innermost: a wrapper is left out
+        self._attn = [found[n] for n in modules if n in found]
+        return self._attn
+
+    def _unplaced(self, name: str, m: nn.Module) -> AttentionInfo:
+        """An attention module that has no role: ``unsupported``, with what
+        :func:`hooks.modelroles.attention_role` looked for and the line that declares it."""
+        from hooks.modelroles import attention_role
+
+        try:
+            got = attention_role(self.model, name, self.batch)
+        except ValueError as exc:  # a declaration that does not fit
+            got = str(exc)
+        if not isinstance(got, str):
+            return _info_from_role(name, m, got, dict(self.model.named_modules()))
+        return AttentionInfo(name, m, 0, 0, 0, "unsupported", why=got)
 
     def _recorded_attention(self) -> list[tuple[str, nn.Module]]:
         """The modules whose forward made the attention calls :func:`hooks.capture` records
@@ -588,108 +577,22 @@ class Target:
         except Exception:
             return []
         modules = dict(self.model.named_modules())
-        for a in trace.attention:
-            self._recorded_heads.setdefault(a.module, (a.num_heads, a.num_kv_heads))
-        return [(n, modules[n]) for n in self._recorded_heads if n in modules]
+        seen = dict.fromkeys(a.module for a in trace.attention)
+        return [(n, modules[n]) for n in seen if n in modules]
 
     def roles(self) -> Roles:
         """Every role of the model (:func:`hooks.modelroles.find_roles` on the batch: declared,
-        traced, named), found once; only names and the declaration when the declaration does
-        not fit the model or the forward cannot be traced (the notes say why)."""
+        traced, named), found once; where the declaration does not fit the model, the traced
+        and named roles, with the declaration's error first in the notes."""
         if self._roles is None:
             from hooks.modelroles import find_roles
 
             try:
                 self._roles = find_roles(self.model, self.batch)
             except ValueError as exc:  # a declaration that does not fit: said, not raised
-                self._roles = Roles(notes=[str(exc)])
+                self._roles = find_roles(self.model, self.batch, declared=False)
+                self._roles.notes.insert(0, str(exc))
         return self._roles
-
-    def _attention_info(self, name: str, m: nn.Module) -> AttentionInfo:
-        """The layout of attention module ``m``: a declared role first; then by names; where
-        names cannot tell its heads or layout, the traced role (:meth:`roles`)."""
-        from hooks.modelroles import declared_roles
-
-        try:
-            declared = declared_roles(self.model).attention_of(name)
-        except ValueError:
-            declared = None
-        if declared is not None:
-            role = self.roles().attention_of(name)
-            got = _info_from_role(name, m, role, self.model) if role is not None else None
-            if got is not None:
-                return got
-        info = self._named_info(name, m)
-        if info.layout == "unsupported" or not info.num_heads:
-            role = self.roles().attention_of(name)
-            got = _info_from_role(name, m, role, self.model) if role is not None else None
-            if got is not None:
-                return got
-        return info
-
-    def _named_info(self, name: str, m: nn.Module) -> AttentionInfo:
-        cls = type(m).__name__
-        rec_heads, rec_kv = self._recorded_heads.get(name, (None, None))
-        heads = _int_attr((m, self.config), ("num_heads", "num_attention_heads", "n_head",
-                                            "n_heads")) or rec_heads
-        kv_cfg = _int_attr((m, self.config), ("num_key_value_heads", "num_kv_heads",
-                                             "n_kv_heads")) or rec_kv
-        if isinstance(m, nn.MultiheadAttention):
-            return AttentionInfo(name, m, m.num_heads, m.num_heads, m.head_dim, "mha",
-                                 why=f"nn.MultiheadAttention: {m.num_heads} heads for queries, "
-                                     "keys and values alike")
-        q, k, v = _child(m, Q_NAMES), _child(m, K_NAMES), _child(m, V_NAMES)
-        o = _child(m, O_NAMES)
-        if q and k and v:
-            qo, ko, vo = (_out_features(x[1]) for x in (q, k, v))
-            if ko == qo and vo == qo:
-                hd = getattr(m, "head_dim", None)
-                h = heads or (qo // hd if isinstance(hd, int) and hd else 0)
-                return AttentionInfo(name, m, h, h, qo // h if h else 0, "mha",
-                                     why=f"{cls}: {q[0]}, {k[0]} and {v[0]} are all {qo} wide "
-                                         "(as many key/value heads as query heads)")
-            hd = getattr(m, "head_dim", None)
-            if not isinstance(hd, int) or hd <= 0:
-                hd = qo // heads if heads else 0
-            if hd <= 0 or qo % hd or ko % hd or vo != ko or (qo // hd) % (ko // hd):
-                return AttentionInfo(name, m, 0, 0, 0, "unsupported",
-                                     why=f"{cls}: cannot tell the head size from {q[0]} "
-                                         f"({qo}), {k[0]} ({ko}) and {v[0]} ({vo})")
-            if o is None:
-                return AttentionInfo(name, m, qo // hd, ko // hd, hd, "unsupported",
-                                     why=f"{cls} has no output projection "
-                                         f"({'/'.join(O_NAMES)}) to read per-head outputs from")
-            k_site: tuple[nn.Module, int] = (k[1], 0)
-            norm = getattr(m, "k_norm", None)
-            if _is_norm(norm):
-                k_site = (norm, 0)  # perturb after the norm (OLMoE's k_norm spans every head)
-            return AttentionInfo(name, m, qo // hd, ko // hd, hd, "separate", k_site,
-                                 (v[1], 0), o[1])
-        fused = _child(m, FUSED_NAMES) or _fused_by_shape(m, heads, kv_cfg)
-        if fused is not None:
-            fo, fi = _out_features(fused[1]), _in_features(fused[1])
-            hd = getattr(m, "head_dim", None)
-            if heads and not (isinstance(hd, int) and hd > 0):
-                hd = fi // heads if fi else None
-            kv = kv_cfg
-            if fo == 3 * (fi or 0) and (kv is None or kv == heads):
-                return AttentionInfo(name, m, heads or 0, heads or 0,
-                                     (fi // heads) if heads and fi else 0, "mha",
-                                     why=f"{cls}: one fused {fused[0]} of 3×{fi} outputs "
-                                         "(as many key/value heads as query heads)")
-            if heads and kv and isinstance(hd, int) and fo == (heads + 2 * kv) * hd and o:
-                if kv == heads:
-                    return AttentionInfo(name, m, heads, kv, hd, "mha",
-                                         why=f"{cls}: H = Hkv = {heads}")
-                return AttentionInfo(name, m, heads, kv, hd, "fused", (fused[1], heads * hd),
-                                     (fused[1], (heads + kv) * hd), o[1])
-            return AttentionInfo(name, m, heads or 0, kv or 0, hd or 0, "unsupported",
-                                 why=f"{cls}: fused {fused[0]} of {fo} outputs does not split "
-                                     f"into q|k|v with H={heads}, Hkv={kv}")
-        kids = ", ".join(n for n, _ in m.named_children()) or "none"
-        return AttentionInfo(name, m, heads or 0, kv_cfg or 0, 0, "unsupported",
-                             why=f"{cls} has no separate or fused q/k/v projections mdb "
-                                 f"recognises (children: {kids})")
 
     def attention_of(self, module: str | None) -> str | None:
         """The attention module that ``module`` is or sits inside, or None."""
@@ -708,47 +611,36 @@ class Target:
         return None
 
     def moe_blocks(self) -> list[MoEInfo]:
-        """Modules with an ``experts`` child and a ``gate`` or ``router`` child; where there is
-        none, the declared or traced MoE blocks (:mod:`hooks.modelroles`)."""
-        out = []
-        for name, m in self.model.named_modules():
-            experts = getattr(m, "experts", None)
-            if not isinstance(experts, nn.Module):
-                continue
-            for rname in ("gate", "router"):
-                r = getattr(m, rname, None)
-                if isinstance(r, nn.Module):
-                    break
-            else:
-                continue
-            e = getattr(m, "num_experts", None)
-            if not isinstance(e, int):
-                e = len(experts) if isinstance(experts, nn.ModuleList) else None
-            if not isinstance(e, int):
-                e = getattr(experts, "num_experts", None) or self.cfg("num_local_experts")
-            full = f"{name}.{rname}" if name else rname
-            out.append(MoEInfo(name, full, r, int(e) if isinstance(e, int) else 0))
-        return out or self._moe_by_role()
-
-    def _moe_by_role(self) -> list[MoEInfo]:
-        """Where no block is named like one: the declared or traced MoE blocks
-        (:meth:`roles`) with a router."""
+        """The MoE blocks of :meth:`roles` that have a router (declared, traced: a ``topk``
+        over a projection's scores beside a list of E experts, or named: an ``experts`` child
+        and a ``gate``/``router`` child), in module order; E from the role, else the config's
+        ``num_local_experts``/``num_experts``."""
         modules = dict(self.model.named_modules())
-        return [MoEInfo(b.name, b.router, modules[b.router], b.num_experts or 0)
-                for b in self.roles().moe if b.router in modules]
+        blocks = {b.name: b for b in self.roles().moe if b.router in modules}
+        e_cfg = self.cfg("num_local_experts", self.cfg("num_experts"))
+        out = []
+        for name in modules:
+            b = blocks.get(name)
+            if b is not None:
+                e = b.num_experts or (e_cfg if isinstance(e_cfg, int) else 0)
+                out.append(MoEInfo(b.name, b.router, modules[b.router], int(e)))
+        return out
 
     def norm_modules(self) -> list[tuple[str, nn.Module]]:
-        """Normalisation modules: class name ending in ``RMSNorm``/``LayerNorm`` or
-        ``nn.LayerNorm``/``nn.RMSNorm`` instances."""
-        return [(n, m) for n, m in self.model.named_modules() if _is_norm(m)]
+        """Normalisation modules (:attr:`hooks.modelroles.Roles.norms`: those whose forward
+        normalises, classes named like a norm, the declared final norm), in module order."""
+        modules = dict(self.model.named_modules())
+        return [(n.module, modules[n.module]) for n in self.roles().norms
+                if n.module in modules]
 
     def embeddings(self) -> tuple[tuple[str, nn.Module] | None, tuple[str, nn.Module] | None]:
         """The token embedding and the LM head as ``(name, module)`` pairs (None if absent).
 
-        Uses HF's ``get_input_embeddings``/``get_output_embeddings`` when present, else the
-        first ``nn.Embedding`` with V rows (any, without a config) and a module named
-        ``lm_head``, else the last linear layer with as many outputs as the embedding has rows
-        and as many inputs as it has columns.
+        The embedding: HF's ``get_input_embeddings`` when present, else the first
+        ``nn.Embedding`` with V rows (any, without a config). The head: the LM head role of
+        :meth:`roles` (declared; ``get_output_embeddings()`` or ``lm_head``; the projection
+        whose output is the logits, traced), else the last projection with as many outputs as
+        the embedding has rows and as many inputs as it has columns.
         """
         names = {id(m): n for n, m in self.model.named_modules()}
         emb = head = None
@@ -756,21 +648,9 @@ class Target:
             e = self.model.get_input_embeddings()
             if isinstance(e, nn.Module) and id(e) in names:
                 emb = (names[id(e)], e)
-        with contextlib.suppress(Exception):
-            h = self.model.get_output_embeddings()
-            if isinstance(h, nn.Module) and id(h) in names:
-                head = (names[id(h)], h)
-        with contextlib.suppress(ValueError):  # a declared head wins (hooks.modelroles)
-            from hooks.modelroles import declared_roles
-
-            d = declared_roles(self.model).lm_head
-            if d is not None:
-                head = (d.module, dict(self.model.named_modules())[d.module])
-        if head is None:  # the projection whose output is the logits, traced
-            r = self.roles().lm_head if not any(
-                n.endswith("lm_head") for n, _ in self.model.named_modules()) else None
-            if r is not None:
-                head = (r.module, dict(self.model.named_modules())[r.module])
+        r = self.roles().lm_head  # declared, named or traced (hooks.modelroles)
+        if r is not None and r.module in names.values():
+            head = (r.module, dict(self.model.named_modules())[r.module])
         v = self.cfg("vocab_size")
         if emb is None:
             for n, m in self.model.named_modules():
@@ -778,15 +658,12 @@ class Target:
                     emb = (n, m)
                     break
         if head is None:
-            for n, m in self.model.named_modules():
-                if n.endswith("lm_head") and _linear_like(m):
-                    head = (n, m)
             rows = v if isinstance(v, int) else (emb[1].num_embeddings if emb else None)
             width = emb[1].embedding_dim if emb and isinstance(emb[1], nn.Embedding) else None
-            if head is None and isinstance(rows, int):
+            if isinstance(rows, int):
                 for n, m in self.model.named_modules():
-                    if _linear_like(m) and _out_features(m) == rows and (
-                            width is None or _in_features(m) == width):
+                    if is_projection(m) and out_width(m) == rows and (
+                            width is None or in_width(m) == width):
                         head = (n, m)
         return emb, head
 

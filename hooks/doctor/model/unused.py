@@ -13,6 +13,7 @@ from typing import Any
 from torch import nn
 
 from hooks.doctor.model.target import Target
+from hooks.modelroles.named import KEY_VALUE_NAMES
 
 #: Attribute names that declare KV sharing (on the config, the module or an ancestor).
 SHARING = re.compile(r"(kv|key_value).*shar|shar.*(kv|key_value)", re.IGNORECASE)
@@ -34,10 +35,14 @@ def _declares(obj: Any) -> tuple[str, Any] | None:
 def declared_unused(t: Target, module: str) -> str | None:
     """Why ``module`` (which never ran in the forward) is unused by design, in words, or None:
     it, an ancestor, or the config declares KV sharing and the module is a key or value
-    projection (or inside one)."""
+    projection (or inside one): by its attention's role, or named like one
+    (:data:`hooks.modelroles.named.KEY_VALUE_NAMES`)."""
+    roles = t.roles().attention  # its attention's role (declared, named), else its name
+    kv = {c for a in roles for c in (getattr(a.k, "module", None), getattr(a.v, "module", None),
+                                     a.k_norm) if c}
     leaf = module.rsplit(".", 1)[-1]
-    if leaf not in ("k_proj", "v_proj", "key", "value", "wk", "wv", "k", "v", "k_norm",
-                    "kv_proj", "wkv"):
+    if leaf not in KEY_VALUE_NAMES and not any(module == c or module.startswith(c + ".")
+                                               for c in kv):
         return None
     mods = dict(t.model.named_modules())
     parts = module.split(".")
