@@ -7,12 +7,12 @@ whole job, not as this rank's piece of it (:class:`MeshStats`):
 
 * **Each rank summarises its own piece** (a DTensor's local shard, or a plain tensor such as an
   activation) as one process's capture does on CPU (:class:`hooks.tensors.stats.StatsBatch`), a few
-  numbers read back at once: finite count, sum and sum of squares (fp32 kernels, no copy of
-  the tensor; fp64 where ``|mean| >> std`` would lose them), non-zero count (counted where the
+  numbers read back at once: finite count, sum and sum of squares (fp32 kernels, no copy of the
+  tensor; fp64 where ``|mean|`` above ~1.7 std would lose them), non-zero count (counted where the
   piece has at most :data:`hooks.tensors.stats.ZERO_EXACT_NUMEL` elements or its sample holds a
   zero, else ``zero_exact`` is False, as in one process), NaN and Inf counts, the number of
-  elements, min and max, a histogram sample (at most :data:`hooks.tensors.stats.HIST_SAMPLE` values)
-  and, for a plain tensor, a fingerprint of its bits (:mod:`hooks.sharded.replicas`: the
+  elements, min and max, a histogram sample (at most :data:`hooks.tensors.stats.HIST_SAMPLE`
+  values) and, for a plain tensor, a fingerprint of its bits (:mod:`hooks.sharded.replicas`: the
   checksum of that sample, and of the whole piece only where another rank's sample matched).
 * **Each element is counted once.** A DTensor's placements say it: a ``Shard`` mesh dimension
   holds different elements on each rank (counted on all), a ``Replicate`` one the same elements
@@ -81,6 +81,7 @@ from hooks.sharded.replicas import (
     wholes,
 )
 from hooks.tensors.stats import (
+    CANCELLATION_MAX,
     HIST_SAMPLE,
     NUM_BINS,
     ZERO_EXACT_NUMEL,
@@ -230,7 +231,7 @@ def _extremes(xf: torch.Tensor) -> tuple[float, float]:
 def _moments(x: torch.Tensor) -> tuple[list[float], list[float], torch.Tensor]:
     """(head, sums, histogram sample of the finite values) of a local piece (see
     :class:`_Entry`), as :class:`hooks.tensors.stats.StatsBatch` takes them on CPU: no copy of the
-    tensor, fp32 sum and dot (fp64, from an fp64 copy, where ``|mean| >> std`` would lose
+    tensor, fp32 sum and dot (fp64, from an fp64 copy, where ``|mean| > ~1.7 std`` would lose
     their precision), zeros counted where the piece is small or its sample holds one (else
     ``sums[3]`` is 1: not counted)."""
     n = x.numel()
@@ -249,7 +250,7 @@ def _moments(x: torch.Tensor) -> tuple[list[float], list[float], torch.Tensor]:
         counted = n <= ZERO_EXACT_NUMEL or torch.count_nonzero(sample).item() < HIST_SAMPLE
         nnz = float(count_nonzero(xf)) if counted else float(n)
     var = (ss - s * s / n) if n > 1 else 1.0
-    if n > 1 and (not (math.isfinite(s) and math.isfinite(ss)) or var <= 1e-3 * ss):
+    if n > 1 and (not (math.isfinite(s) and math.isfinite(ss)) or var * CANCELLATION_MAX <= ss):
         xd = xf.double()
         s, ss = xd.sum().item(), torch.dot(xd, xd).item()
     return [float(n), 0.0, 0.0, n, 0.0, -lo, hi], [s, ss, nnz, float(not counted)], sample[:k]

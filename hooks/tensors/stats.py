@@ -1,32 +1,32 @@
 """Tensor statistics: one summary per tensor, computed in as few passes as the numbers allow.
 
-The capture engine summarises every module output, input and gradient, so this is the hot path.
-A tensor is read as a detached flat fp32 view (no copy for contiguous fp32 tensors). On CPU three
+The capture engine summarises every module output, input and gradient, so this is the hot path. A
+tensor is read as a detached flat fp32 view (no copy for contiguous fp32 tensors). On CPU three
 passes over memory give everything: ``torch.aminmax`` (min, max), ``sum`` and ``torch.dot(x, x)``
-(sum of squares), each read back with ``.item()``. The rest is derived: ``mean = sum / n``,
-``var = (sumsq - n mean^2) / (n - 1)``, ``abs_max = max(-min, max)``, ``l2 = sqrt(sumsq)``. When
-that variance formula would lose precision (``|mean| >> std``) or overflow, an exact two-pass
-fp64 computation replaces it. When min and max are finite the tensor holds no NaN and no Inf, so
-the NaN/Inf counting passes are skipped; only a tensor with non-finite values takes the slow
-path, whose statistics describe its finite elements. Zeros are counted with
-``dot(sign(x), sign(x))`` (two more passes) in tensors of at most :data:`ZERO_EXACT_NUMEL`
-elements and in any tensor whose histogram sample holds a zero; otherwise they are not counted
-and :attr:`TensorStats.zero_exact` says so. (``torch.var_mean``, ``count_nonzero`` and a
-full-size ``torch.histc`` are avoided: on CPU they run 2-50x slower per element than the kernels
-above.) The histogram is binned like ``torch.histc`` over ``[min, max]``, exact up to
-:data:`HIST_SAMPLE` elements and taken on a strided sample beyond; all histograms of a capture
-are binned together at the end.
+(sum of squares), each read back with ``.item()``. The rest is derived: ``mean = sum / n``, ``var =
+(sumsq - n mean^2) / (n - 1)``, ``abs_max = max(-min, max)``, ``l2 = sqrt(sumsq)``. When that
+variance formula would lose precision (``|mean|`` above ~1.7 std: :data:`CANCELLATION_MAX`) or
+overflow, an exact two-pass fp64 computation replaces it. When min and max are finite the tensor
+holds no NaN and no Inf, so the NaN/Inf counting passes are skipped; only a tensor with non-finite
+values takes the slow path, whose statistics describe its finite elements. Zeros are counted with
+``dot(sign(x), sign(x))`` (two more passes) in tensors of at most :data:`ZERO_EXACT_NUMEL` elements
+and in any tensor whose histogram sample holds a zero; otherwise they are not counted and
+:attr:`TensorStats.zero_exact` says so. (``torch.var_mean``, ``count_nonzero`` and a full-size
+``torch.histc`` are avoided: on CPU they run 2-50x slower per element than the kernels above.) The
+histogram is binned like ``torch.histc`` over ``[min, max]``, exact up to :data:`HIST_SAMPLE`
+elements and taken on a strided sample beyond; all histograms of a capture are binned together at
+the end.
 
 On other devices :class:`StatsBatch` uses a sync-free formulation and keeps every result on the
 device until :meth:`StatsBatch.finalize` converts all of them with one ``tolist()`` per statistic.
 
-``StatsBatch(background=True)`` summarises CPU tensors (of at least
-:data:`BACKGROUND_MIN_NUMEL` elements) on one shared worker thread (torch set to
-one thread there) while the caller's thread goes on: the batch keeps each tensor and its version
-counter (``Tensor._version``) until :meth:`StatsBatch.drain`, which waits for the worker and
-drops the statistics of any tensor written in place since it was added (a view or an in-place
-op bumps the shared counter): such a slot is ``None`` and listed in :attr:`StatsBatch.modified`,
-never filled with numbers of values the tensor no longer held when it was added.
+``StatsBatch(background=True)`` summarises CPU tensors (of at least :data:`BACKGROUND_MIN_NUMEL`
+elements) on one shared worker thread (torch set to one thread there) while the caller's thread
+goes on: the batch keeps each tensor and its version counter (``Tensor._version``) until
+:meth:`StatsBatch.drain`, which waits for the worker and drops the statistics of any tensor written
+in place since it was added (a view or an in-place op bumps the shared counter): such a slot is
+``None`` and listed in :attr:`StatsBatch.modified`, never filled with numbers of values the tensor
+no longer held when it was added.
 """
 
 from __future__ import annotations
@@ -55,6 +55,12 @@ _EXACT_COUNT = 1 << 24  # float32 sums of ones are exact below this
 # and above _AMINMAX_NUMEL, read from memory; in between, in cache, amin + amax run ~1.4x faster
 _AMINMAX_SMALL = 1 << 15
 _AMINMAX_NUMEL = 1 << 18
+
+#: The one-pass variance (fp32 sum and sum of squares) is kept while the sum of squares is less
+#: than this many times the sum of squared deviations (|mean| below ~1.7 std): fp32 sums err by
+#: ~1e-7 of themselves, and their difference by that much times this ratio, so the standard
+#: deviation stays within ~1e-6 of an fp64 reference; beyond it, the exact two-pass route in fp64.
+CANCELLATION_MAX = 4.0
 
 _STAT_FIELDS = ("mean", "std", "min", "max", "abs_max", "l2", "zero_frac")
 
@@ -513,10 +519,11 @@ class StatsBatch:
             sample, k = hist_sample(xf, last)
         mean = s_ / count
         var = (ss_ - count * mean * mean) / (count - 1) if count > 1 else 0.0
-        # sum and sum of squares lose precision when |mean| >> std (or overflow in fp32):
-        # then take the exact two-pass route in fp64.
+        # sum and sum of squares lose precision when |mean| is not small against std (or
+        # overflow in fp32): then take the exact two-pass route in fp64 (CANCELLATION_MAX).
         if count > 1 and (
-            not (math.isfinite(s_) and math.isfinite(ss_)) or var * (count - 1) <= 1e-3 * ss_
+            not (math.isfinite(s_) and math.isfinite(ss_))
+            or var * (count - 1) * CANCELLATION_MAX <= ss_
         ):
             xd = xf.double()
             mean = float(xd.mean())

@@ -132,6 +132,21 @@ def test_large_tensor_exact_scalars_sampled_histogram():
     assert (frac_full - frac_sample).abs().max().item() < 0.02
 
 
+@pytest.mark.parametrize("n", [32, 500, 1024])
+def test_std_within_1e6_of_fp64_when_the_mean_is_large_against_it(n):
+    """The one-pass variance loses digits as |mean| grows against std; past CANCELLATION_MAX
+    the exact fp64 route takes over, so std stays within 1e-6 of torch's fp64 std whatever the
+    shift (at mean/std = 30 the old threshold left 1e-4)."""
+    g = torch.Generator().manual_seed(n)
+    worst = 0.0
+    for shift in (0.0, 0.5, 1.0, 1.5, 1.7, 2.0, 3.0, 5.0, 10.0, 30.0):
+        for _ in range(40):
+            x = torch.randn(n, generator=g) - shift
+            ref = x.double().std().item()
+            worst = max(worst, abs(hooks.summarize_tensor(x).std - ref) / ref)
+    assert worst < 1e-6
+
+
 def test_zero_count_exact_when_small_or_when_the_sample_shows_zeros():
     torch.manual_seed(3)
     # ReLU output (about half zeros), far larger than ZERO_EXACT_NUMEL: counted exactly
