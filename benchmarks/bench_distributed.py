@@ -109,25 +109,37 @@ def _worker(args: argparse.Namespace) -> None:
         for side in sides if r % 2 == 0 else sides[::-1]:
             rates[side].append(block(side, r))
     if rank == 0:
-        med = {k: statistics.median(v) for k, v in rates.items()}
-        print(f"2-rank DDP, tiny GPT, batch {bs}×{seq} per rank, gather_every={every}: steps/s, "
-              f"median of {args.rounds} blocks of {args.block} steps (plain step "
-              f"{1e3 / med['plain']:.1f} ms)")
-        for side, v in rates.items():
-            paired = statistics.median(a / b for a, b in zip(v, rates["plain"], strict=True))
-            print(f"  {side:>9}: {med[side]:6.1f} steps/s (min {min(v):.1f}, max {max(v):.1f})  "
-                  f"ratio of medians {med[side] / med['plain']:.3f}, median of the rounds' "
-                  f"ratios {paired:.3f}  (goal ≥ 0.98)")
-        for gathered in (False, True):
-            lt, st = log_times[gathered], step_times[gathered]
-            what = "gathered steps" if gathered else "other steps   "
-            print(f"  rank 0, {what}: run.log median {statistics.median(lt) * 1e6:7.1f} µs, "
-                  f"max {max(lt) * 1e6:8.1f} µs; step median {statistics.median(st) * 1e3:.2f}"
-                  f" ms ({len(lt)} steps)")
-        ratio = statistics.median(step_times[True]) / statistics.median(step_times[False])
-        print(f"  rank 0's gathered steps take ×{ratio:.3f} the others (the writing and the "
-              "gathering run on threads of their own; with watch the checksums are computed "
-              "on the training thread at the optimizer step)")
+        _print_rates(rates, log_times, step_times, args.rounds, args.block, bs, seq, every)
+    _print_links(link, rank, every, dist)
+    dist.destroy_process_group()
+
+
+def _print_rates(rates: dict, log_times: dict, step_times: dict, rounds: int, block: int,
+                 bs: int, seq: int, every: int) -> None:
+    """Rank 0's table: steps/s per side, run.log and step times, gathered or not."""
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    print(f"2-rank DDP, tiny GPT, batch {bs}×{seq} per rank, gather_every={every}: steps/s, "
+          f"median of {rounds} blocks of {block} steps (plain step "
+          f"{1e3 / med['plain']:.1f} ms)")
+    for side, v in rates.items():
+        paired = statistics.median(a / b for a, b in zip(v, rates["plain"], strict=True))
+        print(f"  {side:>9}: {med[side]:6.1f} steps/s (min {min(v):.1f}, max {max(v):.1f})  "
+              f"ratio of medians {med[side] / med['plain']:.3f}, median of the rounds' "
+              f"ratios {paired:.3f}  (goal ≥ 0.98)")
+    for gathered in (False, True):
+        lt, st = log_times[gathered], step_times[gathered]
+        what = "gathered steps" if gathered else "other steps   "
+        print(f"  rank 0, {what}: run.log median {statistics.median(lt) * 1e6:7.1f} µs, "
+              f"max {max(lt) * 1e6:8.1f} µs; step median {statistics.median(st) * 1e3:.2f}"
+              f" ms ({len(lt)} steps)")
+    ratio = statistics.median(step_times[True]) / statistics.median(step_times[False])
+    print(f"  rank 0's gathered steps take ×{ratio:.3f} the others (the writing and the "
+          "gathering run on threads of their own; with watch the checksums are computed "
+          "on the training thread at the optimizer step)")
+
+
+def _print_links(link: dict, rank: int, every: int, dist) -> None:
+    """Each rank's link thread: its CPU time per gather, in rank order."""
     for r in range(dist.get_world_size()):  # each rank's link thread, in rank order
         dist.barrier()
         if r == rank and link["gathers"]:
@@ -142,7 +154,6 @@ def _worker(args: argparse.Namespace) -> None:
                   f"(heartbeats, store polls, rank 0's checks) "
                   f"{100 * link['thread_cpu_s'] / link['train_s']:.2f} % of the training time",
                   flush=True)
-    dist.destroy_process_group()
 
 
 def main() -> None:

@@ -60,8 +60,13 @@ _DEFAULTS: dict[str, Any] = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``mdb overfit``."""
-    g = parser.add_argument_group("what to train")
+    """Options of ``mdb overfit``: what to train, how it is recorded, how it runs."""
+    _training_arguments(parser.add_argument_group("what to train"))
+    _recording_arguments(parser.add_argument_group("recording"))
+    _running_arguments(parser.add_argument_group("running"))
+
+
+def _training_arguments(g) -> None:
     g.add_argument("--text", metavar="FILE", default=None,
                    help="UTF-8 text to memorise (default: samples/overfit_zh.txt, the sentence "
                         "人工智能正在改变世界。 x6); one trailing newline is dropped")
@@ -93,7 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="sequences per step (default 1)")
     g.add_argument("--seed", type=seed_int, default=None,
                    help="seed of the weights and the window offsets (default 0)")
-    r = parser.add_argument_group("recording")
+
+
+def _recording_arguments(r) -> None:
     r.add_argument("--run", metavar="NAME", default=None,
                    help="run name (default overfit-YYYYmmdd-HHMMSS)")
     r.add_argument("--db", metavar="PATH", default=None,
@@ -113,7 +120,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "--db, --headless, --threads, --model); a --model run imports its "
                         "factory again only if the file's sha256 is the one stored with the "
                         "run, or if you name it again with --model")
-    x = parser.add_argument_group("running")
+
+
+def _running_arguments(x) -> None:
     x.add_argument("--headless", action="store_true",
                    help="no UI: one progress line on a terminal, plain lines otherwise (for "
                         "nohup, tmux, batch jobs); also used when stdin or stdout is not a "
