@@ -2,21 +2,26 @@
 of ``rope_models`` the table's module (whatever it is called, none at all, the model holding a
 buffer), the attention it rotates, the channels it rotates (the ``rotary_dim`` the model was
 built with) and how it was found; no RoPE where there is none or only half of its signature;
-a declaration for what the trace cannot see.
+a declaration for what the trace cannot see. ``mdb roles`` prints the q/k norms, the norms and
+the RoPE tables in 80 columns, names made printable.
 
 Dimension legend: Dh head dim.
 """
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import pytest
 
 import hooks
 from hooks.modelroles import find_roles
 from tests.hooks.roles import rope_models as rm
+from tui.cli import main
 
+RM = Path(rm.__file__)
 LAYERS = [f"blocks.{i}.attn" for i in range(rm.L)]
 
 
@@ -63,3 +68,48 @@ def test_rope_is_declared_where_the_trace_cannot_see_it_and_a_bad_name_is_one_li
     with pytest.raises(ValueError, match=re.escape(  # one line, the nearest name offered
             "roles: rotary='blocks.*.atn' matches no module (did you mean blocks.1.attn?)")):
         hooks.roles(rm.build("matrix")[0], rotary="blocks.*.atn")
+
+
+def test_mdb_roles_prints_qk_norms_norms_and_rope_in_80_columns(capsys):
+    assert main(["roles", "--model", f"{RM}:pos_qk_norm"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    for a in LAYERS:
+        i = next(n for n, line in enumerate(lines) if line.startswith(f"  {a}: traced; "))
+        assert lines[i + 1:i + 3] == [f"    q_norm {a}.qn, k_norm {a}.kn,",
+                                      f"      RoPE table {a}.pos"]
+    start, end = lines.index("norms: 10 module(s)"), lines.index("MoE: 0 block(s)")
+    assert lines[start + 1:end] == [
+        "  traced: blocks.*.ln1 ×2, blocks.*.ln2 ×2, blocks.*.attn.qn ×2,",
+        "    blocks.*.attn.kn ×2, ln_f",
+        "  named: extra.n\\x1b]0;pwned\\x07",
+        "RoPE: 2 table(s)",
+        "  blocks.0.attn.pos: traced; 8 channels per head; for blocks.0.attn",
+        "    rotate-half rotation of q and k by a position table (blocks.0.attn.pos",
+        "    returns the table)",
+        "  blocks.1.attn.pos: traced; 8 channels per head; for blocks.1.attn",
+        "    rotate-half rotation of q and k by a position table (blocks.1.attn.pos",
+        "    returns the table)"]
+    new = lines[start:end] + [line for line in lines
+                              if line.startswith(("    q_norm", "      RoPE"))]
+    assert max(len(line) for line in new) <= 80
+    assert "\x1b" not in out and "\x07" not in out  # piped: plain text, the name escaped
+    assert main(["roles", "--model", f"{RM}:pos_qk_norm", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [(r["module"], r["channels"]) for r in data["rotary"]] == [
+        (f"{a}.pos", rm.DH) for a in LAYERS]
+    assert data["attention"][0]["q_norm"] == "blocks.0.attn.qn"
+    assert data["attention"][0]["rotary"] == "blocks.0.attn.pos"
+
+
+def test_mdb_roles_says_how_to_declare_rope_when_none_is_found(capsys):
+    assert main(["roles", "--model", f"{RM}:pos"]) == 0  # found: no hint
+    assert "declare it: hooks.roles(model, rotary=" not in capsys.readouterr().out
+    from tui.commands.roles import lines
+
+    model, batch = rm.build("matrix")
+    got = lines(find_roles(model, batch))
+    i = next(n for n, line in enumerate(got) if line.startswith("RoPE: "))
+    assert got[i:i + 2] == [
+        "RoPE: none found (learned positions, relative biases or none); if the model",
+        "  applies RoPE, declare it: hooks.roles(model, rotary='NAME')"]
