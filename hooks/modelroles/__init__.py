@@ -1,6 +1,7 @@
-"""Which module of a model plays which role — attention (with its heads and q/k/v/o
-projections), the final norm, the LM head, the router and the experts — read from what the
-model computes in one traced forward, from a declaration, or from HF's names.
+"""Which module of a model plays which role — attention (with its heads, q/k/v/o projections,
+q/k norms and RoPE table), every norm, the final norm, the LM head, the router and the
+experts — read from what the model computes in one traced forward, from a declaration, or
+from HF's names.
 
 * :func:`find_roles` (``mdb roles``): every role, each with ``how`` it was found
   (``declared``, ``traced``, ``named``); a declaration wins, and where the trace and the
@@ -22,11 +23,11 @@ rather than from names. Never imports textual, rich or tui.
 
 from hooks.modelroles.declare import ATTRIBUTE, KEYS, declaration, declared_roles
 from hooks.modelroles.find import find_roles, roles, trace_roles, traced_roles
-from hooks.modelroles.found import HOW, AttentionRole, Columns, Found, MoERole, Roles
+from hooks.modelroles.found import HOW, AttentionRole, Columns, Found, MoERole, Roles, Rotary
 from hooks.modelroles.lookup import attention_role, final_norm_role, lm_head_role, moe_role
 from hooks.modelroles.parts import PARTS, module_parts
 
 __all__ = ["ATTRIBUTE", "HOW", "KEYS", "PARTS", "AttentionRole", "Columns", "Found", "MoERole",
-           "Roles", "attention_role", "declaration", "declared_roles", "final_norm_role",
+           "Roles", "Rotary", "attention_role", "declaration", "declared_roles", "final_norm_role",
            "find_roles", "lm_head_role", "module_parts", "moe_role", "roles", "trace_roles",
            "traced_roles"]

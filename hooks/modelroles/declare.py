@@ -10,7 +10,9 @@ Keys (:data:`KEYS`):
   projection, default the traced or named one) apply to each of them;
 * ``lm_head``, ``final_norm``: one module name each;
 * ``router``, ``experts``: names or patterns; each router pairs with the experts under the
-  same parent module (the MoE block).
+  same parent module (the MoE block);
+* ``rotary``: names or patterns of the modules that apply RoPE to the queries and keys: the
+  module that makes the cos/sin table, or the attention module whose forward rotates them.
 
 Dimension legend: H query heads, Hkv key/value heads, Dh head dim, E experts.
 """
@@ -24,11 +26,12 @@ from typing import Any
 
 from torch import nn
 
-from hooks.modelroles.found import AttentionRole, Found, MoERole, Roles
+from hooks.modelroles.found import AttentionRole, Found, MoERole, Roles, Rotary
 from hooks.modelroles.traced import in_width
 
 #: The keys of a declaration.
-KEYS = ("attention", "heads", "kv_heads", "o", "lm_head", "final_norm", "router", "experts")
+KEYS = ("attention", "heads", "kv_heads", "o", "lm_head", "final_norm", "router", "experts",
+        "rotary")
 #: The attribute of a model that holds its declaration.
 ATTRIBUTE = "__mdb_roles__"
 
@@ -145,8 +148,11 @@ def declared_roles(model: nn.Module, d: dict[str, Any] | None = None) -> Roles:
     if bad:
         raise ValueError(f"roles: unknown role {bad[0]!r} (the keys: {', '.join(KEYS)})")
     modules = dict(model.named_modules())
+    names = list(modules)
+    rotary = [Rotary(n, "declared", detail="declared")
+              for p in _patterns(d.get("rotary"), "rotary") for n in _match(p, names, "rotary")]
     return Roles(_attention(d, modules), _one(d, "lm_head", modules),
-                 _one(d, "final_norm", modules), _moe(d, modules))
+                 _one(d, "final_norm", modules), _moe(d, modules), rotary=rotary)
 
 
 def pattern_of(name: str) -> str:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from hooks.modelroles.declare import ATTRIBUTE, declaration, declared_roles
-from hooks.modelroles.found import AttentionRole, Found, MoERole, Roles
+from hooks.modelroles.found import AttentionRole, Found, MoERole, Roles, Rotary
 from hooks.modelroles.graph import OpGraph
 from hooks.modelroles.named import named_roles
 from hooks.modelroles.traced import in_width, read_roles
@@ -145,7 +145,7 @@ def _merge_attention(d: Roles, t: Roles, n: Roles, notes: list[str],
                 notes.append(f"{a.name}: the trace and the names disagree ({why}); the named "
                              f"role is used, as the views read it without a forward: declare "
                              f"the right one to settle it")
-                out[a.name] = a
+                out[a.name] = replace(a, rotary=out[a.name].rotary)  # only the trace tells
             else:
                 t_ = out[a.name]
                 out[a.name] = replace(t_, detail=t_.detail + "; names agree", **{
@@ -160,7 +160,7 @@ def _merge_attention(d: Roles, t: Roles, n: Roles, notes: list[str],
             a.num_kv_heads = a.num_kv_heads or base.num_kv_heads
             a.o = a.o or base.o
             a.q, a.k, a.v, a.kernel = base.q, base.k, base.v, base.kernel
-            a.q_norm, a.k_norm = base.q_norm, base.k_norm
+            a.q_norm, a.k_norm, a.rotary = base.q_norm, base.k_norm, base.rotary
             if a.head_dim is None and a.num_heads == base.num_heads:
                 a.head_dim = base.head_dim
         width = in_width(modules[a.o]) if a.o in modules else None
@@ -206,6 +206,21 @@ def _norms(d: Roles, t: Roles, n: Roles, modules: dict[str, nn.Module]) -> list[
     return [got[name] for name in modules if name in got]
 
 
+def _rotary(d: Roles, t: Roles, n: Roles, modules: dict[str, nn.Module]) -> list[Rotary]:
+    """Every RoPE table: the declared, the traced, the named (each module once, the strongest
+    first; a traced one its name also gives says so), in module order."""
+    got: dict[str, Rotary] = {}
+    for r in d.rotary + t.rotary:
+        got.setdefault(r.module, r)
+    for r in n.rotary:
+        have = got.get(r.module)
+        if have is None:
+            got[r.module] = r
+        elif have.how == "traced":
+            got[r.module] = replace(have, detail=f"{have.detail}; {r.detail} agrees")
+    return [got[name] for name in modules if name in got]
+
+
 def find_roles(model: nn.Module, batch: Any = None, *, trace: bool = True,
                declared: bool = True) -> Roles:
     """Every role of ``model``: declared, else traced or named, which must agree (see the
@@ -234,7 +249,7 @@ def find_roles(model: nn.Module, batch: Any = None, *, trace: bool = True,
                   _single(d.lm_head, t.lm_head, n.lm_head, "LM head", notes),
                   _single(d.final_norm, t.final_norm, n.final_norm, "final norm", notes),
                   _merge_moe(d, t, n), notes, traced=t.traced, trace_error=t.trace_error,
-                  norms=_norms(d, t, n, modules))
+                  norms=_norms(d, t, n, modules), rotary=_rotary(d, t, n, modules))
     return roles
 
 
@@ -253,7 +268,8 @@ def roles(model: nn.Module, batch: Any = None, **declared: Any) -> Roles:
         model: the model.
         batch: the batch a trace runs on (default: a synthetic one).
         **declared: ``attention``, ``heads``, ``kv_heads``, ``o``, ``lm_head``, ``final_norm``,
-            ``router``, ``experts``; none: nothing is declared, the roles are only found.
+            ``router``, ``experts``, ``rotary``; none: nothing is declared, the roles are only
+            found.
 
     Raises:
         ValueError: one line: an unknown keyword, a name that matches no module, a bad count.

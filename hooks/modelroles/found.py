@@ -67,6 +67,9 @@ class AttentionRole:
         q_norm: the norm the queries go through between their projection and the scores
             (Qwen3's, OLMoE's ``q_norm``), or None.
         k_norm: the same for the keys (its output holds the keys each KV head reads).
+        rotary: the module whose position table rotates the queries and keys on their way
+            to the scores (RoPE; a :class:`Rotary` of :attr:`Roles.rotary`), or None: read
+            from the trace only.
     """
 
     name: str
@@ -82,6 +85,7 @@ class AttentionRole:
     detail: str = ""
     q_norm: str | None = None
     k_norm: str | None = None
+    rotary: str | None = None
 
     def head_columns(self, head: int) -> tuple[int, int]:
         """``(start, stop)`` of head ``head``'s columns in the o projection's input,
@@ -103,7 +107,7 @@ class AttentionRole:
                 **{p: (c.to_dict() if c is not None else None)
                    for p, c in (("q", self.q), ("k", self.k), ("v", self.v))},
                 "o": self.o, "kernel": self.kernel, "detail": self.detail,
-                "q_norm": self.q_norm, "k_norm": self.k_norm}
+                "q_norm": self.q_norm, "k_norm": self.k_norm, "rotary": self.rotary}
 
 
 @dataclass
@@ -154,6 +158,35 @@ class Found:
 
 
 @dataclass
+class Rotary:
+    """RoPE: a table of cos/sin (or complex) values by position that rotates pairs of the
+    queries' and keys' channels on their way to the attention scores.
+
+    Attributes:
+        module: the module that makes the table (traced: the module that returns it, holds it
+            as a buffer, or computes its cos/sin in its own forward, ``""`` for the model
+            itself; named: a module named ``*rotary_emb`` or of a class named like
+            ``Rotary``; declared: any module the declaration names).
+        how: ``declared``, ``traced`` or ``named``.
+        attention: the attention modules whose queries or keys it rotates (traced), in the
+            order they ran; [] when not traced.
+        channels: channels rotated per head, 2 × the distinct frequencies of the table
+            (traced), or None.
+        detail: the evidence, in words.
+    """
+
+    module: str
+    how: str
+    attention: list[str] = field(default_factory=list)
+    channels: int | None = None
+    detail: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"module": self.module, "how": self.how, "attention": list(self.attention),
+                "channels": self.channels, "detail": self.detail}
+
+
+@dataclass
 class Roles:
     """Every role of one model (:func:`hooks.modelroles.find_roles`).
 
@@ -170,6 +203,9 @@ class Roles:
         norms: every normalisation module (LayerNorm, RMSNorm, one's own): a module without
             children whose forward ran ``layer_norm``, ``rms_norm`` or ``rsqrt`` (traced), a
             class named like a norm (named), the declared final norm; in module order.
+        rotary: every RoPE table (:class:`Rotary`): declared, traced (a position table that
+            rotates the queries or keys between their projection and the scores), named; in
+            module order.
     """
 
     attention: list[AttentionRole] = field(default_factory=list)
@@ -180,6 +216,7 @@ class Roles:
     traced: bool = False
     trace_error: BaseException | None = field(default=None, repr=False, compare=False)
     norms: list[Found] = field(default_factory=list)
+    rotary: list[Rotary] = field(default_factory=list)
 
     def attention_of(self, name: str) -> AttentionRole | None:
         """The attention role of module ``name``, or None."""
@@ -194,4 +231,5 @@ class Roles:
                 "lm_head": self.lm_head.to_dict() if self.lm_head else None,
                 "final_norm": self.final_norm.to_dict() if self.final_norm else None,
                 "moe": [m.to_dict() for m in self.moe], "notes": list(self.notes),
-                "traced": self.traced, "norms": [n.to_dict() for n in self.norms]}
+                "traced": self.traced, "norms": [n.to_dict() for n in self.norms],
+                "rotary": [r.to_dict() for r in self.rotary]}

@@ -1,7 +1,8 @@
 """Roles from names, the fast path that needs no forward: HF's and nanoGPT's names for the
 attention projections (q/k/v, fused q|k|v, o), its heads and its q/k norms,
 ``get_output_embeddings()`` / ``lm_head``, the final norm's usual names, a norm's class name,
-an MoE block's ``experts`` child and its router, the MLP's input and output projections.
+an MoE block's ``experts`` child and its router, the MLP's input and output projections, the
+rotary embedding (``*rotary_emb``, a class named like ``Rotary``).
 
 These tuples are mdb's one list of each: the doctor, the edits and the views read roles
 through :mod:`hooks.modelroles`, where a name is only a shortcut before what the model
@@ -16,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from hooks.modelroles.found import AttentionRole, Columns, Found, MoERole, Roles
+from hooks.modelroles.found import AttentionRole, Columns, Found, MoERole, Roles, Rotary
 from hooks.modelroles.traced import in_width, is_projection, out_width
 
 #: Child names of an attention module's query, key and value projections, tried in order.
@@ -46,6 +47,10 @@ FINAL_NORM_NAMES = ("norm", "ln_f", "final_layer_norm", "final_layernorm", "norm
                     "final_norm", "ln_out")
 #: Class-name endings of a norm module (beside ``nn.LayerNorm`` and ``nn.RMSNorm``).
 NORM_CLASS_ENDINGS = ("RMSNorm", "LayerNorm", "RmsNorm")
+#: The name ending of a rotary embedding module (HF's ``model.rotary_emb``).
+ROTARY_NAME_ENDING = "rotary_emb"
+#: What the class name of a rotary embedding module contains (``LlamaRotaryEmbedding``).
+ROTARY_CLASS_PART = "Rotary"
 #: Child names of an MoE block's router, tried first.
 ROUTER_NAMES = ("gate", "router", "wg", "switch")
 #: Names of an MLP's input projections (Llama, GPT-2, Mixtral experts, llama2.c, T5, NeoX).
@@ -246,6 +251,18 @@ def named_moe(name: str, m: nn.Module) -> MoERole | None:
                    detail=f"{type(m).__name__}: a child named experts")
 
 
+def named_rotary(modules: dict[str, nn.Module]) -> list[Rotary]:
+    """The modules named like :data:`ROTARY_NAME_ENDING` or whose class name contains
+    :data:`ROTARY_CLASS_PART`, in module order."""
+    out = []
+    for name, m in modules.items():
+        if name.endswith(ROTARY_NAME_ENDING):
+            out.append(Rotary(name, "named", detail=f"its name {name.rpartition('.')[2]}"))
+        elif ROTARY_CLASS_PART in type(m).__name__:
+            out.append(Rotary(name, "named", detail=f"a {type(m).__name__}"))
+    return out
+
+
 def named_roles(model: nn.Module) -> Roles:
     """Every role that names alone give."""
     modules = dict(model.named_modules())
@@ -256,4 +273,5 @@ def named_roles(model: nn.Module) -> Roles:
     moe = [b for n, m in modules.items() if (b := named_moe(n, m)) is not None]
     norms = [Found(n, "named", f"a {type(m).__name__}") for n, m in modules.items()
              if looks_like_norm(m)]
-    return Roles(att, named_lm_head(model, names), named_final_norm(modules), moe, norms=norms)
+    return Roles(att, named_lm_head(model, names), named_final_norm(modules), moe, norms=norms,
+                 rotary=named_rotary(modules))

@@ -12,6 +12,10 @@ not from names.
 * **Fused q|k|v**: when q, k and v come from one projection, a ``split``/``chunk`` over its
   last dimension gives each one's columns; without one, the q|k|v order of widths
   (H·Dh, Hkv·Dh, Hkv·Dh) is assumed and the detail says so.
+* **RoPE**: a position table (cos/sin, or complex) that multiplies the queries or keys on
+  their way from the projection to the scores, their channels paired back by a ``cat``,
+  ``stack`` or ``view_as_complex`` (:mod:`hooks.modelroles.rotary`); the attention role's
+  ``rotary`` is the module that makes the table.
 * **LM head**: the projection whose output, through reshapes (and a soft-cap), is the logits
   the model returned; **final norm**: the module whose output the head read, when it
   normalises (its class says Norm or it runs ``layer_norm``, ``rms_norm`` or ``rsqrt``).
@@ -36,8 +40,9 @@ from collections import deque
 import torch
 from torch import nn
 
-from hooks.modelroles.found import AttentionRole, Columns, Found, MoERole, Roles
+from hooks.modelroles.found import AttentionRole, Columns, Found, MoERole, Roles, Rotary
 from hooks.modelroles.graph import MATMUL_OPS, SCORE_OPS, SHAPE_OPS, OpGraph, OpNode
+from hooks.modelroles.rotary import rope_of
 
 _SCORE_ROUTER_OPS = frozenset(("softmax", "sigmoid", "log_softmax", "float", "to", "add",
                                "__add__", "type_as"))
@@ -267,9 +272,11 @@ def _heads(r: _Reader, q: int, k: int, srcs) -> tuple[int, int | None, int]:
     return h, hkv, dh
 
 
-def attention_roles(r: _Reader) -> list[AttentionRole]:
-    """Every attention module of the traced forward (see the module docstring)."""
+def attention_roles(r: _Reader) -> tuple[list[AttentionRole], list[Rotary]]:
+    """Every attention module of the traced forward and the RoPE tables that rotate their
+    queries or keys (see the module docstring and :mod:`hooks.modelroles.rotary`)."""
     out: dict[str, AttentionRole] = {}
+    tables: dict[str, Rotary] = {}
     norms = r.norms()
     for node, q, k, v, y, kernel in _calls(r):
         srcs = [r.source(t) for t in (q, k, v)]
@@ -287,12 +294,17 @@ def attention_roles(r: _Reader) -> list[AttentionRole]:
             continue
         what = "F.scaled_dot_product_attention" if kernel == "sdpa" else \
             f"a softmax over q·kᵀ scores ({node.module or '<root>'})"
+        rope = rope_of(r.g, r.modules, node.index, q, k, srcs[0][1], srcs[1][1])
+        if rope is not None:
+            rot = tables.setdefault(rope[0], Rotary(rope[0], "traced", [], rope[1], rope[2]))
+            rot.attention.append(name)
         out[name] = AttentionRole(
             name, "traced", h, hkv, dh, *cols, o=o, kernel=kernel,
             detail=f"{what}: q {tuple(r.g.shape(q))}, H={h}, Hkv={hkv}, Dh={dh}{note}",
             q_norm=r.norm_between(q, srcs[0][1], norms),
-            k_norm=r.norm_between(k, srcs[1][1], norms))
-    return list(out.values())
+            k_norm=r.norm_between(k, srcs[1][1], norms),
+            rotary=rope[0] if rope is not None else None)
+    return list(out.values()), [tables[n] for n in r.modules if n in tables]
 
 
 def moe_roles(r: _Reader) -> list[MoERole]:
@@ -365,7 +377,8 @@ def read_roles(g: OpGraph, model: nn.Module, logits: int | None) -> Roles:
     ran = r.norms()
     norms = [Found(n, "traced", "its forward normalises (layer_norm, rms_norm or rsqrt)")
              for n in r.modules if n in ran]
-    roles = Roles(attention_roles(r), head, norm, moe_roles(r), traced=True, norms=norms)
+    attention, rotary = attention_roles(r)
+    roles = Roles(attention, head, norm, moe_roles(r), traced=True, norms=norms, rotary=rotary)
     if note:
         roles.notes.append(note)
     return roles

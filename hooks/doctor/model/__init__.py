@@ -19,7 +19,8 @@ UI-free: never imports textual, rich or tui.
  2    causality   outputs at ≤ c unchanged when tokens > c change (decoders; the decoder of
                   an encoder-decoder; n/a for bidirectional encoders)
  3    rope        layer-0 scores depend on i-j only over every position up to
-                  max_position_embeddings (the table covers them)
+                  max_position_embeddings (the table covers them); RoPE named, declared
+                  or traced (a cos/sin table rotating q/k, whatever its module is called)
  4    gqa         perturbing K/V of KV head g changes exactly query heads h // n_rep == g
                   (after a k_norm; fused q|k|v too; n/a for MHA)
  5    grad-flow   every trainable tensor gets a finite non-zero gradient; routers get one

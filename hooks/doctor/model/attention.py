@@ -15,6 +15,7 @@ from hooks.doctor.model.registry import DoctorOptions, check
 from hooks.doctor.model.result import Outcome
 from hooks.doctor.model.target import AttentionInfo, NotApplicable, SkipCheck, Target, fmt
 from hooks.engine.capture import capture
+from hooks.modelroles.found import Rotary
 
 #: Longest input the RoPE check runs in full (longer configs are tested up to this length).
 ROPE_FULL_LIMIT = 1024
@@ -75,31 +76,84 @@ def relative_position_violation(probs_HTT: torch.Tensor,
     return viol, signal, compared
 
 
+def _no_rotary(t: Target) -> NotApplicable:
+    """Why the model has no RoPE to check: what was looked for (names, the traced ops) and the
+    line that declares it where mdb could not see it."""
+    from hooks.modelroles.declare import declare_line, pattern_of
+
+    roles = t.roles()
+    if roles.traced:
+        seen = ("one traced forward multiplies no attention's queries or keys by a position "
+                "table (cos/sin or complex) paired back by a rotate-half cat, a stack or "
+                "view_as_complex")
+    else:
+        seen = f"no forward was traced to look for one ({roles.notes[0] if roles.notes else ''})"
+    attns = t.attention_layers()
+    where = pattern_of(attns[0].name) if attns and attns[0].name else "NAME"
+    return NotApplicable(
+        f"no rotary embedding: none named *rotary_emb or of a Rotary class, and {seen}: "
+        f"positions are learned, relative biases or absent; if the model applies RoPE, declare "
+        f"the module that does (the one making the cos/sin table, or the attention rotating q "
+        f"and k): {declare_line(rotary=where)}")
+
+
+def _rope_attention(t: Target, attns: list[AttentionInfo]) -> AttentionInfo:
+    """The first attention whose queries or keys the trace saw rotated (its role's
+    ``rotary``), else the first attention."""
+    roles = t.roles()
+    for a in attns:
+        role = roles.attention_of(a.name)
+        if role is not None and role.rotary is not None:
+            return a
+    return attns[0]
+
+
+def _tested(full: int, maxpos: int | None) -> str:
+    """How many positions the check ran, in words."""
+    if maxpos is None:
+        return f"no max_position_embeddings in the config: tested the batch's own {full} positions"
+    if maxpos > ROPE_FULL_LIMIT:
+        return f"tested {full} of {maxpos} positions"
+    return f"{full} positions (all max_position_embeddings) ran"
+
+
+def _found_by(found: Rotary) -> str:
+    """How the RoPE table was found, for the evidence (nothing when by its name, as before)."""
+    if found.how == "named":
+        return ""
+    if found.how == "declared":
+        return f"; RoPE declared ({found.module or '<root>'})"
+    return f"; RoPE traced: {found.detail}"
+
+
 @check(3, "rope", "RoPE positions")
 def rope(t: Target, o: DoctorOptions) -> Outcome:
     """RoPE: relative-position scores over every position ``max_position_embeddings`` allows.
 
-    Runs the model on one token repeated ``max_position_embeddings`` times (up to
-    :data:`ROPE_FULL_LIMIT`), reads the first attention layer's probabilities as
-    :func:`hooks.capture` records them and tests that scores depend on i - j only over every
-    position (a wrapped or clamped table breaks it; a table that is too short raises). Inputs
-    longer than ``max_position_embeddings`` are not judged: HF models compute RoPE on the fly
-    and accept them by design.
+    Applies where the model has a RoPE table (:meth:`Target.rotary`: declared, named, or seen
+    in one traced forward rotating an attention's queries or keys, whatever its modules are
+    called; n/a otherwise, with the line that declares it). Runs the model on one token
+    repeated ``max_position_embeddings`` times (up to :data:`ROPE_FULL_LIMIT`), reads the
+    probabilities of the first attention layer RoPE rotates as :func:`hooks.capture` records
+    them and tests that scores depend on i - j only over every position (a wrapped or clamped
+    table breaks it; a table that is too short raises). Inputs longer than
+    ``max_position_embeddings`` are not judged: HF models compute RoPE on the fly and accept
+    them by design.
     """
     ids = t.need_ids()
+    found = t.rotary()
+    if found is None:
+        raise _no_rotary(t)
     rot = t.rotary_module()
-    if rot is None:
-        raise NotApplicable("no rotary embedding (no module named *rotary_emb or of a Rotary "
-                            "class): positions are learned, relative biases or absent")
     attns = t.attention_layers()
     if not attns:
         raise NotApplicable("no attention module found")
-    attn = attns[0]
+    attn = _rope_attention(t, attns)
     maxpos = t.max_positions
     token = int(ids[0, 0])
     # without a configured limit only the batch's own length is known to be valid
     full = min(maxpos, ROPE_FULL_LIMIT) if maxpos else ids.shape[1]
-    data: dict[str, Any] = dict(rotary=rot[0], attention=attn.name,
+    data: dict[str, Any] = dict(rotary=rot[0], rotary_how=found.how, attention=attn.name,
                                 max_position_embeddings=maxpos, tested_length=full)
     rep = torch.full((1, full), token, dtype=ids.dtype, device=ids.device)
     try:
@@ -110,7 +164,7 @@ def rope(t: Target, o: DoctorOptions) -> Outcome:
         fault = model_fault(exc, __file__, t.module_names())
         if fault is None:
             raise
-        if fault.module is not None and not (fault.module.startswith(rot[0])
+        if fault.module is not None and not ((rot[0] and fault.module.startswith(rot[0]))
                                              or t.attention_of(fault.module)):
             raise  # raised elsewhere in the model: the runner reports it as a skip
         data["error"] = one_line(exc, 160)
@@ -118,14 +172,8 @@ def rope(t: Target, o: DoctorOptions) -> Outcome:
             f"an input of {full} positions (max_position_embeddings = {maxpos}) raised "
             f"{one_line(exc, 160)}",
             "the RoPE cos/sin table is shorter than max_position_embeddings: build it for "
-            "every position the config allows", rot[0], **data)
-    if maxpos is None:
-        limit = (f"no max_position_embeddings in the config: tested the batch's own "
-                 f"{full} positions")
-    elif maxpos > ROPE_FULL_LIMIT:
-        limit = f"tested {full} of {maxpos} positions"
-    else:
-        limit = f"{full} positions (all max_position_embeddings) ran"
+            "every position the config allows", rot[0] or None, **data)
+    limit = _tested(full, maxpos)
     if probs is None:
         raise SkipCheck(f"relative positions not measured: hooks.capture records no attention "
                         f"probabilities for {attn.name} ({type(attn.module).__name__}); {limit}")
@@ -150,10 +198,10 @@ def rope(t: Target, o: DoctorOptions) -> Outcome:
             f"offset vary by {fmt(viol)} across positions (offset effect {fmt(signal)}); "
             f"{limit}",
             "a wrapped or clamped cos/sin table, or q and k rotated by different positions; "
-            "look at the rotary embedding's table and position ids", rot[0], **data)
+            "look at the rotary embedding's table and position ids", rot[0] or None, **data)
     return Outcome.ok(f"repeated token over {full} positions: {attn.name}'s scores depend on "
-                      f"i-j only (spread {fmt(viol)} vs offset effect {fmt(signal)}); {limit}",
-                      rot[0], **data)
+                      f"i-j only (spread {fmt(viol)} vs offset effect {fmt(signal)}); {limit}"
+                      f"{_found_by(found)}", rot[0] or None, **data)
 
 
 # ---------------------------------------------------------------------------------------------

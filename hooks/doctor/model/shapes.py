@@ -7,7 +7,8 @@ Each is measured on the model's own forward: the norm's output through a forward
 router's probabilities as the model computes them (every softmax taken inside an MoE block
 whose last dimension is E, seen through a :class:`torch.overrides.TorchFunctionMode`), the
 loss from the output, the rotated channels from the rotary module's ``inv_freq`` (one
-frequency per rotated pair).
+frequency per rotated pair), else from the distinct frequencies of the table the traced forward
+saw rotate the queries or keys.
 
 Dimension legend: N tokens, E experts, H heads, Dh head dim.
 """
@@ -206,15 +207,21 @@ def declared_rotary_dim(t: Target, head_dim: int) -> tuple[int, str] | None:
 
 
 def rotary_channels(t: Target) -> tuple[list[str], Outcome | None]:
-    """2·len(inv_freq) of the rotary module against the config's rotary dim."""
-    rot = t.rotary_module()
+    """Channels RoPE rotates per head against the config's rotary dim: 2·len(inv_freq) of the
+    rotary module (:meth:`Target.rotary`), else 2 × the distinct frequencies of the table the
+    traced forward saw rotate the queries or keys (:class:`hooks.modelroles.Rotary`)."""
+    found, rot = t.rotary(), t.rotary_module()
     attn = [a for a in t.attention_layers() if a.head_dim]
-    if rot is None or not attn:
+    if found is None or rot is None or not attn:
         return [], None
+    name = rot[0] or "<root>"
     inv = getattr(rot[1], "inv_freq", None)
-    if not isinstance(inv, torch.Tensor):
-        return [f"{rot[0]} has no inv_freq to count its rotated channels"], None
-    got = 2 * inv.numel()
+    if isinstance(inv, torch.Tensor):
+        got, source = 2 * inv.numel(), f"inv_freq has {inv.numel()} frequencies"
+    elif found.channels:
+        got, source = found.channels, f"its table has {found.channels // 2} frequencies"
+    else:
+        return [f"{name} has no inv_freq to count its rotated channels"], None
     head_dim = attn[0].head_dim
     want = declared_rotary_dim(t, head_dim)
     if want is None:
@@ -223,8 +230,8 @@ def rotary_channels(t: Target) -> tuple[list[str], Outcome | None]:
     n, why = want
     if got != n:
         return [], Outcome.fail(
-            f"{rot[0]} rotates {got} channels per head (inv_freq has {inv.numel()} "
-            f"frequencies) but the config asks for {n} ({why})",
+            f"{name} rotates {got} channels per head ({source}) but the config asks for {n} "
+            f"({why})",
             "the rotary table was built for the whole head: build it for head_dim × "
             "partial_rotary_factor channels and rotate only those (HF "
             "apply_rotary_pos_emb splits q into rotated and passed-through parts)",

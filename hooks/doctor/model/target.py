@@ -28,7 +28,7 @@ from torch import nn
 
 from hooks.batch import ROLE_NAMES, Batch, BatchError, LossChoice, LossFn, select_loss
 from hooks.doctor.model.kind import ModelKind, detect_kind
-from hooks.modelroles.found import AttentionRole, Columns, Roles
+from hooks.modelroles.found import AttentionRole, Columns, Roles, Rotary
 from hooks.modelroles.named import (  # noqa: F401 (this module's public names, as before)
     FUSED_NAMES,
     K_NAMES,
@@ -603,12 +603,21 @@ class Target:
                 return a.name
         return None
 
+    def rotary(self) -> Rotary | None:
+        """The model's RoPE table (:attr:`hooks.modelroles.Roles.rotary` of :meth:`roles`): a
+        declared one (``hooks.roles(model, rotary=...)``), else the first in module order: a
+        module named ``*rotary_emb`` or of a class named like ``Rotary`` (named), or the module
+        that makes the cos/sin (or complex) table the traced forward saw rotate an attention's
+        queries or keys (traced: it returns the table, holds it, or computes it in its
+        forward, the attention module itself when RoPE is a function called there)."""
+        modules = dict(self.model.named_modules())
+        found = [r for r in self.roles().rotary if r.module in modules]
+        return next((r for r in found if r.how == "declared"), found[0] if found else None)
+
     def rotary_module(self) -> tuple[str, nn.Module] | None:
-        """The first module named ``*rotary_emb`` or whose class name contains ``Rotary``."""
-        for name, m in self.model.named_modules():
-            if name.endswith("rotary_emb") or "Rotary" in type(m).__name__:
-                return name, m
-        return None
+        """``(name, module)`` of :meth:`rotary`, or None."""
+        r = self.rotary()
+        return None if r is None else (r.module, dict(self.model.named_modules())[r.module])
 
     def moe_blocks(self) -> list[MoEInfo]:
         """The MoE blocks of :meth:`roles` that have a router (declared, traced: a ``topk``
