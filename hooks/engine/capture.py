@@ -299,7 +299,7 @@ class Capture(CompiledReplay):
                 for probe in probes_for(m):
                     handles.extend(probe.attach(name, m, ctx))
         if self._routing is not None:
-            handles.extend(self._routing.attach(self._modules))
+            handles.extend(self._routing.attach(self._modules, probes_for))
         if self._attention is not None:
             handles.extend(self._attention.attach(self._modules))
         return handles

@@ -1,10 +1,11 @@
 """Probes: what a plain module output does not show (MoE routing, attention probabilities).
 
 Most of it needs no probe: :mod:`hooks.probes.routing` reads the routing of every MoE block from the
-call of its experts module, :mod:`hooks.probes.attention` the probabilities from the model's own
-``scaled_dot_product_attention`` and softmax calls. A probe is registered per module type (a
-class, or a class name so that HF or minillm need not be imported) for what those cannot see,
-and is attached by :func:`hooks.capture` to every module of that type. Built-in:
+call of its experts module (or from the ``topk`` the block runs,
+:mod:`hooks.probes.routing_ops`), :mod:`hooks.probes.attention` the probabilities from the
+model's own ``scaled_dot_product_attention`` and softmax calls. A probe is registered per
+module type (a class, or a class name so that HF or minillm need not be imported) for what
+those cannot see, and is attached by :func:`hooks.capture` to every module of that type. Built-in:
 
 * :class:`BlockRoutingProbe` on ``MiniLLMSparseMoeBlock`` (and HF v4 ``MixtralSparseMoeBlock``),
   whose experts are an ``nn.ModuleList`` and whose output is ``(y (B, T, D), router_logits

@@ -7,7 +7,9 @@ GPT-OSS, Granite-MoE, JetMoE, DBRX, ERNIE-4.5, GLM-4-MoE, MiniMax, ...) ends in 
 ``self.experts(hidden (N, D), top_k_index (N, k), top_k_weights (N, k))``. A forward *pre*-hook on
 that experts module reads the two tensors the experts are about to apply: those are the routing,
 whatever rule produced them. Blocks are found by structure (a module with an ``experts`` child),
-never by class name.
+by declaration, or from what they compute (:mod:`hooks.probes.routing_ops`: a router child's
+scores through a ``topk`` beside E experts; also how a block whose experts are a list called
+one by one is read), never by class name.
 
 The router's logits are taken from the block's other children: the one that returned, during
 the same block call, an (N, E) float tensor (alone or in a tuple) before the experts ran. The
@@ -21,6 +23,7 @@ no probabilities and no aux loss.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -28,6 +31,13 @@ import torch
 from torch import nn
 
 from hooks.modelroles.declare import declared_roles
+from hooks.probes.routing_ops import (
+    TopKWatch,
+    found_blocks,
+    num_experts,
+    router_children,
+    watch_experts,
+)
 from hooks.trace.records import Note, RoutingRecord, layer_of
 
 #: Attribute names under which routers keep a bias added to the scores for the choice only.
@@ -245,7 +255,8 @@ def routing_record(
         rule, scores_NE: a rule already known (e.g. the block's own recomputation); else it is
             inferred with :func:`infer_rule` from the logits.
         router_module: the router (bias and group attributes) for :func:`infer_rule`.
-        source: ``"experts"`` (read from the experts call) or ``"recomputed"``.
+        source: ``"experts"`` (read from the experts call), ``"topk"`` (the block's own
+            ``topk``, :func:`topk_record`), ``"router"`` or ``"recomputed"``.
     """
     ids = ids_NK.detach().reshape(-1, ids_NK.shape[-1]).long()
     weights = weights_NK.detach().reshape(ids.shape)
@@ -292,6 +303,12 @@ def moe_blocks(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Modul
     """``(name, block, experts)`` for every module with an ``experts`` child module, and every
     MoE block the model (``modules``' root, ``""``) declares with experts under another name
     (``hooks.roles(model, router=..., experts=...)``, :mod:`hooks.modelroles`)."""
+    return _named_and_declared(modules)[0]
+
+
+def _named_and_declared(modules: list[tuple[str, nn.Module]]
+                        ) -> tuple[list[tuple[str, nn.Module, nn.Module]], dict[str, str]]:
+    """:func:`moe_blocks`, and the declared router of each declared block that has one."""
     out = []
     for name, m in modules:
         experts = getattr(m, "experts", None)
@@ -300,7 +317,7 @@ def moe_blocks(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Modul
     by_name = dict(modules)
     root = by_name.get("")
     if root is None:
-        return out
+        return out, {}
     try:
         declared = declared_roles(root).moe
     except ValueError:  # a declaration that does not fit is said where roles are read
@@ -309,7 +326,7 @@ def moe_blocks(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Modul
     for b in declared:
         if b.name not in known and b.experts in by_name and b.name in by_name:
             out.append((b.name, by_name[b.name], by_name[b.experts]))
-    return out
+    return out, {b.name: b.router for b in declared if b.router in by_name}
 
 
 def _join(prefix: str, child: str) -> str:
@@ -342,8 +359,49 @@ def routing_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor,
     return x, ids, w
 
 
+def topk_record(block: str, call_index: int, watch: TopKWatch,
+                router_module: nn.Module | None) -> RoutingRecord | str:
+    """The record of one block call from the ``topk`` that ``watch`` saw
+    (:mod:`hooks.probes.routing_ops`): its ids, and the latest weights computed from its
+    values that the block read and whose rule :func:`infer_rule` verifies against the router's
+    logits (source ``"topk"``); else one line saying what ran and what did not match."""
+    if watch.topk is None:
+        return "no topk over its router's scores ran in the block"
+    router, logits, ids = watch.topk
+    k = ids.shape[-1]
+    ids_nk = ids.detach().reshape(-1, k)
+    logits_ne = logits.detach().reshape(-1, logits.shape[-1])
+    used = [w for w in watch.weights if id(w) in watch.used]
+    if not used:
+        return (f"a topk (k={k}) over {router}'s scores ran, but the block read none of the "
+                "weights computed from its values: the experts got weights of another origin; "
+                "register a probe that reads them with hooks.register_probe")
+    for w in reversed(used):
+        w_nk = w.detach().reshape(-1, k)
+        rule, scores = infer_rule(logits_ne, ids_nk, w_nk, router_module)
+        if rule.scoring != "unknown":
+            return routing_record(block, router, call_index, ids_nk, w_nk, logits_NE=logits_ne,
+                                  rule=rule, scores_NE=scores, source="topk")
+    return (f"a topk (k={k}) over {router}'s scores ran, but no known rule (softmax over E or "
+            "over the top-k, sigmoid; with bias, groups, renormalisation, a scale) reproduces "
+            "the weights computed from its values; register a probe that reads them with "
+            "hooks.register_probe")
+
+
+def _called(experts: nn.Module) -> bool:
+    """Whether the block calls ``experts`` itself (a container's forward is never called)."""
+    return type(experts).forward is not nn.Module.forward
+
+
 class ExpertsRouting:
-    """Records routing from the experts call of every MoE block of a model.
+    """Records routing from the experts call of every MoE block of a model, or from the
+    ``topk`` the block runs (:mod:`hooks.probes.routing_ops`).
+
+    Blocks: those with an ``experts`` child and those declared (:func:`moe_blocks`), then
+    those found from what they compute (:func:`hooks.probes.routing_ops.found_blocks`: a router
+    child of E outputs beside E experts, an MoE block only if a ``topk`` over the router's
+    scores runs in the step). The ``topk`` is watched in a found block, and in a named or
+    declared block whose experts are a container and that no registered probe reads.
 
     One instance per capture: :meth:`attach` hooks the blocks, :meth:`finish` adds a
     :class:`~hooks.trace.records.Note` naming each block that ran but left no routing record, and
@@ -355,20 +413,41 @@ class ExpertsRouting:
         self._why: dict[str, str] = {}
         self._ran: dict[str, int] = {}
         self._blocks: list[tuple[str, nn.Module, nn.Module]] = []
+        self._found: set[str] = set()  # blocks found from the computation, not by name
+        self._saw: set[str] = set()  # found blocks in which a routing topk ran
 
-    def attach(self, modules: list[tuple[str, nn.Module]]) -> list[Any]:
+    def attach(self, modules: list[tuple[str, nn.Module]],
+               probed: Callable[[nn.Module], Any] | None = None) -> list[Any]:
         """Hook every block of ``modules`` (``hooks.tensors.walk.named_modules`` order); return
-        handles."""
+        handles. ``probed(block)``: whether a registered probe reads that block (no ``topk`` is
+        watched in a named block that one reads)."""
         handles: list[Any] = []
-        self._blocks = moe_blocks(modules)
+        self._blocks, declared = _named_and_declared(modules)
+        known = {n for n, _, _ in self._blocks}
+        found = [(b, x) for b, x, _ in found_blocks(modules) if b not in known]
+        if found:
+            by_name = dict(modules)
+            self._blocks += [(b, by_name[b], by_name[x]) for b, x in found]
+            self._found = {b for b, _ in found}
         for name, block, experts in self._blocks:
-            handles.extend(self._attach_block(name, block, experts))
+            watch = name in self._found or not (_called(experts) or (probed and probed(block)))
+            handles.extend(self._attach_block(name, block, experts, watch, declared.get(name)))
         return handles
 
-    def _attach_block(self, name: str, block: nn.Module, experts: nn.Module) -> list[Any]:
+    def _attach_block(self, name: str, block: nn.Module, experts: nn.Module,
+                      watch: bool, router: str | None = None) -> list[Any]:
+        """Hook one block: its calls, its children's outputs (the router's logits), its
+        experts' call, and (``watch``) the ``topk`` over the scores of its router children
+        (the declared ``router``, and every projection child of E outputs)."""
         host = self.host
         state: dict[str, Any] = {"call": -1, "seen": []}
         children = [(c, m) for c, m in block.named_children() if m is not experts]
+        e = num_experts(experts)
+        routers = set()
+        if watch and e:
+            routers = {_join(name, c) for c in router_children(block, experts, e)}
+            routers |= {router} if router is not None else set()
+        tw = TopKWatch(e) if routers else None
 
         def pre(mod, args):
             if host.recording:
@@ -383,10 +462,15 @@ class ExpertsRouting:
             state["seen"] = []
             return None
 
+        called = _called(experts)  # else no experts call reads what the children returned
+
         def child_hook(cname: str, cmod: nn.Module):
             def hook(mod, args, output):
                 if state.get("open"):
-                    state["seen"].append((cname, cmod, output))
+                    if called:
+                        state["seen"].append((cname, cmod, output))
+                    if tw is not None and cname in routers:
+                        tw.start(cname, output)
                 return None
 
             return hook
@@ -400,10 +484,10 @@ class ExpertsRouting:
                     self._why.setdefault(name, got)
                     return None
                 _, ids, w = got
-                e = getattr(experts, "num_experts", None)
-                e = e if isinstance(e, int) else None
+                n = getattr(experts, "num_experts", None)
                 with torch.no_grad():
-                    rec = self._record(name, state["call"], state["seen"], ids, w, e)
+                    rec = self._record(name, state["call"], state["seen"], ids, w,
+                                       n if isinstance(n, int) else None)
                 host.add_routing(rec)
             except Exception as exc:  # never break the forward
                 self._why.setdefault(name, f"routing probe failed: {type(exc).__name__}: {exc}")
@@ -411,15 +495,67 @@ class ExpertsRouting:
 
         handles = [block.register_forward_pre_hook(pre),
                    block.register_forward_hook(post, always_call=True)]
-        if type(experts).forward is not nn.Module.forward:  # containers are never called
+        if called:  # containers are never called
             handles.append(experts.register_forward_pre_hook(experts_pre, with_kwargs=True))
         else:
+            ran = ", no topk over its router's scores ran in it," if tw is not None else ","
             self._why[name] = (f"its experts are an {type(experts).__name__} that the block "
-                               "calls one by one, and no probe reads its router; register one "
-                               "with hooks.register_probe")
+                               f"calls one by one{ran} and no probe reads its router; register "
+                               "one with hooks.register_probe")
         for cname, cmod in children:
             handles.append(cmod.register_forward_hook(child_hook(_join(name, cname), cmod)))
+        if tw is not None:
+            handles.extend(self._watch_hooks(name, block, experts, tw, state, dict(children)))
         return handles
+
+    def _watch_hooks(self, name: str, block: nn.Module, experts: nn.Module, tw: TopKWatch,
+                     state: dict[str, Any], children: dict[str, nn.Module]) -> list[Any]:
+        """The hooks of ``tw``: its mode entered as the block starts (after the block's other
+        pre-hooks, so that every mode the block's forward enters lies above it) and left as it
+        returns (before its other forward hooks, which may leave modes of their own), off the
+        stack while each expert runs."""
+
+        def begin(mod, args):
+            if state.get("open"):
+                tw.reset()
+                tw.begin()
+            return None
+
+        def end(mod, args, output):
+            if not tw.stop():
+                self._why.setdefault(name, "a TorchFunctionMode entered in the block was still "
+                                     "on when it returned: its topk is no longer watched")
+            return None
+
+        def record(mod, args, output):  # after the probes' hooks, which may record it first
+            if tw.topk is not None:
+                self._end_watch(name, state["call"], tw, children)
+            return None
+
+        return [block.register_forward_pre_hook(begin),
+                block.register_forward_hook(end, prepend=True, always_call=True),
+                block.register_forward_hook(record, always_call=True),
+                *watch_experts(tw, experts)]
+
+    def _end_watch(self, name: str, call: int, tw: TopKWatch,
+                   children: dict[str, nn.Module]) -> None:
+        """After a block call: record what the ``topk`` ``tw`` saw gave, unless that call
+        already has a record (its experts call, a probe)."""
+        try:
+            if self.host.has_routing(name, call):
+                return
+            self._saw.add(name)
+            cname = tw.topk[0].rpartition(".")[2]
+            with torch.no_grad():
+                got = topk_record(name, call, tw, children.get(cname))
+            if isinstance(got, str):
+                self._why[name] = got
+            else:
+                self.host.add_routing(got)
+        except Exception as exc:  # never break the forward
+            self._why.setdefault(name, f"routing probe failed: {type(exc).__name__}: {exc}")
+        finally:
+            tw.reset()
 
     @staticmethod
     def _record(block: str, call: int, seen: list, ids: torch.Tensor, w: torch.Tensor,
@@ -468,6 +604,8 @@ class ExpertsRouting:
 
     def _finish(self) -> None:
         for name, block, _ in self._blocks:
+            if name in self._found and name not in self._saw:
+                continue  # no topk over its router's scores ran: not an MoE block
             calls = self._ran.get(name, 0)
             if calls == 0 or any(self.host.has_routing(name, c) for c in range(calls)):
                 continue

@@ -305,7 +305,10 @@ class RoutingRecord:
             all E).
         source: ``"experts"`` (ids and weights read from the call of the block's experts
             module: what the model used), ``"router"`` (what a router returned, read by a
-            registered :class:`hooks.TopKRouterProbe`) or ``"recomputed"`` (from the router
+            registered :class:`hooks.TopKRouterProbe`), ``"topk"`` (the ids of the ``topk``
+            the block ran over its router's scores and the weights it computed from that
+            ``topk``'s values: a block whose experts are called one by one, or found from what
+            it computes, :mod:`hooks.probes.routing_ops`) or ``"recomputed"`` (from the router
             logits with the block's own rule: minillm, HF v4 blocks returning
             ``(y, router_logits)``).
         scoring: a key of :data:`SCORINGS`, verified against the ids and weights used.

@@ -74,6 +74,8 @@ def source_line(rec) -> str:
         return f"ids, weights: what {rec.module or '<root>'}.experts received"
     if rec.source == "router":
         return f"ids, weights: as {rec.router} returned them"
+    if rec.source == "topk":
+        return f"ids, weights: the block's own topk over {rec.router}'s scores"
     return f"ids, weights: recomputed from {rec.router or 'the router'}'s logits (block's rule)"
 
 
@@ -151,7 +153,8 @@ class RouterScreen(LayerViewScreen):
                     "\n".join(printable(f"{n.module}: {n.message}") for n in notes))
             else:
                 self.query_one("#title", Static).update(
-                    "router · this model has no MoE layer (no module with an experts child)")
+                    "router · this model has no MoE layer (no module with an experts child, "
+                    "none declared, no topk over a router's scores beside E experts)")
             return
         self.show()
         self.query_one("#tokens", DataTable).focus()
