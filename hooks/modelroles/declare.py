@@ -144,6 +144,8 @@ def declared_roles(model: nn.Module, d: dict[str, Any] | None = None) -> Roles:
             not a positive integer, an o projection whose width ``heads`` does not divide.
     """
     d = declaration(model) if d is None else d
+    if not d:  # nothing declared (every capture asks): no walk of the modules
+        return Roles()
     bad = sorted(set(d) - set(KEYS))
     if bad:
         raise ValueError(f"roles: unknown role {bad[0]!r} (the keys: {', '.join(KEYS)})")
