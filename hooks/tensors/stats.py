@@ -3,10 +3,10 @@
 The capture engine summarises every module output, input and gradient, so this is the hot path. A
 tensor is read as a detached flat fp32 view (no copy for contiguous fp32 tensors). On CPU three
 passes over memory give everything: ``torch.aminmax`` (min, max), ``sum`` and ``torch.dot(x, x)``
-(sum of squares), each read back with ``.item()``. The rest is derived: ``mean = sum / n``, ``var =
-(sumsq - n mean^2) / (n - 1)``, ``abs_max = max(-min, max)``, ``l2 = sqrt(sumsq)``. When that
-variance formula would lose precision (``|mean|`` above ~1.7 std: :data:`CANCELLATION_MAX`) or
-overflow, an exact two-pass fp64 computation replaces it. When min and max are finite the tensor
+(sum of squares), each read back with ``.item()``. The rest is derived: ``mean = sum / n``,
+``var = (sumsq - n mean^2) / (n - 1)``, ``abs_max = max(-min, max)``, ``l2 = sqrt(sumsq)``. When
+that variance formula would lose precision (``|mean|`` above ~1.7 std: :data:`CANCELLATION_MAX`)
+or overflow, an exact two-pass fp64 computation replaces it. When min and max are finite the tensor
 holds no NaN and no Inf, so the NaN/Inf counting passes are skipped; only a tensor with non-finite
 values takes the slow path, whose statistics describe its finite elements. Zeros are counted with
 ``dot(sign(x), sign(x))`` (two more passes) in tensors of at most :data:`ZERO_EXACT_NUMEL` elements
