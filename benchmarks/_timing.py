@@ -14,18 +14,32 @@ def interleaved(
     """Time each callable ``repeats`` times, alternating A, B, A, B, … (order flipped every
     round) so that machine noise lands on both sides alike. Returns seconds per call, by
     ``clock`` (the wall clock; ``time.thread_time``: this thread's CPU time)."""
+
+    def timed(fn: Callable[[], object]) -> Callable[[], float]:
+        def run() -> float:
+            t0 = clock()
+            fn()
+            return clock() - t0
+
+        return run
+
+    return alternated({name: timed(fn) for name, fn in fns.items()}, repeats, warmup)
+
+
+def alternated(fns: dict[str, Callable[[], float]], repeats: int,
+               warmup: int = 3) -> dict[str, list[float]]:
+    """Call each side ``repeats`` times in :func:`interleaved`'s order, after ``warmup``
+    rounds, keeping what each call returns: for a side that times only part of its work
+    (a block of steps whose batches are made before its clock starts)."""
     names = list(fns)
     for _ in range(warmup):
         for name in names:
             fns[name]()
-    times: dict[str, list[float]] = {name: [] for name in names}
+    values: dict[str, list[float]] = {name: [] for name in names}
     for i in range(repeats):
-        order = names if i % 2 == 0 else names[::-1]
-        for name in order:
-            t0 = clock()
-            fns[name]()
-            times[name].append(clock() - t0)
-    return times
+        for name in names if i % 2 == 0 else names[::-1]:
+            values[name].append(fns[name]())
+    return values
 
 
 def report(times: dict[str, list[float]], baseline: str) -> dict[str, float]:

@@ -28,6 +28,7 @@ import argparse
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -36,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "samples"))
 
-from _timing import interleaved, report  # noqa: E402
+from _timing import alternated, interleaved, report  # noqa: E402
 from own_loop import TinyGPT  # noqa: E402
 
 from hooks.engine.capture import capture  # noqa: E402
@@ -92,13 +93,7 @@ def bench_detectors(rounds: int, block: int) -> float:
             opt.zero_grad(set_to_none=True)
         return (time.perf_counter() - t0) / block
 
-    for name in sides:
-        one_block(name)
-    times: dict[str, list[float]] = {n: [] for n in sides}
-    names = list(sides)
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            times[name].append(one_block(name))
+    times = alternated({n: partial(one_block, n) for n in sides}, rounds, warmup=1)
     fired = sides["detectors"][2].trigger.fired
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = med["detectors"] / med["plain"]
@@ -138,13 +133,7 @@ def bench_trainer(rounds: int, block: int) -> float:
             tr.train_step()
         return (time.perf_counter() - t0) / block
 
-    for name in sides:
-        one_block(name)
-    times: dict[str, list[float]] = {n: [] for n in sides}
-    names = list(sides)
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            times[name].append(one_block(name))
+    times = alternated({n: partial(one_block, n) for n in sides}, rounds, warmup=1)
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = med["on"] / med["off"]
     fired = sides["on"].spikes.trigger.fired
